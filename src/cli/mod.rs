@@ -1,0 +1,226 @@
+//! The command line: `modelfs serve` and `modelfs status`. This is the binary's edge, the only
+//! place that uses `anyhow`.
+
+mod status_cmd;
+
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+use crate::fs::FsCore;
+use crate::fuse::{FuseConfig, PassthroughMode};
+use crate::http::HttpState;
+use crate::metrics::Metrics;
+use crate::reconciler::{MountSink, Reconciler, ReconcilerConfig};
+use crate::standalone::ModelsDirConfig;
+use crate::store::StateDir;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "modelfs",
+    version,
+    about = "Serve ML model files through a read-only FUSE mount"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Mount and serve models.
+    Serve(ServeArgs),
+    /// Print the models of a running daemon.
+    Status(status_cmd::StatusArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// Where the read-only FUSE mount is created.
+    #[arg(long)]
+    mount: PathBuf,
+    /// Stores and durable records.
+    #[arg(long)]
+    state: PathBuf,
+    /// Directory of YAML files with BaseModel / ClusterBaseModel objects (standalone mode).
+    #[arg(long)]
+    models: PathBuf,
+    /// HTTP address for probes, metrics and status.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Host directory the mount sits on; absolute `spec.storage.path`s must lie below it.
+    /// Defaults to --mount.
+    #[arg(long)]
+    models_root_dir: Option<PathBuf>,
+    /// How file data is served.
+    #[arg(long, value_enum, default_value = "auto")]
+    passthrough: PassthroughMode,
+    /// Seconds a store with no users stays on disk before it is removed.
+    #[arg(long, default_value_t = 300)]
+    gc_grace_secs: u64,
+    /// FUSE worker threads.
+    #[arg(long, default_value_t = FuseConfig::default().threads)]
+    fuse_threads: usize,
+    /// Node-wide limit on concurrent fetches.
+    #[arg(long, default_value_t = ReconcilerConfig::default().max_concurrent_fetches)]
+    max_concurrent_fetches: usize,
+    /// Log lines as JSON.
+    #[arg(long)]
+    log_json: bool,
+}
+
+pub fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => {
+            init_tracing(args.log_json);
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .thread_name("modelfs")
+                .build()?;
+            runtime.block_on(serve(args))
+        }
+        Command::Status(args) => status_cmd::run(args),
+    }
+}
+
+fn init_tracing(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+/// One daemon per state directory: a second one would corrupt the records.
+fn lock_state(state: &Path) -> Result<std::fs::File> {
+    let path = state.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock on a valid, owned file descriptor.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        bail!(
+            "another modelfs daemon is using the state directory {}",
+            state.display()
+        );
+    }
+    Ok(file)
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    std::fs::create_dir_all(&args.state)
+        .with_context(|| format!("creating state directory {}", args.state.display()))?;
+    let _lock = lock_state(&args.state)?;
+    let state = StateDir::open(&args.state)
+        .with_context(|| format!("opening state directory {}", args.state.display()))?;
+    let mount_dir = absolute(&args.mount)?;
+    let models_root_dir = match &args.models_root_dir {
+        Some(d) => absolute(d)?,
+        None => mount_dir.clone(),
+    };
+
+    let metrics = Arc::new(Metrics::new());
+    let core = Arc::new(FsCore::new());
+    let fuse_config = FuseConfig {
+        passthrough: args.passthrough,
+        threads: args.fuse_threads,
+        ..FuseConfig::default()
+    };
+    let mount = Arc::new(
+        crate::fuse::mount(core.clone(), metrics.clone(), &mount_dir, fuse_config)
+            .with_context(|| format!("mounting {}", mount_dir.display()))?,
+    );
+    tracing::info!(
+        mount = %mount_dir.display(),
+        passthrough = mount.passthrough_active(),
+        "mounted"
+    );
+    let mounted = Arc::new(AtomicBool::new(true));
+
+    let reconciler_config = ReconcilerConfig {
+        models_root_dir: models_root_dir.clone(),
+        gc_grace: Duration::from_secs(args.gc_grace_secs),
+        max_concurrent_fetches: args.max_concurrent_fetches,
+        ..ReconcilerConfig::default()
+    };
+    let sink: Arc<dyn MountSink> = mount.clone();
+    let reconciler = Reconciler::start(reconciler_config, state, core, Some(sink), metrics.clone())
+        .context("loading records")?;
+
+    let watcher = crate::standalone::watch(
+        ModelsDirConfig {
+            dir: args.models.clone(),
+            models_root_dir,
+            debounce: Duration::from_millis(200),
+            rescan: Duration::from_secs(10),
+        },
+        reconciler.clone(),
+    )
+    .with_context(|| format!("watching {}", args.models.display()))?;
+
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    tracing::info!(listen = %args.listen, "http endpoint up");
+    let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
+    let http = tokio::spawn(crate::http::serve(
+        listener,
+        HttpState {
+            metrics,
+            reconciler: reconciler.clone(),
+            mounted: mounted.clone(),
+        },
+        async move {
+            let _ = http_stopped.await;
+        },
+    ));
+
+    wait_for_signal().await?;
+    tracing::info!("shutting down");
+    drop(watcher);
+    reconciler.shutdown().await;
+    mounted.store(false, Ordering::Relaxed);
+    let _ = stop_http.send(());
+    let _ = http.await;
+    mount.unmount().context("unmounting")?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+fn absolute(p: &Path) -> Result<PathBuf> {
+    if p.is_absolute() {
+        Ok(p.to_path_buf())
+    } else {
+        Ok(std::env::current_dir()?.join(p))
+    }
+}
+
+async fn wait_for_signal() -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,151 @@
+//! `modelfs status`: the models of a running daemon as a table or JSON.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+
+use crate::status::StatusDoc;
+
+#[derive(clap::Args, Debug)]
+pub struct StatusArgs {
+    /// Print the status document as JSON.
+    #[arg(long)]
+    json: bool,
+    /// HTTP address of the daemon.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// Read `<state>/status.json` instead of asking the daemon (works while it is down).
+    #[arg(long)]
+    state: Option<PathBuf>,
+}
+
+pub fn run(args: StatusArgs) -> Result<()> {
+    let doc: StatusDoc = match &args.state {
+        Some(state) => {
+            let path = state.join("status.json");
+            let bytes =
+                std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))?
+        }
+        None => fetch(&args.listen)?,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        print!("{}", table(&doc));
+    }
+    Ok(())
+}
+
+fn fetch(listen: &str) -> Result<StatusDoc> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let url = format!("http://{listen}/v1/models");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let resp = reqwest::Client::new()
+            .get(&url)
+            .send()
+            .await
+            .with_context(|| format!("asking the daemon at {url} (is it running? --state reads the last status from disk)"))?
+            .error_for_status()?;
+        Ok(resp.json::<StatusDoc>().await?)
+    })
+}
+
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+/// The table: key, status (with percent and ETA while downloading), policy, parent, path, size.
+pub fn table(doc: &StatusDoc) -> String {
+    let mut rows = vec![[
+        "KEY".to_string(),
+        "STATUS".into(),
+        "POLICY".into(),
+        "PARENT".into(),
+        "PATH".into(),
+        "SIZE ON DISK".into(),
+    ]];
+    for (key, e) in doc {
+        let mut status = e.status.clone();
+        if let Some(p) = &e.progress {
+            if p.total_bytes > 0 {
+                let pct = p.completed_bytes as f64 * 100.0 / p.total_bytes as f64;
+                status = format!("{status} {pct:.0}%");
+                if let Some(eta) = p
+                    .total_bytes
+                    .saturating_sub(p.completed_bytes)
+                    .checked_div(p.speed_bytes_per_sec)
+                {
+                    status = format!("{status} eta {eta}s");
+                }
+            }
+        }
+        if let Some(r) = &e.reason {
+            status = format!("{status}: {r}");
+        }
+        let parent = e
+            .config
+            .artifact
+            .parent_path
+            .keys()
+            .next()
+            .map(|p| {
+                if p == key {
+                    "(self)".to_string()
+                } else {
+                    p.clone()
+                }
+            })
+            .unwrap_or_else(|| "-".into());
+        rows.push([
+            key.clone(),
+            status,
+            if e.policy.is_empty() {
+                "-".into()
+            } else {
+                e.policy.clone()
+            },
+            parent,
+            if e.path.is_empty() {
+                "-".into()
+            } else {
+                e.path.clone()
+            },
+            human_bytes(e.bytes_on_disk),
+        ]);
+    }
+    let widths: Vec<usize> = (0..6)
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, cell)| {
+                if i == 5 {
+                    cell.clone()
+                } else {
+                    format!("{cell:<w$}", w = widths[i])
+                }
+            })
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
+    out
+}

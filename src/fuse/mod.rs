@@ -1,0 +1,714 @@
+//! The FUSE adapter: converts between `fuser` types and the filesystem core, maps errors to
+//! errno, records metrics, and owns the two kernel-facing mechanisms the core cannot express:
+//! passthrough backing files and cache invalidation.
+//!
+//! # Data path
+//! With passthrough (Linux >= 6.9, `CAP_SYS_ADMIN`) `open` registers the blob's file descriptor
+//! with the kernel and every read and mmap fault is served by the kernel from the blob file: the
+//! daemon never sees a `read`. The kernel requires every open handle of one inode to use the same
+//! backing id, so ids are cached per inode while any handle is open; the cache entry also holds
+//! the [`OpenBlob`] it was created from, which keeps that blob's store in use even if later
+//! handles were opened after a flip to another store (same bytes, other file).
+//!
+//! Without passthrough, `read` is a `pread` on the blob and opens return `FOPEN_KEEP_CACHE`:
+//! a file's content never changes under its inode number (see `fs`), so the page cache can stay
+//! valid between opens. mmap works through the page cache in both modes.
+//!
+//! # Invalidation
+//! Mapping changes return kernel entries to invalidate. They are sent by a dedicated thread,
+//! never from a request handler (a notification written while the kernel waits on the same
+//! daemon for a reply could deadlock).
+
+mod mountpoint;
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fuser::{
+    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    InitFlags, KernelConfig, LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request,
+    SessionACL,
+};
+
+use crate::fs::{Attr, FsCore, FsError, Invalidation, Kind, OpenBlob};
+use crate::metrics::Metrics;
+
+pub use mountpoint::{clean_stale_mount, MountpointError};
+
+/// How file data is served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PassthroughMode {
+    /// Use passthrough when the kernel grants it, read-through otherwise (per file).
+    Auto,
+    /// Refuse to mount without kernel passthrough support.
+    Always,
+    /// Always serve reads from the daemon.
+    Never,
+}
+
+#[derive(Clone, Debug)]
+pub struct FuseConfig {
+    pub passthrough: PassthroughMode,
+    /// FUSE worker threads. Requests block on disk I/O (read-through) and metadata answers are
+    /// microseconds, so a few more threads than cores keeps the queue moving.
+    pub threads: usize,
+    /// Kernel TTL for entries and attributes inside models. Contents of an inode never change,
+    /// so this is long; flips invalidate what they replace.
+    pub model_ttl: Duration,
+    /// Kernel TTL for the synthesized directories above models. They are invalidated on every
+    /// change too; the shorter TTL only bounds the damage of a lost notification.
+    pub dir_ttl: Duration,
+    /// Read-ahead of the mount's backing device info, in KiB. The kernel default (128) halves
+    /// sequential read-through throughput compared to 1024 on the reference machine.
+    pub read_ahead_kb: u32,
+    /// Passthrough stacking depth: 1 when the blob store is on a plain filesystem, 2 when it is
+    /// itself on a stacked one (overlayfs).
+    pub max_stack_depth: u32,
+}
+
+impl Default for FuseConfig {
+    fn default() -> Self {
+        Self {
+            passthrough: PassthroughMode::Auto,
+            threads: 8,
+            model_ttl: Duration::from_secs(24 * 3600),
+            dir_ttl: Duration::from_secs(60),
+            read_ahead_kb: 1024,
+            max_stack_depth: 1,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error(transparent)]
+    Mountpoint(#[from] MountpointError),
+    #[error("mounting FUSE at {path}: {source}")]
+    Mount { path: PathBuf, source: io::Error },
+    #[error(
+        "--passthrough always, but the kernel did not grant FUSE passthrough (needs Linux >= 6.9)"
+    )]
+    PassthroughUnavailable,
+}
+
+struct BackingEntry {
+    id: Arc<BackingId>,
+    _blob: Arc<OpenBlob>,
+    handles: usize,
+}
+
+#[derive(Default)]
+struct BackingCache {
+    by_ino: HashMap<u64, BackingEntry>,
+    by_fh: HashMap<u64, u64>,
+}
+
+struct ModelFs {
+    core: Arc<FsCore>,
+    metrics: Arc<Metrics>,
+    config: FuseConfig,
+    /// Set in `init` when the kernel accepted passthrough; cleared when the daemon turns out to
+    /// lack the privilege for it, so later opens skip the doomed attempt.
+    passthrough: Arc<AtomicBool>,
+    backing: Mutex<BackingCache>,
+}
+
+fn to_file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.size.div_ceil(512),
+        atime: a.mtime,
+        mtime: a.mtime,
+        ctime: a.mtime,
+        crtime: a.mtime,
+        kind: match a.kind {
+            Kind::Dir => FileType::Directory,
+            Kind::File => FileType::RegularFile,
+        },
+        perm: a.perm,
+        nlink: a.nlink,
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        flags: 0,
+        // Large buffers for stdio readers: one FUSE request carries at most 1 MiB.
+        blksize: 1 << 20,
+    }
+}
+
+fn file_type(kind: Kind) -> FileType {
+    match kind {
+        Kind::Dir => FileType::Directory,
+        Kind::File => FileType::RegularFile,
+    }
+}
+
+impl ModelFs {
+    fn ttl(&self, a: &Attr) -> Duration {
+        if a.immutable {
+            self.config.model_ttl
+        } else {
+            self.config.dir_ttl
+        }
+    }
+
+    fn fail(&self, op: &'static str, err: &FsError) -> Errno {
+        self.metrics.error(op);
+        if let FsError::Io { .. } = err {
+            tracing::error!(op, error = %err, "filesystem I/O error");
+        }
+        Errno::from_i32(err.errno())
+    }
+
+    fn read_only(&self, op: &'static str) -> Errno {
+        self.metrics.request(op);
+        self.fail(op, &FsError::ReadOnly)
+    }
+
+    fn open_passthrough(
+        &self,
+        reply: &ReplyOpen,
+        fh: u64,
+        blob: &Arc<OpenBlob>,
+    ) -> Option<Arc<BackingId>> {
+        let mut cache = self.backing.lock().expect("backing lock");
+        if let Some(entry) = cache.by_ino.get_mut(&blob.ino) {
+            entry.handles += 1;
+            let id = entry.id.clone();
+            cache.by_fh.insert(fh, blob.ino);
+            return Some(id);
+        }
+        match reply.open_backing(&blob.file) {
+            Ok(id) => {
+                let id = Arc::new(id);
+                cache.by_ino.insert(
+                    blob.ino,
+                    BackingEntry {
+                        id: id.clone(),
+                        _blob: blob.clone(),
+                        handles: 1,
+                    },
+                );
+                cache.by_fh.insert(fh, blob.ino);
+                Some(id)
+            }
+            Err(e) => {
+                if e.raw_os_error() == Some(libc::EPERM) {
+                    tracing::warn!(
+                        "passthrough needs CAP_SYS_ADMIN; serving reads from the daemon"
+                    );
+                    self.passthrough.store(false, Ordering::Relaxed);
+                } else {
+                    tracing::warn!(error = %e, ino = blob.ino, "passthrough open failed; serving this file from the daemon");
+                }
+                None
+            }
+        }
+    }
+}
+
+impl Filesystem for ModelFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
+        if self.config.passthrough != PassthroughMode::Never {
+            let granted = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+                && config
+                    .set_max_stack_depth(self.config.max_stack_depth)
+                    .is_ok();
+            self.passthrough.store(granted, Ordering::Relaxed);
+            if !granted {
+                tracing::warn!(
+                    "kernel does not offer FUSE passthrough; reads go through the daemon"
+                );
+            }
+        }
+        let _ = config.set_max_readahead(self.config.read_ahead_kb.saturating_mul(1024));
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        self.metrics.request("lookup");
+        match self.core.lookup(parent.0, name) {
+            Ok(a) => reply.entry(&self.ttl(&a), &to_file_attr(&a), Generation(0)),
+            Err(e) => reply.error(self.fail("lookup", &e)),
+        }
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.core.forget(ino.0, nlookup);
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        self.metrics.request("getattr");
+        match self.core.getattr(ino.0) {
+            Ok(a) => reply.attr(&self.ttl(&a), &to_file_attr(&a)),
+            Err(e) => reply.error(self.fail("getattr", &e)),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        self.metrics.request("open");
+        let writes = libc::O_WRONLY | libc::O_RDWR | libc::O_TRUNC | libc::O_APPEND;
+        if flags.0 & writes != 0 {
+            reply.error(self.fail("open", &FsError::ReadOnly));
+            return;
+        }
+        let (fh, blob) = match self.core.open(ino.0) {
+            Ok(x) => x,
+            Err(e) => {
+                reply.error(self.fail("open", &e));
+                return;
+            }
+        };
+        self.metrics.open_files.set(self.core.open_files() as i64);
+        if self.passthrough.load(Ordering::Relaxed) {
+            if let Some(id) = self.open_passthrough(&reply, fh, &blob) {
+                self.metrics.passthrough_opens.inc();
+                reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
+                return;
+            }
+            if self.config.passthrough == PassthroughMode::Always {
+                self.core.release(fh);
+                reply.error(self.fail(
+                    "open",
+                    &FsError::Io {
+                        context: "passthrough open".into(),
+                        source: io::Error::from_raw_os_error(libc::EIO),
+                    },
+                ));
+                return;
+            }
+            self.metrics.passthrough_fallbacks.inc();
+        }
+        self.metrics.read_through_opens.inc();
+        reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE);
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        self.metrics.request("read");
+        match self.core.read(fh.0, offset, size) {
+            Ok(data) => {
+                self.metrics.read_bytes.inc_by(data.len() as u64);
+                reply.data(&data)
+            }
+            Err(e) => reply.error(self.fail("read", &e)),
+        }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.metrics.request("release");
+        {
+            let mut cache = self.backing.lock().expect("backing lock");
+            if let Some(ino) = cache.by_fh.remove(&fh.0) {
+                if let Some(entry) = cache.by_ino.get_mut(&ino) {
+                    entry.handles -= 1;
+                    if entry.handles == 0 {
+                        cache.by_ino.remove(&ino);
+                    }
+                }
+            }
+        }
+        self.core.release(fh.0);
+        self.metrics.open_files.set(self.core.open_files() as i64);
+        reply.ok();
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        self.metrics.request("opendir");
+        match self.core.getattr(ino.0) {
+            Ok(a) if a.kind == Kind::Dir => {
+                // Listings inside a model never change under an inode number.
+                let flags = if a.immutable {
+                    FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR
+                } else {
+                    FopenFlags::empty()
+                };
+                reply.opened(FileHandle(0), flags)
+            }
+            Ok(_) => reply.error(self.fail("opendir", &FsError::NotDir)),
+            Err(e) => reply.error(self.fail("opendir", &e)),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        self.metrics.request("readdir");
+        let result = self.core.readdir(ino.0, offset, |e| {
+            reply.add(INodeNo(e.ino), e.offset, file_type(e.kind), &e.name)
+        });
+        match result {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(self.fail("readdir", &e)),
+        }
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        self.metrics.request("statfs");
+        reply.statfs(0, 0, 0, 0, 0, 4096, 255, 4096);
+    }
+
+    // Everything that would modify the tree is refused. The mount is also read-only (`ro`), so
+    // the kernel answers most of these itself; these handlers are the second line.
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        _size: Option<u64>,
+        _atime: Option<fuser::TimeOrNow>,
+        _mtime: Option<fuser::TimeOrNow>,
+        _ctime: Option<std::time::SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<std::time::SystemTime>,
+        _chgtime: Option<std::time::SystemTime>,
+        _bkuptime: Option<std::time::SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        reply.error(self.read_only("setattr"));
+    }
+
+    fn mknod(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        reply.error(self.read_only("mknod"));
+    }
+
+    fn mkdir(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        reply.error(self.read_only("mkdir"));
+    }
+
+    fn unlink(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(self.read_only("unlink"));
+    }
+
+    fn rmdir(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(self.read_only("rmdir"));
+    }
+
+    fn symlink(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _link_name: &OsStr,
+        _target: &Path,
+        reply: ReplyEntry,
+    ) {
+        reply.error(self.read_only("symlink"));
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _newparent: INodeNo,
+        _newname: &OsStr,
+        _flags: fuser::RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(self.read_only("rename"));
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _newparent: INodeNo,
+        _newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        reply.error(self.read_only("link"));
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        _data: &[u8],
+        _write_flags: fuser::WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        reply.error(self.read_only("write"));
+    }
+
+    fn create(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        reply.error(self.read_only("create"));
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _name: &OsStr,
+        _value: &[u8],
+        _flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(self.read_only("setxattr"));
+    }
+
+    fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(self.read_only("removexattr"));
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        _length: u64,
+        _mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(self.read_only("fallocate"));
+    }
+}
+
+/// A live mount. Dropping it unmounts.
+pub struct MountHandle {
+    inner: Mutex<MountInner>,
+    mountpoint: PathBuf,
+    passthrough: Arc<AtomicBool>,
+}
+
+struct MountInner {
+    session: Option<fuser::BackgroundSession>,
+    invalidations: Option<mpsc::Sender<Vec<Invalidation>>>,
+    notifier_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl MountHandle {
+    /// Whether the kernel accepted passthrough (and the daemon may use it).
+    pub fn passthrough_active(&self) -> bool {
+        self.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// Queues kernel cache invalidations (sent in order by the notifier thread).
+    pub fn invalidate(&self, list: Vec<Invalidation>) {
+        if list.is_empty() {
+            return;
+        }
+        let inner = self.inner.lock().expect("mount lock");
+        if let Some(tx) = &inner.invalidations {
+            let _ = tx.send(list);
+        }
+    }
+
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// Unmounts; if files are still open (busy), detaches lazily so the daemon never hangs on
+    /// exit. Idempotent.
+    pub fn unmount(&self) -> io::Result<()> {
+        let (session, thread) = {
+            let mut inner = self.inner.lock().expect("mount lock");
+            inner.invalidations.take();
+            (inner.session.take(), inner.notifier_thread.take())
+        };
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+        let Some(session) = session else {
+            return Ok(());
+        };
+        match session.umount_and_join() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                tracing::warn!(error = %e, "unmount failed; detaching the mount");
+                mountpoint::detach(&self.mountpoint)
+            }
+        }
+    }
+}
+
+impl Drop for MountHandle {
+    fn drop(&mut self) {
+        if let Err(e) = self.unmount() {
+            tracing::error!(error = %e, mountpoint = %self.mountpoint.display(), "unmount failed");
+        }
+    }
+}
+
+/// Mounts the filesystem core at `mountpoint` (cleaning a stale mount left by a crashed daemon
+/// first) and starts serving requests on `config.threads` threads.
+pub fn mount(
+    core: Arc<FsCore>,
+    metrics: Arc<Metrics>,
+    mountpoint: &Path,
+    config: FuseConfig,
+) -> Result<MountHandle, MountError> {
+    mountpoint::prepare(mountpoint)?;
+    let passthrough = Arc::new(AtomicBool::new(false));
+    let fs = ModelFs {
+        core,
+        metrics: metrics.clone(),
+        config: config.clone(),
+        passthrough: passthrough.clone(),
+        backing: Mutex::new(BackingCache::default()),
+    };
+    let mut fuse_config = fuser::Config::default();
+    fuse_config.mount_options = vec![
+        MountOption::RO,
+        MountOption::FSName("modelfs".into()),
+        MountOption::Subtype("modelfs".into()),
+        MountOption::DefaultPermissions,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+        MountOption::NoAtime,
+    ];
+    // Inference pods run as arbitrary users.
+    fuse_config.acl = SessionACL::All;
+    fuse_config.n_threads = Some(config.threads.max(1));
+    fuse_config.clone_fd = true;
+    let session =
+        fuser::Session::new(fs, mountpoint, &fuse_config).map_err(|source| MountError::Mount {
+            path: mountpoint.to_path_buf(),
+            source,
+        })?;
+    let notifier = session.notifier();
+    let session = session.spawn().map_err(|source| MountError::Mount {
+        path: mountpoint.to_path_buf(),
+        source,
+    })?;
+    let handle = MountHandle {
+        inner: Mutex::new(MountInner {
+            session: Some(session),
+            invalidations: None,
+            notifier_thread: None,
+        }),
+        mountpoint: mountpoint.to_path_buf(),
+        passthrough: passthrough.clone(),
+    };
+    if config.passthrough == PassthroughMode::Always && !passthrough.load(Ordering::Relaxed) {
+        return Err(MountError::PassthroughUnavailable);
+    }
+    if let Err(e) = mountpoint::set_read_ahead(mountpoint, config.read_ahead_kb) {
+        tracing::warn!(error = %e, "could not raise the mount's read-ahead");
+    }
+    let (tx, rx) = mpsc::channel::<Vec<Invalidation>>();
+    let thread_metrics = metrics;
+    let notifier_thread = Some(
+        std::thread::Builder::new()
+            .name("fuse-notify".into())
+            .spawn(move || {
+                for batch in rx {
+                    for inv in batch {
+                        thread_metrics.kernel_invalidations.inc();
+                        let result = match &inv {
+                            Invalidation::Entry { parent, name } => {
+                                notifier.inval_entry(INodeNo(*parent), OsStr::new(name))
+                            }
+                            Invalidation::Inode { ino } => {
+                                notifier.inval_inode(INodeNo(*ino), 0, 0)
+                            }
+                        };
+                        // ENOENT: the kernel never cached it. Anything else is worth a line.
+                        if let Err(e) = result {
+                            if e.raw_os_error() != Some(libc::ENOENT) {
+                                tracing::debug!(error = %e, ?inv, "kernel invalidation failed");
+                            }
+                        }
+                    }
+                }
+            })
+            .map_err(|source| MountError::Mount {
+                path: mountpoint.to_path_buf(),
+                source,
+            })?,
+    );
+    {
+        let mut inner = handle.inner.lock().expect("mount lock");
+        inner.notifier_thread = notifier_thread;
+        inner.invalidations = Some(tx);
+    }
+    Ok(handle)
+}

@@ -1,0 +1,26 @@
+//! modelfs: a read-only FUSE filesystem that serves machine-learning model files on GPU nodes.
+//!
+//! Data flows one way: sources → store → mapping → mount. The reconciler decides; the other
+//! layers execute.
+//!
+//! * [`manifest`]: OME `BaseModel` / `ClusterBaseModel` objects, validated into model specs.
+//! * [`source`]: resolve a model's source to an artifact and fetch its blobs into a store.
+//! * [`store`]: content-addressed blob stores and the daemon's durable records.
+//! * [`fs`]: the filesystem core (mapping table, trees, inodes, open files), FUSE-free.
+//! * [`fuse`]: the thin `fuser` adapter over [`fs`].
+//! * [`reconciler`]: the policy state machine: placement, flips, deletion, garbage collection.
+//! * [`standalone`]: desired state from a directory of YAML files.
+//! * [`http`], [`metrics`], [`status`]: what operators see.
+
+pub mod artifact;
+pub mod cli;
+pub mod fs;
+pub mod fuse;
+pub mod http;
+pub mod manifest;
+pub mod metrics;
+pub mod reconciler;
+pub mod source;
+pub mod standalone;
+pub mod status;
+pub mod store;

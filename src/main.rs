@@ -1,0 +1,3 @@
+fn main() -> anyhow::Result<()> {
+    modelfs::cli::main()
+}

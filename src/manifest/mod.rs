@@ -1,0 +1,72 @@
+//! OME model manifests: parsing, validation and the values derived from them.
+//!
+//! Input is OME's `ome.io/v1beta1` `BaseModel` and `ClusterBaseModel` objects, from YAML files
+//! in standalone mode or from the API server in Kubernetes mode. Output is a [`ModelSpec`] per
+//! model: its [`ModelKey`], [`SourceUri`], [`DownloadPolicy`] and [`MountPath`], all validated.
+//!
+//! # Layers and what each one checks
+//!
+//! * [`ome`]: serde types mirroring the CRDs. They accept every CRD field and keep unknown ones
+//!   (`extra` maps), so nothing is lost when an object is read and written back. They check
+//!   only what the CRD schema checks (types, required nested fields, the `downloadPolicy`
+//!   enum). Fields whose absence needs a specific keyed message (`metadata.name`,
+//!   `spec.storage`, `spec.storage.storageUri`) are optional at this layer.
+//! * [`parse`]: multi-document YAML files to [`Document`]s. A YAML syntax error fails the
+//!   whole file, with line and column, since nothing in a broken file can be trusted. Any other
+//!   problem stays inside its document: a broken model document becomes
+//!   `Document::Model(Err(..))` carrying the name and namespace when they were readable (so the
+//!   caller can mark exactly that model `Failed`), other kinds become `Document::Other`, empty
+//!   documents are dropped. Messages name the offending field path.
+//! * [`ModelObject::key`] and [`ModelObject::to_spec`] (in [`model`]): the semantic checks that
+//!   the CRD cannot express: names usable as keys and path segments ([`key`]), a parseable
+//!   source ([`source`]), a mount path that cannot escape the mount ([`path`]).
+//!
+//! # Errors
+//!
+//! Every error exists to become the `reason` of a `Failed` model (SPEC 6, 8.5), read by an
+//! operator who did not write this code. So each message says which field is wrong, what its
+//! value was (quoted with escapes, so hostile bytes cannot garble a log line), and what is
+//! expected instead. No input makes these functions panic.
+//!
+//! A source with a recognised but unsupported scheme (`s3://`, ...) is *not* an error of
+//! `to_spec`: the model still has a key and a path, which the caller needs to report it and to
+//! detect path conflicts; [`SourceUri::unsupported_reason`] gives its `Failed` reason.
+//!
+//! # What is left to the caller
+//!
+//! Conflicts between models (nesting or equal paths: [`MountPath::nests_with`]; duplicate
+//! keys across files), resolving relative `local://` paths
+//! ([`SourceUri::resolve_local_relative`]), node targeting with `nodeSelector` and
+//! `nodeAffinity` (typed in [`ome::NodeAffinity`], operators left as strings), and reading the
+//! token Secret ([`ModelSpec::token_secret`], [`ModelSpec::token_secret_entry`]).
+
+pub mod key;
+pub mod model;
+pub mod ome;
+pub mod parse;
+pub mod path;
+pub mod source;
+
+// The types callers name most; everything else is reachable through the submodules
+// (`manifest::ome::NodeAffinity`, `manifest::source::is_commit_hash`, ...).
+pub use key::{KeyError, ModelKey};
+pub use model::{ModelError, ModelSpec};
+pub use ome::{DownloadPolicy, ModelKind, ModelObject, OME_API_VERSION};
+pub use parse::{deserialize_model_object, parse_documents, Document, ManifestError};
+pub use path::{resolve_model_path, MountPath, PathError};
+pub use source::{SourceUri, SourceUriError};
+
+/// Helpers shared by the tests of this module.
+#[cfg(test)]
+mod test_support {
+    use std::path::PathBuf;
+
+    /// The shared fixtures: `$MODELFS_FIXTURES_DIR`, else `../shared/fixtures` next to the
+    /// crate.
+    pub(crate) fn fixtures_dir() -> PathBuf {
+        match std::env::var_os("MODELFS_FIXTURES_DIR") {
+            Some(dir) => PathBuf::from(dir),
+            None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures")),
+        }
+    }
+}

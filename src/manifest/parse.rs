@@ -1,0 +1,772 @@
+//! Multi-document YAML files to [`Document`]s.
+//!
+//! Two stages, with different failure scopes:
+//!
+//! 1. The whole text is parsed as YAML into one JSON value per document. A syntax error (and
+//!    anything else the YAML layer refuses: duplicate keys, non-string keys, alias bombs over
+//!    the parser's budget, non-finite floats) fails the whole file, because after a syntax error
+//!    the document boundaries themselves are unreliable. The error names line and column.
+//! 2. Each document is classified by `apiVersion`/`kind` and, for the two model kinds,
+//!    deserialized into a [`ModelObject`]. A failure here affects that document only, and the
+//!    error carries the document's name and namespace when they were readable, so the caller
+//!    can mark exactly that model `Failed` and keep serving the others (SPEC 8.5).
+//!
+//! Deserialization errors are located by `locate_failing_field`, which turns serde's
+//! context-free messages ("invalid type: integer `5`, expected a string") into ones with a
+//! field path ("spec.storage.storageUri: invalid type: ...").
+
+use serde_json::Value;
+
+use super::ome::{ModelKind, ModelObject, OME_API_VERSION};
+
+/// Document kinds that wrap a list of objects in `items` (what `kubectl get -o yaml` prints).
+const LIST_KINDS: [&str; 3] = ["List", "BaseModelList", "ClusterBaseModelList"];
+
+/// Upper bound on trial deserializations spent locating one error.
+const MAX_LOCATE_ATTEMPTS: usize = 512;
+
+/// Upper bound on the total size (in JSON nodes, summed over trials) of the documents
+/// deserialized while locating one error, so that a huge document cannot make error reporting
+/// quadratic: a 1 MB document gets a couple dozen trials (a coarser path), a normal one all
+/// [`MAX_LOCATE_ATTEMPTS`].
+const MAX_LOCATE_WORK_NODES: usize = 2_000_000;
+
+/// One YAML document of a manifest file.
+// `Model` is much larger than the other variants; boxing it would buy nothing, since documents
+// are short-lived (one parse per file change) and few, and would make matching clumsier.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug, PartialEq)]
+pub enum Document {
+    /// A `BaseModel` or `ClusterBaseModel` (or a near miss of one, reported as an error).
+    Model(Result<ModelObject, ManifestError>),
+    /// An object of another kind (Namespace, Secret, ...); callers skip it.
+    Other {
+        api_version: Option<String>,
+        kind: String,
+    },
+    /// A document that is not a Kubernetes object at all: not a mapping, or without a string
+    /// `kind`. Reported so that a model whose `kind` line was lost is not dropped silently.
+    Invalid(ManifestError),
+}
+
+/// Why a manifest file or one of its documents cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    /// The file is not valid YAML; no document of it is used.
+    #[error("invalid YAML: {message}")]
+    Syntax {
+        /// 1-based line of the error, when the parser knows it.
+        line: Option<u64>,
+        /// 1-based column of the error, when the parser knows it.
+        column: Option<u64>,
+        /// The parser's message, which includes the line and column when known.
+        message: String,
+    },
+    /// A document that is not a Kubernetes object.
+    #[error("document {document}{}: {reason}", describe_line(*.line))]
+    NotAnObject {
+        /// 1-based index of the document among the file's non-empty documents.
+        document: usize,
+        /// 1-based line where the document starts, when known.
+        line: Option<u64>,
+        reason: String,
+    },
+    /// A model document that cannot be read as a model object.
+    #[error(
+        "document {document}{}: {kind}{}: {reason}",
+        describe_line(*.line),
+        describe_identity(.namespace.as_deref(), .name.as_deref())
+    )]
+    InvalidObject {
+        /// 1-based index of the document among the file's non-empty documents.
+        document: usize,
+        /// 1-based line where the document starts, when known.
+        line: Option<u64>,
+        kind: ModelKind,
+        /// `metadata.name`, when it is a string.
+        name: Option<String>,
+        /// `metadata.namespace`, when it is a string.
+        namespace: Option<String>,
+        /// What is wrong, prefixed with the path of the offending field when it can be found.
+        reason: String,
+    },
+}
+
+fn describe_line(line: Option<u64>) -> String {
+    match line {
+        Some(line) => format!(" (line {line})"),
+        None => String::new(),
+    }
+}
+
+fn describe_identity(namespace: Option<&str>, name: Option<&str>) -> String {
+    match (namespace, name) {
+        (Some(namespace), Some(name)) => format!(" {namespace}/{name}"),
+        (None, Some(name)) => format!(" {name}"),
+        (Some(namespace), None) => format!(" without a name in namespace {namespace}"),
+        (None, None) => " without a name".to_owned(),
+    }
+}
+
+/// Parses a multi-document YAML file. Empty and null documents (a trailing `---`, a file of
+/// comments) are dropped; every other document yields one [`Document`], except list documents
+/// (`kind: List` with `items`), which yield one per item.
+pub fn parse_documents(text: &str) -> Result<Vec<Document>, ManifestError> {
+    let mut options = serde_saphyr::Options::default();
+    // The snippet would make the message multi-line; line and column are enough to act on.
+    options.with_snippet = false;
+    // YAML 1.2 booleans only: `yes`/`on` stay strings, so a label value like `on` is not turned
+    // into a boolean that then fails to deserialize as a string.
+    options.strict_booleans = true;
+    let raw_documents: Vec<serde_saphyr::Spanned<Value>> =
+        serde_saphyr::from_multiple_with_options(text, options).map_err(|error| {
+            let location = error.location();
+            ManifestError::Syntax {
+                line: location.map(|location| location.line()),
+                column: location.map(|location| location.column()),
+                message: error.to_string(),
+            }
+        })?;
+
+    let mut documents = Vec::with_capacity(raw_documents.len());
+    for (index, raw) in raw_documents.into_iter().enumerate() {
+        let position = DocumentPosition {
+            document: index + 1,
+            // Location::UNKNOWN has line 0.
+            line: Some(raw.referenced.line()).filter(|line| *line > 0),
+        };
+        classify_document(&raw.value, &position, None, &mut documents);
+    }
+    Ok(documents)
+}
+
+/// Where a document sits in its file, for error messages.
+struct DocumentPosition {
+    document: usize,
+    line: Option<u64>,
+}
+
+/// Appends the [`Document`]s for one YAML document (or one item of a list document, then
+/// `item_index` is set and is used as a field-path prefix).
+fn classify_document(
+    value: &Value,
+    position: &DocumentPosition,
+    item_index: Option<usize>,
+    documents: &mut Vec<Document>,
+) {
+    let path_prefix = match item_index {
+        Some(index) => format!("items[{index}]"),
+        None => String::new(),
+    };
+    let not_an_object = |reason: String| {
+        Document::Invalid(ManifestError::NotAnObject {
+            document: position.document,
+            line: position.line,
+            reason: prefix_reason(&path_prefix, &reason),
+        })
+    };
+
+    let Some(object) = value.as_object() else {
+        documents.push(not_an_object(format!(
+            "expected a Kubernetes object (a mapping with apiVersion and kind), found {}",
+            describe_json_type(value)
+        )));
+        return;
+    };
+    let api_version = object.get("apiVersion").and_then(Value::as_str);
+    let kind = match object.get("kind") {
+        Some(Value::String(kind)) => kind.as_str(),
+        Some(other) => {
+            documents.push(not_an_object(format!(
+                "kind must be a string, found {}",
+                describe_json_type(other)
+            )));
+            return;
+        }
+        None => {
+            documents.push(not_an_object(
+                "kind is missing, so the document cannot be identified".to_owned(),
+            ));
+            return;
+        }
+    };
+
+    if item_index.is_none() && LIST_KINDS.contains(&kind) {
+        match object.get("items") {
+            Some(Value::Array(items)) => {
+                for (index, item) in items.iter().enumerate() {
+                    classify_document(item, position, Some(index), documents);
+                }
+            }
+            Some(Value::Null) | None => {}
+            Some(other) => documents.push(not_an_object(format!(
+                "items of a {kind} must be a list, found {}",
+                describe_json_type(other)
+            ))),
+        }
+        return;
+    }
+
+    let model_kind = match ModelKind::from_kind(kind) {
+        Some(model_kind) => model_kind,
+        None => match near_miss_model_kind(kind) {
+            Some(intended) => {
+                documents.push(Document::Model(Err(invalid_object(
+                    position,
+                    intended,
+                    object,
+                    prefix_reason(
+                        &path_prefix,
+                        &format!(
+                            "kind {kind:?} is not a known kind; kinds are case-sensitive, \
+                             write {intended}"
+                        ),
+                    ),
+                ))));
+                return;
+            }
+            None => {
+                documents.push(Document::Other {
+                    api_version: api_version.map(str::to_owned),
+                    kind: kind.to_owned(),
+                });
+                return;
+            }
+        },
+    };
+
+    let result = match api_version {
+        Some(OME_API_VERSION) => deserialize_model_object(value).map_err(|reason| {
+            invalid_object(
+                position,
+                model_kind,
+                object,
+                prefix_reason(&path_prefix, &reason),
+            )
+        }),
+        Some(other) => Err(invalid_object(
+            position,
+            model_kind,
+            object,
+            prefix_reason(
+                &path_prefix,
+                &format!("apiVersion {other:?} is not supported (expected {OME_API_VERSION})"),
+            ),
+        )),
+        None => Err(invalid_object(
+            position,
+            model_kind,
+            object,
+            prefix_reason(
+                &path_prefix,
+                &format!("apiVersion is missing (expected {OME_API_VERSION})"),
+            ),
+        )),
+    };
+    documents.push(Document::Model(result));
+}
+
+/// Deserializes one object (for example as received from the Kubernetes API) into a
+/// [`ModelObject`]. The error is a reason for a `Failed` status, prefixed with the path of the
+/// offending field when it can be found ("spec.storage.storageUri: invalid type: ..."). It does
+/// not check `apiVersion` or `kind` beyond what deserialization needs; `to_spec` checks the
+/// former.
+pub fn deserialize_model_object(value: &Value) -> Result<ModelObject, String> {
+    serde_json::from_value::<ModelObject>(value.clone())
+        .map_err(|error| locate_failing_field(value, &error.to_string()))
+}
+
+fn invalid_object(
+    position: &DocumentPosition,
+    kind: ModelKind,
+    object: &serde_json::Map<String, Value>,
+    reason: String,
+) -> ManifestError {
+    let metadata_string = |field: &str| {
+        object
+            .get("metadata")
+            .and_then(|metadata| metadata.get(field))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    ManifestError::InvalidObject {
+        document: position.document,
+        line: position.line,
+        kind,
+        name: metadata_string("name"),
+        namespace: metadata_string("namespace"),
+        reason,
+    }
+}
+
+fn prefix_reason(prefix: &str, reason: &str) -> String {
+    if prefix.is_empty() {
+        reason.to_owned()
+    } else {
+        format!("{prefix}: {reason}")
+    }
+}
+
+/// A model kind the author evidently meant (same letters, different case).
+fn near_miss_model_kind(kind: &str) -> Option<ModelKind> {
+    [ModelKind::BaseModel, ModelKind::ClusterBaseModel]
+        .into_iter()
+        .find(|candidate| candidate.as_str().eq_ignore_ascii_case(kind))
+}
+
+fn describe_json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "a mapping",
+    }
+}
+
+/// One step of a field path.
+#[derive(Clone, Debug)]
+enum PathStep {
+    Key(String),
+    Index(usize),
+}
+
+/// Finds the field that makes `document` fail to deserialize as a [`ModelObject`] and returns
+/// `"<path>: <message>"` (just `message` when no field can be singled out).
+///
+/// Method: descend from the root; at each level, remove one child at a time and deserialize
+/// again. A child is to blame when its removal makes the error go away or change. That works
+/// because serde reports a wrong-typed field while visiting it, before any missing-field check,
+/// so removing an innocent sibling leaves the message unchanged.
+///
+/// One case is ambiguous: when the original error is itself "missing field `x`", removing a
+/// required child `y` changes it to "missing field `y`" whether or not `y` contains the problem.
+/// Such children are explored only after the unambiguous ones, and kept only if something
+/// below them is to blame unambiguously.
+fn locate_failing_field(document: &Value, message: &str) -> String {
+    let mut search = BlameSearch {
+        document,
+        message,
+        original_is_missing_field: message.starts_with("missing field `"),
+        attempts_left: (MAX_LOCATE_WORK_NODES / count_nodes(document)).min(MAX_LOCATE_ATTEMPTS),
+    };
+    let mut path = Vec::new();
+    search.descend(&mut path);
+    if path.is_empty() {
+        message.to_owned()
+    } else {
+        format!("{}: {message}", render_path(&path))
+    }
+}
+
+struct BlameSearch<'a> {
+    document: &'a Value,
+    message: &'a str,
+    original_is_missing_field: bool,
+    attempts_left: usize,
+}
+
+enum Verdict {
+    Blamed,
+    Ambiguous,
+    Innocent,
+}
+
+impl BlameSearch<'_> {
+    /// Extends `path` as deep as blame can be established below it.
+    fn descend(&mut self, path: &mut Vec<PathStep>) {
+        'level: loop {
+            let children: Vec<PathStep> = match value_at(self.document, path) {
+                Some(Value::Object(map)) => map.keys().cloned().map(PathStep::Key).collect(),
+                Some(Value::Array(items)) => (0..items.len()).map(PathStep::Index).collect(),
+                _ => return,
+            };
+            let mut ambiguous = Vec::new();
+            for child in children {
+                match self.judge(path, &child) {
+                    Some(Verdict::Blamed) => {
+                        path.push(child);
+                        continue 'level;
+                    }
+                    Some(Verdict::Ambiguous) => ambiguous.push(child),
+                    Some(Verdict::Innocent) => {}
+                    None => return,
+                }
+            }
+            for child in ambiguous {
+                let depth = path.len() + 1;
+                path.push(child);
+                self.descend(path);
+                if path.len() > depth {
+                    return;
+                }
+                path.pop();
+            }
+            return;
+        }
+    }
+
+    /// What removing `child` of the value at `path` does to the error; `None` when the
+    /// attempt budget is spent.
+    fn judge(&mut self, path: &[PathStep], child: &PathStep) -> Option<Verdict> {
+        if self.attempts_left == 0 {
+            return None;
+        }
+        self.attempts_left -= 1;
+        let mut trial = self.document.clone();
+        remove_child(&mut trial, path, child);
+        let new_message = match serde_json::from_value::<ModelObject>(trial) {
+            Ok(_) => return Some(Verdict::Blamed),
+            Err(error) => error.to_string(),
+        };
+        if new_message == self.message {
+            return Some(Verdict::Innocent);
+        }
+        let only_lost_this_child = match child {
+            PathStep::Key(key) => new_message == format!("missing field `{key}`"),
+            PathStep::Index(_) => false,
+        };
+        if self.original_is_missing_field && only_lost_this_child {
+            Some(Verdict::Ambiguous)
+        } else {
+            Some(Verdict::Blamed)
+        }
+    }
+}
+
+/// Number of JSON values in `value`, itself included (so never zero).
+fn count_nodes(value: &Value) -> usize {
+    let mut count = 0;
+    let mut pending = vec![value];
+    while let Some(next) = pending.pop() {
+        count += 1;
+        match next {
+            Value::Object(map) => pending.extend(map.values()),
+            Value::Array(items) => pending.extend(items),
+            _ => {}
+        }
+    }
+    count
+}
+
+fn value_at<'a>(root: &'a Value, path: &[PathStep]) -> Option<&'a Value> {
+    path.iter().try_fold(root, |value, step| match step {
+        PathStep::Key(key) => value.get(key.as_str()),
+        PathStep::Index(index) => value.get(*index),
+    })
+}
+
+fn remove_child(root: &mut Value, path: &[PathStep], child: &PathStep) {
+    let parent = path.iter().try_fold(root, |value, step| match step {
+        PathStep::Key(key) => value.get_mut(key.as_str()),
+        PathStep::Index(index) => value.get_mut(*index),
+    });
+    match (parent, child) {
+        (Some(Value::Object(map)), PathStep::Key(key)) => {
+            map.remove(key);
+        }
+        (Some(Value::Array(items)), PathStep::Index(index)) if *index < items.len() => {
+            items.remove(*index);
+        }
+        _ => {}
+    }
+}
+
+/// `spec.storage.nodeAffinity.x.nodeSelectorTerms[0]`; keys that are not plain identifiers
+/// (label keys with dots or slashes) are quoted: `metadata.labels["models.ome/x"]`.
+fn render_path(path: &[PathStep]) -> String {
+    let mut rendered = String::new();
+    for step in path {
+        match step {
+            PathStep::Key(key) => {
+                let plain = !key.is_empty()
+                    && key
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+                if plain {
+                    if !rendered.is_empty() {
+                        rendered.push('.');
+                    }
+                    rendered.push_str(key);
+                } else {
+                    rendered.push_str(&format!("[{key:?}]"));
+                }
+            }
+            PathStep::Index(index) => rendered.push_str(&format!("[{index}]")),
+        }
+    }
+    rendered
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn single_model_error(text: &str) -> ManifestError {
+        let documents = parse_documents(text).expect("valid YAML");
+        assert_eq!(documents.len(), 1, "{documents:?}");
+        match documents.into_iter().next() {
+            Some(Document::Model(Err(error))) => error,
+            other => panic!("expected a model error, got {other:?}"),
+        }
+    }
+
+    fn reason_of(error: &ManifestError) -> &str {
+        match error {
+            ManifestError::InvalidObject { reason, .. } => reason,
+            other => panic!("expected InvalidObject, got {other:?}"),
+        }
+    }
+
+    const GOOD_MODEL: &str = "\
+apiVersion: ome.io/v1beta1
+kind: ClusterBaseModel
+metadata:
+  name: good
+spec:
+  storage:
+    storageUri: hf://org/repo
+";
+
+    #[test]
+    fn multiple_documents_with_other_kinds_and_empty_documents() {
+        let text = format!(
+            "---\n# only a comment\n---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: team-a\n\
+             ---\n{GOOD_MODEL}---\napiVersion: ome.io/v1beta1\nkind: BaseModel\nmetadata:\n  \
+             name: b\n  namespace: team-a\nspec:\n  storage:\n    storageUri: local:///data/b\n---\n"
+        );
+        let documents = parse_documents(&text).expect("parses");
+        assert_eq!(documents.len(), 3, "{documents:?}");
+        assert_eq!(
+            documents[0],
+            Document::Other {
+                api_version: Some("v1".to_owned()),
+                kind: "Namespace".to_owned()
+            }
+        );
+        let Document::Model(Ok(cluster_model)) = &documents[1] else {
+            panic!("{:?}", documents[1]);
+        };
+        assert_eq!(cluster_model.kind, ModelKind::ClusterBaseModel);
+        assert_eq!(cluster_model.metadata.name.as_deref(), Some("good"));
+        let Document::Model(Ok(namespaced_model)) = &documents[2] else {
+            panic!("{:?}", documents[2]);
+        };
+        assert_eq!(namespaced_model.kind, ModelKind::BaseModel);
+        assert_eq!(
+            namespaced_model.metadata.namespace.as_deref(),
+            Some("team-a")
+        );
+    }
+
+    #[test]
+    fn empty_files_yield_no_documents() {
+        for text in [
+            "",
+            "\n",
+            "# nothing\n",
+            "---\n",
+            "---\n---\n",
+            "~\n",
+            "null\n",
+        ] {
+            assert_eq!(parse_documents(text), Ok(Vec::new()), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn syntax_errors_fail_the_whole_file_with_a_location() {
+        for (text, expected_line) in [
+            (format!("{GOOD_MODEL}---\nkind: [unclosed\n"), 9),
+            (format!("{GOOD_MODEL}---\nkind: a\nkind: b\n"), 10),
+            ("a: 1\n b: 2\n".to_owned(), 2),
+        ] {
+            let error = parse_documents(&text).expect_err(&text);
+            let ManifestError::Syntax { line, message, .. } = &error else {
+                panic!("expected a syntax error, got {error:?}");
+            };
+            assert_eq!(*line, Some(expected_line), "{text:?}: {message}");
+            let rendered = error.to_string();
+            assert!(rendered.starts_with("invalid YAML: "), "{rendered}");
+            assert!(
+                rendered.contains(&format!("line {expected_line}")),
+                "{rendered}"
+            );
+        }
+    }
+
+    #[test]
+    fn wrong_api_version_is_an_error_keyed_by_name() {
+        let error = single_model_error(&GOOD_MODEL.replace("ome.io/v1beta1", "ome.io/v1"));
+        assert!(matches!(
+            &error,
+            ManifestError::InvalidObject { kind: ModelKind::ClusterBaseModel, name: Some(name), namespace: None, .. }
+                if name == "good"
+        ));
+        assert_eq!(
+            reason_of(&error),
+            "apiVersion \"ome.io/v1\" is not supported (expected ome.io/v1beta1)"
+        );
+        assert_eq!(
+            error.to_string(),
+            "document 1 (line 1): ClusterBaseModel good: apiVersion \"ome.io/v1\" is not \
+             supported (expected ome.io/v1beta1)"
+        );
+
+        let missing = single_model_error(&GOOD_MODEL.replace("apiVersion: ome.io/v1beta1\n", ""));
+        assert_eq!(
+            reason_of(&missing),
+            "apiVersion is missing (expected ome.io/v1beta1)"
+        );
+    }
+
+    #[test]
+    fn invalid_documents_keep_name_and_namespace_and_name_the_field() {
+        let cases: &[(&str, &str, &str)] = &[
+            ("    storageUri: hf://org/repo\n", "    storageUri: 5\n",
+             "spec.storage.storageUri: invalid type: integer `5`, expected a string"),
+            ("    storageUri: hf://org/repo\n",
+             "    storageUri: hf://org/repo\n    downloadPolicy: Foo\n",
+             "spec.storage.downloadPolicy: unsupported downloadPolicy \"Foo\" (expected \
+              AlwaysDownload or ReuseIfExists)"),
+            ("spec:\n", "spec:\n  modelFormat:\n    version: \"1\"\n",
+             "spec.modelFormat: missing field `name`"),
+            ("spec:\n", "spec:\n  maxTokens: lots\n",
+             "spec.maxTokens: invalid type: string \"lots\", expected i32"),
+            ("  name: good\n", "  name: good\n  labels:\n    models.ome/reserve-model-artifact: true\n",
+             "metadata.labels[\"models.ome/reserve-model-artifact\"]: invalid type: boolean \
+              `true`, expected a string"),
+            ("    storageUri: hf://org/repo\n",
+             "    storageUri: hf://org/repo\n    nodeAffinity:\n      \
+              requiredDuringSchedulingIgnoredDuringExecution:\n        nodeSelectorTerms:\n          \
+              - matchExpressions:\n              - {key: a, operator: In}\n              - {operator: In}\n",
+             "spec.storage.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.\
+              nodeSelectorTerms[0].matchExpressions[1]: missing field `key`"),
+            ("spec:\n  storage:\n    storageUri: hf://org/repo\n", "spec: 7\n",
+             "spec: invalid type: integer `7`, expected struct BaseModelSpec"),
+        ];
+        for (from, to, expected_reason) in cases {
+            let text = GOOD_MODEL.replace(from, to);
+            assert_ne!(text, GOOD_MODEL, "test case does not apply: {from:?}");
+            let error = single_model_error(&text);
+            assert!(
+                matches!(&error, ManifestError::InvalidObject { name: Some(name), .. } if name == "good"),
+                "{error:?}"
+            );
+            assert_eq!(reason_of(&error), *expected_reason, "{text}");
+        }
+    }
+
+    #[test]
+    fn documents_that_are_not_objects_are_reported() {
+        let text = format!(
+            "{GOOD_MODEL}---\n- a\n- b\n---\njust text\n---\nmetadata: {{name: x}}\n---\nkind: 5\n"
+        );
+        let documents = parse_documents(&text).expect("valid YAML");
+        assert_eq!(documents.len(), 5);
+        assert!(matches!(documents[0], Document::Model(Ok(_))));
+        let reasons: Vec<String> = documents[1..]
+            .iter()
+            .map(|document| match document {
+                Document::Invalid(error) => error.to_string(),
+                other => panic!("expected Invalid, got {other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            reasons,
+            vec![
+                "document 2 (line 9): expected a Kubernetes object (a mapping with apiVersion \
+                 and kind), found a list",
+                "document 3 (line 12): expected a Kubernetes object (a mapping with apiVersion \
+                 and kind), found a string",
+                "document 4 (line 14): kind is missing, so the document cannot be identified",
+                "document 5 (line 16): kind must be a string, found a number",
+            ]
+        );
+    }
+
+    #[test]
+    fn near_miss_kinds_are_errors_not_skipped() {
+        let error = single_model_error(
+            &GOOD_MODEL.replace("kind: ClusterBaseModel", "kind: clusterbasemodel"),
+        );
+        assert!(matches!(
+            &error,
+            ManifestError::InvalidObject {
+                kind: ModelKind::ClusterBaseModel,
+                ..
+            }
+        ));
+        assert_eq!(
+            reason_of(&error),
+            "kind \"clusterbasemodel\" is not a known kind; kinds are case-sensitive, write ClusterBaseModel"
+        );
+    }
+
+    #[test]
+    fn list_documents_are_expanded() {
+        let text = "\
+apiVersion: v1
+kind: List
+items:
+  - apiVersion: ome.io/v1beta1
+    kind: ClusterBaseModel
+    metadata: {name: one}
+    spec: {storage: {storageUri: hf://a/one}}
+  - apiVersion: v1
+    kind: Secret
+    metadata: {name: s}
+  - apiVersion: ome.io/v1beta1
+    kind: BaseModel
+    metadata: {name: two, namespace: ns}
+    spec: {storage: {storageUri: 3}}
+";
+        let documents = parse_documents(text).expect("parses");
+        assert_eq!(documents.len(), 3, "{documents:?}");
+        assert!(
+            matches!(&documents[0], Document::Model(Ok(object)) if object.metadata.name.as_deref() == Some("one"))
+        );
+        assert!(matches!(&documents[1], Document::Other { kind, .. } if kind == "Secret"));
+        let Document::Model(Err(error)) = &documents[2] else {
+            panic!("{:?}", documents[2]);
+        };
+        assert_eq!(
+            error.to_string(),
+            "document 1 (line 1): BaseModel ns/two: items[2]: spec.storage.storageUri: invalid \
+             type: integer `3`, expected a string"
+        );
+    }
+
+    #[test]
+    fn json_objects_get_the_same_located_errors() {
+        let object = serde_json::json!({
+            "apiVersion": "ome.io/v1beta1",
+            "kind": "BaseModel",
+            "metadata": {"name": "m", "namespace": "ns", "managedFields": [{"manager": "x"}]},
+            "spec": {"storage": {"storageUri": "hf://a/b", "parameters": {"secretKey": 1}}},
+        });
+        assert_eq!(
+            deserialize_model_object(&object),
+            Err(
+                "spec.storage.parameters.secretKey: invalid type: integer `1`, expected a string"
+                    .to_owned()
+            )
+        );
+        let mut fixed = object.clone();
+        fixed["spec"]["storage"]["parameters"]["secretKey"] = Value::from("token");
+        let parsed = deserialize_model_object(&fixed).expect("valid");
+        assert_eq!(serde_json::to_value(&parsed).expect("serialize"), fixed);
+    }
+
+    #[test]
+    fn render_path_quotes_non_identifier_keys() {
+        let path = vec![
+            PathStep::Key("metadata".to_owned()),
+            PathStep::Key("labels".to_owned()),
+            PathStep::Key("a.b/c".to_owned()),
+            PathStep::Index(3),
+        ];
+        assert_eq!(render_path(&path), "metadata.labels[\"a.b/c\"][3]");
+    }
+}

@@ -1,0 +1,427 @@
+//! `spec.storage.storageUri`: where a model's files come from.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Default Hugging Face revision when the URI names none.
+pub const DEFAULT_HF_REVISION: &str = "main";
+
+/// Longest repository or organisation name the Hugging Face Hub accepts.
+const MAX_HF_NAME_LEN: usize = 96;
+
+/// Schemes OME defines that modelfs recognises but cannot download from yet.
+pub const UNSUPPORTED_OME_SCHEMES: [&str; 7] = ["oci", "s3", "gs", "az", "pvc", "vendor", "github"];
+
+/// A parsed storage URI.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SourceUri {
+    /// `hf://<org>/<name>[@<revision>]`.
+    HuggingFace {
+        /// `<org>/<name>`.
+        repo: String,
+        /// Branch, tag, or 40-hex commit; [`DEFAULT_HF_REVISION`] when the URI has none.
+        revision: String,
+    },
+    /// `local://<dir>`: a directory on the node's disk. Relative until the caller applies
+    /// [`SourceUri::resolve_local_relative`].
+    Local { path: PathBuf },
+    /// A scheme OME defines that modelfs does not serve yet; the model must be reported
+    /// `Failed` with [`SourceUri::unsupported_reason`].
+    Unsupported { scheme: String, uri: String },
+}
+
+/// Why a storage URI cannot be used at all.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SourceUriError {
+    #[error("storageUri is empty; expected hf://<org>/<repo>[@<revision>] or local://<dir>")]
+    Empty,
+    #[error(
+        "storageUri {uri:?} has no scheme; expected hf://<org>/<repo>[@<revision>] or \
+         local://<dir>"
+    )]
+    MissingScheme { uri: String },
+    #[error(
+        "storageUri {uri:?} uses unknown scheme {scheme:?}; supported: hf, local (recognised \
+         but not supported yet: oci, s3, gs, az, pvc, vendor, github)"
+    )]
+    UnknownScheme { scheme: String, uri: String },
+    #[error(
+        "storageUri {uri:?}: {reason}; a Hugging Face source is hf://<org>/<repo>[@<revision>]"
+    )]
+    InvalidHuggingFaceRepo { uri: String, reason: String },
+    #[error("storageUri {uri:?}: invalid revision: {reason}")]
+    InvalidRevision { uri: String, reason: String },
+    #[error("storageUri {uri:?}: invalid local directory: {reason}")]
+    InvalidLocalPath { uri: String, reason: String },
+}
+
+impl SourceUri {
+    /// Parses a storage URI. Schemes are case-sensitive (lowercase), as in OME.
+    pub fn parse(uri: &str) -> Result<SourceUri, SourceUriError> {
+        if uri.is_empty() {
+            return Err(SourceUriError::Empty);
+        }
+        let Some((scheme, rest)) = uri.split_once("://") else {
+            return Err(SourceUriError::MissingScheme {
+                uri: uri.to_owned(),
+            });
+        };
+        match scheme {
+            "hf" => parse_hugging_face(uri, rest),
+            "local" => parse_local(uri, rest),
+            _ if UNSUPPORTED_OME_SCHEMES.contains(&scheme) => Ok(SourceUri::Unsupported {
+                scheme: scheme.to_owned(),
+                uri: uri.to_owned(),
+            }),
+            _ if scheme.is_empty() => Err(SourceUriError::MissingScheme {
+                uri: uri.to_owned(),
+            }),
+            _ => Err(SourceUriError::UnknownScheme {
+                scheme: scheme.to_owned(),
+                uri: uri.to_owned(),
+            }),
+        }
+    }
+
+    /// Makes a relative `local://` path absolute against `base_dir` (in standalone mode, the
+    /// directory of the manifest file). Other sources are returned unchanged. No `..` is
+    /// collapsed: doing that lexically would be wrong across symlinks.
+    pub fn resolve_local_relative(self, base_dir: &Path) -> SourceUri {
+        match self {
+            SourceUri::Local { path } if path.is_relative() => SourceUri::Local {
+                path: base_dir.join(path),
+            },
+            other => other,
+        }
+    }
+
+    /// The scheme as written in the URI.
+    pub fn scheme(&self) -> &str {
+        match self {
+            SourceUri::HuggingFace { .. } => "hf",
+            SourceUri::Local { .. } => "local",
+            SourceUri::Unsupported { scheme, .. } => scheme,
+        }
+    }
+
+    /// The `Failed` reason for a source modelfs cannot serve yet, `None` for supported ones.
+    pub fn unsupported_reason(&self) -> Option<String> {
+        match self {
+            SourceUri::Unsupported { scheme, .. } => {
+                Some(format!("scheme {scheme} is not supported yet"))
+            }
+            _ => None,
+        }
+    }
+
+    /// For a Hugging Face source pinned to a commit, that commit: no revision lookup is needed.
+    pub fn pinned_commit(&self) -> Option<&str> {
+        match self {
+            SourceUri::HuggingFace { revision, .. } if is_commit_hash(revision) => Some(revision),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a revision is a full commit id (40 lowercase hex digits, as the Hub reports them).
+pub fn is_commit_hash(revision: &str) -> bool {
+    revision.len() == 40
+        && revision
+            .bytes()
+            .all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte))
+}
+
+fn parse_hugging_face(uri: &str, rest: &str) -> Result<SourceUri, SourceUriError> {
+    let (repo, revision) = match rest.split_once('@') {
+        Some((repo, revision)) => (repo, Some(revision)),
+        None => (rest, None),
+    };
+    let repo_error = |reason: String| SourceUriError::InvalidHuggingFaceRepo {
+        uri: uri.to_owned(),
+        reason,
+    };
+    let segments: Vec<&str> = repo.split('/').collect();
+    if repo.is_empty() {
+        return Err(repo_error("the repository is missing".to_owned()));
+    }
+    if segments.len() != 2 {
+        return Err(repo_error(format!(
+            "repository {repo:?} must have exactly two parts, <org>/<repo>"
+        )));
+    }
+    for segment in &segments {
+        validate_hf_name(segment).map_err(|reason| repo_error(format!("{segment:?} {reason}")))?;
+    }
+    let revision = match revision {
+        None => DEFAULT_HF_REVISION.to_owned(),
+        Some(revision) => {
+            validate_revision(revision).map_err(|reason| SourceUriError::InvalidRevision {
+                uri: uri.to_owned(),
+                reason,
+            })?;
+            revision.to_owned()
+        }
+    };
+    Ok(SourceUri::HuggingFace {
+        repo: repo.to_owned(),
+        revision,
+    })
+}
+
+/// One half of `<org>/<repo>`. The character set is the Hub's; `..` is refused because the
+/// name is spliced into URL paths, where it would navigate upwards.
+fn validate_hf_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("is empty".to_owned());
+    }
+    if name.len() > MAX_HF_NAME_LEN {
+        return Err(format!("is longer than {MAX_HF_NAME_LEN} characters"));
+    }
+    if let Some(bad) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(format!(
+            "contains {bad:?}; only letters, digits, '.', '_' and '-' are allowed"
+        ));
+    }
+    if name.contains("..") {
+        return Err("contains \"..\"".to_owned());
+    }
+    Ok(())
+}
+
+/// A revision is a branch, tag or commit. Branch and tag names may contain `/`
+/// (`refs/pr/1`), so beyond non-emptiness only what git itself forbids and what would be
+/// dangerous in a URL or a log line is refused.
+fn validate_revision(revision: &str) -> Result<(), String> {
+    if revision.is_empty() {
+        return Err("the revision after '@' is empty".to_owned());
+    }
+    if let Some(bad) = revision
+        .chars()
+        .find(|c| c.is_whitespace() || c.is_control())
+    {
+        return Err(format!(
+            "{revision:?} contains {bad:?}; whitespace and control characters are not allowed"
+        ));
+    }
+    if revision.contains("..") {
+        return Err(format!("{revision:?} contains \"..\""));
+    }
+    if revision.starts_with('/') || revision.ends_with('/') || revision.contains("//") {
+        return Err(format!("{revision:?} has an empty '/'-separated part"));
+    }
+    Ok(())
+}
+
+fn parse_local(uri: &str, rest: &str) -> Result<SourceUri, SourceUriError> {
+    let local_error = |reason: &str| SourceUriError::InvalidLocalPath {
+        uri: uri.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if rest.is_empty() {
+        return Err(local_error("the directory is missing"));
+    }
+    if rest.contains('\0') {
+        return Err(local_error("the path contains a NUL byte"));
+    }
+    Ok(SourceUri::Local {
+        path: PathBuf::from(rest),
+    })
+}
+
+impl fmt::Display for SourceUri {
+    /// Canonical form that [`SourceUri::parse`] reads back to an equal value; a Hugging Face
+    /// source always shows its revision.
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SourceUri::HuggingFace { repo, revision } => {
+                write!(formatter, "hf://{repo}@{revision}")
+            }
+            // Paths built by `parse` come from a `&str`, so `display` is lossless for them.
+            SourceUri::Local { path } => write!(formatter, "local://{}", path.display()),
+            SourceUri::Unsupported { uri, .. } => formatter.write_str(uri),
+        }
+    }
+}
+
+impl std::str::FromStr for SourceUri {
+    type Err = SourceUriError;
+
+    fn from_str(uri: &str) -> Result<Self, Self::Err> {
+        SourceUri::parse(uri)
+    }
+}
+
+/// Serialized as its canonical URI string.
+impl Serialize for SourceUri {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for SourceUri {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        SourceUri::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hf(repo: &str, revision: &str) -> SourceUri {
+        SourceUri::HuggingFace {
+            repo: repo.to_owned(),
+            revision: revision.to_owned(),
+        }
+    }
+
+    #[test]
+    fn valid_uris() {
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        let commit_uri = format!("hf://a/b@{commit}");
+        let cases: Vec<(&str, SourceUri)> = vec![
+            ("hf://Qwen/Qwen3-8B", hf("Qwen/Qwen3-8B", "main")),
+            (
+                "hf://meta-llama/Llama-3.2-3B-Instruct@v1.0",
+                hf("meta-llama/Llama-3.2-3B-Instruct", "v1.0"),
+            ),
+            ("hf://org/repo_name.v2@dev", hf("org/repo_name.v2", "dev")),
+            (&commit_uri, hf("a/b", commit)),
+            ("hf://a/b@refs/pr/1", hf("a/b", "refs/pr/1")),
+            (
+                "local:///srv/models/x",
+                SourceUri::Local {
+                    path: PathBuf::from("/srv/models/x"),
+                },
+            ),
+            (
+                "local://relative/dir",
+                SourceUri::Local {
+                    path: PathBuf::from("relative/dir"),
+                },
+            ),
+            (
+                "local://../up",
+                SourceUri::Local {
+                    path: PathBuf::from("../up"),
+                },
+            ),
+        ];
+        for (uri, expected) in cases {
+            let parsed = SourceUri::parse(uri).unwrap_or_else(|error| panic!("{uri}: {error}"));
+            assert_eq!(parsed, expected, "{uri}");
+            let reparsed = SourceUri::parse(&parsed.to_string()).expect("display parses");
+            assert_eq!(reparsed, parsed, "{uri} round trip via {parsed}");
+            assert_eq!(parsed.unsupported_reason(), None);
+        }
+        assert_eq!(
+            SourceUri::parse("hf://a/b").expect("valid").to_string(),
+            "hf://a/b@main"
+        );
+        assert_eq!(
+            SourceUri::parse(&format!("hf://a/b@{commit}"))
+                .expect("valid")
+                .pinned_commit(),
+            Some(commit)
+        );
+        assert_eq!(
+            SourceUri::parse("hf://a/b@main")
+                .expect("valid")
+                .pinned_commit(),
+            None
+        );
+        // Upper-case hex is not how the Hub spells commits: treat it as a branch name.
+        assert_eq!(
+            SourceUri::parse(&format!("hf://a/b@{}", commit.to_uppercase()))
+                .expect("valid")
+                .pinned_commit(),
+            None
+        );
+    }
+
+    #[test]
+    fn unsupported_ome_schemes_parse() {
+        for scheme in UNSUPPORTED_OME_SCHEMES {
+            let uri = format!("{scheme}://bucket/some/prefix");
+            let parsed = SourceUri::parse(&uri).unwrap_or_else(|error| panic!("{uri}: {error}"));
+            assert_eq!(
+                parsed,
+                SourceUri::Unsupported {
+                    scheme: scheme.to_owned(),
+                    uri: uri.clone()
+                }
+            );
+            assert_eq!(parsed.scheme(), scheme);
+            assert_eq!(parsed.to_string(), uri);
+            assert_eq!(
+                parsed.unsupported_reason(),
+                Some(format!("scheme {scheme} is not supported yet"))
+            );
+        }
+    }
+
+    #[test]
+    fn invalid_uris() {
+        let cases: &[(&str, &str)] = &[
+            ("", "storageUri is empty; expected hf://<org>/<repo>[@<revision>] or local://<dir>"),
+            ("Qwen/Qwen3-8B", "storageUri \"Qwen/Qwen3-8B\" has no scheme; expected hf://<org>/<repo>[@<revision>] or local://<dir>"),
+            ("://x", "storageUri \"://x\" has no scheme; expected hf://<org>/<repo>[@<revision>] or local://<dir>"),
+            ("ftp://host/x", "storageUri \"ftp://host/x\" uses unknown scheme \"ftp\"; supported: hf, local (recognised but not supported yet: oci, s3, gs, az, pvc, vendor, github)"),
+            ("HF://a/b", "storageUri \"HF://a/b\" uses unknown scheme \"HF\"; supported: hf, local (recognised but not supported yet: oci, s3, gs, az, pvc, vendor, github)"),
+            ("hf://", "storageUri \"hf://\": the repository is missing; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
+            ("hf://onlyone", "storageUri \"hf://onlyone\": repository \"onlyone\" must have exactly two parts, <org>/<repo>; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
+            ("hf://a/b/c", "storageUri \"hf://a/b/c\": repository \"a/b/c\" must have exactly two parts, <org>/<repo>; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
+            ("hf://a/", "storageUri \"hf://a/\": \"\" is empty; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
+            ("hf:///b", "storageUri \"hf:///b\": \"\" is empty; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
+            ("hf://a/b c", "storageUri \"hf://a/b c\": \"b c\" contains ' '; only letters, digits, '.', '_' and '-' are allowed; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
+            ("hf://a/..", "storageUri \"hf://a/..\": \"..\" contains \"..\"; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
+            ("hf://a/b@", "storageUri \"hf://a/b@\": invalid revision: the revision after '@' is empty"),
+            ("hf://a/b@v 1", "storageUri \"hf://a/b@v 1\": invalid revision: \"v 1\" contains ' '; whitespace and control characters are not allowed"),
+            ("hf://a/b@x\0y", "storageUri \"hf://a/b@x\\0y\": invalid revision: \"x\\0y\" contains '\\0'; whitespace and control characters are not allowed"),
+            ("hf://a/b@../main", "storageUri \"hf://a/b@../main\": invalid revision: \"../main\" contains \"..\""),
+            ("hf://a/b@refs//x", "storageUri \"hf://a/b@refs//x\": invalid revision: \"refs//x\" has an empty '/'-separated part"),
+            ("local://", "storageUri \"local://\": invalid local directory: the directory is missing"),
+            ("local:///a\0b", "storageUri \"local:///a\\0b\": invalid local directory: the path contains a NUL byte"),
+        ];
+        for (uri, expected) in cases {
+            let error = SourceUri::parse(uri).expect_err(uri);
+            assert_eq!(error.to_string(), *expected, "{uri:?}");
+        }
+        let long_name = "x".repeat(MAX_HF_NAME_LEN + 1);
+        assert!(SourceUri::parse(&format!("hf://org/{long_name}")).is_err());
+        assert!(SourceUri::parse(&format!("hf://org/{}", &long_name[1..])).is_ok());
+    }
+
+    #[test]
+    fn relative_local_paths_resolve_against_the_base() {
+        let base = Path::new("/etc/modelfs/models");
+        let relative = SourceUri::parse("local://weights/x").expect("valid");
+        assert_eq!(
+            relative.resolve_local_relative(base),
+            SourceUri::Local {
+                path: PathBuf::from("/etc/modelfs/models/weights/x")
+            }
+        );
+        let absolute = SourceUri::parse("local:///srv/x").expect("valid");
+        assert_eq!(absolute.clone().resolve_local_relative(base), absolute);
+        let remote = SourceUri::parse("hf://a/b").expect("valid");
+        assert_eq!(remote.clone().resolve_local_relative(base), remote);
+    }
+
+    #[test]
+    fn serde_uses_the_uri_string() {
+        let source = SourceUri::parse("hf://a/b@v2").expect("valid");
+        let json = serde_json::to_value(&source).expect("serialize");
+        assert_eq!(json, serde_json::Value::from("hf://a/b@v2"));
+        let back: SourceUri = serde_json::from_value(json).expect("deserialize");
+        assert_eq!(back, source);
+        let bad: Result<SourceUri, _> = serde_json::from_value(serde_json::Value::from("nope"));
+        assert!(bad.is_err());
+    }
+}

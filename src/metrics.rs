@@ -1,0 +1,159 @@
+//! Prometheus metrics, one registry per daemon.
+//!
+//! Bytes read are counted only for read-through opens: with passthrough the kernel reads the blob
+//! directly and the daemon never sees the bytes (that is the point), so `passthrough_opens` is the
+//! signal for that path.
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabel {
+    pub op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatusLabel {
+    pub status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreLabel {
+    pub store: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    pub scheme: SourceScheme,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum SourceScheme {
+    Local,
+    Hf,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub fuse_requests: Family<OpLabel, Counter>,
+    pub fuse_errors: Family<OpLabel, Counter>,
+    pub read_bytes: Counter,
+    pub passthrough_opens: Counter,
+    pub read_through_opens: Counter,
+    pub passthrough_fallbacks: Counter,
+    pub kernel_invalidations: Counter,
+    pub mapping_changes: Counter,
+    pub models: Family<StatusLabel, Gauge>,
+    pub store_bytes: Family<StoreLabel, Gauge>,
+    pub fetched_bytes: Family<SourceLabel, Counter>,
+    pub fetched_files: Family<SourceLabel, Counter>,
+    pub open_files: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("modelfs");
+        let m = Self {
+            fuse_requests: Family::default(),
+            fuse_errors: Family::default(),
+            read_bytes: Counter::default(),
+            passthrough_opens: Counter::default(),
+            read_through_opens: Counter::default(),
+            passthrough_fallbacks: Counter::default(),
+            kernel_invalidations: Counter::default(),
+            mapping_changes: Counter::default(),
+            models: Family::default(),
+            store_bytes: Family::default(),
+            fetched_bytes: Family::default(),
+            fetched_files: Family::default(),
+            open_files: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "fuse_requests",
+            "FUSE requests handled, by operation",
+            m.fuse_requests.clone(),
+        );
+        registry.register(
+            "fuse_errors",
+            "FUSE requests answered with an error, by operation",
+            m.fuse_errors.clone(),
+        );
+        registry.register(
+            "read_bytes",
+            "Bytes served by read-through reads (passthrough reads bypass the daemon)",
+            m.read_bytes.clone(),
+        );
+        registry.register(
+            "passthrough_opens",
+            "Opens served with kernel passthrough",
+            m.passthrough_opens.clone(),
+        );
+        registry.register(
+            "read_through_opens",
+            "Opens served by the daemon's read handler",
+            m.read_through_opens.clone(),
+        );
+        registry.register(
+            "passthrough_fallbacks",
+            "Opens that asked for passthrough and fell back to read-through",
+            m.passthrough_fallbacks.clone(),
+        );
+        registry.register(
+            "kernel_invalidations",
+            "Kernel entry/inode invalidations sent after mapping changes",
+            m.kernel_invalidations.clone(),
+        );
+        registry.register(
+            "mapping_changes",
+            "Atomic swaps of the mount's mapping",
+            m.mapping_changes.clone(),
+        );
+        registry.register("models", "Models by status", m.models.clone());
+        registry.register(
+            "store_bytes",
+            "Bytes on disk per store",
+            m.store_bytes.clone(),
+        );
+        registry.register(
+            "fetched_bytes",
+            "Bytes written into stores by imports and downloads, by source",
+            m.fetched_bytes.clone(),
+        );
+        registry.register(
+            "fetched_files",
+            "Blobs written into stores by imports and downloads, by source",
+            m.fetched_files.clone(),
+        );
+        registry.register(
+            "open_files",
+            "Files open through the mount",
+            m.open_files.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+
+    pub fn request(&self, op: &'static str) {
+        self.fuse_requests.get_or_create(&OpLabel { op }).inc();
+    }
+
+    pub fn error(&self, op: &'static str) {
+        self.fuse_errors.get_or_create(&OpLabel { op }).inc();
+    }
+}

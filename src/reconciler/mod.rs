@@ -1,0 +1,1194 @@
+//! The reconciler: the one place that decides. It owns the durable records and turns the
+//! desired set of models (from the standalone directory or Kubernetes) into resolve and fetch
+//! tasks, placements and mapping flips.
+//!
+//! # Model
+//! A single actor task handles one event at a time (desired state changed, a resolve or fetch
+//! finished, a timer tick), so decisions never race each other and need no locks. Slow work
+//! (hashing, copying, downloading) runs in spawned tasks that report back with events; they
+//! never touch the records.
+//!
+//! # Life of a model
+//! `ensure` sees a new or changed spec (its *fingerprint* changed) and starts work: resolve the
+//! source to a manifest (skipped when only the policy or path changed: the served artifact's
+//! manifest is reused), then `decide` (see [`placement`]): serve from an existing holder, wait
+//! for an in-flight fetch of the same artifact (single flight), or fetch into the model's own
+//! store. Until the new placement is complete and verified, the model keeps being served as
+//! before; then `serve` records the new placement and the mapping flips in one swap. This one
+//! path implements placement on create, source/revision changes and the four policy changes
+//! T-01..T-04 of SPEC §3.2.
+//!
+//! # Durability
+//! Records are saved after every event that changed them, always after the data they point at
+//! is durable (blobs synced, artifact file written): a SIGKILL leaves a state that start-up turns
+//! back into a consistent mapping by `stat`ing blobs, never re-hashing them.
+
+pub mod gc;
+pub mod placement;
+mod status_doc;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use arc_swap::ArcSwap;
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::artifact::{ArtifactId, Manifest, Sha256Digest, StoredArtifact};
+use crate::fs::{FsCore, Invalidation, MountEntry};
+use crate::manifest::{ModelKey, ModelSpec, MountPath};
+use crate::metrics::Metrics;
+use crate::source::{FetchContext, Progress, Source, SourceError};
+use crate::status::StatusDoc;
+use crate::store::{ModelPhase, ModelRecord, Records, StateDir, StoreId};
+
+use placement::Placement;
+
+/// Where mapping changes are announced to the kernel (the FUSE mount; nothing in unit tests).
+pub trait MountSink: Send + Sync {
+    fn invalidate(&self, list: Vec<Invalidation>);
+}
+
+impl MountSink for crate::fuse::MountHandle {
+    fn invalidate(&self, list: Vec<Invalidation>) {
+        crate::fuse::MountHandle::invalidate(self, list)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ReconcilerConfig {
+    /// Host directory the mount sits on; status paths are reported below it.
+    pub models_root_dir: PathBuf,
+    /// How long a store with no users stays on disk before garbage collection removes it. Long
+    /// enough that a quick delete-and-recreate of a model (a typo fixed in a manifest) does not
+    /// re-download it.
+    pub gc_grace: Duration,
+    /// How often garbage collection and retries run.
+    pub tick: Duration,
+    /// Node-wide limit on concurrent fetches (each fetch already parallelises internally).
+    pub max_concurrent_fetches: usize,
+    /// First retry delay after a transient failure; doubles per attempt up to `retry_max`.
+    pub retry_base: Duration,
+    pub retry_max: Duration,
+}
+
+impl Default for ReconcilerConfig {
+    fn default() -> Self {
+        Self {
+            models_root_dir: PathBuf::from("/mnt/models"),
+            gc_grace: Duration::from_secs(300),
+            tick: Duration::from_secs(1),
+            max_concurrent_fetches: 4,
+            retry_base: Duration::from_secs(2),
+            retry_max: Duration::from_secs(300),
+        }
+    }
+}
+
+/// The desired set of models.
+#[derive(Clone, Debug, Default)]
+pub struct DesiredState {
+    /// Valid specs, or why an object with this key is invalid.
+    pub models: BTreeMap<ModelKey, Result<ModelSpec, String>>,
+    /// Problems that cannot be keyed by a model (an unparseable file): shown in the status
+    /// under their own key.
+    pub errors: BTreeMap<String, String>,
+}
+
+enum Event {
+    Desired(DesiredState),
+    Resolved {
+        key: ModelKey,
+        fingerprint: String,
+        result: Result<Manifest, SourceError>,
+    },
+    Fetched {
+        key: ModelKey,
+        fingerprint: String,
+        store: StoreId,
+        manifest: Arc<Manifest>,
+        result: Result<Vec<Sha256Digest>, SourceError>,
+    },
+    Tick,
+    Shutdown(tokio::sync::oneshot::Sender<()>),
+}
+
+enum Stage {
+    Resolving,
+    Waiting {
+        manifest: Arc<Manifest>,
+    },
+    Fetching {
+        artifact: ArtifactId,
+        store: StoreId,
+        progress: Arc<Progress>,
+    },
+}
+
+struct Work {
+    fingerprint: String,
+    spec: ModelSpec,
+    source: Source,
+    stage: Stage,
+    cancel: Arc<AtomicBool>,
+}
+
+struct Retry {
+    fingerprint: String,
+    attempts: u32,
+    at: Instant,
+}
+
+/// Handle to the running reconciler.
+#[derive(Clone)]
+pub struct ReconcilerHandle {
+    tx: mpsc::UnboundedSender<Event>,
+    status: Arc<ArcSwap<StatusDoc>>,
+    ready: Arc<AtomicBool>,
+    alive: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl ReconcilerHandle {
+    pub fn set_desired(&self, desired: DesiredState) {
+        let _ = self.tx.send(Event::Desired(desired));
+    }
+
+    pub fn status(&self) -> Arc<StatusDoc> {
+        self.status.load_full()
+    }
+
+    /// True once the first desired state has been reconciled.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// Seconds since the actor last finished an event (liveness).
+    pub fn seconds_since_heartbeat(&self) -> u64 {
+        now_secs().saturating_sub(self.alive.load(Ordering::Relaxed))
+    }
+
+    /// Stops all work at a safe point (fetches end between chunks; partial files stay for
+    /// resume) and saves the records.
+    pub async fn shutdown(&self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.tx.send(Event::Shutdown(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// What decides whether a spec change needs work.
+pub fn fingerprint(spec: &ModelSpec) -> String {
+    let mut h = Sha256::new();
+    for part in [
+        spec.source.to_string(),
+        spec.policy.as_str().to_string(),
+        spec.path.to_string(),
+        spec.reserve_artifact.to_string(),
+        spec.token_secret.clone().unwrap_or_default(),
+        spec.token_secret_entry().to_string(),
+    ] {
+        h.update(part.as_bytes());
+        h.update([0]);
+    }
+    hex::encode(&h.finalize()[..16])
+}
+
+pub struct Reconciler {
+    config: ReconcilerConfig,
+    state: StateDir,
+    records: Records,
+    saved: Vec<u8>,
+    fs: Arc<FsCore>,
+    mount: Option<Arc<dyn MountSink>>,
+    metrics: Arc<Metrics>,
+    desired: Option<DesiredState>,
+    works: BTreeMap<ModelKey, Work>,
+    retries: HashMap<ModelKey, Retry>,
+    artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
+    released: HashMap<StoreId, Instant>,
+    store_bytes: BTreeMap<StoreId, u64>,
+    fetch_slots: Arc<Semaphore>,
+    tx: mpsc::UnboundedSender<Event>,
+    status: Arc<ArcSwap<StatusDoc>>,
+    status_bytes: Vec<u8>,
+    ready: Arc<AtomicBool>,
+    alive: Arc<std::sync::atomic::AtomicU64>,
+    last_gc: Instant,
+}
+
+impl Reconciler {
+    /// Loads the records, drops placements whose data is missing (so they are fetched again),
+    /// mounts every model that is still complete, and starts the actor.
+    pub fn start(
+        config: ReconcilerConfig,
+        state: StateDir,
+        fs: Arc<FsCore>,
+        mount: Option<Arc<dyn MountSink>>,
+        metrics: Arc<Metrics>,
+    ) -> Result<ReconcilerHandle, crate::store::records::RecordsError> {
+        let records = Records::load(&state.records_path())?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let status = Arc::new(ArcSwap::from_pointee(StatusDoc::new()));
+        let ready = Arc::new(AtomicBool::new(false));
+        let alive = Arc::new(std::sync::atomic::AtomicU64::new(now_secs()));
+        let mut r = Reconciler {
+            fetch_slots: Arc::new(Semaphore::new(config.max_concurrent_fetches.max(1))),
+            config,
+            state,
+            records,
+            saved: Vec::new(),
+            fs,
+            mount,
+            metrics,
+            desired: None,
+            works: BTreeMap::new(),
+            retries: HashMap::new(),
+            artifacts: HashMap::new(),
+            released: HashMap::new(),
+            store_bytes: BTreeMap::new(),
+            tx: tx.clone(),
+            status: status.clone(),
+            status_bytes: Vec::new(),
+            ready: ready.clone(),
+            alive: alive.clone(),
+            last_gc: Instant::now(),
+        };
+        r.saved = serde_json::to_vec_pretty(&r.records).unwrap_or_default();
+        r.recover();
+        r.remap();
+        r.refresh_store_bytes();
+        r.save();
+        r.publish();
+        let tick = r.config.tick;
+        let ticker = tx.clone();
+        tokio::spawn(async move {
+            let mut interval = tokio::time::interval(tick);
+            loop {
+                interval.tick().await;
+                if ticker.send(Event::Tick).is_err() {
+                    break;
+                }
+            }
+        });
+        tokio::spawn(r.run(rx));
+        Ok(ReconcilerHandle {
+            tx,
+            status,
+            ready,
+            alive,
+        })
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>) {
+        while let Some(event) = rx.recv().await {
+            match event {
+                Event::Shutdown(done) => {
+                    for w in self.works.values() {
+                        w.cancel.store(true, Ordering::Relaxed);
+                    }
+                    // Let fetch tasks reach a chunk boundary so partial files are consistent.
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        self.fetch_slots
+                            .acquire_many(self.config.max_concurrent_fetches.max(1) as u32),
+                    )
+                    .await;
+                    self.save();
+                    self.publish();
+                    let _ = done.send(());
+                    return;
+                }
+                other => self.handle(other),
+            }
+            self.save();
+            self.publish();
+            self.alive.store(now_secs(), Ordering::Relaxed);
+        }
+    }
+
+    fn handle(&mut self, event: Event) {
+        match event {
+            Event::Desired(d) => {
+                self.desired = Some(d);
+                self.reconcile_all();
+                self.ready.store(true, Ordering::Relaxed);
+            }
+            Event::Resolved {
+                key,
+                fingerprint,
+                result,
+            } => self.on_resolved(key, fingerprint, result),
+            Event::Fetched {
+                key,
+                fingerprint,
+                store,
+                manifest,
+                result,
+            } => self.on_fetched(key, fingerprint, store, manifest, result),
+            Event::Tick => {
+                self.reconcile_all();
+                if self.last_gc.elapsed() >= self.config.tick * 5 || self.config.gc_grace.is_zero()
+                {
+                    self.last_gc = Instant::now();
+                    self.gc();
+                }
+            }
+            Event::Shutdown(_) => unreachable!("handled in run"),
+        }
+    }
+
+    // ----- desired state -------------------------------------------------------------------
+
+    fn reconcile_all(&mut self) {
+        let Some(desired) = self.desired.clone() else {
+            return;
+        };
+        let gone: Vec<ModelKey> = self
+            .records
+            .models
+            .keys()
+            .filter(|k| !desired.models.contains_key(*k))
+            .cloned()
+            .collect();
+        let mut changed = false;
+        for key in gone {
+            self.delete(&key);
+            changed = true;
+        }
+        for (key, wanted) in &desired.models {
+            changed |= match wanted {
+                Ok(spec) => self.ensure(key, spec),
+                Err(reason) => self.mark_invalid(key, reason),
+            };
+        }
+        if changed {
+            self.remap();
+        }
+    }
+
+    fn mark_invalid(&mut self, key: &ModelKey, reason: &str) -> bool {
+        let fp = format!(
+            "invalid:{}",
+            hex::encode(&Sha256::digest(reason.as_bytes())[..8])
+        );
+        if self
+            .records
+            .models
+            .get(key)
+            .is_some_and(|r| r.fingerprint == fp)
+        {
+            return false;
+        }
+        self.cancel_work(key);
+        self.retries.remove(key);
+        let seq = match self.records.models.get(key) {
+            Some(r) => r.seq,
+            None => self.records.allocate_model_seq(),
+        };
+        let (namespace, name) = split_key(key);
+        let rec = self
+            .records
+            .models
+            .entry(key.clone())
+            .or_insert_with(|| ModelRecord {
+                seq,
+                name: name.clone(),
+                namespace: namespace.clone(),
+                fingerprint: String::new(),
+                source: String::new(),
+                policy: crate::manifest::DownloadPolicy::AlwaysDownload,
+                path: String::new(),
+                reserve: false,
+                phase: ModelPhase::Failed,
+                reason: None,
+                artifact: None,
+                sha: None,
+                store: None,
+                served_path: None,
+                served_source: None,
+            });
+        tracing::warn!(model = %key, reason, "invalid model object");
+        rec.fingerprint = fp;
+        rec.phase = ModelPhase::Failed;
+        rec.reason = Some(reason.to_string());
+        // Unmapped (its path may be what is invalid) but its own store is kept: fixing the
+        // object must not cost a download, and its children keep being served.
+        rec.artifact = None;
+        rec.sha = None;
+        rec.store = None;
+        rec.served_path = None;
+        rec.served_source = None;
+        self.wake_waiters(key);
+        true
+    }
+
+    /// Starts work for a new or changed spec. Returns whether the records changed.
+    fn ensure(&mut self, key: &ModelKey, spec: &ModelSpec) -> bool {
+        let fp = fingerprint(spec);
+        if let Some(w) = self.works.get(key) {
+            if w.fingerprint == fp {
+                return false;
+            }
+            self.cancel_work(key);
+        }
+        let now = Instant::now();
+        match self.records.models.get_mut(key) {
+            Some(rec) if rec.fingerprint == fp => match rec.phase {
+                ModelPhase::Ready => return false,
+                ModelPhase::Failed => match self.retries.get(key) {
+                    Some(r) if r.fingerprint == fp && r.at <= now => {}
+                    _ => return false,
+                },
+                ModelPhase::Updating => {}
+            },
+            Some(rec) => {
+                rec.fingerprint = fp.clone();
+                rec.source = spec.source.to_string();
+                rec.policy = spec.policy;
+                rec.path = spec.path.to_string();
+                rec.reserve = spec.reserve_artifact;
+                rec.name = spec.name.clone();
+                rec.namespace = spec.namespace.clone();
+                rec.phase = ModelPhase::Updating;
+                rec.reason = None;
+                self.retries.remove(key);
+            }
+            None => {
+                let seq = self.records.allocate_model_seq();
+                self.records.models.insert(
+                    key.clone(),
+                    ModelRecord {
+                        seq,
+                        name: spec.name.clone(),
+                        namespace: spec.namespace.clone(),
+                        fingerprint: fp.clone(),
+                        source: spec.source.to_string(),
+                        policy: spec.policy,
+                        path: spec.path.to_string(),
+                        reserve: spec.reserve_artifact,
+                        phase: ModelPhase::Updating,
+                        reason: None,
+                        artifact: None,
+                        sha: None,
+                        store: None,
+                        served_path: None,
+                        served_source: None,
+                    },
+                );
+                tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
+            }
+        }
+        if let Some(reason) = self.conflict_for(key, &spec.path, None) {
+            self.fail_conflict(key, &fp, reason);
+            return true;
+        }
+        let source = match Source::for_uri(&spec.source) {
+            Ok(s) => s,
+            Err(e) => {
+                self.fail(key, &fp, &e);
+                return true;
+            }
+        };
+        self.records.models.get_mut(key).expect("record").phase = ModelPhase::Updating;
+        let cancel = Arc::new(AtomicBool::new(false));
+        let rec = &self.records.models[key];
+        // Same source as the served artifact: only policy, path or label changed. No resolve.
+        let known = match (rec.artifact.clone(), rec.served_source.clone()) {
+            (Some(a), Some(src)) if src == spec.source.to_string() => self.artifact(&a),
+            _ => None,
+        };
+        self.works.insert(
+            key.clone(),
+            Work {
+                fingerprint: fp.clone(),
+                spec: spec.clone(),
+                source: source.clone(),
+                stage: Stage::Resolving,
+                cancel: cancel.clone(),
+            },
+        );
+        if let Some(stored) = known {
+            self.decide(key, Arc::new(stored.manifest.clone()));
+            return true;
+        }
+        let tx = self.tx.clone();
+        let key2 = key.clone();
+        tokio::spawn(async move {
+            let result = source.resolve(cancel).await;
+            let _ = tx.send(Event::Resolved {
+                key: key2,
+                fingerprint: fp,
+                result,
+            });
+        });
+        true
+    }
+
+    // ----- placement -----------------------------------------------------------------------
+
+    fn on_resolved(&mut self, key: ModelKey, fp: String, result: Result<Manifest, SourceError>) {
+        if self.works.get(&key).is_none_or(|w| w.fingerprint != fp) {
+            return;
+        }
+        match result {
+            Ok(m) => self.decide(&key, Arc::new(m)),
+            Err(e) => self.fail(&key, &fp, &e),
+        }
+        // Waiters on this resolve now see a fetch (and keep waiting), a Ready holder, or a
+        // failure (and fetch themselves).
+        self.wake_waiters(&key);
+    }
+
+    fn in_flight(&self, source: &str) -> placement::InFlight {
+        let mut out = placement::InFlight::default();
+        for (k, w) in &self.works {
+            match &w.stage {
+                Stage::Fetching { artifact, .. } => {
+                    out.fetching.insert(k.clone(), artifact.clone());
+                }
+                Stage::Resolving if w.spec.source.to_string() == source => {
+                    out.resolving_same_source.push(k.clone())
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    fn decide(&mut self, key: &ModelKey, manifest: Arc<Manifest>) {
+        let Some(work) = self.works.get(key) else {
+            return;
+        };
+        let fp = work.fingerprint.clone();
+        let spec = work.spec.clone();
+        let artifact = manifest.id();
+        if let Some(reason) = self.conflict_for(key, &spec.path, Some(&artifact)) {
+            self.fail_conflict(key, &fp, reason);
+            return;
+        }
+        let in_flight = self.in_flight(&spec.source.to_string());
+        match placement::place(&self.records, key, spec.policy, &artifact, &in_flight) {
+            Placement::Serve(store) => {
+                self.serve(key, store, artifact, manifest.revision.clone(), &spec);
+                self.remap();
+            }
+            Placement::Wait(other) => {
+                tracing::info!(model = %key, waits_for = %other, "same artifact is being fetched; waiting for it");
+                if let Some(w) = self.works.get_mut(key) {
+                    w.stage = Stage::Waiting { manifest };
+                }
+            }
+            Placement::Fetch => {
+                let store = match self.records.owned_store(key) {
+                    Some(s) => s.clone(),
+                    None => {
+                        let id = self.records.allocate_store(key);
+                        // The record must exist before the directory, or a crash leaves an
+                        // orphan that looks like garbage... which is exactly what GC removes.
+                        self.save();
+                        id
+                    }
+                };
+                let handle = match self.state.store(&store) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        let err = SourceError::Store {
+                            path: store.to_string(),
+                            source: crate::store::StoreError::io("creating store", e),
+                        };
+                        self.fail(key, &fp, &err);
+                        return;
+                    }
+                };
+                let w = self.works.get_mut(key).expect("work");
+                let progress = Arc::new(Progress::default());
+                progress
+                    .total_bytes
+                    .store(manifest.total_size(), Ordering::Relaxed);
+                progress
+                    .total_files
+                    .store(manifest.entries().len() as u64, Ordering::Relaxed);
+                w.stage = Stage::Fetching {
+                    artifact,
+                    store: store.clone(),
+                    progress: progress.clone(),
+                };
+                let ctx = FetchContext {
+                    store: handle,
+                    progress,
+                    cancel: w.cancel.clone(),
+                    metrics: self.metrics.clone(),
+                };
+                let source = w.source.clone();
+                let tx = self.tx.clone();
+                let slots = self.fetch_slots.clone();
+                let key2 = key.clone();
+                tracing::info!(model = %key, %store, bytes = manifest.total_size(), files = manifest.entries().len(), "fetching");
+                tokio::spawn(async move {
+                    let result = match slots.acquire_owned().await {
+                        Ok(_permit) => source.fetch(manifest.clone(), ctx).await,
+                        Err(_) => Err(SourceError::Cancelled),
+                    };
+                    let _ = tx.send(Event::Fetched {
+                        key: key2,
+                        fingerprint: fp,
+                        store,
+                        manifest,
+                        result,
+                    });
+                });
+            }
+        }
+    }
+
+    fn on_fetched(
+        &mut self,
+        key: ModelKey,
+        fp: String,
+        store: StoreId,
+        manifest: Arc<Manifest>,
+        result: Result<Vec<Sha256Digest>, SourceError>,
+    ) {
+        let current = self.works.get(&key).is_some_and(|w| w.fingerprint == fp);
+        match result {
+            Ok(blobs) => {
+                // A complete, verified artifact is real data whether or not the model still
+                // wants it: record it so that the store (and any waiter) can use it.
+                let stored = match StoredArtifact::new((*manifest).clone(), blobs, now_secs()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::error!(model = %key, error = %e, "fetch returned an inconsistent artifact");
+                        return;
+                    }
+                };
+                if let Err(e) = self.state.save_artifact(&stored) {
+                    let err = SourceError::Store {
+                        path: "artifact record".into(),
+                        source: crate::store::StoreError::io("saving artifact", e),
+                    };
+                    if current {
+                        self.fail(&key, &fp, &err);
+                    }
+                    return;
+                }
+                let id = stored.id.clone();
+                self.artifacts.insert(id.clone(), Arc::new(stored));
+                if let Some(s) = self.records.stores.get_mut(&store) {
+                    s.artifacts.insert(id.clone());
+                }
+                self.update_store_bytes(&store);
+                if current {
+                    let spec = self.works[&key].spec.clone();
+                    tracing::info!(model = %key, %store, "fetch complete and verified");
+                    self.serve(&key, store, id, manifest.revision.clone(), &spec);
+                    self.remap();
+                }
+            }
+            Err(SourceError::Cancelled) => {}
+            Err(e) => {
+                if current {
+                    self.fail(&key, &fp, &e);
+                }
+            }
+        }
+        self.wake_waiters(&key);
+    }
+
+    /// Models waiting for `key`'s fetch decide again (they map onto the result, or fetch
+    /// themselves if it failed).
+    fn wake_waiters(&mut self, key: &ModelKey) {
+        let _ = key;
+        let waiting: Vec<(ModelKey, Arc<Manifest>)> = self
+            .works
+            .iter()
+            .filter_map(|(k, w)| match &w.stage {
+                Stage::Waiting { manifest } => Some((k.clone(), manifest.clone())),
+                _ => None,
+            })
+            .collect();
+        for (k, m) in waiting {
+            self.decide(&k, m);
+        }
+    }
+
+    /// Records that `key` is served from `store` (which holds `artifact` complete), releasing
+    /// or handing over the model's own store if it moved away from it (T-02, T-04).
+    fn serve(
+        &mut self,
+        key: &ModelKey,
+        store: StoreId,
+        artifact: ArtifactId,
+        sha: String,
+        spec: &ModelSpec,
+    ) {
+        self.works.remove(key);
+        self.retries.remove(key);
+        let own = self.records.owned_store(key).cloned();
+        {
+            let rec = self.records.models.get_mut(key).expect("record");
+            let before = (
+                rec.store.clone(),
+                rec.artifact.clone(),
+                rec.served_path.clone(),
+            );
+            rec.artifact = Some(artifact.clone());
+            rec.sha = Some(sha);
+            rec.store = Some(store.clone());
+            rec.served_path = Some(spec.path.to_string());
+            rec.served_source = Some(spec.source.to_string());
+            rec.phase = ModelPhase::Ready;
+            rec.reason = None;
+            if before
+                != (
+                    rec.store.clone(),
+                    rec.artifact.clone(),
+                    rec.served_path.clone(),
+                )
+            {
+                tracing::info!(model = %key, %store, artifact = %artifact, "mapping changed");
+            }
+        }
+        // Adopt a reserved store that has no owner.
+        if let Some(s) = self.records.stores.get_mut(&store) {
+            if s.owner.is_none() {
+                s.owner = Some(key.clone());
+                s.reserved = false;
+            }
+        }
+        if let Some(own) = own.filter(|o| *o != store) {
+            // Children of the old copy that the new store can serve move with the model, so
+            // no chain of parents forms (T-04).
+            let target_artifacts = self.records.stores[&store].artifacts.clone();
+            let users: Vec<ModelKey> = self.records.users_of(&own).into_iter().cloned().collect();
+            for u in users {
+                let m = self.records.models.get_mut(&u).expect("user record");
+                if m.artifact
+                    .as_ref()
+                    .is_some_and(|a| target_artifacts.contains(a))
+                {
+                    m.store = Some(store.clone());
+                }
+            }
+            self.hand_over_or_release(&own, key, false);
+        }
+        self.prune_store_artifacts(&store);
+    }
+
+    /// The owner `key` leaves `store`: ownership passes to the remaining user with the smallest
+    /// key, or the store is released (reserved if the leaving owner carried the reserve label).
+    fn hand_over_or_release(&mut self, store: &StoreId, key: &ModelKey, reserve: bool) {
+        let next = self
+            .records
+            .users_of(store)
+            .into_iter()
+            .find(|u| *u != key)
+            .cloned();
+        let ns = self
+            .records
+            .models
+            .get(key)
+            .and_then(|m| m.namespace.clone());
+        let Some(s) = self.records.stores.get_mut(store) else {
+            return;
+        };
+        match next {
+            Some(n) => {
+                tracing::info!(%store, from = %key, to = %n, "store ownership passes to a child");
+                s.owner = Some(n);
+            }
+            None => {
+                s.owner = None;
+                s.reserved = reserve;
+                s.last_owner_namespace = ns;
+                tracing::info!(%store, reserved = reserve, "store released");
+            }
+        }
+    }
+
+    /// Forgets artifacts of a store that none of its users serves any more (an old revision):
+    /// they no longer qualify the store as a reuse holder of that artifact.
+    fn prune_store_artifacts(&mut self, store: &StoreId) {
+        let served: Vec<ArtifactId> = self
+            .records
+            .models
+            .values()
+            .filter(|m| m.store.as_ref() == Some(store))
+            .filter_map(|m| m.artifact.clone())
+            .collect();
+        if served.is_empty() {
+            return;
+        }
+        if let Some(s) = self.records.stores.get_mut(store) {
+            s.artifacts.retain(|a| served.contains(a));
+        }
+    }
+
+    fn delete(&mut self, key: &ModelKey) {
+        self.cancel_work(key);
+        self.retries.remove(key);
+        let own = self.records.owned_store(key).cloned();
+        let reserve = self.records.models.get(key).is_some_and(|m| m.reserve);
+        tracing::info!(model = %key, "model deleted");
+        if let Some(own) = own {
+            self.hand_over_or_release(&own, key, reserve);
+        }
+        self.records.models.remove(key);
+        self.wake_waiters(key);
+    }
+
+    fn cancel_work(&mut self, key: &ModelKey) {
+        if let Some(w) = self.works.remove(key) {
+            w.cancel.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn fail(&mut self, key: &ModelKey, fp: &str, err: &SourceError) {
+        self.cancel_work(key);
+        let transient = err.is_transient();
+        let mut reason = err.to_string();
+        if transient {
+            let attempts = self
+                .retries
+                .get(key)
+                .filter(|r| r.fingerprint == fp)
+                .map(|r| r.attempts + 1)
+                .unwrap_or(1);
+            let exp = self
+                .config
+                .retry_base
+                .saturating_mul(1u32 << attempts.min(16))
+                .min(self.config.retry_max);
+            // Jitter: 50..100% of the delay, so a node full of failing models does not retry
+            // in lockstep.
+            let jitter = 0.5 + 0.5 * (now_nanos_fraction());
+            let delay = exp.mul_f64(jitter);
+            reason = format!("{reason} (retry {attempts} in {}s)", delay.as_secs().max(1));
+            self.retries.insert(
+                key.clone(),
+                Retry {
+                    fingerprint: fp.to_string(),
+                    attempts,
+                    at: Instant::now() + delay,
+                },
+            );
+        } else {
+            self.retries.remove(key);
+        }
+        tracing::warn!(model = %key, reason, "model failed");
+        if let Some(rec) = self.records.models.get_mut(key) {
+            rec.phase = ModelPhase::Failed;
+            rec.reason = Some(reason);
+        }
+    }
+
+    fn fail_conflict(&mut self, key: &ModelKey, fp: &str, reason: String) {
+        self.cancel_work(key);
+        // Re-checked every tick: the conflict ends when the other model goes away or moves.
+        self.retries.insert(
+            key.clone(),
+            Retry {
+                fingerprint: fp.to_string(),
+                attempts: 0,
+                at: Instant::now() + self.config.tick,
+            },
+        );
+        if let Some(rec) = self.records.models.get_mut(key) {
+            if rec.reason.as_deref() != Some(reason.as_str()) {
+                tracing::warn!(model = %key, reason, "path conflict");
+            }
+            rec.phase = ModelPhase::Failed;
+            rec.reason = Some(reason);
+        }
+    }
+
+    /// Whether placing `key` at `path` (serving `artifact`, if known) would conflict with a model
+    /// already served or an earlier model still being placed (SPEC §4).
+    fn conflict_for(
+        &self,
+        key: &ModelKey,
+        path: &MountPath,
+        artifact: Option<&ArtifactId>,
+    ) -> Option<String> {
+        let my_seq = self
+            .records
+            .models
+            .get(key)
+            .map(|r| r.seq)
+            .unwrap_or(u64::MAX);
+        for (other, rec) in &self.records.models {
+            if other == key {
+                continue;
+            }
+            if let Some(sp) = rec
+                .served_path
+                .as_deref()
+                .and_then(|p| MountPath::from_relative(p).ok())
+            {
+                if sp.nests_with(path) {
+                    if sp != *path {
+                        return Some(format!("path {path} nests with path {sp} of {other}"));
+                    }
+                    if let (Some(a), Some(b)) = (artifact, rec.artifact.as_ref()) {
+                        if a != b {
+                            return Some(format!(
+                                "path {path} is already used by {other} with a different artifact"
+                            ));
+                        }
+                    }
+                }
+                continue;
+            }
+            if rec.seq < my_seq && rec.phase == ModelPhase::Updating {
+                if let Ok(p) = MountPath::from_relative(&rec.path) {
+                    if p.nests_with(path) && p != *path {
+                        return Some(format!("path {path} nests with path {p} of {other}"));
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    // ----- mapping -------------------------------------------------------------------------
+
+    fn artifact(&mut self, id: &ArtifactId) -> Option<Arc<StoredArtifact>> {
+        if let Some(a) = self.artifacts.get(id) {
+            return Some(a.clone());
+        }
+        match self.state.load_artifact(id) {
+            Ok(a) => {
+                let a = Arc::new(a);
+                self.artifacts.insert(id.clone(), a.clone());
+                Some(a)
+            }
+            Err(e) => {
+                tracing::error!(artifact = %id, error = %e, "artifact record unreadable");
+                None
+            }
+        }
+    }
+
+    /// Builds the mount entries from the records and swaps the mapping.
+    fn remap(&mut self) {
+        let mut served: Vec<(u64, ModelKey, MountPath, ArtifactId, StoreId)> = Vec::new();
+        for (key, rec) in &self.records.models {
+            let (Some(a), Some(s), Some(p)) = (&rec.artifact, &rec.store, &rec.served_path) else {
+                continue;
+            };
+            let Ok(path) = MountPath::from_relative(p) else {
+                continue;
+            };
+            served.push((rec.seq, key.clone(), path, a.clone(), s.clone()));
+        }
+        served.sort_by_key(|s| s.0);
+        let claims: Vec<_> = served
+            .iter()
+            .map(|s| (s.1.clone(), s.0, s.2.clone(), Some(s.3.clone())))
+            .collect();
+        let conflicts = placement::path_conflicts(&claims);
+        let mut entries = Vec::with_capacity(served.len());
+        for (_, key, path, artifact, store) in served {
+            if conflicts.contains_key(&key) {
+                continue;
+            }
+            let Some(stored) = self.artifact(&artifact) else {
+                continue;
+            };
+            let handle = match self.state.store(&store) {
+                Ok(h) => self.fs.store_handle(&store, h),
+                Err(e) => {
+                    tracing::error!(%store, error = %e, "store directory unusable");
+                    continue;
+                }
+            };
+            entries.push(MountEntry {
+                path: path.segments().to_vec(),
+                artifact: stored,
+                store: handle,
+            });
+        }
+        match self.fs.apply(&entries) {
+            Ok(inv) => {
+                self.metrics.mapping_changes.inc();
+                if let Some(m) = &self.mount {
+                    m.invalidate(inv);
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "mapping update refused"),
+        }
+    }
+
+    // ----- start-up ------------------------------------------------------------------------
+
+    /// Makes the records consistent with the disk after a crash: a placement whose artifact
+    /// file or blobs are missing is dropped (the model is fetched again; verified blobs that are
+    /// present are kept and not fetched again), and a store's artifact that is incomplete is
+    /// forgotten. Only `stat`s: blobs under their final name were verified before the rename.
+    fn recover(&mut self) {
+        let store_ids: Vec<StoreId> = self.records.stores.keys().cloned().collect();
+        for id in store_ids {
+            let artifacts: Vec<ArtifactId> =
+                self.records.stores[&id].artifacts.iter().cloned().collect();
+            for a in artifacts {
+                if !self.complete_in(&a, &id) {
+                    tracing::warn!(store = %id, artifact = %a, "artifact incomplete after restart; will fetch again");
+                    self.records
+                        .stores
+                        .get_mut(&id)
+                        .expect("store")
+                        .artifacts
+                        .remove(&a);
+                }
+            }
+        }
+        let keys: Vec<ModelKey> = self.records.models.keys().cloned().collect();
+        for key in keys {
+            let rec = &self.records.models[&key];
+            let ok = match (&rec.artifact, &rec.store) {
+                (Some(a), Some(s)) => self
+                    .records
+                    .stores
+                    .get(s)
+                    .is_some_and(|st| st.artifacts.contains(a)),
+                (None, None) => true,
+                _ => false,
+            };
+            if !ok {
+                let rec = self.records.models.get_mut(&key).expect("record");
+                rec.artifact = None;
+                rec.store = None;
+                rec.served_path = None;
+                rec.served_source = None;
+                rec.phase = ModelPhase::Updating;
+            } else if self.records.models[&key].phase == ModelPhase::Updating {
+                // Work in flight at the crash restarts when the desired state arrives; the
+                // model keeps its old placement meanwhile.
+            }
+        }
+        // A store whose owner is gone is released (owner records are removed atomically with
+        // the hand-over, so this only repairs hand-edited records).
+        let orphaned: Vec<StoreId> = self
+            .records
+            .stores
+            .iter()
+            .filter(|(_, s)| {
+                s.owner
+                    .as_ref()
+                    .is_some_and(|o| !self.records.models.contains_key(o))
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in orphaned {
+            self.records.stores.get_mut(&id).expect("store").owner = None;
+        }
+    }
+
+    fn complete_in(&mut self, artifact: &ArtifactId, store: &StoreId) -> bool {
+        let Some(stored) = self.artifact(artifact) else {
+            return false;
+        };
+        let Some(handle) = self.state.existing_store(store) else {
+            return false;
+        };
+        let complete = stored
+            .files()
+            .all(|(e, blob)| handle.has_blob(blob, e.size));
+        complete
+    }
+
+    // ----- persistence and status ----------------------------------------------------------
+
+    fn save(&mut self) {
+        let bytes = match serde_json::to_vec_pretty(&self.records) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(error = %e, "records do not serialize");
+                return;
+            }
+        };
+        if bytes == self.saved {
+            return;
+        }
+        match crate::store::fsutil::atomic_write(&self.state.records_path(), &bytes) {
+            Ok(()) => self.saved = bytes,
+            Err(e) => tracing::error!(error = %e, "saving records failed; will retry"),
+        }
+    }
+
+    fn refresh_store_bytes(&mut self) {
+        let ids: Vec<StoreId> = self.records.stores.keys().cloned().collect();
+        self.store_bytes.clear();
+        for id in ids {
+            self.update_store_bytes(&id);
+        }
+    }
+
+    fn update_store_bytes(&mut self, id: &StoreId) {
+        let bytes = self
+            .state
+            .existing_store(id)
+            .map(|s| s.disk_usage())
+            .unwrap_or(0);
+        self.store_bytes.insert(id.clone(), bytes);
+        self.metrics
+            .store_bytes
+            .get_or_create(&crate::metrics::StoreLabel {
+                store: id.to_string(),
+            })
+            .set(bytes as i64);
+    }
+
+    fn publish(&mut self) {
+        let doc = self.status_doc();
+        let bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
+        if bytes == self.status_bytes {
+            return;
+        }
+        for status in ["Ready", "Updating", "Failed"] {
+            let n = doc.values().filter(|e| e.status == status).count();
+            self.metrics
+                .models
+                .get_or_create(&crate::metrics::StatusLabel { status })
+                .set(n as i64);
+        }
+        self.status.store(Arc::new(doc));
+        if let Err(e) = crate::store::fsutil::atomic_write(&self.state.status_path(), &bytes) {
+            tracing::warn!(error = %e, "writing status.json failed");
+        }
+        self.status_bytes = bytes;
+    }
+}
+
+/// `(namespace, name)` of an OME key.
+fn split_key(key: &ModelKey) -> (Option<String>, String) {
+    let s = key.as_str();
+    if let Some(name) = s.strip_prefix("clusterbasemodel.") {
+        return (None, name.to_string());
+    }
+    match s.split_once(".basemodel.") {
+        Some((ns, name)) => (Some(ns.to_string()), name.to_string()),
+        None => (None, s.to_string()),
+    }
+}
+
+fn now_nanos_fraction() -> f64 {
+    let n = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    f64::from(n % 1000) / 1000.0
+}
+
+#[cfg(test)]
+mod tests;

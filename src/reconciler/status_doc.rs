@@ -1,0 +1,106 @@
+//! The status document built from the records (SPEC §6.1, §6.3). Parent and children are
+//! derived from the placements every time, never stored, so they cannot go stale: the parent of
+//! a model is the owner of the store it is served from, and a parent's children are the other
+//! models served from its store.
+
+use std::sync::atomic::Ordering;
+use std::time::SystemTime;
+
+use super::{Reconciler, Stage};
+use crate::status::{rfc3339, ModelStatus, ProgressStatus, StatusDoc};
+use crate::store::ModelPhase;
+
+impl Reconciler {
+    fn abs_path(&self, rel: &str) -> String {
+        self.config
+            .models_root_dir
+            .join(rel)
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    pub(super) fn status_doc(&self) -> StatusDoc {
+        let mut doc = StatusDoc::new();
+        for (key, rec) in &self.records.models {
+            let mut e = ModelStatus {
+                name: rec.name.clone(),
+                status: rec.phase.as_str().to_string(),
+                policy: rec.policy.as_str().to_string(),
+                path: if rec.path.is_empty() {
+                    String::new()
+                } else {
+                    self.abs_path(&rec.path)
+                },
+                reason: rec.reason.clone(),
+                source: rec.source.clone(),
+                digest: rec.artifact.as_ref().map(|a| a.to_string()),
+                ..Default::default()
+            };
+            e.config.artifact.sha = rec.sha.clone().unwrap_or_default();
+            if let Some(store) = &rec.store {
+                if let Some(owner) = self
+                    .records
+                    .stores
+                    .get(store)
+                    .and_then(|s| s.owner.as_ref())
+                {
+                    let owner_path = self
+                        .records
+                        .models
+                        .get(owner)
+                        .and_then(|o| o.served_path.clone())
+                        .map(|p| self.abs_path(&p))
+                        .unwrap_or_default();
+                    e.config
+                        .artifact
+                        .parent_path
+                        .insert(owner.to_string(), owner_path);
+                }
+            }
+            if let Some(own) = self.records.owned_store(key) {
+                e.bytes_on_disk = self.store_bytes.get(own).copied().unwrap_or(0);
+                if rec.store.as_ref() == Some(own) {
+                    e.config.artifact.children_paths = self
+                        .records
+                        .users_of(own)
+                        .into_iter()
+                        .filter(|u| *u != key)
+                        .filter_map(|u| self.records.models[u].served_path.clone())
+                        .map(|p| self.abs_path(&p))
+                        .collect();
+                }
+            }
+            if let Some(w) = self.works.get(key) {
+                if let Stage::Fetching { progress, .. } = &w.stage {
+                    e.progress = Some(ProgressStatus {
+                        phase: "downloading".into(),
+                        total_bytes: progress.total_bytes.load(Ordering::Relaxed),
+                        completed_bytes: progress.completed_bytes.load(Ordering::Relaxed),
+                        total_files: progress.total_files.load(Ordering::Relaxed),
+                        completed_files: progress.completed_files.load(Ordering::Relaxed),
+                        speed_bytes_per_sec: progress.bytes_per_sec(),
+                        last_updated: rfc3339(SystemTime::now()),
+                    });
+                }
+            }
+            if rec.phase == ModelPhase::Failed && e.reason.is_none() {
+                e.reason = Some("failed".into());
+            }
+            doc.insert(key.to_string(), e);
+        }
+        if let Some(desired) = &self.desired {
+            for (what, reason) in &desired.errors {
+                doc.insert(
+                    what.clone(),
+                    ModelStatus {
+                        name: what.clone(),
+                        status: "Failed".into(),
+                        reason: Some(reason.clone()),
+                        ..Default::default()
+                    },
+                );
+            }
+        }
+        doc
+    }
+}

@@ -1,0 +1,176 @@
+//! Sources: resolve a model's `storageUri` to an artifact, then fetch the artifact's blobs into a
+//! store.
+//!
+//! The two steps are separate on purpose. `resolve` is cheap relative to `fetch` for remote
+//! sources (metadata calls only) and yields the artifact identity, which is what placement needs
+//! to decide whether anything must be fetched at all (`ReuseIfExists` onto an existing holder
+//! downloads zero bytes). `fetch` then writes only the blobs the target store lacks and verifies
+//! every one against the digest `resolve` obtained.
+
+pub mod local;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::artifact::{ArtifactError, Manifest, Sha256Digest};
+use crate::manifest::SourceUri;
+use crate::metrics::{Metrics, SourceLabel, SourceScheme};
+use crate::store::{Store, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("source directory {path} does not exist")]
+    LocalMissing { path: String },
+    #[error("source {path}: {source}")]
+    LocalIo {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("source {path} is neither a regular file nor a directory")]
+    LocalSpecialFile { path: String },
+    #[error("source {path} changed while it was being imported")]
+    LocalChanged { path: String },
+    #[error("source directory {path} contains a symlink loop")]
+    LocalLoop { path: String },
+    #[error(transparent)]
+    Listing(#[from] ArtifactError),
+    #[error("storing {path}: {source}")]
+    Store {
+        path: String,
+        #[source]
+        source: StoreError,
+    },
+    #[error("storage scheme {scheme}:// is not supported yet (supported: hf://, local://)")]
+    Unsupported { scheme: String },
+    #[error("cancelled")]
+    Cancelled,
+}
+
+impl SourceError {
+    /// Whether retrying the same request later can succeed without anyone changing the spec.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            SourceError::LocalChanged { .. } | SourceError::Cancelled => true,
+            SourceError::Store { source, .. } => {
+                matches!(source, StoreError::DiskFull { .. } | StoreError::Io { .. })
+            }
+            SourceError::LocalIo { .. } => true,
+            SourceError::LocalMissing { .. }
+            | SourceError::LocalSpecialFile { .. }
+            | SourceError::LocalLoop { .. }
+            | SourceError::Listing(_)
+            | SourceError::Unsupported { .. } => false,
+        }
+    }
+}
+
+/// Progress of one fetch, shared with the status reporter.
+#[derive(Debug)]
+pub struct Progress {
+    pub total_bytes: AtomicU64,
+    pub completed_bytes: AtomicU64,
+    pub total_files: AtomicU64,
+    pub completed_files: AtomicU64,
+    pub started: Instant,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Self {
+            total_bytes: AtomicU64::new(0),
+            completed_bytes: AtomicU64::new(0),
+            total_files: AtomicU64::new(0),
+            completed_files: AtomicU64::new(0),
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Progress {
+    pub fn bytes_per_sec(&self) -> u64 {
+        let secs = self.started.elapsed().as_secs_f64();
+        if secs <= 0.0 {
+            return 0;
+        }
+        (self.completed_bytes.load(Ordering::Relaxed) as f64 / secs) as u64
+    }
+}
+
+/// Everything a fetch needs besides the manifest.
+#[derive(Clone)]
+pub struct FetchContext {
+    pub store: Store,
+    pub progress: Arc<Progress>,
+    pub cancel: Arc<AtomicBool>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl FetchContext {
+    pub fn check_cancelled(&self) -> Result<(), SourceError> {
+        if self.cancel.load(Ordering::Relaxed) {
+            Err(SourceError::Cancelled)
+        } else {
+            Ok(())
+        }
+    }
+
+    pub fn record_fetched(&self, scheme: SourceScheme, bytes: u64) {
+        let label = SourceLabel { scheme };
+        self.metrics
+            .fetched_bytes
+            .get_or_create(&label)
+            .inc_by(bytes);
+        self.metrics.fetched_files.get_or_create(&label).inc();
+    }
+}
+
+/// A resolvable, fetchable source.
+#[derive(Clone, Debug)]
+pub enum Source {
+    Local(local::LocalSource),
+}
+
+impl Source {
+    /// Builds the source for a validated URI. Schemes without an implementation are an error
+    /// here, so such models fail at once with a reason instead of waiting.
+    pub fn for_uri(uri: &SourceUri) -> Result<Self, SourceError> {
+        match uri {
+            SourceUri::Local { path } => Ok(Source::Local(local::LocalSource::new(path.clone()))),
+            SourceUri::HuggingFace { .. } => Err(SourceError::Unsupported {
+                scheme: "hf".into(),
+            }),
+            SourceUri::Unsupported { scheme, .. } => Err(SourceError::Unsupported {
+                scheme: scheme.clone(),
+            }),
+        }
+    }
+
+    pub async fn resolve(&self, cancel: Arc<AtomicBool>) -> Result<Manifest, SourceError> {
+        match self {
+            Source::Local(s) => {
+                let s = s.clone();
+                tokio::task::spawn_blocking(move || s.resolve(&cancel))
+                    .await
+                    .unwrap_or(Err(SourceError::Cancelled))
+            }
+        }
+    }
+
+    /// Fetches every entry the store lacks; returns the sha256 blob name of every entry.
+    pub async fn fetch(
+        &self,
+        manifest: Arc<Manifest>,
+        ctx: FetchContext,
+    ) -> Result<Vec<Sha256Digest>, SourceError> {
+        match self {
+            Source::Local(s) => {
+                let s = s.clone();
+                tokio::task::spawn_blocking(move || s.fetch(&manifest, &ctx))
+                    .await
+                    .unwrap_or(Err(SourceError::Cancelled))
+            }
+        }
+    }
+}

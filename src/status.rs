@@ -1,0 +1,129 @@
+//! The status document: one entry per model key, in OME's node-ConfigMap layout (§6.1) plus the
+//! local fields of §6.3. The same entry type is served by `GET /v1/models`, written to
+//! `<state>/status.json` and (in Kubernetes mode) into the node ConfigMap.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ArtifactStatus {
+    #[serde(default)]
+    pub sha: String,
+    #[serde(default)]
+    pub parent_path: BTreeMap<String, String>,
+    #[serde(default)]
+    pub children_paths: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct ModelConfigStatus {
+    pub artifact: ArtifactStatus,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ProgressStatus {
+    pub phase: String,
+    pub total_bytes: u64,
+    pub completed_bytes: u64,
+    pub total_files: u64,
+    pub completed_files: u64,
+    pub speed_bytes_per_sec: u64,
+    pub last_updated: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelStatus {
+    pub name: String,
+    /// `Ready`, `Updating` or `Failed`.
+    pub status: String,
+    #[serde(default)]
+    pub config: ModelConfigStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<ProgressStatus>,
+    /// `AlwaysDownload` or `ReuseIfExists`.
+    #[serde(default)]
+    pub policy: String,
+    /// Absolute path of the model directory.
+    #[serde(default)]
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub source: String,
+    /// Manifest digest (artifact identity).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// Bytes on disk of the store this model owns (0 for a child).
+    #[serde(default)]
+    pub bytes_on_disk: u64,
+}
+
+/// Model key → status entry.
+pub type StatusDoc = BTreeMap<String, ModelStatus>;
+
+/// RFC 3339 UTC timestamp, second precision.
+pub fn rfc3339(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0) as i64;
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (h, m, s) = (rem / 3600, (rem % 3600) / 60, rem % 60);
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(mo <= 2);
+    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{m:02}:{s:02}Z")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    #[test]
+    fn rfc3339_known_instants() {
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00Z");
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_secs(951_782_400)),
+            "2000-02-29T00:00:00Z"
+        );
+        assert_eq!(
+            rfc3339(UNIX_EPOCH + Duration::from_secs(1_796_036_645)),
+            "2026-11-30T11:04:05Z"
+        );
+    }
+
+    #[test]
+    fn entry_has_ome_layout() {
+        let mut e = ModelStatus {
+            name: "m".into(),
+            status: "Ready".into(),
+            ..Default::default()
+        };
+        e.config.artifact.sha = "abc".into();
+        e.config
+            .artifact
+            .parent_path
+            .insert("clusterbasemodel.m".into(), "/mnt/models/m".into());
+        let v = serde_json::to_value(&e).unwrap();
+        assert_eq!(v["config"]["artifact"]["sha"], "abc");
+        assert_eq!(
+            v["config"]["artifact"]["parentPath"]["clusterbasemodel.m"],
+            "/mnt/models/m"
+        );
+        assert!(v["config"]["artifact"]["childrenPaths"].is_array());
+        assert!(v.get("progress").is_none());
+    }
+}

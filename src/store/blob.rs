@@ -1,0 +1,337 @@
+//! One store: content-addressed blobs plus the partial files of downloads in progress.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+use sha1::Sha1;
+use sha2::{Digest, Sha256};
+
+use crate::artifact::{FileDigest, Sha256Digest};
+
+use super::fsutil;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("disk full while {context}")]
+    DiskFull { context: String },
+    #[error("size mismatch: expected {expected} bytes, got {actual}")]
+    SizeMismatch { expected: u64, actual: u64 },
+    #[error("digest mismatch: expected {expected}, got {actual}")]
+    DigestMismatch { expected: String, actual: String },
+}
+
+impl StoreError {
+    pub fn io(context: impl Into<String>, source: io::Error) -> Self {
+        let context = context.into();
+        if source.raw_os_error() == Some(libc::ENOSPC)
+            || source.raw_os_error() == Some(libc::EDQUOT)
+        {
+            StoreError::DiskFull { context }
+        } else {
+            StoreError::Io { context, source }
+        }
+    }
+}
+
+/// One store directory.
+#[derive(Clone, Debug)]
+pub struct Store {
+    root: PathBuf,
+}
+
+impl Store {
+    pub fn open(root: PathBuf) -> io::Result<Self> {
+        std::fs::create_dir_all(root.join("blobs"))?;
+        std::fs::create_dir_all(root.join("tmp"))?;
+        Ok(Self { root })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn blob_path(&self, digest: &Sha256Digest) -> PathBuf {
+        self.root.join("blobs").join(digest.to_hex())
+    }
+
+    /// A blob under its final name was verified before the rename, so presence with the right
+    /// size is proof enough; no re-hash.
+    pub fn has_blob(&self, digest: &Sha256Digest, size: u64) -> bool {
+        std::fs::metadata(self.blob_path(digest))
+            .map(|m| m.is_file() && m.len() == size)
+            .unwrap_or(false)
+    }
+
+    /// Where the partial download of a file with this source digest lives.
+    pub fn partial_path(&self, digest: &FileDigest) -> PathBuf {
+        let name = match digest {
+            FileDigest::Sha256(d) => format!("sha256-{}.part", hex::encode(d)),
+            FileDigest::GitSha1(d) => format!("gitsha1-{}.part", hex::encode(d)),
+        };
+        self.root.join("tmp").join(name)
+    }
+
+    /// Starts writing a blob from scratch (any partial file is discarded).
+    pub fn writer(&self, expected: FileDigest, size: u64) -> Result<BlobWriter, StoreError> {
+        let path = self.partial_path(&expected);
+        let file = File::create(&path)
+            .map_err(|e| StoreError::io(format!("creating {}", path.display()), e))?;
+        Ok(BlobWriter::new(self.clone(), path, file, expected, size))
+    }
+
+    /// Continues a partial download: the bytes already on disk are hashed again (the hash state
+    /// is not persisted) and writing continues at their end. A partial file longer than the
+    /// expected size is discarded.
+    pub fn resume_writer(&self, expected: FileDigest, size: u64) -> Result<BlobWriter, StoreError> {
+        let path = self.partial_path(&expected);
+        let mut file = match OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return self.writer(expected, size),
+            Err(e) => return Err(StoreError::io(format!("opening {}", path.display()), e)),
+        };
+        let have = file
+            .metadata()
+            .map_err(|e| StoreError::io(format!("stat {}", path.display()), e))?
+            .len();
+        if have > size {
+            drop(file);
+            return self.writer(expected, size);
+        }
+        let mut writer = BlobWriter::new(
+            self.clone(),
+            path.clone(),
+            file.try_clone().map_err(|e| StoreError::io("dup", e))?,
+            expected,
+            size,
+        );
+        let mut buf = vec![0u8; 1 << 20];
+        let mut remaining = have;
+        while remaining > 0 {
+            let want = remaining.min(buf.len() as u64) as usize;
+            let n = file
+                .read(&mut buf[..want])
+                .map_err(|e| StoreError::io(format!("reading {}", path.display()), e))?;
+            if n == 0 {
+                break;
+            }
+            writer.hash(&buf[..n]);
+            remaining -= n as u64;
+        }
+        writer
+            .file
+            .seek(SeekFrom::Start(writer.written))
+            .map_err(|e| StoreError::io(format!("seeking {}", path.display()), e))?;
+        Ok(writer)
+    }
+
+    /// Bytes already present in the partial file of `digest` (0 if none).
+    pub fn partial_len(&self, digest: &FileDigest) -> u64 {
+        std::fs::metadata(self.partial_path(digest))
+            .map(|m| m.len())
+            .unwrap_or(0)
+    }
+
+    /// Makes renames into `blobs/` durable. Call once after a batch of commits, before a record
+    /// points at the new blobs.
+    pub fn sync(&self) -> Result<(), StoreError> {
+        fsutil::sync_dir(&self.root.join("blobs"))
+            .map_err(|e| StoreError::io(format!("syncing {}", self.root.display()), e))
+    }
+
+    /// Names (sha256) of the blobs present.
+    pub fn blob_names(&self) -> io::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(self.root.join("blobs"))? {
+            if let Some(n) = entry?.file_name().to_str() {
+                out.push(n.to_string());
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn disk_usage(&self) -> u64 {
+        fsutil::disk_usage(&self.root)
+    }
+}
+
+/// Streams one blob into `tmp/`, hashing as it goes; [`BlobWriter::commit`] verifies size and
+/// digest and only then renames the file into `blobs/`.
+pub struct BlobWriter {
+    store: Store,
+    path: PathBuf,
+    file: File,
+    expected: FileDigest,
+    size: u64,
+    written: u64,
+    sha256: Sha256,
+    git_sha1: Option<Sha1>,
+}
+
+impl BlobWriter {
+    fn new(store: Store, path: PathBuf, file: File, expected: FileDigest, size: u64) -> Self {
+        let git_sha1 = match expected {
+            FileDigest::GitSha1(_) => {
+                let mut h = Sha1::new();
+                h.update(format!("blob {size}\0").as_bytes());
+                Some(h)
+            }
+            FileDigest::Sha256(_) => None,
+        };
+        Self {
+            store,
+            path,
+            file,
+            expected,
+            size,
+            written: 0,
+            sha256: Sha256::new(),
+            git_sha1,
+        }
+    }
+
+    fn hash(&mut self, buf: &[u8]) {
+        self.sha256.update(buf);
+        if let Some(h) = &mut self.git_sha1 {
+            h.update(buf);
+        }
+        self.written += buf.len() as u64;
+    }
+
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
+    pub fn expected_size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn write_all(&mut self, buf: &[u8]) -> Result<(), StoreError> {
+        if self.written + buf.len() as u64 > self.size {
+            return Err(StoreError::SizeMismatch {
+                expected: self.size,
+                actual: self.written + buf.len() as u64,
+            });
+        }
+        self.file
+            .write_all(buf)
+            .map_err(|e| StoreError::io(format!("writing {}", self.path.display()), e))?;
+        self.hash(buf);
+        Ok(())
+    }
+
+    /// Discards the partial file (after a digest mismatch the bytes are worthless).
+    pub fn discard(self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// Verifies and publishes the blob. On a mismatch the partial file is removed, so a retry
+    /// starts from scratch instead of resuming corrupt bytes.
+    pub fn commit(self) -> Result<Sha256Digest, StoreError> {
+        if self.written != self.size {
+            let err = StoreError::SizeMismatch {
+                expected: self.size,
+                actual: self.written,
+            };
+            self.discard();
+            return Err(err);
+        }
+        let sha256 = Sha256Digest(self.sha256.clone().finalize().into());
+        let ok = match (&self.expected, &self.git_sha1) {
+            (FileDigest::Sha256(want), _) => *want == sha256.0,
+            (FileDigest::GitSha1(want), Some(h)) => {
+                let got: [u8; 20] = h.clone().finalize().into();
+                *want == got
+            }
+            (FileDigest::GitSha1(_), None) => false,
+        };
+        if !ok {
+            let actual = match &self.git_sha1 {
+                Some(h) => FileDigest::GitSha1(h.clone().finalize().into()).to_string(),
+                None => FileDigest::Sha256(sha256.0).to_string(),
+            };
+            let err = StoreError::DigestMismatch {
+                expected: self.expected.to_string(),
+                actual,
+            };
+            self.discard();
+            return Err(err);
+        }
+        self.file
+            .sync_all()
+            .map_err(|e| StoreError::io(format!("syncing {}", self.path.display()), e))?;
+        let final_path = self.store.blob_path(&sha256);
+        std::fs::rename(&self.path, &final_path)
+            .map_err(|e| StoreError::io(format!("publishing {}", final_path.display()), e))?;
+        Ok(sha256)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn git_sha1(bytes: &[u8]) -> [u8; 20] {
+        let mut h = Sha1::new();
+        h.update(format!("blob {}\0", bytes.len()).as_bytes());
+        h.update(bytes);
+        h.finalize().into()
+    }
+
+    #[test]
+    fn verified_blob_is_published_and_wrong_bytes_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s")).unwrap();
+        let data = b"hello world";
+        let want = Sha256Digest::of(data);
+
+        let mut w = store
+            .writer(FileDigest::Sha256(want.0), data.len() as u64)
+            .unwrap();
+        w.write_all(data).unwrap();
+        assert_eq!(w.commit().unwrap(), want);
+        assert!(store.has_blob(&want, data.len() as u64));
+
+        let mut w = store
+            .writer(FileDigest::Sha256([7; 32]), data.len() as u64)
+            .unwrap();
+        w.write_all(data).unwrap();
+        assert!(matches!(w.commit(), Err(StoreError::DigestMismatch { .. })));
+        assert!(!store.partial_path(&FileDigest::Sha256([7; 32])).exists());
+
+        let mut w = store
+            .writer(FileDigest::GitSha1(git_sha1(data)), data.len() as u64)
+            .unwrap();
+        w.write_all(data).unwrap();
+        assert_eq!(w.commit().unwrap(), want);
+
+        let mut w = store.writer(FileDigest::Sha256(want.0), 3).unwrap();
+        assert!(matches!(
+            w.write_all(data),
+            Err(StoreError::SizeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn resume_continues_where_the_partial_file_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s")).unwrap();
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+        let digest = FileDigest::GitSha1(git_sha1(&data));
+        let mut w = store.writer(digest, data.len() as u64).unwrap();
+        w.write_all(&data[..123_457]).unwrap();
+        drop(w); // a crash: the partial file stays
+        assert_eq!(store.partial_len(&digest), 123_457);
+        let mut w = store.resume_writer(digest, data.len() as u64).unwrap();
+        assert_eq!(w.written(), 123_457);
+        w.write_all(&data[123_457..]).unwrap();
+        let sha = w.commit().unwrap();
+        assert_eq!(std::fs::read(store.blob_path(&sha)).unwrap(), data);
+    }
+}

@@ -1,0 +1,48 @@
+//! Small filesystem helpers shared by the store and the status writer.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::Path;
+
+/// Replaces `path` with `bytes` so that a crash at any moment leaves either the old or the new
+/// content: write a temporary sibling, fsync it, rename over the target, fsync the directory.
+pub fn atomic_write(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::other("atomic_write needs a parent directory"))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::other("atomic_write needs a file name"))?
+        .to_string_lossy();
+    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    sync_dir(dir)
+}
+
+/// fsyncs a directory so that renames and creations inside it survive a power loss.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Bytes allocated on disk under `path` (recursively), as `du` counts them.
+pub fn disk_usage(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return 0;
+    };
+    if !meta.is_dir() {
+        return meta.blocks() * 512;
+    }
+    let mut total = meta.blocks() * 512;
+    if let Ok(entries) = std::fs::read_dir(path) {
+        for entry in entries.flatten() {
+            total += disk_usage(&entry.path());
+        }
+    }
+    total
+}

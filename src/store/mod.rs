@@ -1,0 +1,147 @@
+//! Blob stores and the daemon's durable records.
+//!
+//! Layout of `--state DIR`:
+//!
+//! ```text
+//! records.json                 durable records (models, stores), replaced atomically
+//! status.json                  the status document of GET /v1/models, replaced atomically
+//! artifacts/<id>.json          complete artifacts (manifest + blob per entry), immutable
+//! stores/<store-id>/blobs/<sha256>
+//! stores/<store-id>/tmp/<digest>.part
+//! ```
+//!
+//! A store is the set of blobs downloaded by one model (its owner); ownership can pass to another
+//! model without moving a byte, so a store is named by a sequence number, not by its owner.
+//! Blobs are content-addressed by sha256 within a store and are immutable once renamed into
+//! `blobs/`: a blob under its final name has been verified, which is why start-up only `stat`s
+//! blobs and never re-hashes them. Partial downloads live in `tmp/` under the digest the source
+//! vouched for, so a restarted download finds and resumes them.
+//!
+//! Durability order: blob fsync → rename → directory fsync → artifact file → records. A crash at
+//! any point leaves either a record that points only at synced blobs, or blobs that no record
+//! points at (garbage, swept later), never a record that points at a missing blob.
+
+pub mod blob;
+pub mod fsutil;
+pub mod records;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::artifact::{ArtifactId, StoredArtifact};
+
+pub use blob::{BlobWriter, Store, StoreError};
+pub use records::{ModelPhase, ModelRecord, Records, StoreId, StoreRecord};
+
+/// The `--state` directory.
+#[derive(Clone, Debug)]
+pub struct StateDir {
+    root: PathBuf,
+}
+
+impl StateDir {
+    pub fn open(root: &Path) -> io::Result<Self> {
+        for sub in ["artifacts", "stores"] {
+            std::fs::create_dir_all(root.join(sub))?;
+        }
+        Ok(Self {
+            root: root.to_path_buf(),
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn records_path(&self) -> PathBuf {
+        self.root.join("records.json")
+    }
+
+    pub fn status_path(&self) -> PathBuf {
+        self.root.join("status.json")
+    }
+
+    pub fn stores_dir(&self) -> PathBuf {
+        self.root.join("stores")
+    }
+
+    pub fn store(&self, id: &StoreId) -> io::Result<Store> {
+        Store::open(self.stores_dir().join(id.as_str()))
+    }
+
+    /// Opens a store only if its directory exists (used where creating it would be wrong).
+    pub fn existing_store(&self, id: &StoreId) -> Option<Store> {
+        let dir = self.stores_dir().join(id.as_str());
+        dir.is_dir().then(|| Store::open(dir).ok()).flatten()
+    }
+
+    pub fn remove_store(&self, id: &StoreId) -> io::Result<()> {
+        match std::fs::remove_dir_all(self.stores_dir().join(id.as_str())) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Names of the store directories present on disk.
+    pub fn store_dirs(&self) -> io::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(self.stores_dir())? {
+            let entry = entry?;
+            if let Some(name) = entry.file_name().to_str() {
+                out.push(name.to_string());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn artifact_path(&self, id: &ArtifactId) -> PathBuf {
+        self.root.join("artifacts").join(format!("{id}.json"))
+    }
+
+    /// Writes an artifact file if it does not exist yet. Artifact files are immutable: the id is
+    /// the digest of the manifest, so an existing file already has the same content.
+    pub fn save_artifact(&self, artifact: &StoredArtifact) -> io::Result<()> {
+        let path = self.artifact_path(&artifact.id);
+        if path.exists() {
+            return Ok(());
+        }
+        let bytes = serde_json::to_vec(artifact).map_err(io::Error::other)?;
+        fsutil::atomic_write(&path, &bytes)
+    }
+
+    pub fn load_artifact(&self, id: &ArtifactId) -> io::Result<StoredArtifact> {
+        let bytes = std::fs::read(self.artifact_path(id))?;
+        let artifact: StoredArtifact = serde_json::from_slice(&bytes)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        if artifact.manifest.id() != *id || artifact.id != *id {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("artifact file {id} does not match its name"),
+            ));
+        }
+        Ok(artifact)
+    }
+
+    pub fn remove_artifact(&self, id: &ArtifactId) -> io::Result<()> {
+        match std::fs::remove_file(self.artifact_path(id)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Ids of the artifact files present on disk.
+    pub fn artifact_ids(&self) -> io::Result<Vec<ArtifactId>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(self.root.join("artifacts"))? {
+            let name = entry?.file_name();
+            let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(".json")) else {
+                continue;
+            };
+            if let Ok(d) = stem.parse() {
+                out.push(ArtifactId(d));
+            }
+        }
+        Ok(out)
+    }
+}

@@ -96,6 +96,10 @@ pub struct DesiredState {
     /// Problems that cannot be keyed by a model (an unparseable file): shown in the status
     /// under their own key.
     pub errors: BTreeMap<String, String>,
+    /// Source credentials per model, resolved by the producer of the desired state (standalone:
+    /// `spec.storage.parameters.token`; Kubernetes: the Secret named by `spec.storage.key`).
+    /// A model without an entry uses the daemon's default token, if any.
+    pub tokens: BTreeMap<ModelKey, crate::source::Token>,
 }
 
 enum Event {
@@ -187,10 +191,12 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-/// What decides whether a spec change needs work.
-pub fn fingerprint(spec: &ModelSpec) -> String {
+/// What decides whether a spec change needs work. A new token counts: a model that failed for
+/// lack of access must try again when it gets one.
+pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> String {
     let mut h = Sha256::new();
     for part in [
+        token.map(|t| t.digest()).unwrap_or_default(),
         spec.source.to_string(),
         spec.policy.as_str().to_string(),
         spec.path.to_string(),
@@ -435,7 +441,12 @@ impl Reconciler {
 
     /// Starts work for a new or changed spec. Returns whether the records changed.
     fn ensure(&mut self, key: &ModelKey, spec: &ModelSpec) -> bool {
-        let fp = fingerprint(spec);
+        let token = self
+            .desired
+            .as_ref()
+            .and_then(|d| d.tokens.get(key))
+            .cloned();
+        let fp = fingerprint(spec, token.as_ref());
         if let Some(w) = self.works.get(key) {
             if w.fingerprint == fp {
                 return false;

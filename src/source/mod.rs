@@ -66,6 +66,40 @@ impl SourceError {
     }
 }
 
+/// A source credential (a Hugging Face token). `Debug` and `Display` never show it, so it
+/// cannot reach a log line by accident; only [`Token::expose`] gives the value.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(String);
+
+impl Token {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret value, for the `Authorization` header and nothing else.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// A short digest that identifies the token without revealing it (fingerprints, caches).
+    pub fn digest(&self) -> String {
+        use sha2::{Digest, Sha256};
+        hex::encode(&Sha256::digest(self.0.as_bytes())[..8])
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(***)")
+    }
+}
+
+impl std::fmt::Display for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
 /// Progress of one fetch, shared with the status reporter.
 #[derive(Debug)]
 pub struct Progress {

@@ -18,6 +18,11 @@ use notify::{RecursiveMode, Watcher};
 
 use crate::manifest::{parse_documents, Document, ManifestError, ModelKey, ModelSpec};
 use crate::reconciler::{DesiredState, ReconcilerHandle};
+use crate::source::Token;
+
+/// `spec.storage.parameters` entry that carries a source token in standalone manifests. It is
+/// moved out of the spec into [`DesiredState::tokens`] so no spec ever holds a secret.
+pub const TOKEN_PARAMETER: &str = "token";
 
 #[derive(Clone, Debug)]
 pub struct ModelsDirConfig {
@@ -30,7 +35,7 @@ pub struct ModelsDirConfig {
     pub rescan: Duration,
 }
 
-type FileModels = Vec<(ModelKey, Result<ModelSpec, String>)>;
+type FileModels = Vec<(ModelKey, Result<ModelSpec, String>, Option<Token>)>;
 
 /// Scans the directory; remembers each file's last valid content.
 #[derive(Default)]
@@ -69,8 +74,11 @@ impl Scanner {
             );
             // Nothing is known: keep every model as it was.
             for models in self.last_good.values() {
-                for (k, v) in models {
+                for (k, v, token) in models {
                     desired.models.entry(k.clone()).or_insert_with(|| v.clone());
+                    if let Some(t) = token {
+                        desired.tokens.insert(k.clone(), t.clone());
+                    }
                 }
             }
             return desired;
@@ -111,7 +119,7 @@ impl Scanner {
                     self.last_good.get(&file).cloned().unwrap_or_default()
                 }
             };
-            for (key, spec) in models {
+            for (key, spec, token) in models {
                 if let Some(first) = origin.get(&key) {
                     desired.errors.insert(
                         format!("file:{rel}"),
@@ -123,6 +131,9 @@ impl Scanner {
                     continue;
                 }
                 origin.insert(key.clone(), file.clone());
+                if let Some(t) = token {
+                    desired.tokens.insert(key.clone(), t);
+                }
                 desired.models.insert(key, spec);
             }
         }
@@ -140,14 +151,16 @@ impl Scanner {
             match doc {
                 Document::Model(Ok(obj)) => match obj.key() {
                     Ok(key) => {
+                        let mut token = None;
                         let spec = obj
                             .to_spec(models_root_dir)
                             .map(|mut s| {
                                 s.source = s.source.resolve_local_relative(base);
+                                token = s.parameters.remove(TOKEN_PARAMETER).map(Token::new);
                                 s
                             })
                             .map_err(|e| e.to_string());
-                        models.push((key, spec));
+                        models.push((key, spec, token));
                     }
                     Err(e) => errors.push(e.to_string()),
                 },
@@ -159,7 +172,7 @@ impl Scanner {
                         reason,
                         ..
                     } => match ModelKey::new(*kind, namespace.as_deref(), name) {
-                        Ok(key) => models.push((key, Err(reason.clone()))),
+                        Ok(key) => models.push((key, Err(reason.clone()), None)),
                         Err(_) => errors.push(e.to_string()),
                     },
                     _ => errors.push(e.to_string()),

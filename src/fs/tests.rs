@@ -22,7 +22,9 @@ fn artifact(store: &Store, files: &[(&str, &[u8])]) -> Arc<StoredArtifact> {
     }
     let manifest = Manifest::new("r".into(), entries).unwrap();
     for e in manifest.entries() {
-        let FileDigest::Sha256(d) = e.digest else { unreachable!() };
+        let FileDigest::Sha256(d) = e.digest else {
+            unreachable!()
+        };
         blobs.push(Sha256Digest(d));
     }
     Arc::new(StoredArtifact::new(manifest, blobs, 1_700_000_000).unwrap())
@@ -81,20 +83,39 @@ fn list(core: &FsCore, ino: u64) -> Vec<(String, u64)> {
 #[test]
 fn tree_lookup_readdir_attrs() {
     let f = fixture();
-    let a = artifact(&f.store_a.store, &[("config.json", b"{}"), ("w/a.bin", b"aaaa"), ("w/b.bin", b"bb")]);
+    let a = artifact(
+        &f.store_a.store,
+        &[
+            ("config.json", b"{}"),
+            ("w/a.bin", b"aaaa"),
+            ("w/b.bin", b"bb"),
+        ],
+    );
     f.core.apply(&[entry("org/m", &a, &f.store_a)]).unwrap();
     let root: Vec<String> = list(&f.core, ROOT_INO).into_iter().map(|e| e.0).collect();
     assert_eq!(root, [".", "..", "org"]);
     let org = resolve(&f.core, "org").unwrap();
-    assert_eq!((org.kind, org.perm, org.immutable), (Kind::Dir, 0o555, false));
+    assert_eq!(
+        (org.kind, org.perm, org.immutable),
+        (Kind::Dir, 0o555, false)
+    );
     let m = resolve(&f.core, "org/m").unwrap();
-    assert_eq!((m.kind, m.perm, m.immutable, m.nlink), (Kind::Dir, 0o555, true, 3));
+    assert_eq!(
+        (m.kind, m.perm, m.immutable, m.nlink),
+        (Kind::Dir, 0o555, true, 3)
+    );
     let file = resolve(&f.core, "org/m/w/a.bin").unwrap();
-    assert_eq!((file.kind, file.size, file.perm, file.nlink), (Kind::File, 4, 0o444, 1));
+    assert_eq!(
+        (file.kind, file.size, file.perm, file.nlink),
+        (Kind::File, 4, 0o444, 1)
+    );
     assert_eq!(file.mtime, UNIX_EPOCH + Duration::from_secs(1_700_000_000));
     let names: Vec<String> = list(&f.core, m.ino).into_iter().map(|e| e.0).collect();
     assert_eq!(names, [".", "..", "config.json", "w"]);
-    assert!(matches!(resolve(&f.core, "org/m/nope"), Err(FsError::NotFound)));
+    assert!(matches!(
+        resolve(&f.core, "org/m/nope"),
+        Err(FsError::NotFound)
+    ));
     assert!(matches!(
         f.core.lookup(file.ino, OsStr::new("x")),
         Err(FsError::NotDir)
@@ -106,8 +127,13 @@ fn tree_lookup_readdir_attrs() {
 #[test]
 fn readdir_resumes_at_any_offset() {
     let f = fixture();
-    let files: Vec<(String, Vec<u8>)> = (0..50).map(|i| (format!("f{i:02}"), vec![i as u8; i])).collect();
-    let refs: Vec<(&str, &[u8])> = files.iter().map(|(p, d)| (p.as_str(), d.as_slice())).collect();
+    let files: Vec<(String, Vec<u8>)> = (0..50)
+        .map(|i| (format!("f{i:02}"), vec![i as u8; i]))
+        .collect();
+    let refs: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|(p, d)| (p.as_str(), d.as_slice()))
+        .collect();
     let a = artifact(&f.store_a.store, &refs);
     f.core.apply(&[entry("m", &a, &f.store_a)]).unwrap();
     let m = resolve(&f.core, "m").unwrap();
@@ -130,7 +156,10 @@ fn synthesized_directory_listing_is_stable_while_models_come_and_go() {
     let f = fixture();
     let a = artifact(&f.store_a.store, &[("x", b"1")]);
     let models = |names: &[&str]| -> Vec<MountEntry> {
-        names.iter().map(|n| entry(&format!("ns/{n}"), &a, &f.store_a)).collect()
+        names
+            .iter()
+            .map(|n| entry(&format!("ns/{n}"), &a, &f.store_a))
+            .collect()
     };
     f.core.apply(&models(&["a", "b", "c", "d"])).unwrap();
     let ns = resolve(&f.core, "ns").unwrap().ino;
@@ -146,7 +175,10 @@ fn synthesized_directory_listing_is_stable_while_models_come_and_go() {
         })
         .unwrap();
     // Nothing already returned comes back, nothing that stayed is skipped.
-    assert!(rest.contains(&"c".to_string()) && rest.contains(&"d".to_string()), "{rest:?}");
+    assert!(
+        rest.contains(&"c".to_string()) && rest.contains(&"d".to_string()),
+        "{rest:?}"
+    );
     assert!(!rest.contains(&"a".to_string()), "{rest:?}");
 }
 
@@ -163,24 +195,46 @@ fn repoint_to_another_store_keeps_inodes_and_open_files() {
     assert_eq!(blob.store.id, StoreId::from_seq(1));
 
     let inv = f.core.apply(&[entry("m", &a_in_b, &f.store_b)]).unwrap();
-    assert!(inv.is_empty(), "same artifact, same tree: nothing to invalidate: {inv:?}");
+    assert!(
+        inv.is_empty(),
+        "same artifact, same tree: nothing to invalidate: {inv:?}"
+    );
     let after = resolve(&f.core, "m/model.bin").unwrap();
     assert_eq!(before, after, "inode and attributes survive a re-point");
     let (fh2, blob2) = f.core.open(after.ino).unwrap();
-    assert_eq!(blob2.store.id, StoreId::from_seq(2), "new opens use the new store");
-    assert_eq!(f.core.read(fh, 0, 100).unwrap(), b"weights-v1", "old handle keeps reading");
+    assert_eq!(
+        blob2.store.id,
+        StoreId::from_seq(2),
+        "new opens use the new store"
+    );
+    assert_eq!(
+        f.core.read(fh, 0, 100).unwrap(),
+        b"weights-v1",
+        "old handle keeps reading"
+    );
     assert_eq!(f.core.read(fh2, 3, 4).unwrap(), b"ghts");
 
     // Store A is out of the mapping; only the open file (and this test's own handles) use it.
     let id_a = StoreId::from_seq(1);
-    let Fixture { core, store_a, store_b, _dir } = f;
+    let Fixture {
+        core,
+        store_a,
+        store_b,
+        _dir,
+    } = f;
     drop(store_a);
     drop(a);
     drop(blob);
-    assert!(core.store_in_use(&id_a), "an open file keeps its store in use");
+    assert!(
+        core.store_in_use(&id_a),
+        "an open file keeps its store in use"
+    );
     core.release(fh);
     assert!(!core.store_in_use(&id_a), "released: store A is free");
-    assert!(core.store_in_use(&StoreId::from_seq(2)), "mapped: store B is in use");
+    assert!(
+        core.store_in_use(&StoreId::from_seq(2)),
+        "mapped: store B is in use"
+    );
     core.release(fh2);
     drop((blob2, store_b));
 }
@@ -195,7 +249,13 @@ fn artifact_change_gets_new_inodes_and_invalidates_the_old_entry() {
     let old_root = resolve(&f.core, "org/m").unwrap();
     let old_file = resolve(&f.core, "org/m/w.bin").unwrap();
     let inv = f.core.apply(&[entry("org/m", &v2, &f.store_a)]).unwrap();
-    assert!(inv.contains(&Invalidation::Entry { parent: org, name: "m".into() }), "{inv:?}");
+    assert!(
+        inv.contains(&Invalidation::Entry {
+            parent: org,
+            name: "m".into()
+        }),
+        "{inv:?}"
+    );
     let new_file = resolve(&f.core, "org/m/w.bin").unwrap();
     assert_ne!(new_file.ino, old_file.ino);
     assert_eq!(new_file.size, 6);
@@ -206,18 +266,29 @@ fn artifact_change_gets_new_inodes_and_invalidates_the_old_entry() {
     f.core.release(fh);
     // Once forgotten, the old slot is gone.
     f.core.forget(old_root.ino, 100);
-    assert!(matches!(f.core.getattr(old_file.ino), Err(FsError::NotFound)));
+    assert!(matches!(
+        f.core.getattr(old_file.ino),
+        Err(FsError::NotFound)
+    ));
 }
 
 #[test]
 fn removal_invalidates_entries_and_prunes_synthesized_dirs() {
     let f = fixture();
     let a = artifact(&f.store_a.store, &[("x", b"1")]);
-    f.core.apply(&[entry("a/b/m", &a, &f.store_a), entry("a/n", &a, &f.store_a)]).unwrap();
+    f.core
+        .apply(&[entry("a/b/m", &a, &f.store_a), entry("a/n", &a, &f.store_a)])
+        .unwrap();
     let a_ino = resolve(&f.core, "a").unwrap().ino;
     let b_ino = resolve(&f.core, "a/b").unwrap().ino;
     let inv = f.core.apply(&[entry("a/n", &a, &f.store_a)]).unwrap();
-    assert!(inv.contains(&Invalidation::Entry { parent: a_ino, name: "b".into() }), "{inv:?}");
+    assert!(
+        inv.contains(&Invalidation::Entry {
+            parent: a_ino,
+            name: "b".into()
+        }),
+        "{inv:?}"
+    );
     // Invalidating "b" drops its whole subtree from the dentry cache; inner entries need no
     // notification of their own.
     let _ = b_ino;
@@ -233,15 +304,26 @@ fn nesting_or_duplicate_paths_are_never_half_applied() {
     let f = fixture();
     let a = artifact(&f.store_a.store, &[("x", b"1")]);
     f.core
-        .apply(&[entry("p", &a, &f.store_a), entry("p/q", &a, &f.store_a), entry("r", &a, &f.store_a), entry("r", &a, &f.store_b)])
+        .apply(&[
+            entry("p", &a, &f.store_a),
+            entry("p/q", &a, &f.store_a),
+            entry("r", &a, &f.store_a),
+            entry("r", &a, &f.store_b),
+        ])
         .unwrap();
-    assert!(matches!(resolve(&f.core, "p"), Err(FsError::NotFound)), "nesting paths: neither mounted");
+    assert!(
+        matches!(resolve(&f.core, "p"), Err(FsError::NotFound)),
+        "nesting paths: neither mounted"
+    );
     let (_, blob) = f.core.open(resolve(&f.core, "r/x").unwrap().ino).unwrap();
     assert_eq!(blob.store.id, StoreId::from_seq(1), "first duplicate wins");
 }
 
 /// Reference model: the mount shows exactly the files of the mounted entries at their paths.
-fn reference(entries: &[(String, usize)], artifacts: &[Arc<StoredArtifact>]) -> BTreeMap<String, u64> {
+fn reference(
+    entries: &[(String, usize)],
+    artifacts: &[Arc<StoredArtifact>],
+) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     for (path, art) in entries {
         for e in artifacts[*art].manifest.entries() {
@@ -261,7 +343,11 @@ fn walk(core: &FsCore, ino: u64, prefix: &str, out: &mut BTreeMap<String, u64>) 
     for c in children.into_iter().skip(2) {
         let attr = core.lookup(ino, OsStr::new(&c.name)).unwrap();
         assert_eq!(attr.ino, c.ino, "readdir and lookup agree");
-        let path = if prefix.is_empty() { c.name.clone() } else { format!("{prefix}/{}", c.name) };
+        let path = if prefix.is_empty() {
+            c.name.clone()
+        } else {
+            format!("{prefix}/{}", c.name)
+        };
         match attr.kind {
             Kind::Dir => walk(core, attr.ino, &path, out),
             Kind::File => {

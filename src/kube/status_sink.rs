@@ -172,6 +172,10 @@ async fn run(
     references: References,
 ) {
     let mut changes = reconciler.subscribe_status();
+    // Transitions are relative to what the records held at start: a model that was Ready
+    // before a restart gets no new Ready Event, one that fails on the first pass gets its
+    // Failed Event.
+    let mut seen: Arc<StatusDoc> = changes.borrow_and_update().clone();
     // Until the first desired state is reconciled, the document holds only what the records
     // remembered; writing it would remove entries of models that are about to come back.
     while !reconciler.is_ready() {
@@ -195,7 +199,6 @@ async fn run(
         ),
         references,
     };
-    let mut seen: Arc<StatusDoc> = changes.borrow_and_update().clone();
     let mut written: Option<Arc<StatusDoc>> = None;
     let mut last_write = Instant::now() - config.progress_interval;
     let mut failures: u32 = 0;

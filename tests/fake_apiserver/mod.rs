@@ -106,7 +106,12 @@ fn status_body(code: StatusCode, reason: &str, message: &str) -> Response {
 }
 
 fn json_response(code: StatusCode, value: &Value) -> Response {
-    (code, [("content-type", "application/json")], value.to_string()).into_response()
+    (
+        code,
+        [("content-type", "application/json")],
+        value.to_string(),
+    )
+        .into_response()
 }
 
 /// A parsed request path.
@@ -218,11 +223,7 @@ fn selector_matches(selector: &str, fields: &dyn Fn(&str) -> Option<String>) -> 
 }
 
 fn object_matches(object: &Value, query: &BTreeMap<String, String>) -> bool {
-    let labels = |k: &str| {
-        object["metadata"]["labels"][k]
-            .as_str()
-            .map(str::to_owned)
-    };
+    let labels = |k: &str| object["metadata"]["labels"][k].as_str().map(str::to_owned);
     let fields = |k: &str| match k {
         "metadata.name" => object["metadata"]["name"].as_str().map(str::to_owned),
         "metadata.namespace" => object["metadata"]["namespace"].as_str().map(str::to_owned),
@@ -314,6 +315,17 @@ impl FakeApiServer {
             .objects
             .get(&(resource.to_owned(), namespace.to_owned(), name.to_owned()))
             .cloned()
+    }
+
+    /// Every version of the objects of a resource still in the watch history, oldest first.
+    pub fn history(&self, resource: &str) -> Vec<Value> {
+        let state = self.shared.state.lock().unwrap();
+        state
+            .history
+            .iter()
+            .filter(|e| e.resource == resource)
+            .map(|e| e.object.clone())
+            .collect()
     }
 
     /// Every stored object of a resource.
@@ -461,10 +473,7 @@ async fn handle(
     let body_json = || serde_json::from_slice::<Value>(&body);
     match (method, &target.name) {
         (Method::GET, None) => {
-            if query
-                .get("watch")
-                .is_some_and(|w| w == "true" || w == "1")
-            {
+            if query.get("watch").is_some_and(|w| w == "true" || w == "1") {
                 return start_watch(shared, target, query);
             }
             let state = shared.state.lock().unwrap();
@@ -491,7 +500,11 @@ async fn handle(
             let state = shared.state.lock().unwrap();
             match state.objects.get(&id(name)) {
                 Some(object) => json_response(StatusCode::OK, object),
-                None => status_body(StatusCode::NOT_FOUND, "NotFound", &format!("{name} not found")),
+                None => status_body(
+                    StatusCode::NOT_FOUND,
+                    "NotFound",
+                    &format!("{name} not found"),
+                ),
             }
         }
         (Method::POST, None) => {
@@ -530,7 +543,11 @@ async fn handle(
             };
             let mut state = shared.state.lock().unwrap();
             let Some(current) = state.objects.get(&id(name)) else {
-                return status_body(StatusCode::NOT_FOUND, "NotFound", &format!("{name} not found"));
+                return status_body(
+                    StatusCode::NOT_FOUND,
+                    "NotFound",
+                    &format!("{name} not found"),
+                );
             };
             if let Some(sent) = object["metadata"]["resourceVersion"].as_str() {
                 if !sent.is_empty() && Some(sent) != current["metadata"]["resourceVersion"].as_str()
@@ -552,12 +569,20 @@ async fn handle(
             };
             let mut state = shared.state.lock().unwrap();
             let Some(current) = state.objects.get(&id(name)).cloned() else {
-                return status_body(StatusCode::NOT_FOUND, "NotFound", &format!("{name} not found"));
+                return status_body(
+                    StatusCode::NOT_FOUND,
+                    "NotFound",
+                    &format!("{name} not found"),
+                );
             };
             let mut patched = current.clone();
             if content_type.starts_with("application/json-patch+json") {
                 let Ok(ops) = serde_json::from_value::<json_patch::Patch>(patch) else {
-                    return status_body(StatusCode::BAD_REQUEST, "BadRequest", "invalid JSON patch");
+                    return status_body(
+                        StatusCode::BAD_REQUEST,
+                        "BadRequest",
+                        "invalid JSON patch",
+                    );
                 };
                 if let Err(error) = json_patch::patch(&mut patched, &ops) {
                     return status_body(
@@ -589,7 +614,11 @@ async fn handle(
             let mut state = shared.state.lock().unwrap();
             match remove(&shared, &mut state, &id(name)) {
                 Some(object) => json_response(StatusCode::OK, &object),
-                None => status_body(StatusCode::NOT_FOUND, "NotFound", &format!("{name} not found")),
+                None => status_body(
+                    StatusCode::NOT_FOUND,
+                    "NotFound",
+                    &format!("{name} not found"),
+                ),
             }
         }
         _ => status_body(
@@ -650,7 +679,9 @@ fn start_watch(shared: Arc<Shared>, target: Target, query: BTreeMap<String, Stri
             let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
                 "status": "Failure", "reason": "Expired", "code": 410,
                 "message": "too old resource version"});
-            let _ = tx.send(line(json!({"type": "ERROR", "object": status}))).await;
+            let _ = tx
+                .send(line(json!({"type": "ERROR", "object": status})))
+                .await;
             return;
         }
         let mut last = from;

@@ -183,7 +183,7 @@ mod tests {
         let ns = "a-rather-long-namespace";
         let name = "a-model-name-that-does-not-fit-at-all";
         let label = node_label_key(ModelKind::BaseModel, Some(ns), name);
-        let expected_ns = format!("{}", &hash8(ns)[..8]);
+        let expected_ns = hash8(ns);
         let expected_name = format!("{}-{}", hash8(name), &name[name.len() - 21..]);
         assert_eq!(
             label,

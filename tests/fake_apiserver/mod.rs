@@ -123,9 +123,9 @@ struct Target {
 
 fn parse_path(path: &str) -> Option<Target> {
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let (prefix, rest) = match segments.first()? {
-        &"api" if segments.len() >= 2 => (format!("api/{}", segments[1]), &segments[2..]),
-        &"apis" if segments.len() >= 3 => (
+    let (prefix, rest) = match *segments.first()? {
+        "api" if segments.len() >= 2 => (format!("api/{}", segments[1]), &segments[2..]),
+        "apis" if segments.len() >= 3 => (
             format!("apis/{}/{}", segments[1], segments[2]),
             &segments[3..],
         ),

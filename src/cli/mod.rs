@@ -1,6 +1,7 @@
 //! The command line: `modelfs serve` and `modelfs status`. This is the binary's edge, the only
 //! place that uses `anyhow`.
 
+mod gc_cmd;
 mod status_cmd;
 
 use std::net::SocketAddr;
@@ -38,6 +39,8 @@ enum Command {
     Serve(ServeArgs),
     /// Print the models of a running daemon.
     Status(status_cmd::StatusArgs),
+    /// Show (--dry-run) or remove garbage in a state directory while the daemon is stopped.
+    Gc(gc_cmd::GcArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -101,6 +104,7 @@ pub fn main() -> Result<()> {
             runtime.block_on(serve(args))
         }
         Command::Status(args) => status_cmd::run(args),
+        Command::Gc(args) => gc_cmd::run(args),
     }
 }
 

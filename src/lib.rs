@@ -10,6 +10,7 @@
 //! * [`fuse`]: the thin `fuser` adapter over [`fs`].
 //! * [`reconciler`]: the policy state machine: placement, flips, deletion, garbage collection.
 //! * [`standalone`]: desired state from a directory of YAML files.
+//! * [`kube`]: desired state from the Kubernetes API; OME-compatible node status.
 //! * [`http`], [`metrics`], [`status`]: what operators see.
 
 pub mod artifact;
@@ -17,6 +18,7 @@ pub mod cli;
 pub mod fs;
 pub mod fuse;
 pub mod http;
+pub mod kube;
 pub mod manifest;
 pub mod metrics;
 pub mod reconciler;

@@ -153,9 +153,16 @@ pub struct ReconcilerHandle {
     status: Arc<ArcSwap<StatusDoc>>,
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
+    status_changes: Arc<tokio::sync::watch::Sender<Arc<StatusDoc>>>,
 }
 
 impl ReconcilerHandle {
+    /// A receiver that is notified whenever the status document changes (its value is the
+    /// latest document).
+    pub fn subscribe_status(&self) -> tokio::sync::watch::Receiver<Arc<StatusDoc>> {
+        self.status_changes.subscribe()
+    }
+
     pub fn set_desired(&self, desired: DesiredState) {
         let _ = self.tx.send(Event::Desired(desired));
     }
@@ -227,6 +234,7 @@ pub struct Reconciler {
     fetch_slots: Arc<Semaphore>,
     tx: mpsc::UnboundedSender<Event>,
     status: Arc<ArcSwap<StatusDoc>>,
+    status_changes: Arc<tokio::sync::watch::Sender<Arc<StatusDoc>>>,
     status_bytes: Vec<u8>,
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
@@ -247,6 +255,7 @@ impl Reconciler {
         let (tx, rx) = mpsc::unbounded_channel();
         let status = Arc::new(ArcSwap::from_pointee(StatusDoc::new()));
         let ready = Arc::new(AtomicBool::new(false));
+        let status_changes = Arc::new(tokio::sync::watch::Sender::new(Arc::new(StatusDoc::new())));
         let alive = Arc::new(std::sync::atomic::AtomicU64::new(now_secs()));
         let mut r = Reconciler {
             fetch_slots: Arc::new(Semaphore::new(config.max_concurrent_fetches.max(1))),
@@ -265,6 +274,7 @@ impl Reconciler {
             store_bytes: BTreeMap::new(),
             tx: tx.clone(),
             status: status.clone(),
+            status_changes: status_changes.clone(),
             status_bytes: Vec::new(),
             ready: ready.clone(),
             alive: alive.clone(),
@@ -293,6 +303,7 @@ impl Reconciler {
             status,
             ready,
             alive,
+            status_changes,
         })
     }
 
@@ -1290,7 +1301,9 @@ impl Reconciler {
                 .get_or_create(&crate::metrics::StatusLabel { status })
                 .set(n as i64);
         }
-        self.status.store(Arc::new(doc));
+        let doc = Arc::new(doc);
+        self.status.store(doc.clone());
+        self.status_changes.send_replace(doc);
         if let Err(e) = crate::store::fsutil::atomic_write(&self.state.status_path(), &bytes) {
             tracing::warn!(error = %e, "writing status.json failed");
         }

@@ -16,22 +16,44 @@ pub enum MountpointError {
     Io { path: PathBuf, source: io::Error },
 }
 
-/// One line of /proc/self/mountinfo that matters here.
-fn mount_fstype(path: &Path) -> Option<String> {
-    let canonical = path.to_string_lossy().into_owned();
+/// Filesystem type and source of the topmost mount at `path`, from /proc/self/mountinfo.
+fn mount_info(path: &Path) -> Option<(String, String)> {
+    let wanted = path.to_string_lossy().into_owned();
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     let mut found = None;
     for line in info.lines() {
-        let mut fields = line.split(' ');
-        let mount_point = fields.nth(4)?;
-        if unescape_mountinfo(mount_point) != canonical {
+        let Some(mount_point) = line.split(' ').nth(4) else {
+            continue;
+        };
+        if unescape_mountinfo(mount_point) != wanted {
             continue;
         }
-        let rest: Vec<&str> = line.split(" - ").nth(1)?.split(' ').collect();
+        let Some(tail) = line.split(" - ").nth(1) else {
+            continue;
+        };
+        let mut fields = tail.split(' ');
+        let fstype = fields.next().unwrap_or_default().to_string();
+        let source = fields.next().map(unescape_mountinfo).unwrap_or_default();
         // Later lines are mounted on top of earlier ones: keep the last.
-        found = rest.first().map(|s| s.to_string());
+        found = Some((fstype, source));
     }
     found
+}
+
+/// `statfs` always reaches the FUSE daemon (no kernel cache answers it), so it tells a live
+/// mount from a dead one; `stat` of the root may be answered from cached attributes.
+fn statfs(path: &Path) -> io::Result<()> {
+    let c = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    // SAFETY: `c` is a valid path and `buf` a properly sized, writable statfs struct.
+    let rc = unsafe {
+        let mut buf: libc::statfs = std::mem::zeroed();
+        libc::statfs(c.as_ptr(), &mut buf)
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 fn unescape_mountinfo(s: &str) -> String {
@@ -52,37 +74,39 @@ pub(crate) fn detach(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Detaches a mount left behind by a crashed daemon (it answers `ENOTCONN`). Returns whether one
-/// was cleaned. A live modelfs mount or another filesystem mounted here is an error: the daemon
-/// must not stack on top of it.
+/// Detaches a mount left behind by a crashed daemon (its connection is dead: `ENOTCONN`).
+/// Returns whether one was cleaned. A live modelfs mount or another filesystem mounted here is
+/// an error: the daemon must not stack on top of it.
 pub fn clean_stale_mount(path: &Path) -> Result<bool, MountpointError> {
     let io_err = |source| MountpointError::Io {
         path: path.to_path_buf(),
         source,
     };
     let mut cleaned = false;
-    // A stale mount can be stacked several times (repeated crashes with lazy unmount failing).
+    // Repeated crashes can leave several dead mounts stacked on one directory.
     for _ in 0..16 {
-        match std::fs::metadata(path) {
+        let Some((fstype, source)) = mount_info(path) else {
+            return Ok(cleaned);
+        };
+        let ours = (fstype == "fuse" || fstype.starts_with("fuse.")) && source == "modelfs";
+        if !ours {
+            return Err(MountpointError::ForeignMount {
+                path: path.to_path_buf(),
+                fstype,
+            });
+        }
+        match statfs(path) {
             Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
                 tracing::warn!(path = %path.display(), "cleaning up a stale mount of a crashed daemon");
                 detach(path).map_err(io_err)?;
                 cleaned = true;
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(cleaned),
-            Err(e) => return Err(io_err(e)),
-            Ok(_) => {
-                return match mount_fstype(path) {
-                    None => Ok(cleaned),
-                    Some(t) if t == "fuse.modelfs" => Err(MountpointError::AlreadyMounted {
-                        path: path.to_path_buf(),
-                    }),
-                    Some(t) => Err(MountpointError::ForeignMount {
-                        path: path.to_path_buf(),
-                        fstype: t,
-                    }),
-                };
+            Ok(()) => {
+                return Err(MountpointError::AlreadyMounted {
+                    path: path.to_path_buf(),
+                })
             }
+            Err(e) => return Err(io_err(e)),
         }
     }
     Ok(cleaned)

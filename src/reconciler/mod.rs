@@ -355,8 +355,10 @@ impl Reconciler {
             } => self.on_fetched(key, fingerprint, store, manifest, result),
             Event::Tick => {
                 self.reconcile_all();
-                if self.last_gc.elapsed() >= self.config.tick * 5 || self.config.gc_grace.is_zero()
-                {
+                // A pass every 5 ticks, or more often when the grace period is shorter.
+                let gc_every =
+                    (self.config.tick * 5).min(self.config.gc_grace.max(self.config.tick));
+                if self.last_gc.elapsed() >= gc_every {
                     self.last_gc = Instant::now();
                     self.gc();
                 }

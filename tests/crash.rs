@@ -4,6 +4,7 @@
 //! * no blob in use is missing and, after a GC pass, no store outlives its users (§8.3),
 //! * verified blobs were not written again (same inode before the crash and after recovery),
 //! * the mount, status and records agree.
+//!
 //! Rounds: `MODELFS_CRASH_ROUNDS` (default 50); seed: `MODELFS_CRASH_SEED`.
 
 mod common;

@@ -8,6 +8,7 @@ use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -51,6 +52,9 @@ pub struct Metrics {
     pub fetched_bytes: Family<SourceLabel, Counter>,
     pub fetched_files: Family<SourceLabel, Counter>,
     pub open_files: Gauge,
+    /// From a desired-state change reaching the reconciler to the new mapping being live, for
+    /// changes that need no fetch (policy flips, deletions, re-points).
+    pub mapping_update_seconds: Histogram,
 }
 
 impl Default for Metrics {
@@ -76,6 +80,8 @@ impl Metrics {
             fetched_bytes: Family::default(),
             fetched_files: Family::default(),
             open_files: Gauge::default(),
+            // 10 us .. ~5 s.
+            mapping_update_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
             registry: Registry::default(),
         };
         registry.register(

@@ -337,8 +337,15 @@ impl Reconciler {
     fn handle(&mut self, event: Event) {
         match event {
             Event::Desired(d) => {
+                let received = Instant::now();
+                let generation = self.fs.generation();
                 self.desired = Some(d);
                 self.reconcile_all();
+                if self.fs.generation() != generation {
+                    self.metrics
+                        .mapping_update_seconds
+                        .observe(received.elapsed().as_secs_f64());
+                }
                 self.ready.store(true, Ordering::Relaxed);
             }
             Event::Resolved {

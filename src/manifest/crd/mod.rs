@@ -4,7 +4,7 @@
 //! OME installs these CRDs itself; modelfs ships equivalent ones (`deploy/crds/`) for clusters
 //! that run modelfs without OME. They must not drift from what [`super::ome`] parses, so the
 //! `spec` schema is not written by hand: `schemars` derives a JSON Schema from
-//! [`BaseModelSpec`] and [`structural`] rewrites it into the structural form the API server
+//! [`BaseModelSpec`] and [`structural_schema`] rewrites it into the structural form the API server
 //! requires (inlined references, one `type` per node, `nullable` instead of `null` branches,
 //! `x-kubernetes-preserve-unknown-fields` where the types keep unknown fields). The rest of the
 //! CRD (names, scope, printer columns, the status subresource) is the API contract of OME's

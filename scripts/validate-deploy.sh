@@ -1,7 +1,9 @@
 #!/bin/sh
 # Validates deploy/ offline. Needs Python 3; installs kubernetes-validate (which brings
 # jsonschema and PyYAML) into .venv on first use. Extra arguments go to validate_deploy.py
-# (for example --crds DIR, repeatable).
+# (for example --crds DIR, repeatable; --modelfs PATH, the binary whose `modelfs crd` output is
+# checked, by default the newest $CARGO_TARGET_DIR/*/modelfs or target/*/modelfs; build it
+# first, or pass --skip-generated-crds).
 set -eu
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv="${VENV:-$root/.venv}"

@@ -2,11 +2,20 @@
 """Offline validation of deploy/: renders the kustomize base, validates every object against
 the Kubernetes OpenAPI schemas (kubernetes-validate, strict), validates the example model
 objects against the CRDs' openAPIV3Schema, and checks the properties the daemon depends on.
-Exits non-zero on the first class of failure found, listing every problem."""
+
+It also checks the CRDs that `modelfs crd` generates from the Rust types: it runs the built
+binary (--modelfs, else the newest $CARGO_TARGET_DIR/*/modelfs or target/*/modelfs), validates
+the generated CRD objects with kubernetes-validate, compares them with deploy/crds/, and
+validates deploy/examples and every OME fixture model (ome-models/**/*.yaml) against the
+generated schemas. --skip-generated-crds leaves this step out.
+
+Exits non-zero if anything failed, listing every problem."""
 
 import argparse
 import copy
+import os
 import pathlib
+import subprocess
 import sys
 
 import jsonschema
@@ -113,11 +122,133 @@ def crd_schemas(crd_dir):
     return schemas
 
 
+def fixtures_dir():
+    """$MODELFS_FIXTURES_DIR, else ../shared/fixtures next to the repository (as the Rust tests)."""
+    configured = os.environ.get("MODELFS_FIXTURES_DIR")
+    return pathlib.Path(configured) if configured else ROOT.parent / "shared" / "fixtures"
+
+
+def find_modelfs(explicit):
+    """The binary to run: --modelfs, else the newest modelfs under the cargo target directory."""
+    if explicit:
+        return explicit
+    target_dirs = [pathlib.Path(os.environ["CARGO_TARGET_DIR"])] if os.environ.get("CARGO_TARGET_DIR") else []
+    target_dirs.append(ROOT / "target")
+    candidates = [p for d in target_dirs for p in d.glob("*/modelfs") if p.is_file()]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: p.stat().st_mtime)
+
+
+def to_json_schema(node):
+    """A CRD's OpenAPI v3 schema as JSON Schema, with the API server's semantics: `nullable`
+    admits null, and an object with declared properties that does not preserve unknown fields
+    rejects other fields (kubectl's strict field validation)."""
+    out = {k: v for k, v in node.items()
+           if k not in ("nullable", "properties", "items", "additionalProperties")
+           and not k.startswith("x-kubernetes-")}
+    if "properties" in node:
+        out["properties"] = {name: to_json_schema(sub) for name, sub in node["properties"].items()}
+    if "items" in node:
+        out["items"] = to_json_schema(node["items"])
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = to_json_schema(node["additionalProperties"])
+    elif ("properties" in node and "additionalProperties" not in node
+          and not node.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    if node.get("nullable"):
+        if "type" in out:
+            out["type"] = [out["type"], "null"]
+        if "enum" in out:
+            out["enum"] = out["enum"] + [None]
+    return out
+
+
+def model_documents(paths):
+    """(path, document) for every BaseModel / ClusterBaseModel in the given YAML files."""
+    models = []
+    for path in paths:
+        for doc in load_all(path):
+            if isinstance(doc, dict) and doc.get("apiVersion") == "ome.io/v1beta1":
+                models.append((path, doc))
+    return models
+
+
+def check_generated_crds(modelfs, kubernetes_version, examples, problems):
+    """Runs `modelfs crd` and checks its output; returns a one-line summary."""
+    try:
+        result = subprocess.run([str(modelfs), "crd"], capture_output=True, text=True, check=False)
+    except OSError as error:
+        problems.append(f"cannot run {modelfs} crd: {error}")
+        return None
+    if result.returncode != 0:
+        problems.append(f"{modelfs} crd exited with {result.returncode}: {result.stderr.strip()}")
+        return None
+    crds = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    names = sorted(crd.get("metadata", {}).get("name", "?") for crd in crds)
+    if names != ["basemodels.ome.io", "clusterbasemodels.ome.io"]:
+        problems.append(f"`modelfs crd` printed {names}, expected basemodels.ome.io and clusterbasemodels.ome.io")
+        return None
+
+    for crd in crds:
+        try:
+            kubernetes_validate.validate(copy.deepcopy(crd), kubernetes_version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            problems.append(f"generated CRD {crd['metadata']['name']}: {error.message} at {list(error.path)}")
+
+    committed = {}
+    for path in sorted((ROOT / "deploy" / "crds").glob("*.yaml")):
+        for doc in load_all(path):
+            committed[doc["metadata"]["name"]] = (path, doc)
+    for crd in crds:
+        name = crd["metadata"]["name"]
+        if name not in committed:
+            problems.append(f"deploy/crds/ has no {name}; regenerate with `cargo run -- crd --output-dir deploy/crds`")
+        elif committed[name][1] != crd:
+            problems.append(f"{committed[name][0].relative_to(ROOT)} differs from `modelfs crd`; "
+                            "regenerate with `cargo run -- crd --output-dir deploy/crds`")
+
+    validators = {}
+    for crd in crds:
+        for version in crd["spec"]["versions"]:
+            key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+            schema = to_json_schema(version["schema"]["openAPIV3Schema"])
+            validators[key] = jsonschema.Draft7Validator(schema)
+
+    # The schemas must reject what the API server rejects, or passing means nothing.
+    broken = {"apiVersion": "ome.io/v1beta1", "kind": "BaseModel", "metadata": {"name": "x"},
+              "spec": {"storage": {"downloadPolicy": "Sometimes", "nodeSelector": {"a": 1}},
+                       "maxTokens": "many", "modelFormat": {}}}
+    errors = list(validators[("ome.io/v1beta1", "BaseModel")].iter_errors(broken))
+    if len(errors) < 5:
+        problems.append(f"the generated BaseModel schema accepts invalid objects ({len(errors)} of 5 errors found)")
+
+    fixtures = fixtures_dir() / "ome-models"
+    fixture_paths = sorted(fixtures.rglob("*.yaml"))
+    if not fixture_paths:
+        problems.append(f"no OME fixture models under {fixtures} (set MODELFS_FIXTURES_DIR)")
+    models = [(p, d) for p, d in examples if d.get("apiVersion") == "ome.io/v1beta1"]
+    models += model_documents(fixture_paths)
+    for path, doc in models:
+        validator = validators.get((doc["apiVersion"], doc["kind"]))
+        if validator is None:
+            problems.append(f"{path}: no generated CRD for {doc['apiVersion']} {doc['kind']}")
+            continue
+        for error in validator.iter_errors(doc):
+            problems.append(f"{path}: invalid against the generated {doc['kind']} CRD: "
+                            f"{error.message} at {'.'.join(str(p) for p in error.path)}")
+    return f"{len(crds)} generated CRDs, {len(models)} model objects valid against them"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--crds", type=pathlib.Path, action="append", default=[],
                         help="directory of CRD YAML files for the example model objects")
     parser.add_argument("--kubernetes-version", default="1.34.0")
+    parser.add_argument("--modelfs", type=pathlib.Path,
+                        help="modelfs binary whose `crd` output to check (default: newest target/*/modelfs)")
+    parser.add_argument("--skip-generated-crds", action="store_true",
+                        help="do not check the CRDs generated by `modelfs crd`")
     args = parser.parse_args()
     problems = []
 
@@ -126,7 +257,11 @@ def main():
     for path in sorted((ROOT / "deploy" / "examples").glob("*.yaml")):
         examples.extend((path, doc) for doc in load_all(path))
 
-    for obj in base + [doc for _, doc in examples if doc["apiVersion"] != "ome.io/v1beta1"]:
+    crds = []
+    for path in sorted((ROOT / "deploy" / "crds").glob("*.yaml")):
+        crds.extend(load_all(path))
+
+    for obj in base + crds + [doc for _, doc in examples if doc["apiVersion"] != "ome.io/v1beta1"]:
         try:
             kubernetes_validate.validate(copy.deepcopy(obj), args.kubernetes_version, strict=True)
         except kubernetes_validate.ValidationError as error:
@@ -137,7 +272,7 @@ def main():
     check_daemonset(base, problems)
     check_inference_example([doc for _, doc in examples], problems)
 
-    crd_dirs = args.crds or [ROOT.parent / "shared" / "fixtures" / "ome-crds"]
+    crd_dirs = args.crds or [fixtures_dir() / "ome-crds"]
     schemas = {}
     for crd_dir in crd_dirs:
         schemas.update(crd_schemas(crd_dir))
@@ -152,12 +287,23 @@ def main():
         for error in jsonschema.Draft7Validator(schema).iter_errors(doc):
             problems.append(f"{path.name}: {error.message} at {list(error.path)}")
 
+    generated = None
+    if not args.skip_generated_crds:
+        modelfs = find_modelfs(args.modelfs)
+        if modelfs is None:
+            problems.append("no modelfs binary to check the generated CRDs: build it (`cargo build`), "
+                            "pass --modelfs PATH, or pass --skip-generated-crds")
+        else:
+            generated = check_generated_crds(modelfs, args.kubernetes_version, examples, problems)
+
     if problems:
         print("deploy/ validation failed:", file=sys.stderr)
         for problem in problems:
             print(f"  - {problem}", file=sys.stderr)
         return 1
-    print(f"deploy/ valid: {len(base)} base objects, {len(examples)} example objects")
+    print(f"deploy/ valid: {len(base)} base objects, {len(crds)} CRDs, {len(examples)} example objects")
+    if generated:
+        print(f"modelfs crd valid: {generated}")
     return 0
 
 

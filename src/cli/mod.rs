@@ -1,6 +1,7 @@
-//! The command line: `modelfs serve` and `modelfs status`. This is the binary's edge, the only
-//! place that uses `anyhow`.
+//! The command line: `modelfs serve`, `status`, `gc` and `crd`. This is the binary's edge,
+//! the only place that uses `anyhow`.
 
+mod crd_cmd;
 mod gc_cmd;
 mod status_cmd;
 
@@ -41,6 +42,9 @@ enum Command {
     Status(status_cmd::StatusArgs),
     /// Show (--dry-run) or remove garbage in a state directory while the daemon is stopped.
     Gc(gc_cmd::GcArgs),
+    /// Print the BaseModel and ClusterBaseModel CustomResourceDefinitions (for clusters
+    /// without OME, which installs its own).
+    Crd(crd_cmd::CrdArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -105,6 +109,7 @@ pub fn main() -> Result<()> {
         }
         Command::Status(args) => status_cmd::run(args),
         Command::Gc(args) => gc_cmd::run(args),
+        Command::Crd(args) => crd_cmd::run(args),
     }
 }
 

@@ -40,6 +40,7 @@
 //! `nodeAffinity` (typed in [`ome::NodeAffinity`], operators left as strings), and reading the
 //! token Secret ([`ModelSpec::token_secret`], [`ModelSpec::token_secret_entry`]).
 
+pub mod crd;
 pub mod key;
 pub mod model;
 pub mod ome;

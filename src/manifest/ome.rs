@@ -16,11 +16,18 @@
 //! Fields that the CRD requires but whose absence must produce a specific, keyed error
 //! (`spec.storage`, `spec.storage.storageUri`, `metadata.name`) are `Option` here and checked in
 //! [`ModelObject::to_spec`](super::model).
+//!
+//! The `spec` types also derive `JsonSchema`: the CustomResourceDefinitions that `modelfs crd`
+//! prints are generated from them ([`super::crd`]), so the schema cannot drift from what this
+//! crate parses. The few `#[schemars(...)]` attributes record what the CRD states beyond the
+//! Rust types (required fields that are `Option` here, server-side defaults, the object shape of
+//! `modelConfiguration`); they change nothing in (de)serialization.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
+use schemars::{JsonSchema, Schema};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
@@ -45,6 +52,31 @@ where
     T: Default + Deserialize<'de>,
 {
     Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+/// Adds `property` to the `required` list of an object schema.
+fn schema_require(schema: &mut Schema, property: &str) {
+    let Some(object) = schema.as_object_mut() else {
+        return;
+    };
+    let required = object
+        .entry("required")
+        .or_insert_with(|| Value::Array(Vec::new()));
+    if let Value::Array(names) = required {
+        if !names.iter().any(|name| name == property) {
+            names.push(Value::from(property));
+        }
+    }
+}
+
+/// Schema transform of [`BaseModelSpec`]: the CRD requires `storage`.
+fn schema_requires_storage(schema: &mut Schema) {
+    schema_require(schema, "storage");
+}
+
+/// Schema transform of [`StorageSpec`]: the CRD requires `storageUri`.
+fn schema_requires_storage_uri(schema: &mut Schema) {
+    schema_require(schema, "storageUri");
 }
 
 /// Which of the two OME model kinds an object is.
@@ -88,7 +120,7 @@ impl fmt::Display for ModelKind {
 
 /// `spec.storage.downloadPolicy`: whether a model may be served from another model's copy of the
 /// same artifact.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema)]
 pub enum DownloadPolicy {
     /// The model gets its own download (OME's default when the field is absent).
     #[default]
@@ -198,8 +230,9 @@ pub struct ObjectMeta {
 }
 
 /// `spec` of both kinds (OME's `BaseModelSpec`).
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = schema_requires_storage)]
 pub struct BaseModelSpec {
     #[serde(
         default,
@@ -236,8 +269,10 @@ pub struct BaseModelSpec {
         skip_serializing_if = "Vec::is_empty"
     )]
     pub model_capabilities: Vec<String>,
-    /// Free-form (`x-kubernetes-preserve-unknown-fields`).
+    /// Free-form (`x-kubernetes-preserve-unknown-fields`). Any JSON value parses here; the CRD
+    /// (OME's and ours) admits only an object, which is what the schema attribute declares.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("type" = "object"))]
     pub model_configuration: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_format: Option<ModelFormat>,
@@ -256,7 +291,10 @@ pub struct BaseModelSpec {
     )]
     pub serving_mode: Vec<String>,
     /// Required by the CRD; `Option` so that its absence becomes a keyed `to_spec` error.
+    /// `schemars(required)` makes its schema non-nullable; the struct's `transform` lists it as
+    /// required (schemars leaves a defaulted field out of `required`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(required)]
     pub storage: Option<StorageSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vendor: Option<String>,
@@ -267,18 +305,20 @@ pub struct BaseModelSpec {
 }
 
 /// `spec.modelFormat`.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct ModelFormat {
     /// Required by the CRD.
     pub name: String,
-    /// CRD default `Equal` (not applied here).
+    /// CRD default `Equal` (applied by the API server, not here).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = "Equal"))]
     pub operator: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<String>,
-    /// CRD default 1 (not applied here).
+    /// CRD default 1 (applied by the API server, not here).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("default" = 1))]
     pub weight: Option<i64>,
     #[serde(flatten)]
     pub extra: ExtraFields,
@@ -288,7 +328,7 @@ pub struct ModelFormat {
 pub type ModelFramework = ModelFormat;
 
 /// `spec.diffusionPipeline`.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct DiffusionPipeline {
     #[serde(
@@ -314,7 +354,7 @@ pub struct DiffusionPipeline {
 }
 
 /// One component of a diffusion pipeline (`{library, type}`).
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct PipelineComponent {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -326,8 +366,9 @@ pub struct PipelineComponent {
 }
 
 /// `spec.storage`.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = schema_requires_storage_uri)]
 pub struct StorageSpec {
     /// Absent means [`DownloadPolicy::AlwaysDownload`]; kept as `Option` so a round trip does not
     /// add the field.
@@ -356,7 +397,10 @@ pub struct StorageSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schema_path: Option<String>,
     /// Required by the CRD; `Option` so that its absence becomes a keyed `to_spec` error.
+    /// `schemars(required)` makes its schema non-nullable; the struct's `transform` lists it as
+    /// required (schemars leaves a defaulted field out of `required`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(required)]
     pub storage_uri: Option<String>,
     #[serde(flatten)]
     pub extra: ExtraFields,
@@ -370,7 +414,7 @@ impl StorageSpec {
 }
 
 /// Kubernetes `NodeAffinity` as embedded in `spec.storage.nodeAffinity`.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeAffinity {
     /// Hard requirement: the model targets a node only if one of the terms matches.
@@ -388,7 +432,7 @@ pub struct NodeAffinity {
 }
 
 /// Kubernetes `NodeSelector`: the terms are ORed.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeSelector {
     /// Required by the CRD. An empty list matches no node (Kubernetes semantics).
@@ -399,7 +443,7 @@ pub struct NodeSelector {
 }
 
 /// Kubernetes `NodeSelectorTerm`: the requirements are ANDed.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeSelectorTerm {
     /// Requirements on node labels.
@@ -425,7 +469,7 @@ pub struct NodeSelectorTerm {
 /// `operator` stays a string (`In`, `NotIn`, `Exists`, `DoesNotExist`, `Gt`, `Lt`): the CRD does
 /// not restrict it, and an unknown operator must make the node-matching step fail for this one
 /// model rather than make the whole object unreadable.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct NodeSelectorRequirement {
     pub key: String,
@@ -441,7 +485,7 @@ pub struct NodeSelectorRequirement {
 }
 
 /// Kubernetes `PreferredSchedulingTerm`.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct PreferredSchedulingTerm {
     pub weight: i32,

@@ -11,9 +11,13 @@
 //! * [`reconciler`]: the policy state machine: placement, flips, deletion, garbage collection.
 //! * [`standalone`]: desired state from a directory of YAML files.
 //! * [`http`], [`metrics`], [`status`]: what operators see.
+//!
+//! `devhub` is a loopback Hugging Face hub for tests and benchmarks, not part of the daemon.
 
 pub mod artifact;
 pub mod cli;
+#[doc(hidden)]
+pub mod devhub;
 pub mod fs;
 pub mod fuse;
 pub mod http;

@@ -1,1 +1,402 @@
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
 
+use proptest::prelude::*;
+
+use super::*;
+use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use crate::store::Store;
+
+/// An artifact whose files hold `content(path)`, with blobs written into `store`.
+fn artifact(store: &Store, files: &[(&str, &[u8])]) -> Arc<StoredArtifact> {
+    let mut entries = Vec::new();
+    let mut blobs = Vec::new();
+    for (path, data) in files {
+        let sha = Sha256Digest::of(data);
+        std::fs::write(store.blob_path(&sha), data).unwrap();
+        entries.push(ManifestEntry {
+            path: path.to_string(),
+            size: data.len() as u64,
+            digest: FileDigest::Sha256(sha.0),
+        });
+    }
+    let manifest = Manifest::new("r".into(), entries).unwrap();
+    for e in manifest.entries() {
+        let FileDigest::Sha256(d) = e.digest else {
+            unreachable!()
+        };
+        blobs.push(Sha256Digest(d));
+    }
+    Arc::new(StoredArtifact::new(manifest, blobs, 1_700_000_000).unwrap())
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    core: FsCore,
+    store_a: Arc<StoreHandle>,
+    store_b: Arc<StoreHandle>,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    let core = FsCore::new();
+    let sa = Store::open(dir.path().join("a")).unwrap();
+    let sb = Store::open(dir.path().join("b")).unwrap();
+    let store_a = core.store_handle(&StoreId::from_seq(1), sa);
+    let store_b = core.store_handle(&StoreId::from_seq(2), sb);
+    Fixture {
+        _dir: dir,
+        core,
+        store_a,
+        store_b,
+    }
+}
+
+fn entry(path: &str, a: &Arc<StoredArtifact>, s: &Arc<StoreHandle>) -> MountEntry {
+    MountEntry {
+        path: path.split('/').map(str::to_string).collect(),
+        artifact: a.clone(),
+        store: s.clone(),
+    }
+}
+
+fn resolve(core: &FsCore, path: &str) -> Result<Attr, FsError> {
+    let mut ino = ROOT_INO;
+    let mut attr = core.getattr(ROOT_INO)?;
+    for seg in path.split('/').filter(|s| !s.is_empty()) {
+        attr = core.lookup(ino, OsStr::new(seg))?;
+        ino = attr.ino;
+    }
+    Ok(attr)
+}
+
+fn list(core: &FsCore, ino: u64) -> Vec<(String, u64)> {
+    let mut out = Vec::new();
+    core.readdir(ino, 0, |e| {
+        out.push((e.name, e.offset));
+        false
+    })
+    .unwrap();
+    out
+}
+
+#[test]
+fn tree_lookup_readdir_attrs() {
+    let f = fixture();
+    let a = artifact(
+        &f.store_a.store,
+        &[
+            ("config.json", b"{}"),
+            ("w/a.bin", b"aaaa"),
+            ("w/b.bin", b"bb"),
+        ],
+    );
+    f.core.apply(&[entry("org/m", &a, &f.store_a)]).unwrap();
+    let root: Vec<String> = list(&f.core, ROOT_INO).into_iter().map(|e| e.0).collect();
+    assert_eq!(root, [".", "..", "org"]);
+    let org = resolve(&f.core, "org").unwrap();
+    assert_eq!(
+        (org.kind, org.perm, org.immutable),
+        (Kind::Dir, 0o555, false)
+    );
+    let m = resolve(&f.core, "org/m").unwrap();
+    assert_eq!(
+        (m.kind, m.perm, m.immutable, m.nlink),
+        (Kind::Dir, 0o555, true, 3)
+    );
+    let file = resolve(&f.core, "org/m/w/a.bin").unwrap();
+    assert_eq!(
+        (file.kind, file.size, file.perm, file.nlink),
+        (Kind::File, 4, 0o444, 1)
+    );
+    assert_eq!(file.mtime, UNIX_EPOCH + Duration::from_secs(1_700_000_000));
+    let names: Vec<String> = list(&f.core, m.ino).into_iter().map(|e| e.0).collect();
+    assert_eq!(names, [".", "..", "config.json", "w"]);
+    assert!(matches!(
+        resolve(&f.core, "org/m/nope"),
+        Err(FsError::NotFound)
+    ));
+    assert!(matches!(
+        f.core.lookup(file.ino, OsStr::new("x")),
+        Err(FsError::NotDir)
+    ));
+    assert!(matches!(f.core.open(m.ino), Err(FsError::IsDir)));
+    assert!(matches!(f.core.open(ROOT_INO), Err(FsError::IsDir)));
+}
+
+#[test]
+fn readdir_resumes_at_any_offset() {
+    let f = fixture();
+    let files: Vec<(String, Vec<u8>)> = (0..50)
+        .map(|i| (format!("f{i:02}"), vec![i as u8; i]))
+        .collect();
+    let refs: Vec<(&str, &[u8])> = files
+        .iter()
+        .map(|(p, d)| (p.as_str(), d.as_slice()))
+        .collect();
+    let a = artifact(&f.store_a.store, &refs);
+    f.core.apply(&[entry("m", &a, &f.store_a)]).unwrap();
+    let m = resolve(&f.core, "m").unwrap();
+    let all = list(&f.core, m.ino);
+    for cut in 0..all.len() {
+        let resume_at = if cut == 0 { 0 } else { all[cut - 1].1 };
+        let mut rest = Vec::new();
+        f.core
+            .readdir(m.ino, resume_at, |e| {
+                rest.push((e.name, e.offset));
+                false
+            })
+            .unwrap();
+        assert_eq!(rest, all[cut..].to_vec(), "resume after entry {cut}");
+    }
+}
+
+#[test]
+fn synthesized_directory_listing_is_stable_while_models_come_and_go() {
+    let f = fixture();
+    let a = artifact(&f.store_a.store, &[("x", b"1")]);
+    let models = |names: &[&str]| -> Vec<MountEntry> {
+        names
+            .iter()
+            .map(|n| entry(&format!("ns/{n}"), &a, &f.store_a))
+            .collect()
+    };
+    f.core.apply(&models(&["a", "b", "c", "d"])).unwrap();
+    let ns = resolve(&f.core, "ns").unwrap().ino;
+    let first: Vec<(String, u64)> = list(&f.core, ns);
+    // Read two entries past "." and "..", then "b" disappears and "e" appears.
+    let resume_at = first[3].1;
+    f.core.apply(&models(&["a", "c", "d", "e"])).unwrap();
+    let mut rest = Vec::new();
+    f.core
+        .readdir(ns, resume_at, |e| {
+            rest.push(e.name);
+            false
+        })
+        .unwrap();
+    // Nothing already returned comes back, nothing that stayed is skipped.
+    assert!(
+        rest.contains(&"c".to_string()) && rest.contains(&"d".to_string()),
+        "{rest:?}"
+    );
+    assert!(!rest.contains(&"a".to_string()), "{rest:?}");
+}
+
+#[test]
+fn repoint_to_another_store_keeps_inodes_and_open_files() {
+    let f = fixture();
+    let files: &[(&str, &[u8])] = &[("model.bin", b"weights-v1")];
+    let a = artifact(&f.store_a.store, files);
+    let a_in_b = artifact(&f.store_b.store, files);
+    assert_eq!(a.id, a_in_b.id);
+    f.core.apply(&[entry("m", &a, &f.store_a)]).unwrap();
+    let before = resolve(&f.core, "m/model.bin").unwrap();
+    let (fh, blob) = f.core.open(before.ino).unwrap();
+    assert_eq!(blob.store.id, StoreId::from_seq(1));
+
+    let inv = f.core.apply(&[entry("m", &a_in_b, &f.store_b)]).unwrap();
+    assert!(
+        inv.is_empty(),
+        "same artifact, same tree: nothing to invalidate: {inv:?}"
+    );
+    let after = resolve(&f.core, "m/model.bin").unwrap();
+    assert_eq!(before, after, "inode and attributes survive a re-point");
+    let (fh2, blob2) = f.core.open(after.ino).unwrap();
+    assert_eq!(
+        blob2.store.id,
+        StoreId::from_seq(2),
+        "new opens use the new store"
+    );
+    assert_eq!(
+        f.core.read(fh, 0, 100).unwrap(),
+        b"weights-v1",
+        "old handle keeps reading"
+    );
+    assert_eq!(f.core.read(fh2, 3, 4).unwrap(), b"ghts");
+
+    // Store A is out of the mapping; only the open file (and this test's own handles) use it.
+    let id_a = StoreId::from_seq(1);
+    let Fixture {
+        core,
+        store_a,
+        store_b,
+        _dir,
+    } = f;
+    drop(store_a);
+    drop(a);
+    drop(blob);
+    assert!(
+        core.store_in_use(&id_a),
+        "an open file keeps its store in use"
+    );
+    core.release(fh);
+    assert!(!core.store_in_use(&id_a), "released: store A is free");
+    assert!(
+        core.store_in_use(&StoreId::from_seq(2)),
+        "mapped: store B is in use"
+    );
+    core.release(fh2);
+    drop((blob2, store_b));
+}
+
+#[test]
+fn artifact_change_gets_new_inodes_and_invalidates_the_old_entry() {
+    let f = fixture();
+    let v1 = artifact(&f.store_a.store, &[("w.bin", b"1111")]);
+    let v2 = artifact(&f.store_a.store, &[("w.bin", b"222222")]);
+    f.core.apply(&[entry("org/m", &v1, &f.store_a)]).unwrap();
+    let org = resolve(&f.core, "org").unwrap().ino;
+    let old_root = resolve(&f.core, "org/m").unwrap();
+    let old_file = resolve(&f.core, "org/m/w.bin").unwrap();
+    let inv = f.core.apply(&[entry("org/m", &v2, &f.store_a)]).unwrap();
+    assert!(
+        inv.contains(&Invalidation::Entry {
+            parent: org,
+            name: "m".into()
+        }),
+        "{inv:?}"
+    );
+    let new_file = resolve(&f.core, "org/m/w.bin").unwrap();
+    assert_ne!(new_file.ino, old_file.ino);
+    assert_eq!(new_file.size, 6);
+    // The kernel still holds the old inodes: they answer with the old, consistent view.
+    assert_eq!(f.core.getattr(old_file.ino).unwrap().size, 4);
+    let (fh, _) = f.core.open(old_file.ino).unwrap();
+    assert_eq!(f.core.read(fh, 0, 10).unwrap(), b"1111");
+    f.core.release(fh);
+    // Once forgotten, the old slot is gone.
+    f.core.forget(old_root.ino, 100);
+    assert!(matches!(
+        f.core.getattr(old_file.ino),
+        Err(FsError::NotFound)
+    ));
+}
+
+#[test]
+fn removal_invalidates_entries_and_prunes_synthesized_dirs() {
+    let f = fixture();
+    let a = artifact(&f.store_a.store, &[("x", b"1")]);
+    f.core
+        .apply(&[entry("a/b/m", &a, &f.store_a), entry("a/n", &a, &f.store_a)])
+        .unwrap();
+    let a_ino = resolve(&f.core, "a").unwrap().ino;
+    let b_ino = resolve(&f.core, "a/b").unwrap().ino;
+    let inv = f.core.apply(&[entry("a/n", &a, &f.store_a)]).unwrap();
+    assert!(
+        inv.contains(&Invalidation::Entry {
+            parent: a_ino,
+            name: "b".into()
+        }),
+        "{inv:?}"
+    );
+    // Invalidating "b" drops its whole subtree from the dentry cache; inner entries need no
+    // notification of their own.
+    let _ = b_ino;
+    assert!(matches!(resolve(&f.core, "a/b"), Err(FsError::NotFound)));
+    let names: Vec<String> = list(&f.core, a_ino).into_iter().map(|e| e.0).collect();
+    assert_eq!(names, [".", "..", "n"]);
+    f.core.apply(&[]).unwrap();
+    assert_eq!(list(&f.core, ROOT_INO).len(), 2, "only . and ..");
+}
+
+#[test]
+fn nesting_or_duplicate_paths_are_never_half_applied() {
+    let f = fixture();
+    let a = artifact(&f.store_a.store, &[("x", b"1")]);
+    f.core
+        .apply(&[
+            entry("p", &a, &f.store_a),
+            entry("p/q", &a, &f.store_a),
+            entry("r", &a, &f.store_a),
+            entry("r", &a, &f.store_b),
+        ])
+        .unwrap();
+    assert!(
+        matches!(resolve(&f.core, "p"), Err(FsError::NotFound)),
+        "nesting paths: neither mounted"
+    );
+    let (_, blob) = f.core.open(resolve(&f.core, "r/x").unwrap().ino).unwrap();
+    assert_eq!(blob.store.id, StoreId::from_seq(1), "first duplicate wins");
+}
+
+/// Reference model: the mount shows exactly the files of the mounted entries at their paths.
+fn reference(
+    entries: &[(String, usize)],
+    artifacts: &[Arc<StoredArtifact>],
+) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for (path, art) in entries {
+        for e in artifacts[*art].manifest.entries() {
+            out.insert(format!("{path}/{}", e.path), e.size);
+        }
+    }
+    out
+}
+
+fn walk(core: &FsCore, ino: u64, prefix: &str, out: &mut BTreeMap<String, u64>) {
+    let mut children = Vec::new();
+    core.readdir(ino, 0, |e| {
+        children.push(e);
+        false
+    })
+    .unwrap();
+    for c in children.into_iter().skip(2) {
+        let attr = core.lookup(ino, OsStr::new(&c.name)).unwrap();
+        assert_eq!(attr.ino, c.ino, "readdir and lookup agree");
+        let path = if prefix.is_empty() {
+            c.name.clone()
+        } else {
+            format!("{prefix}/{}", c.name)
+        };
+        match attr.kind {
+            Kind::Dir => walk(core, attr.ino, &path, out),
+            Kind::File => {
+                out.insert(path, attr.size);
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Any sequence of mapping changes leaves the mount equal to the reference model, with
+    /// file contents read through open/read matching the blobs.
+    #[test]
+    fn core_matches_reference_model(steps in prop::collection::vec(
+        prop::collection::btree_map("[ab]{1,2}(/[cd]{1,2}){0,2}", 0usize..3, 0..5), 1..6)) {
+        let f = fixture();
+        let artifacts = vec![
+            artifact(&f.store_a.store, &[("f", b"one")]),
+            artifact(&f.store_a.store, &[("f", b"two!"), ("g/h", b"deep")]),
+            artifact(&f.store_a.store, &[("z", b"")]),
+        ];
+        for step in steps {
+            // Drop paths that nest with an earlier one: the reconciler never sends them.
+            let mut accepted: Vec<(String, usize)> = Vec::new();
+            for (p, a) in step {
+                let nests = accepted.iter().any(|(q, _)| {
+                    let (s, l) = if q.len() < p.len() { (q, &p) } else { (&p, q) };
+                    l == s || l.starts_with(&format!("{s}/"))
+                });
+                if !nests {
+                    accepted.push((p, a));
+                }
+            }
+            let entries: Vec<MountEntry> = accepted
+                .iter()
+                .map(|(p, a)| entry(p, &artifacts[*a], &f.store_a))
+                .collect();
+            f.core.apply(&entries).unwrap();
+            let mut got = BTreeMap::new();
+            walk(&f.core, ROOT_INO, "", &mut got);
+            prop_assert_eq!(&got, &reference(&accepted, &artifacts));
+            for path in got.keys() {
+                let attr = resolve(&f.core, path).unwrap();
+                let (fh, _) = f.core.open(attr.ino).unwrap();
+                let data = f.core.read(fh, 0, 1 << 20).unwrap();
+                f.core.release(fh);
+                prop_assert_eq!(data.len() as u64, attr.size);
+            }
+        }
+    }
+}

@@ -1,0 +1,390 @@
+//! Test harness: runs the real `modelfs` binary against temporary directories, with a real
+//! FUSE mount, and talks to it over its HTTP endpoint on 127.0.0.1.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_modelfs");
+
+/// Temporary directories of one daemon: mount, state, models.
+pub struct TestEnv {
+    pub root: tempfile::TempDir,
+    pub mount: PathBuf,
+    pub state: PathBuf,
+    pub models: PathBuf,
+}
+
+impl TestEnv {
+    pub fn new() -> Self {
+        let root = tempfile::Builder::new()
+            .prefix("modelfs-test-")
+            .tempdir()
+            .unwrap();
+        let mount = root.path().join("mnt");
+        let state = root.path().join("state");
+        let models = root.path().join("models");
+        std::fs::create_dir_all(&models).unwrap();
+        Self {
+            root,
+            mount,
+            state,
+            models,
+        }
+    }
+
+    /// A directory for test source data.
+    pub fn dir(&self, name: &str) -> PathBuf {
+        let d = self.root.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// Writes a manifest file atomically (write + rename), as an operator's tool would.
+    pub fn write_models(&self, file: &str, yaml: &str) {
+        let tmp = self.models.join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, yaml).unwrap();
+        std::fs::rename(&tmp, self.models.join(file)).unwrap();
+    }
+
+    pub fn remove_models(&self, file: &str) {
+        std::fs::remove_file(self.models.join(file)).unwrap();
+    }
+
+    /// Store directories that hold at least one blob.
+    pub fn stores_with_blobs(&self) -> Vec<PathBuf> {
+        let Ok(rd) = std::fs::read_dir(self.state.join("stores")) else {
+            return Vec::new();
+        };
+        let mut out: Vec<PathBuf> = rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                std::fs::read_dir(p.join("blobs"))
+                    .map(|mut r| r.next().is_some())
+                    .unwrap_or(false)
+            })
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running daemon. Dropping it kills the process and detaches the mount.
+pub struct Daemon {
+    child: Option<Child>,
+    pub mount: PathBuf,
+    pub state: PathBuf,
+    pub listen: String,
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `modelfs serve` with a 1 s GC grace (tests watch collection happen) and waits for
+    /// the HTTP endpoint.
+    pub fn start(env: &TestEnv, extra: &[&str]) -> Daemon {
+        Self::start_with_env(env, extra, &[])
+    }
+
+    pub fn start_with_env(env: &TestEnv, extra: &[&str], vars: &[(&str, &str)]) -> Daemon {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let log = env.root.path().join(format!("daemon-{}.log", free_port()));
+        let log_file = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(BIN);
+        cmd.arg("serve")
+            .arg("--mount")
+            .arg(&env.mount)
+            .arg("--state")
+            .arg(&env.state)
+            .arg("--models")
+            .arg(&env.models)
+            .arg("--listen")
+            .arg(&listen)
+            .arg("--gc-grace-secs")
+            .arg("1")
+            .args(extra)
+            .env("RUST_LOG", "info,modelfs=debug")
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone().unwrap())
+            .stderr(log_file);
+        for (k, v) in vars {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("spawn modelfs");
+        let d = Daemon {
+            child: Some(child),
+            mount: env.mount.clone(),
+            state: env.state.clone(),
+            listen,
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if d.try_get("/healthz").is_some() {
+                return d;
+            }
+            if let Some(c) = d.child.as_ref() {
+                let _ = c;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("daemon did not come up; log:\n{}", d.log_text());
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    fn try_get(&self, path: &str) -> Option<(u16, String)> {
+        http_get(&self.listen, path)
+    }
+
+    pub fn get(&self, path: &str) -> (u16, String) {
+        self.try_get(path)
+            .unwrap_or_else(|| panic!("GET {path} failed; log:\n{}", self.log_text()))
+    }
+
+    pub fn status(&self) -> Value {
+        let (code, body) = self.get("/v1/models");
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    /// Polls the status document until `pred` holds (or panics with the last document and log).
+    pub fn wait_until(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + timeout;
+        let mut last = Value::Null;
+        while Instant::now() < deadline {
+            if let Some((200, body)) = self.try_get("/v1/models") {
+                last = serde_json::from_str(&body).unwrap_or(Value::Null);
+                if pred(&last) {
+                    return last;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!(
+            "timed out waiting for {what}; last status:\n{}\nlog:\n{}",
+            serde_json::to_string_pretty(&last).unwrap(),
+            self.log_text()
+        );
+    }
+
+    /// Waits until model `key` has status `want` and returns its entry.
+    pub fn wait_model(&self, key: &str, want: &str) -> Value {
+        let doc = self.wait_until(&format!("{key} {want}"), Duration::from_secs(60), |d| {
+            d[key]["status"] == want
+        });
+        doc[key].clone()
+    }
+
+    pub fn wait_gone(&self, key: &str) {
+        self.wait_until(&format!("{key} gone"), Duration::from_secs(30), |d| {
+            d.get(key).is_none()
+        });
+    }
+
+    pub fn metrics(&self) -> String {
+        self.get("/metrics").1
+    }
+
+    /// Sum of the samples of a metric whose line starts with `prefix` (name plus optional
+    /// label selector), 0 if absent.
+    pub fn metric(&self, prefix: &str) -> f64 {
+        self.metrics()
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// SIGKILL: no clean-up at all, as in a crash (the dead mount stays for the next daemon).
+    pub fn kill9(mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.mount = PathBuf::new();
+    }
+
+    /// SIGTERM and wait for a clean exit; returns whether it exited successfully.
+    pub fn stop(mut self) -> bool {
+        let Some(mut c) = self.child.take() else {
+            return false;
+        };
+        // SAFETY: sending a signal to our own child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = c.try_wait() {
+                return status.success();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = c.kill();
+        false
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if !self.mount.as_os_str().is_empty() {
+            let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+        }
+    }
+}
+
+/// Minimal HTTP/1.0 GET over loopback (no client library needed for tests).
+pub fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).ok()?;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n")?;
+    let code = head.split(' ').nth(1)?.parse().ok()?;
+    Some((code, body.to_string()))
+}
+
+/// YAML of a ClusterBaseModel.
+pub fn cluster_model(name: &str, uri: &str, policy: &str, path: Option<&str>) -> String {
+    let path = path.map(|p| format!("\n    path: {p}")).unwrap_or_default();
+    format!(
+        "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: {name}\nspec:\n  storage:\n    storageUri: {uri}\n    downloadPolicy: {policy}{path}\n"
+    )
+}
+
+/// YAML of a BaseModel.
+pub fn base_model(ns: &str, name: &str, uri: &str, policy: &str, path: Option<&str>) -> String {
+    let path = path.map(|p| format!("\n    path: {p}")).unwrap_or_default();
+    format!(
+        "apiVersion: ome.io/v1beta1\nkind: BaseModel\nmetadata:\n  name: {name}\n  namespace: {ns}\nspec:\n  storage:\n    storageUri: {uri}\n    downloadPolicy: {policy}{path}\n"
+    )
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so failures are reproducible.
+pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// A source tree with nested directories, an empty file, a non-ASCII name and one larger file.
+pub fn make_model_dir(dir: &Path, seed: u64, large: usize) {
+    let files: Vec<(String, usize)> = vec![
+        ("config.json".into(), 512),
+        ("tokenizer/tokenizer.json".into(), 20_000),
+        ("tokenizer/vocab/merges.txt".into(), 7_777),
+        ("empty.txt".into(), 0),
+        ("caf\u{e9}/r\u{e9}sum\u{e9}.md".into(), 300),
+        ("weights/model-00001-of-00002.safetensors".into(), large),
+        (
+            "weights/model-00002-of-00002.safetensors".into(),
+            large / 3 + 1,
+        ),
+    ];
+    for (i, (p, len)) in files.iter().enumerate() {
+        let path = dir.join(p);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, bytes(seed * 100 + i as u64, *len)).unwrap();
+    }
+}
+
+/// Every entry below `dir`: relative path → (is_dir, size, mode bits, sha256 of content).
+pub fn tree(dir: &Path) -> std::collections::BTreeMap<String, (bool, u64, u32, String)> {
+    let mut out = std::collections::BTreeMap::new();
+    fn walk(
+        base: &Path,
+        dir: &Path,
+        out: &mut std::collections::BTreeMap<String, (bool, u64, u32, String)>,
+    ) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().collect();
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let p = e.path();
+            let rel = p.strip_prefix(base).unwrap().to_string_lossy().into_owned();
+            let m = std::fs::metadata(&p).unwrap();
+            if m.is_dir() {
+                out.insert(
+                    rel,
+                    (true, 0, m.permissions().mode() & 0o7777, String::new()),
+                );
+                walk(base, &p, out);
+            } else {
+                let data = std::fs::read(&p).unwrap();
+                out.insert(
+                    rel,
+                    (
+                        false,
+                        m.len(),
+                        m.permissions().mode() & 0o7777,
+                        hex::encode(Sha256::digest(&data)),
+                    ),
+                );
+            }
+        }
+    }
+    walk(dir, dir, &mut out);
+    out
+}
+
+/// The Python interpreter with `safetensors`, `numpy` and `huggingface_hub` (created by
+/// `.ci/run` / `scripts/test`). Missing is a test failure, not a skip.
+pub fn python() -> PathBuf {
+    let p = std::env::var_os("MODELFS_TEST_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"));
+    assert!(
+        p.exists(),
+        "Python for real-client tests not found at {} (run scripts/test, or set MODELFS_TEST_PYTHON)",
+        p.display()
+    );
+    p
+}
+
+/// Runs a shell command and returns stdout; panics on failure.
+pub fn sh(cmd: &str) -> String {
+    let out = Command::new("bash").arg("-c").arg(cmd).output().unwrap();
+    assert!(
+        out.status.success(),
+        "`{cmd}` failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}

@@ -1,0 +1,339 @@
+//! The mount against a real directory: content, metadata, read paths, read-only semantics.
+
+mod common;
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+fn uri(p: &Path) -> String {
+    format!("local://{}", p.display())
+}
+
+/// Mount view of a source tree: directories 0555, files 0444, everything else identical.
+fn assert_mount_equals_source(mount_dir: &Path, source: &Path) {
+    let want: Vec<_> = tree(source)
+        .into_iter()
+        .map(|(p, (dir, size, _mode, sha))| (p, (dir, size, if dir { 0o555 } else { 0o444 }, sha)))
+        .collect();
+    let got: Vec<_> = tree(mount_dir).into_iter().collect();
+    assert_eq!(
+        got,
+        want,
+        "mount {} differs from source",
+        mount_dir.display()
+    );
+    // The same through real clients: find (names, types, sizes) and sha256sum.
+    let listing = |d: &Path| {
+        sh(&format!(
+            "cd '{}' && find . -printf '%y %s %P\\n' | sort",
+            d.display()
+        ))
+    };
+    let strip_dir_sizes = |s: String| -> Vec<String> {
+        s.lines()
+            .map(|l| {
+                if l.starts_with("d ") {
+                    format!("d {}", l.splitn(3, ' ').nth(2).unwrap_or(""))
+                } else {
+                    l.to_string()
+                }
+            })
+            .collect()
+    };
+    assert_eq!(
+        strip_dir_sizes(listing(mount_dir)),
+        strip_dir_sizes(listing(source))
+    );
+    let sums = |d: &Path| {
+        sh(&format!(
+            "cd '{}' && find . -type f -print0 | sort -z | xargs -0 sha256sum",
+            d.display()
+        ))
+    };
+    assert_eq!(sums(mount_dir), sums(source));
+}
+
+/// Random preads and an mmap of every file compare equal to the source.
+fn assert_random_reads(mount_dir: &Path, source: &Path) {
+    let mut rng = 0x1234_5678_u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for (rel, (is_dir, size, _, _)) in tree(source) {
+        if is_dir {
+            continue;
+        }
+        let a = File::open(mount_dir.join(&rel)).unwrap();
+        let b = std::fs::read(source.join(&rel)).unwrap();
+        for _ in 0..50 {
+            let off = if size == 0 { 0 } else { next() % (size + 10) };
+            let len = (next() % 300_000) as usize;
+            let mut buf = vec![0u8; len];
+            let n = read_full_at(&a, &mut buf, off);
+            let start = (off as usize).min(b.len());
+            let end = (start + len).min(b.len());
+            assert_eq!(&buf[..n], &b[start..end], "{rel} pread at {off} len {len}");
+        }
+        if size > 0 {
+            // SAFETY: read-only private mapping of a file we keep open for its lifetime.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    size as usize,
+                    libc::PROT_READ,
+                    libc::MAP_PRIVATE,
+                    a.as_raw_fd(),
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED, "mmap {rel}");
+            // SAFETY: the mapping is `size` bytes long and readable.
+            let mapped = unsafe { std::slice::from_raw_parts(p as *const u8, size as usize) };
+            assert!(mapped == b.as_slice(), "{rel}: mmap content differs");
+            // SAFETY: unmapping what we mapped.
+            unsafe { libc::munmap(p, size as usize) };
+        }
+    }
+}
+
+fn read_full_at(f: &File, buf: &mut [u8], off: u64) -> usize {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], off + done as u64).unwrap() {
+            0 => break,
+            n => done += n,
+        }
+    }
+    done
+}
+
+fn serve_one_model(mode: &str) {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 7, 24 << 20);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", Some("org/m")),
+    );
+    let d = Daemon::start(&env, &["--passthrough", mode]);
+    let entry = d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(entry["path"], env.mount.join("org/m").to_str().unwrap());
+    let model_dir = env.mount.join("org/m");
+    assert_mount_equals_source(&model_dir, &src);
+    assert_random_reads(&model_dir, &src);
+    let passthrough_opens = d.metric("modelfs_passthrough_opens_total");
+    let read_through_opens = d.metric("modelfs_read_through_opens_total");
+    match mode {
+        "never" => {
+            assert_eq!(passthrough_opens, 0.0);
+            assert!(read_through_opens > 0.0);
+            assert!(d.metric("modelfs_read_bytes_total") > 0.0);
+        }
+        _ => {
+            // Root on Linux >= 6.9 (this project's test machines): every open is passthrough.
+            assert!(
+                passthrough_opens > 0.0,
+                "no passthrough opens: {}",
+                d.metrics()
+            );
+            assert_eq!(read_through_opens, 0.0);
+        }
+    }
+    assert!(d.stop(), "clean shutdown");
+    assert!(
+        !sh("cat /proc/self/mountinfo").contains(env.mount.to_str().unwrap()),
+        "SIGTERM must unmount"
+    );
+}
+
+#[test]
+fn mount_equals_source_with_passthrough() {
+    serve_one_model("always");
+}
+
+#[test]
+fn mount_equals_source_with_read_through() {
+    serve_one_model("never");
+}
+
+#[test]
+fn every_write_fails_with_erofs() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 3, 1000);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", None),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    let dir = env.mount.join("m");
+    let file = dir.join("config.json");
+    let erofs = |what: &str, r: std::io::Result<()>| {
+        let e = r.expect_err(what);
+        assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{what}: {e}");
+    };
+    erofs(
+        "open for write",
+        OpenOptions::new().write(true).open(&file).map(drop),
+    );
+    erofs(
+        "open read-write",
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&file)
+            .map(drop),
+    );
+    erofs(
+        "truncate",
+        OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&file)
+            .map(drop),
+    );
+    erofs("create", File::create(dir.join("new")).map(drop));
+    erofs(
+        "create at root",
+        File::create(env.mount.join("new")).map(drop),
+    );
+    erofs("mkdir", std::fs::create_dir(dir.join("d")));
+    erofs("rename", std::fs::rename(&file, dir.join("other")));
+    erofs("unlink", std::fs::remove_file(&file));
+    erofs("rmdir", std::fs::remove_dir(dir.join("tokenizer/vocab")));
+    erofs("symlink", std::os::unix::fs::symlink("x", dir.join("link")));
+    erofs("hard link", std::fs::hard_link(&file, dir.join("hl")));
+    use std::os::unix::fs::PermissionsExt;
+    erofs(
+        "chmod",
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o777)),
+    );
+    // The content is untouched.
+    assert_eq!(
+        std::fs::read(&file).unwrap(),
+        std::fs::read(src.join("config.json")).unwrap()
+    );
+}
+
+#[test]
+fn safetensors_loads_by_mmap_from_the_mount() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    let py = python();
+    // Write a real checkpoint with the real library, then load it back from both places.
+    let script = format!(
+        r#"
+import numpy as np, sys
+from safetensors.numpy import save_file
+rng = np.random.default_rng(42)
+save_file({{"embed": rng.standard_normal((512, 256)).astype(np.float32),
+            "lm_head": rng.standard_normal((256, 1024)).astype(np.float16),
+            "bias": np.arange(1024, dtype=np.int64)}}, "{}/model.safetensors", metadata={{"format": "np"}})
+"#,
+        src.display()
+    );
+    let out = std::process::Command::new(&py)
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    env.write_models(
+        "m.yaml",
+        &cluster_model("st", &uri(&src), "AlwaysDownload", None),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.st", "Ready");
+    // safe_open maps the file (mmap) and reads tensors out of the mapping.
+    let check = format!(
+        r#"
+import numpy as np
+from safetensors import safe_open
+def load(p):
+    with safe_open(p, framework="np") as f:
+        return {{k: f.get_tensor(k) for k in f.keys()}}, f.metadata()
+a, ma = load("{mnt}/st/model.safetensors")
+b, mb = load("{src}/model.safetensors")
+assert sorted(a) == ["bias", "embed", "lm_head"], sorted(a)
+assert ma == mb == {{"format": "np"}}
+for k in a:
+    assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+    assert np.array_equal(a[k], b[k]), k
+print("ok", sum(v.nbytes for v in a.values()))
+"#,
+        mnt = env.mount.display(),
+        src = src.display()
+    );
+    let out = std::process::Command::new(&py)
+        .arg("-c")
+        .arg(&check)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok "));
+}
+
+#[test]
+fn model_is_never_visible_half_imported() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    // Enough data that the import takes a while: 40 files of 4 MiB.
+    for i in 0..40 {
+        std::fs::write(src.join(format!("shard-{i:03}.bin")), bytes(i, 4 << 20)).unwrap();
+    }
+    let want = tree(&src);
+    let d = Daemon::start(&env, &[]);
+    let model = env.mount.join("big");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let model = model.clone();
+        let stop = stop.clone();
+        let want: Vec<(String, u64)> = want.iter().map(|(k, v)| (k.clone(), v.1)).collect();
+        std::thread::spawn(move || {
+            let mut seen_complete = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(rd) = std::fs::read_dir(&model) {
+                    let mut got: Vec<(String, u64)> = rd
+                        .flatten()
+                        .map(|e| {
+                            (
+                                e.file_name().to_string_lossy().into_owned(),
+                                e.metadata().unwrap().len(),
+                            )
+                        })
+                        .collect();
+                    got.sort();
+                    assert_eq!(got, want, "a partial tree was visible");
+                    seen_complete += 1;
+                }
+            }
+            seen_complete
+        })
+    };
+    env.write_models(
+        "m.yaml",
+        &cluster_model("big", &uri(&src), "AlwaysDownload", None),
+    );
+    d.wait_model("clusterbasemodel.big", "Ready");
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen = watcher.join().expect("watcher saw a partial tree");
+    assert!(seen > 0, "the watcher never saw the model");
+}

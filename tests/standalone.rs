@@ -1,0 +1,327 @@
+//! Standalone mode end to end: placement by policy and scope, manifest changes, crash restart,
+//! bad input.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+fn uri(p: &Path) -> String {
+    format!("local://{}", p.display())
+}
+
+#[test]
+fn reuse_shares_one_store_always_downloads_and_namespaces_stay_apart() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 11, 2 << 20);
+    let u = uri(&src);
+    let d = Daemon::start(&env, &[]);
+
+    // Two ReuseIfExists models of the same content: one store.
+    let yaml = [
+        cluster_model("a", &u, "ReuseIfExists", None),
+        cluster_model("b", &u, "ReuseIfExists", None),
+    ]
+    .join("---\n");
+    env.write_models("reuse.yaml", &yaml);
+    let a = d.wait_model("clusterbasemodel.a", "Ready");
+    let b = d.wait_model("clusterbasemodel.b", "Ready");
+    assert_eq!(
+        env.stores_with_blobs().len(),
+        1,
+        "two ReuseIfExists models must share one store"
+    );
+    let parent_of = |e: &serde_json::Value| {
+        e["config"]["artifact"]["parentPath"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .next()
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(
+        parent_of(&a),
+        parent_of(&b),
+        "both served from the same parent"
+    );
+    let parent = parent_of(&a);
+    let child = if parent == "clusterbasemodel.a" {
+        &b
+    } else {
+        &a
+    };
+    let parent_entry = if parent == "clusterbasemodel.a" {
+        &a
+    } else {
+        &b
+    };
+    assert_eq!(
+        parent_entry["config"]["artifact"]["childrenPaths"],
+        serde_json::json!([child["path"]])
+    );
+    assert_eq!(
+        a["config"]["artifact"]["sha"],
+        b["config"]["artifact"]["sha"]
+    );
+
+    // Two AlwaysDownload models: two more private copies.
+    let yaml = [
+        cluster_model("c", &u, "AlwaysDownload", None),
+        cluster_model("e", &u, "AlwaysDownload", None),
+    ]
+    .join("---\n");
+    env.write_models("always.yaml", &yaml);
+    d.wait_model("clusterbasemodel.c", "Ready");
+    d.wait_model("clusterbasemodel.e", "Ready");
+    assert_eq!(env.stores_with_blobs().len(), 3);
+
+    // BaseModels: team-x may reuse a ClusterBaseModel's copy; team-y must never map onto
+    // team-x's BaseModel copy, even under ReuseIfExists.
+    let other = env.dir("other");
+    make_model_dir(&other, 99, 1 << 20);
+    let yaml = [
+        base_model("team-x", "m", &uri(&other), "ReuseIfExists", None),
+        base_model("team-y", "m", &uri(&other), "ReuseIfExists", None),
+        base_model("team-x", "shared", &u, "ReuseIfExists", None),
+    ]
+    .join("---\n");
+    env.write_models("teams.yaml", &yaml);
+    let x = d.wait_model("team-x.basemodel.m", "Ready");
+    let y = d.wait_model("team-y.basemodel.m", "Ready");
+    let shared = d.wait_model("team-x.basemodel.shared", "Ready");
+    assert_eq!(parent_of(&x), "team-x.basemodel.m");
+    assert_eq!(parent_of(&y), "team-y.basemodel.m", "cross-namespace reuse");
+    assert!(
+        parent_of(&shared).starts_with("clusterbasemodel."),
+        "a BaseModel reuses a cluster copy"
+    );
+    assert_eq!(env.stores_with_blobs().len(), 5);
+    for m in ["team-x/m", "team-y/m"] {
+        assert_eq!(tree(&env.mount.join(m)).len(), tree(&other).len());
+    }
+}
+
+#[test]
+fn manifest_files_add_change_and_delete_models() {
+    let env = TestEnv::new();
+    let v1 = env.dir("v1");
+    let v2 = env.dir("v2");
+    make_model_dir(&v1, 1, 100_000);
+    make_model_dir(&v2, 2, 150_000);
+    std::fs::write(v2.join("only-in-v2.txt"), b"new file").unwrap();
+    let d = Daemon::start(&env, &[]);
+
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&v1), "AlwaysDownload", None),
+    );
+    let first = d.wait_model("clusterbasemodel.m", "Ready");
+    let sha1 = first["config"]["artifact"]["sha"].clone();
+    assert_eq!(tree(&env.mount.join("m")).len(), tree(&v1).len());
+
+    // Change the source: the model flips to the new content once it is imported.
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&v2), "AlwaysDownload", None),
+    );
+    let second = d.wait_until("new artifact", Duration::from_secs(30), |s| {
+        s["clusterbasemodel.m"]["status"] == "Ready"
+            && s["clusterbasemodel.m"]["config"]["artifact"]["sha"] != sha1
+    });
+    let _ = second;
+    assert_eq!(
+        std::fs::read(env.mount.join("m/only-in-v2.txt")).unwrap(),
+        b"new file"
+    );
+    let want: Vec<_> = tree(&v2).into_iter().map(|(k, v)| (k, v.1, v.3)).collect();
+    let got: Vec<_> = tree(&env.mount.join("m"))
+        .into_iter()
+        .map(|(k, v)| (k, v.1, v.3))
+        .collect();
+    assert_eq!(got, want);
+
+    // Rename the file: same model, nothing changes.
+    std::fs::rename(env.models.join("m.yaml"), env.models.join("renamed.yaml")).unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    assert_eq!(d.status()["clusterbasemodel.m"]["status"], "Ready");
+
+    // Add a second model in another file, delete the first.
+    env.write_models(
+        "n.yaml",
+        &cluster_model("n", &uri(&v1), "AlwaysDownload", Some("deep/er/n")),
+    );
+    d.wait_model("clusterbasemodel.n", "Ready");
+    assert!(env.mount.join("deep/er/n/config.json").exists());
+    env.remove_models("renamed.yaml");
+    d.wait_gone("clusterbasemodel.m");
+    assert!(!env.mount.join("m").exists(), "deleted model still visible");
+    assert!(env.mount.join("deep/er/n/config.json").exists());
+
+    // Everything gone: the stores are collected after the grace period and the state is empty.
+    env.remove_models("n.yaml");
+    d.wait_gone("clusterbasemodel.n");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !env.stores_with_blobs().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(env.stores_with_blobs().is_empty(), "stores not collected");
+    assert_eq!(
+        std::fs::read_dir(&env.mount).unwrap().count(),
+        0,
+        "mount not empty"
+    );
+}
+
+#[test]
+fn sigkill_then_restart_serves_everything_without_reimport() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 5, 8 << 20);
+    let yaml = [
+        cluster_model("a", &uri(&src), "AlwaysDownload", None),
+        base_model("ns", "b", &uri(&src), "ReuseIfExists", None),
+    ]
+    .join("---\n");
+    env.write_models("m.yaml", &yaml);
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.a", "Ready");
+    d.wait_model("ns.basemodel.b", "Ready");
+    assert!(d.metric("modelfs_fetched_bytes_total") > 0.0);
+    let before = d.status();
+    d.kill9();
+
+    let err = std::fs::metadata(env.mount.join("a")).unwrap_err();
+    assert_eq!(
+        err.raw_os_error(),
+        Some(libc::ENOTCONN),
+        "a crashed daemon leaves a dead mount"
+    );
+
+    let d = Daemon::start(&env, &[]);
+    let after = d.wait_until("models back", Duration::from_secs(30), |s| {
+        s["clusterbasemodel.a"]["status"] == "Ready" && s["ns.basemodel.b"]["status"] == "Ready"
+    });
+    for k in ["clusterbasemodel.a", "ns.basemodel.b"] {
+        assert_eq!(
+            after[k]["config"], before[k]["config"],
+            "{k}: placement changed across restart"
+        );
+    }
+    assert_eq!(
+        d.metric("modelfs_fetched_bytes_total"),
+        0.0,
+        "something was imported again"
+    );
+    for m in ["a", "ns/b"] {
+        let want: Vec<_> = tree(&src).into_iter().map(|(k, v)| (k, v.1, v.3)).collect();
+        let got: Vec<_> = tree(&env.mount.join(m))
+            .into_iter()
+            .map(|(k, v)| (k, v.1, v.3))
+            .collect();
+        assert_eq!(got, want, "{m}");
+    }
+    assert_eq!(d.get("/readyz").0, 200);
+}
+
+#[test]
+fn bad_input_fails_with_a_reason_and_hurts_no_other_model() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    let other = env.dir("other");
+    make_model_dir(&src, 8, 50_000);
+    make_model_dir(&other, 9, 60_000);
+    let d = Daemon::start(&env, &[]);
+    env.write_models(
+        "good.yaml",
+        &cluster_model("good", &uri(&src), "AlwaysDownload", Some("good")),
+    );
+    d.wait_model("clusterbasemodel.good", "Ready");
+
+    env.write_models(
+        "broken.yaml",
+        "apiVersion: ome.io/v1beta1\nkind: [unclosed\n",
+    );
+    let no_storage = "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: nostorage\nspec:\n  vendor: x\n";
+    let no_uri = "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: nouri\nspec:\n  storage:\n    path: nouri\n";
+    let bad_policy = cluster_model("badpolicy", &uri(&src), "Sometimes", None);
+    let yaml = [
+        no_storage.to_string(),
+        no_uri.to_string(),
+        bad_policy,
+        cluster_model("s3", "s3://bucket/model", "AlwaysDownload", None),
+        cluster_model("weird", "ftp://host/model", "AlwaysDownload", None),
+        cluster_model("escape", &uri(&src), "AlwaysDownload", Some("../../etc")),
+        cluster_model(
+            "outside",
+            &uri(&src),
+            "AlwaysDownload",
+            Some("/etc/models/x"),
+        ),
+        cluster_model("nested", &uri(&other), "AlwaysDownload", Some("good/inner")),
+        cluster_model("clash", &uri(&other), "AlwaysDownload", Some("good")),
+        cluster_model(
+            "missing",
+            "local:///nonexistent/dir",
+            "AlwaysDownload",
+            None,
+        ),
+    ]
+    .join("---\n");
+    env.write_models("bad.yaml", &yaml);
+    let expect = [
+        ("clusterbasemodel.nostorage", "storage"),
+        ("clusterbasemodel.nouri", "storageUri"),
+        ("clusterbasemodel.badpolicy", "Sometimes"),
+        ("clusterbasemodel.s3", "not supported"),
+        ("clusterbasemodel.weird", "ftp"),
+        ("clusterbasemodel.escape", ".."),
+        ("clusterbasemodel.outside", "/etc/models/x"),
+        ("clusterbasemodel.nested", "nests"),
+        ("clusterbasemodel.clash", "different artifact"),
+        ("clusterbasemodel.missing", "does not exist"),
+    ];
+    for (key, needle) in expect {
+        let e = d.wait_model(key, "Failed");
+        let reason = e["reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains(needle),
+            "{key}: reason {reason:?} should mention {needle:?}"
+        );
+    }
+    let s = d.status();
+    let file_err = s["file:broken.yaml"]["reason"].as_str().unwrap();
+    assert!(
+        file_err.contains("line"),
+        "a YAML error names its line: {file_err}"
+    );
+    assert_eq!(s["clusterbasemodel.good"]["status"], "Ready");
+    assert_eq!(
+        std::fs::read(env.mount.join("good/config.json")).unwrap(),
+        std::fs::read(src.join("config.json")).unwrap()
+    );
+    assert!(!env.mount.join("good/inner").exists());
+    assert_eq!(d.get("/healthz").0, 200);
+
+    // A valid file that turns invalid keeps its models: nothing is lost to a typo.
+    env.write_models(
+        "good.yaml",
+        "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata: {name: good\n",
+    );
+    d.wait_until("file error", Duration::from_secs(10), |s| {
+        s.get("file:good.yaml").is_some()
+    });
+    assert_eq!(d.status()["clusterbasemodel.good"]["status"], "Ready");
+    assert!(env.mount.join("good/config.json").exists());
+
+    // The clash resolves once the earlier model goes away.
+    env.remove_models("good.yaml");
+    d.wait_model("clusterbasemodel.clash", "Ready");
+    assert_eq!(
+        std::fs::read(env.mount.join("good/config.json")).unwrap(),
+        std::fs::read(other.join("config.json")).unwrap()
+    );
+}

@@ -360,16 +360,24 @@ fn open_handles_survive_flips_and_store_release_then_the_bytes_are_freed() {
     ]
     .join("---\n");
     env.write_models("m.yaml", &yaml);
-    d.wait_until("flip", Duration::from_secs(30), |s| parent(&s["ns.basemodel.m"]) == "clusterbasemodel.holder");
+    d.wait_until("flip", Duration::from_secs(30), |s| {
+        parent(&s["ns.basemodel.m"]) == "clusterbasemodel.holder"
+    });
     // Far past the 1 s grace: the store must stay while the file is open.
     std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(env.stores_with_blobs(), stores_before, "a store with an open file was collected");
+    assert_eq!(
+        env.stores_with_blobs(),
+        stores_before,
+        "a store with an open file was collected"
+    );
     use std::os::unix::fs::FileExt;
     let mut got = vec![0u8; want.len()];
     open.read_exact_at(&mut got, 0).unwrap();
     assert!(got == want, "an open file changed its bytes after the flip");
     drop(open);
-    d.wait_until("released store collected", Duration::from_secs(30), |_| env.stores_with_blobs().len() == 1);
+    d.wait_until("released store collected", Duration::from_secs(30), |_| {
+        env.stores_with_blobs().len() == 1
+    });
 }
 
 #[test]
@@ -378,7 +386,10 @@ fn deleting_a_parent_hands_its_store_to_a_child_and_deleting_all_empties_the_sta
     let src = source(&env, "src", 7, 4);
     let u = uri(&src);
     let d = Daemon::start(&env, &[]);
-    let empty_usage = sh(&format!("du -sb '{}' | cut -f1", env.state.join("stores").display()));
+    let empty_usage = sh(&format!(
+        "du -sb '{}' | cut -f1",
+        env.state.join("stores").display()
+    ));
     env.write_models("p.yaml", &cluster_model("p", &u, "AlwaysDownload", None));
     d.wait_model("clusterbasemodel.p", "Ready");
     let kids = [
@@ -389,26 +400,58 @@ fn deleting_a_parent_hands_its_store_to_a_child_and_deleting_all_empties_the_sta
     env.write_models("kids.yaml", &kids);
     d.wait_model("clusterbasemodel.k1", "Ready");
     d.wait_model("clusterbasemodel.k2", "Ready");
-    let readers = Readers::start(&[env.mount.join("k1"), env.mount.join("k2")], &files_of(&src));
+    let readers = Readers::start(
+        &[env.mount.join("k1"), env.mount.join("k2")],
+        &files_of(&src),
+    );
     let before = fetched(&d);
     env.remove_models("p.yaml");
-    let s = d.wait_until("ownership handed over", Duration::from_secs(30), |s| s.get("clusterbasemodel.p").is_none());
+    let s = d.wait_until("ownership handed over", Duration::from_secs(30), |s| {
+        s.get("clusterbasemodel.p").is_none()
+    });
     readers.finish();
-    assert!(!env.mount.join("p").exists(), "deleted parent still visible");
-    assert_eq!(parent(&s["clusterbasemodel.k1"]), "clusterbasemodel.k1", "smallest key takes over");
-    assert_eq!(parent(&s["clusterbasemodel.k2"]), "clusterbasemodel.k1", "the other child is re-pointed");
-    assert_eq!(children(&s["clusterbasemodel.k1"]), vec![env.mount.join("k2").display().to_string()]);
+    assert!(
+        !env.mount.join("p").exists(),
+        "deleted parent still visible"
+    );
+    assert_eq!(
+        parent(&s["clusterbasemodel.k1"]),
+        "clusterbasemodel.k1",
+        "smallest key takes over"
+    );
+    assert_eq!(
+        parent(&s["clusterbasemodel.k2"]),
+        "clusterbasemodel.k1",
+        "the other child is re-pointed"
+    );
+    assert_eq!(
+        children(&s["clusterbasemodel.k1"]),
+        vec![env.mount.join("k2").display().to_string()]
+    );
     assert_eq!(fetched(&d), before, "no bytes moved");
     std::thread::sleep(Duration::from_secs(2));
-    assert_eq!(env.stores_with_blobs().len(), 1, "the store stays for the children");
+    assert_eq!(
+        env.stores_with_blobs().len(),
+        1,
+        "the store stays for the children"
+    );
 
     env.remove_models("kids.yaml");
     d.wait_gone("clusterbasemodel.k1");
     d.wait_gone("clusterbasemodel.k2");
     d.wait_until("state empty", Duration::from_secs(30), |_| {
-        sh(&format!("du -sb '{}' | cut -f1", env.state.join("stores").display())) == empty_usage
+        sh(&format!(
+            "du -sb '{}' | cut -f1",
+            env.state.join("stores").display()
+        )) == empty_usage
     });
-    assert_eq!(std::fs::read_dir(env.state.join("artifacts")).unwrap().count(), 0, "artifact records left");
+    assert_eq!(
+        std::fs::read_dir(env.state.join("artifacts"))
+            .unwrap()
+            .count(),
+        0,
+        "artifact records left"
+    );
 }
 
 #[test]
@@ -427,13 +470,28 @@ fn reserve_label_keeps_the_store_for_a_later_reuse_model() {
     env.remove_models("keep.yaml");
     d.wait_gone("clusterbasemodel.keep");
     std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(env.stores_with_blobs().len(), 1, "a reserved store was collected");
+    assert_eq!(
+        env.stores_with_blobs().len(),
+        1,
+        "a reserved store was collected"
+    );
     assert!(!env.mount.join("keep").exists());
 
-    env.write_models("later.yaml", &base_model("ns", "later", &u, "ReuseIfExists", None));
+    env.write_models(
+        "later.yaml",
+        &base_model("ns", "later", &u, "ReuseIfExists", None),
+    );
     let e = d.wait_model("ns.basemodel.later", "Ready");
-    assert_eq!(fetched(&d), imported, "the reserved copy was reused, nothing imported");
-    assert_eq!(parent(&e), "ns.basemodel.later", "the model adopts the reserved store");
+    assert_eq!(
+        fetched(&d),
+        imported,
+        "the reserved copy was reused, nothing imported"
+    );
+    assert_eq!(
+        parent(&e),
+        "ns.basemodel.later",
+        "the model adopts the reserved store"
+    );
     assert_eq!(env.stores_with_blobs().len(), 1);
     assert_eq!(tree(&env.mount.join("ns/later")).len(), tree(&src).len());
 }

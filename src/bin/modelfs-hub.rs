@@ -16,7 +16,10 @@ use clap::Parser;
 use modelfs::devhub::{files_from_dir, Hub, HubConfig};
 
 #[derive(Parser)]
-#[command(name = "modelfs-hub", about = "Loopback Hugging Face hub for tests (development only)")]
+#[command(
+    name = "modelfs-hub",
+    about = "Loopback Hugging Face hub for tests (development only)"
+)]
 struct Args {
     /// Address to serve on; port 0 picks one.
     #[arg(long, default_value = "127.0.0.1:0")]

@@ -114,8 +114,7 @@ impl HubFile {
             lfs,
             // LFS files are identified by sha256; their git object is the pointer file.
             git_sha1: if lfs {
-                Sha1::digest(format!("lfs pointer {}", hex::encode(s.clone().finalize())))
-                    .into()
+                Sha1::digest(format!("lfs pointer {}", hex::encode(s.clone().finalize()))).into()
             } else {
                 g.finalize().into()
             },
@@ -237,7 +236,8 @@ struct Counters {
 pub struct Hub {
     config: HubConfig,
     repos: Mutex<HashMap<String, Repo>>,
-    by_sha256: Mutex<HashMap<[u8; 32], Arc<HubFile>>>,
+    /// LFS content by sha256 (what the CDN serves), with the first path it was added under.
+    by_sha256: Mutex<HashMap<[u8; 32], (Arc<HubFile>, String)>>,
     faults: Mutex<Vec<Fault>>,
     counters: Counters,
     /// `http://host:port` of the CDN listener, when there is one.
@@ -296,8 +296,8 @@ impl Hub {
             files.into_iter().map(|(p, f)| (p, Arc::new(f))).collect();
         {
             let mut by = self.by_sha256.lock().unwrap();
-            for f in files.values() {
-                by.insert(f.sha256, f.clone());
+            for (p, f) in &files {
+                by.entry(f.sha256).or_insert_with(|| (f.clone(), p.clone()));
             }
         }
         let sha = commit_sha(repo, &files);
@@ -403,8 +403,14 @@ impl Hub {
         Router::new()
             .route("/api/models/{org}/{name}/revision/{*rev}", get(revision))
             .route("/api/models/{org}/{name}/tree/{rev}", get(tree_root))
-            .route("/api/models/{org}/{name}/tree/{rev}/{*path}", get(tree_path))
-            .route("/{org}/{name}/resolve/{rev}/{*path}", get(resolve).head(resolve))
+            .route(
+                "/api/models/{org}/{name}/tree/{rev}/{*path}",
+                get(tree_path),
+            )
+            .route(
+                "/{org}/{name}/resolve/{rev}/{*path}",
+                get(resolve).head(resolve),
+            )
             .route("/cdn/{sha}", get(cdn).head(cdn))
             .route(
                 "/_hub/faults",
@@ -437,7 +443,9 @@ impl Hub {
             match bearer {
                 Some(b) if b == token => {}
                 Some(_) => {
-                    self.counters.refused_requests.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .refused_requests
+                        .fetch_add(1, Ordering::Relaxed);
                     return Err(hub_error(
                         StatusCode::FORBIDDEN,
                         "GatedRepo",
@@ -445,7 +453,9 @@ impl Hub {
                     ));
                 }
                 None => {
-                    self.counters.refused_requests.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .refused_requests
+                        .fetch_add(1, Ordering::Relaxed);
                     return Err(hub_error(
                         StatusCode::UNAUTHORIZED,
                         "GatedRepo",
@@ -712,17 +722,20 @@ async fn cdn(
     if hex::decode_to_slice(&sha, &mut key).is_err() {
         return StatusCode::NOT_FOUND.into_response();
     }
-    let Some(file) = hub.by_sha256.lock().unwrap().get(&key).cloned() else {
+    let Some((file, path)) = hub.by_sha256.lock().unwrap().get(&key).cloned() else {
         return StatusCode::NOT_FOUND.into_response();
     };
-    serve_file(&hub, &method, &headers, &sha, file, None)
+    serve_file(&hub, &method, &headers, &path, file, None)
 }
 
 fn add_file_headers(h: &mut HeaderMap, commit: &str, file: &HubFile) {
     h.insert("x-repo-commit", HeaderValue::from_str(commit).unwrap());
     h.insert(header::ETAG, HeaderValue::from_str(&file.etag()).unwrap());
     if file.lfs {
-        h.insert("x-linked-etag", HeaderValue::from_str(&file.etag()).unwrap());
+        h.insert(
+            "x-linked-etag",
+            HeaderValue::from_str(&file.etag()).unwrap(),
+        );
         h.insert("x-linked-size", HeaderValue::from(file.size));
     }
 }
@@ -902,10 +915,7 @@ fn body_stream(
         };
         st.at += n;
         st.sent += n;
-        st.hub
-            .counters
-            .bytes_served
-            .fetch_add(n, Ordering::Relaxed);
+        st.hub.counters.bytes_served.fetch_add(n, Ordering::Relaxed);
         Some((Ok(chunk), st))
     })
 }

@@ -479,18 +479,10 @@ fn revisions_never_share_a_store_and_one_commit_is_downloaded_once() {
 fn hostile_listings_fail_with_a_reason() {
     let hub = TestHub::start(1000);
     let ok = || HubFile::memory(b"x".to_vec(), false);
-    let cases: Vec<(&str, Vec<(String, HubFile)>, &str)> = vec![
-        (
-            "org/dots",
-            vec![("a/../../escape".into(), ok())],
-            "dot segment",
-        ),
-        ("org/abs", vec![("/etc/passwd".into(), ok())], "absolute"),
-        (
-            "org/clash",
-            vec![("a".into(), ok()), ("a/b".into(), ok())],
-            "both a file and a directory",
-        ),
+    let cases: Vec<(&str, Vec<&str>, &str)> = vec![
+        ("org/dots", vec!["a/../../escape"], "dot segment"),
+        ("org/abs", vec!["/etc/passwd"], "absolute"),
+        ("org/clash", vec!["a", "a/b"], "both a file and a directory"),
     ];
     let env = TestEnv::new();
     let d = start_daemon(&env, &hub);
@@ -499,7 +491,7 @@ fn hostile_listings_fail_with_a_reason() {
         hub.hub().add_commit(
             repo,
             &["main"],
-            files.iter().map(|(p, _)| (p.clone(), ok())).collect(),
+            files.iter().map(|p| (p.to_string(), ok())).collect(),
         );
         let name = repo.trim_start_matches("org/");
         yaml.push(hf_model(

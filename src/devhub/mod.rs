@@ -233,11 +233,14 @@ struct Counters {
     refused_requests: AtomicU64,
 }
 
+/// An LFS file as the CDN serves it, and a path it has in some commit (for fault filters).
+type CdnEntry = (Arc<HubFile>, String);
+
 pub struct Hub {
     config: HubConfig,
     repos: Mutex<HashMap<String, Repo>>,
     /// LFS content by sha256 (what the CDN serves), with the first path it was added under.
-    by_sha256: Mutex<HashMap<[u8; 32], (Arc<HubFile>, String)>>,
+    by_sha256: Mutex<HashMap<[u8; 32], CdnEntry>>,
     faults: Mutex<Vec<Fault>>,
     counters: Counters,
     /// `http://host:port` of the CDN listener, when there is one.
@@ -421,14 +424,19 @@ impl Hub {
     }
 
     /// Checks access and finds the commit `rev` names in `repo`.
-    fn lookup(&self, repo: &str, rev: &str, headers: &HeaderMap) -> Result<Arc<Commit>, Response> {
+    fn lookup(
+        &self,
+        repo: &str,
+        rev: &str,
+        headers: &HeaderMap,
+    ) -> Result<Arc<Commit>, Box<Response>> {
         let repos = self.repos.lock().unwrap();
         let Some(r) = repos.get(repo) else {
-            return Err(hub_error(
+            return Err(Box::new(hub_error(
                 StatusCode::NOT_FOUND,
                 "RepoNotFound",
                 &format!("Repository Not Found for url: {repo}."),
-            ));
+            )));
         };
         let bearer = headers
             .get(header::AUTHORIZATION)
@@ -446,31 +454,31 @@ impl Hub {
                     self.counters
                         .refused_requests
                         .fetch_add(1, Ordering::Relaxed);
-                    return Err(hub_error(
+                    return Err(Box::new(hub_error(
                         StatusCode::FORBIDDEN,
                         "GatedRepo",
                         &format!("Access to model {repo} is restricted and you are not in the authorized list."),
-                    ));
+                    )));
                 }
                 None => {
                     self.counters
                         .refused_requests
                         .fetch_add(1, Ordering::Relaxed);
-                    return Err(hub_error(
+                    return Err(Box::new(hub_error(
                         StatusCode::UNAUTHORIZED,
                         "GatedRepo",
                         &format!("Access to model {repo} is restricted. You must have access to it and be authenticated to access it."),
-                    ));
+                    )));
                 }
             }
         }
         let sha = r.refs.get(rev).cloned().unwrap_or_else(|| rev.to_string());
         r.commits.get(&sha).cloned().ok_or_else(|| {
-            hub_error(
+            Box::new(hub_error(
                 StatusCode::NOT_FOUND,
                 "RevisionNotFound",
                 &format!("Invalid rev id: {rev}"),
-            )
+            ))
         })
     }
 }
@@ -499,7 +507,7 @@ async fn revision(
     let repo = format!("{org}/{name}");
     let commit = match hub.lookup(&repo, &rev, &headers) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let siblings: Vec<_> = commit
         .files
@@ -582,7 +590,7 @@ fn tree(
     let repo = format!("{org}/{name}");
     let commit = match hub.lookup(&repo, &rev, &headers) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let recursive = q
         .recursive
@@ -686,7 +694,7 @@ async fn resolve(
     let repo = format!("{org}/{name}");
     let commit = match hub.lookup(&repo, &rev, &headers) {
         Ok(c) => c,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let Some(file) = commit.files.get(&path).cloned() else {
         return hub_error(

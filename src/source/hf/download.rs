@@ -53,7 +53,10 @@ pub async fn fetch(
     progress.completed_files.store(0, Ordering::Relaxed);
 
     let mut blobs: Vec<Option<Sha256Digest>> = vec![None; entries.len()];
-    let mut todo = Vec::new();
+    // Entries with the same digest (identical files under several names) are downloaded once:
+    // two writers must never share one partial file.
+    let mut todo: Vec<(usize, Vec<usize>)> = Vec::new();
+    let mut by_digest: std::collections::HashMap<FileDigest, usize> = Default::default();
     for (i, e) in entries.iter().enumerate() {
         let have = match e.digest {
             FileDigest::Sha256(d) => {
@@ -70,29 +73,43 @@ pub async fn fetch(
                     .fetch_add(e.size, Ordering::Relaxed);
                 progress.completed_files.fetch_add(1, Ordering::Relaxed);
             }
-            None => todo.push(i),
+            None => match by_digest.get(&e.digest) {
+                Some(&t) => todo[t].1.push(i),
+                None => {
+                    by_digest.insert(e.digest, todo.len());
+                    todo.push((i, Vec::new()));
+                }
+            },
         }
     }
-    todo.sort_by_key(|&i| (Reverse(entries[i].size), i));
+    todo.sort_by_key(|(i, _)| (Reverse(entries[*i].size), *i));
     let label = format!("hf://{}@{}", src.repo, manifest.revision);
     tracing::info!(
         source = %label,
         files = todo.len(),
-        bytes = todo.iter().map(|&i| entries[i].size).sum::<u64>(),
-        already_present = entries.len() - todo.len(),
+        bytes = todo.iter().map(|(i, _)| entries[*i].size).sum::<u64>(),
+        already_present = entries.len() - todo.iter().map(|(_, d)| d.len() + 1).sum::<usize>(),
         "downloading"
     );
 
     let work = async {
         let mut blobs = blobs;
         let mut downloads = stream::iter(todo)
-            .map(|i| {
+            .map(|(i, same)| {
                 let fut = download_file(src, &manifest.revision, &entries[i], &ctx, &tuning);
-                async move { (i, fut.await) }
+                async move { (i, same, fut.await) }
             })
             .buffer_unordered(tuning.max_files.max(1));
-        while let Some((i, result)) = downloads.next().await {
-            blobs[i] = Some(result?);
+        while let Some((i, same, result)) = downloads.next().await {
+            let sha = result?;
+            blobs[i] = Some(sha);
+            for j in same {
+                blobs[j] = Some(sha);
+                let p = &ctx.progress;
+                p.completed_bytes
+                    .fetch_add(entries[j].size, Ordering::Relaxed);
+                p.completed_files.fetch_add(1, Ordering::Relaxed);
+            }
         }
         Ok::<_, HfError>(blobs)
     };

@@ -6,7 +6,8 @@
 # Usage: scripts/bench-hf-download.sh [runs]
 # Env:   BIG_MIB (default 2048), SMALL_FILES (default 300), WORK (scratch dir, default a new
 #        temp dir), MODELFS_FLAGS (extra `modelfs serve` flags, e.g. tuning sweeps),
-#        PYTHON (default .venv/bin/python), CARGO_TARGET_DIR (default target).
+#        PYTHON (default .venv/bin/python), CARGO_TARGET_DIR (default target),
+#        TOOLS (default "curl huggingface_hub modelfs"; e.g. TOOLS=modelfs for tuning sweeps).
 # Needs root (drops the page cache before every run, mounts FUSE).
 set -euo pipefail
 
@@ -18,6 +19,7 @@ PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 WORK=${WORK:-$(mktemp -d /tmp/modelfs-bench-hf.XXXXXX)}
 MODELFS_FLAGS=${MODELFS_FLAGS:-}
+TOOLS=${TOOLS:-curl huggingface_hub modelfs}
 
 cargo build --release --quiet --bin modelfs --bin modelfs-hub
 BIN=$TARGET/release/modelfs
@@ -43,7 +45,7 @@ if [[ ! -f $REPO/.complete ]]; then
   done
   touch "$REPO/.complete"
 fi
-TOTAL=$(find "$REPO" -type f ! -name .complete -printf '%s\n' | awk '{s+=$1} END {print s}')
+TOTAL=$(find "$REPO" -type f ! -name .complete -printf '%s\n' | awk '{s+=$1} END {printf "%d", s}')
 NFILES=$(find "$REPO" -type f ! -name .complete | wc -l)
 
 # The hub lists .complete too; keep it out of the repository it serves.
@@ -139,9 +141,13 @@ bench_modelfs() {
 echo "# repo: $NFILES files, $TOTAL bytes; runs: $RUNS; machine: $(nproc) cores, kernel $(uname -r)"
 echo "# load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for _ in $(seq 1 "$RUNS"); do
-  bench_curl
-  bench_hf
-  bench_modelfs
+  for t in $TOOLS; do
+    case $t in
+      curl) bench_curl ;;
+      huggingface_hub) bench_hf ;;
+      modelfs) bench_modelfs ;;
+    esac
+  done
 done | tee "$WORK/results"
 echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 
@@ -154,11 +160,13 @@ awk -v total="$TOTAL" '
     return (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
   }
   END {
-    hf = median(wall["huggingface_hub"])
+    hf = ("huggingface_hub" in wall) ? median(wall["huggingface_hub"]) : 0
     printf "| tool | wall s (median) | MB/s | CPU s (median) | speed vs huggingface_hub |\n|---|---|---|---|---|\n"
     split("curl huggingface_hub modelfs", order, " ")
     for (k = 1; k <= 3; k++) {
-      t = order[k]; w = median(wall[t]); c = median(cpu[t])
-      printf "| %s | %.2f | %.0f | %.2f | %.2fx |\n", t, w, total / w / 1e6, c, hf / w
+      t = order[k]
+      if (!(t in wall)) continue
+      w = median(wall[t]); c = median(cpu[t])
+      printf "| %s | %.2f | %.0f | %.2f | %s |\n", t, w, total / w / 1e6, c, hf ? sprintf("%.2fx", hf / w) : "-"
     }
   }' "$WORK/results"

@@ -10,6 +10,7 @@
 //! * [`fuse`]: the thin `fuser` adapter over [`fs`].
 //! * [`reconciler`]: the policy state machine: placement, flips, deletion, garbage collection.
 //! * [`standalone`]: desired state from a directory of YAML files.
+//! * [`kube`]: desired state from the Kubernetes API; OME-compatible node status.
 //! * [`http`], [`metrics`], [`status`]: what operators see.
 //!
 //! `devhub` is a loopback Hugging Face hub for tests and benchmarks, not part of the daemon.
@@ -21,6 +22,7 @@ pub mod devhub;
 pub mod fs;
 pub mod fuse;
 pub mod http;
+pub mod kube;
 pub mod manifest;
 pub mod metrics;
 pub mod reconciler;

@@ -1,6 +1,7 @@
 //! The command line: `modelfs serve` and `modelfs status`. This is the binary's edge, the only
 //! place that uses `anyhow`.
 
+mod gc_cmd;
 mod status_cmd;
 
 use std::net::SocketAddr;
@@ -40,6 +41,8 @@ enum Command {
     Serve(ServeArgs),
     /// Print the models of a running daemon.
     Status(status_cmd::StatusArgs),
+    /// Show (--dry-run) or remove garbage in a state directory while the daemon is stopped.
+    Gc(gc_cmd::GcArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -51,8 +54,22 @@ pub struct ServeArgs {
     #[arg(long)]
     state: PathBuf,
     /// Directory of YAML files with BaseModel / ClusterBaseModel objects (standalone mode).
+    #[arg(long, required_unless_present = "kube", conflicts_with = "kube")]
+    models: Option<PathBuf>,
+    /// Kubernetes mode: watch BaseModels and ClusterBaseModels through the API server
+    /// (in-cluster credentials, or $KUBECONFIG) and report status as OME's model agent does.
+    #[arg(long, requires = "node_name")]
+    kube: bool,
+    /// Name of this node (Kubernetes mode).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// Namespace of the node status ConfigMaps and of ClusterBaseModels' token Secrets.
+    #[arg(long, default_value = "ome")]
+    namespace: String,
+    /// Kubernetes mode: serve `local://` sources. Off by default, because they let anyone who
+    /// may create a BaseModel read files of the node.
     #[arg(long)]
-    models: PathBuf,
+    allow_local_sources: bool,
     /// HTTP address for probes, metrics and status.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
@@ -148,6 +165,7 @@ pub fn main() -> Result<()> {
             runtime.block_on(serve(args))
         }
         Command::Status(args) => status_cmd::run(args),
+        Command::Gc(args) => gc_cmd::run(args),
     }
 }
 
@@ -228,16 +246,43 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let reconciler = Reconciler::start(reconciler_config, state, core, Some(sink), metrics.clone())
         .context("loading records")?;
 
-    let watcher = crate::standalone::watch(
-        ModelsDirConfig {
-            dir: args.models.clone(),
-            models_root_dir,
-            debounce: Duration::from_millis(200),
-            rescan: Duration::from_secs(10),
-        },
-        reconciler.clone(),
-    )
-    .with_context(|| format!("watching {}", args.models.display()))?;
+    let producer = if args.kube {
+        let node_name = args
+            .node_name
+            .clone()
+            .filter(|name| !name.is_empty())
+            .context("--kube needs --node-name or NODE_NAME")?;
+        let client = ::kube::Client::try_default()
+            .await
+            .context("connecting to the Kubernetes API server")?;
+        tracing::info!(node = %node_name, namespace = %args.namespace, "Kubernetes mode");
+        Producer::Kube {
+            _tasks: crate::kube::start(
+                client,
+                crate::kube::KubeConfig {
+                    node_name,
+                    namespace: args.namespace.clone(),
+                    models_root_dir,
+                    allow_local_sources: args.allow_local_sources,
+                },
+                reconciler.clone(),
+            ),
+        }
+    } else {
+        let models = args.models.clone().context("--models is required")?;
+        Producer::Standalone {
+            _watcher: crate::standalone::watch(
+                ModelsDirConfig {
+                    dir: models.clone(),
+                    models_root_dir,
+                    debounce: Duration::from_millis(200),
+                    rescan: Duration::from_secs(10),
+                },
+                reconciler.clone(),
+            )
+            .with_context(|| format!("watching {}", models.display()))?,
+        }
+    };
 
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -258,7 +303,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
 
     wait_for_signal().await?;
     tracing::info!("shutting down");
-    drop(watcher);
+    drop(producer);
     reconciler.shutdown().await;
     mounted.store(false, Ordering::Relaxed);
     let _ = stop_http.send(());
@@ -266,6 +311,16 @@ async fn serve(args: ServeArgs) -> Result<()> {
     mount.unmount().context("unmounting")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Where the desired state comes from; dropping it stops it.
+enum Producer {
+    Standalone {
+        _watcher: crate::standalone::ModelsDirWatcher,
+    },
+    Kube {
+        _tasks: crate::kube::KubeTasks,
+    },
 }
 
 fn absolute(p: &Path) -> Result<PathBuf> {

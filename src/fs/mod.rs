@@ -38,7 +38,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
 
-use crate::artifact::{ArtifactId, StoredArtifact};
+use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use crate::store::{Store, StoreId};
 
 pub use tree::{ModelTree, NodeKind};
@@ -148,6 +148,7 @@ pub struct OpenBlob {
     pub file: File,
     pub size: u64,
     pub ino: u64,
+    pub blob: Sha256Digest,
     pub store: Arc<StoreHandle>,
 }
 
@@ -282,6 +283,40 @@ impl FsCore {
             Some(_) => true,
             None => false,
         }
+    }
+
+    /// Blobs of `store` that the mount may still read: those of every slot served from it (the
+    /// current mapping and retired slots the kernel still references) and of open files. Blob
+    /// garbage collection never removes these. O(files of those slots).
+    pub fn blobs_in_use(&self, store: &StoreId) -> HashSet<Sha256Digest> {
+        let mut out = HashSet::new();
+        let mapping = self.mapping.load();
+        let slots = self.slots.read().expect("slots lock");
+        for slot in slots.values() {
+            let serving = match mapping.models.get(&slot.id) {
+                Some(m) => m.store.id == *store,
+                None => slot
+                    .retired_store
+                    .lock()
+                    .expect("slot lock")
+                    .as_ref()
+                    .is_some_and(|s| s.id == *store),
+            };
+            if serving {
+                for idx in 0..slot.tree.len() as u32 {
+                    if let Some(NodeKind::File { blob, .. }) = slot.tree.node(idx).map(|n| &n.kind)
+                    {
+                        out.insert(*blob);
+                    }
+                }
+            }
+        }
+        for h in self.handles.iter() {
+            if h.store.id == *store {
+                out.insert(h.blob);
+            }
+        }
+        out
     }
 
     pub fn open_files(&self) -> usize {
@@ -642,6 +677,7 @@ impl FsCore {
             file,
             size,
             ino,
+            blob,
             store,
         });
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);

@@ -1,91 +1,287 @@
-//! Garbage collection of stores.
+//! Garbage collection: mark and sweep over stores, blobs, partial files and artifact records.
 //!
-//! A store is garbage when it has no owner, is not reserved, no model is served from it, no
-//! fetch writes into it, and the filesystem core reports no use (no mapping, no retained slot,
-//! no open file: see `FsCore::store_in_use`). It is removed only after it has been garbage for
-//! the whole grace period, observed continuously. Leftovers of crashes are swept too: store
-//! directories no record names, and artifact files no store holds.
+//! *Mark*: a store is live while it has an owner, is reserved, serves a model, receives a fetch,
+//! or the filesystem core reports a use (mapping, retained kernel slot, open file: see
+//! `FsCore::store_in_use`). Inside a live store, a blob is live while an artifact the store
+//! holds lists it, or the core may still read it (`FsCore::blobs_in_use`: an old revision that
+//! an open file or a process's working directory still references).
+//!
+//! *Sweep*: what is garbage is removed only after it has been garbage for the whole grace period,
+//! observed continuously by the daemon (a quick delete-and-recreate of a model costs nothing).
+//! Leftovers of crashes are swept too: store directories no record names, partial downloads
+//! nobody resumes (older than `partial_max_age` in a store no fetch writes into), and artifact
+//! records no store holds.
+//!
+//! [`plan`] computes the garbage without touching anything; the daemon and `modelfs gc` execute
+//! it.
 
-use std::collections::BTreeSet;
-use std::time::Instant;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::Serialize;
 
 use super::{Reconciler, Stage};
-use crate::artifact::ArtifactId;
-use crate::store::StoreId;
+use crate::artifact::{ArtifactId, Sha256Digest};
+use crate::store::{Records, StateDir, StoreId};
 
-impl Reconciler {
+/// How the garbage collector learns about uses that the records do not show.
+pub trait Usage {
+    /// The filesystem core or a fetch uses the store.
+    fn store_busy(&self, store: &StoreId) -> bool;
+    /// A fetch is writing into the store (its fresh blobs and partials are not garbage).
+    fn fetching_into(&self, store: &StoreId) -> bool;
+    /// Blobs of the store the mount may still read.
+    fn blobs_in_use(&self, store: &StoreId) -> HashSet<Sha256Digest>;
+}
+
+/// What is garbage now.
+#[derive(Debug, Default, Serialize, PartialEq, Eq)]
+pub struct GcPlan {
+    /// Whole stores: no owner, not reserved, unused.
+    pub stores: Vec<StoreId>,
+    /// Store directories without a record (a crash between record and directory clean-up).
+    pub orphan_store_dirs: Vec<String>,
+    /// Blobs of live stores that nothing references (an old revision, a cancelled fetch).
+    pub blobs: Vec<(StoreId, String)>,
+    /// Partial downloads nobody will resume.
+    pub partials: Vec<PathBuf>,
+    /// Artifact records no store holds.
+    pub artifacts: Vec<ArtifactId>,
+    /// Bytes the plan frees on disk.
+    pub bytes: u64,
+}
+
+fn file_bytes(p: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(p)
+        .map(|m| m.blocks() * 512)
+        .unwrap_or(0)
+}
+
+/// Computes the garbage. Reads directories and artifact records; changes nothing.
+pub fn plan(
+    records: &Records,
+    state: &StateDir,
+    usage: &dyn Usage,
+    partial_max_age: Duration,
+) -> GcPlan {
+    let mut out = GcPlan::default();
+    let users: BTreeSet<&StoreId> = records
+        .models
+        .values()
+        .filter_map(|m| m.store.as_ref())
+        .collect();
+    for (id, s) in &records.stores {
+        if s.owner.is_none() && !s.reserved && !users.contains(id) && !usage.store_busy(id) {
+            out.stores.push(id.clone());
+            out.bytes += state
+                .existing_store(id)
+                .map(|st| st.disk_usage())
+                .unwrap_or(0);
+            continue;
+        }
+        let Some(store) = state.existing_store(id) else {
+            continue;
+        };
+        if usage.fetching_into(id) {
+            continue;
+        }
+        let mut live: HashSet<Sha256Digest> = usage.blobs_in_use(id);
+        for a in &s.artifacts {
+            match state.load_artifact(a) {
+                Ok(art) => live.extend(art.blobs.iter().copied()),
+                // Unreadable artifact record: sweep nothing of this store rather than guess.
+                Err(_) => live.extend(
+                    store
+                        .blob_names()
+                        .unwrap_or_default()
+                        .iter()
+                        .filter_map(|n| n.parse::<Sha256Digest>().ok()),
+                ),
+            }
+        }
+        for name in store.blob_names().unwrap_or_default() {
+            let keep = name
+                .parse::<Sha256Digest>()
+                .is_ok_and(|d| live.contains(&d));
+            if !keep {
+                out.bytes += file_bytes(&store.blob_path_by_name(&name));
+                out.blobs.push((id.clone(), name));
+            }
+        }
+        for p in store.partial_files().unwrap_or_default() {
+            let old = std::fs::metadata(&p)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| SystemTime::now().duration_since(t).ok())
+                .is_some_and(|age| age >= partial_max_age);
+            if old {
+                out.bytes += file_bytes(&p);
+                out.partials.push(p);
+            }
+        }
+    }
+    if let Ok(dirs) = state.store_dirs() {
+        for dir in dirs {
+            if StoreId::parse_dir_name(&dir).is_some_and(|id| !records.stores.contains_key(&id)) {
+                out.bytes += crate::store::fsutil::disk_usage(&state.stores_dir().join(&dir));
+                out.orphan_store_dirs.push(dir);
+            }
+        }
+    }
+    let held: BTreeSet<&ArtifactId> = records
+        .stores
+        .iter()
+        .filter(|(id, _)| !out.stores.contains(id))
+        .flat_map(|(_, s)| s.artifacts.iter())
+        .chain(records.models.values().filter_map(|m| m.artifact.as_ref()))
+        .collect();
+    for a in state.artifact_ids().unwrap_or_default() {
+        if !held.contains(&a) {
+            out.artifacts.push(a);
+        }
+    }
+    out
+}
+
+/// Removes what `plan` found. Records are updated by the caller (stores removed here must be
+/// dropped from the records and saved before the next plan).
+pub fn execute(state: &StateDir, plan: &GcPlan) -> Vec<String> {
+    let mut errors = Vec::new();
+    for id in &plan.stores {
+        if let Err(e) = state.remove_store(id) {
+            errors.push(format!("store {id}: {e}"));
+        }
+    }
+    for dir in &plan.orphan_store_dirs {
+        if let Err(e) = std::fs::remove_dir_all(state.stores_dir().join(dir)) {
+            errors.push(format!("orphan store {dir}: {e}"));
+        }
+    }
+    for (id, name) in &plan.blobs {
+        if let Some(store) = state.existing_store(id) {
+            if let Err(e) = std::fs::remove_file(store.blob_path_by_name(name)) {
+                errors.push(format!("blob {id}/{name}: {e}"));
+            }
+        }
+    }
+    for p in &plan.partials {
+        if let Err(e) = std::fs::remove_file(p) {
+            errors.push(format!("partial {}: {e}", p.display()));
+        }
+    }
+    for a in &plan.artifacts {
+        if let Err(e) = state.remove_artifact(a) {
+            errors.push(format!("artifact {a}: {e}"));
+        }
+    }
+    errors
+}
+
+struct DaemonUsage<'a>(&'a Reconciler);
+
+impl Usage for DaemonUsage<'_> {
     fn store_busy(&self, id: &StoreId) -> bool {
-        !self.records.users_of(id).is_empty()
-            || self.fs.store_in_use(id)
-            || self
-                .works
-                .values()
-                .any(|w| matches!(&w.stage, Stage::Fetching { store, .. } if store == id))
+        self.0.fs.store_in_use(id) || self.fetching_into(id)
     }
 
+    fn fetching_into(&self, id: &StoreId) -> bool {
+        self.0
+            .works
+            .values()
+            .any(|w| matches!(&w.stage, Stage::Fetching { store, .. } if store == id))
+    }
+
+    fn blobs_in_use(&self, id: &StoreId) -> HashSet<Sha256Digest> {
+        self.0.fs.blobs_in_use(id)
+    }
+}
+
+/// Garbage seen in consecutive passes, with the time it was first seen.
+#[derive(Default)]
+pub(super) struct Candidates {
+    first_seen: BTreeMap<String, Instant>,
+}
+
+impl Reconciler {
     pub(super) fn gc(&mut self) {
         let now = Instant::now();
-        let ids: Vec<StoreId> = self.records.stores.keys().cloned().collect();
-        for id in ids {
-            let s = &self.records.stores[&id];
-            let garbage = s.owner.is_none() && !s.reserved && !self.store_busy(&id);
-            if !garbage {
-                self.released.remove(&id);
-                continue;
+        let partial_max_age = self.config.gc_grace.max(Duration::from_secs(3600));
+        let found = plan(
+            &self.records,
+            &self.state,
+            &DaemonUsage(self),
+            partial_max_age,
+        );
+        // Only what has been garbage for the whole grace period goes.
+        let grace = self.config.gc_grace;
+        let mut seen = std::mem::take(&mut self.gc_candidates.first_seen);
+        let mut still = BTreeMap::new();
+        let mut due = |tag: String| -> bool {
+            let since = seen.remove(&tag).unwrap_or(now);
+            let ripe = now.duration_since(since) >= grace;
+            if !ripe {
+                still.insert(tag, since);
             }
-            let since = *self.released.entry(id.clone()).or_insert(now);
-            if now.duration_since(since) < self.config.gc_grace {
-                continue;
-            }
-            match self.state.remove_store(&id) {
-                Ok(()) => {
-                    tracing::info!(store = %id, "garbage store removed");
-                    self.records.stores.remove(&id);
-                    self.released.remove(&id);
-                    self.store_bytes.remove(&id);
-                    self.metrics
-                        .store_bytes
-                        .remove(&crate::metrics::StoreLabel {
-                            store: id.to_string(),
-                        });
-                }
-                Err(e) => tracing::warn!(store = %id, error = %e, "removing garbage store failed"),
-            }
+            ripe
+        };
+        let ripe = GcPlan {
+            stores: found
+                .stores
+                .into_iter()
+                .filter(|s| due(format!("store:{s}")))
+                .collect(),
+            orphan_store_dirs: found
+                .orphan_store_dirs
+                .into_iter()
+                .filter(|d| due(format!("dir:{d}")))
+                .collect(),
+            blobs: found
+                .blobs
+                .into_iter()
+                .filter(|(s, b)| due(format!("blob:{s}/{b}")))
+                .collect(),
+            partials: found.partials,
+            artifacts: found
+                .artifacts
+                .into_iter()
+                .filter(|a| due(format!("artifact:{a}")))
+                .collect(),
+            bytes: 0,
+        };
+        self.gc_candidates.first_seen = still;
+        if ripe == GcPlan::default() {
+            return;
         }
-        // Records first: a directory whose record was saved is never mistaken for an orphan.
+        for id in &ripe.stores {
+            self.records.stores.remove(id);
+            self.store_bytes.remove(id);
+            self.metrics
+                .store_bytes
+                .remove(&crate::metrics::StoreLabel {
+                    store: id.to_string(),
+                });
+        }
+        // Records first: a store directory is removed only after no record names it.
         self.save();
-        if let Ok(dirs) = self.state.store_dirs() {
-            for dir in dirs {
-                let Some(id) = StoreId::parse_dir_name(&dir) else {
-                    continue;
-                };
-                if !self.records.stores.contains_key(&id) {
-                    tracing::info!(store = %id, "removing store directory without a record");
-                    if let Err(e) = self.state.remove_store(&id) {
-                        tracing::warn!(store = %id, error = %e, "removing orphan store failed");
-                    }
-                }
-            }
+        for e in execute(&self.state, &ripe) {
+            tracing::warn!(error = %e, "garbage collection could not remove an item");
         }
-        let held: BTreeSet<ArtifactId> = self
-            .records
-            .stores
-            .values()
-            .flat_map(|s| s.artifacts.iter().cloned())
-            .chain(
-                self.records
-                    .models
-                    .values()
-                    .filter_map(|m| m.artifact.clone()),
-            )
-            .collect();
-        if let Ok(ids) = self.state.artifact_ids() {
-            for a in ids {
-                if !held.contains(&a) {
-                    let _ = self.state.remove_artifact(&a);
-                    self.artifacts.remove(&a);
-                }
-            }
+        for a in &ripe.artifacts {
+            self.artifacts.remove(a);
         }
+        let touched: BTreeSet<StoreId> = ripe.blobs.iter().map(|(s, _)| s.clone()).collect();
+        for s in &touched {
+            self.update_store_bytes(s);
+        }
+        tracing::info!(
+            stores = ripe.stores.len(),
+            orphan_dirs = ripe.orphan_store_dirs.len(),
+            blobs = ripe.blobs.len(),
+            partials = ripe.partials.len(),
+            artifacts = ripe.artifacts.len(),
+            "garbage collected"
+        );
     }
 }

@@ -27,7 +27,7 @@ pub mod gc;
 pub mod placement;
 mod status_doc;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -156,9 +156,16 @@ pub struct ReconcilerHandle {
     status: Arc<ArcSwap<StatusDoc>>,
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
+    status_changes: Arc<tokio::sync::watch::Sender<Arc<StatusDoc>>>,
 }
 
 impl ReconcilerHandle {
+    /// A receiver that is notified whenever the status document changes (its value is the
+    /// latest document).
+    pub fn subscribe_status(&self) -> tokio::sync::watch::Receiver<Arc<StatusDoc>> {
+        self.status_changes.subscribe()
+    }
+
     pub fn set_desired(&self, desired: DesiredState) {
         let _ = self.tx.send(Event::Desired(desired));
     }
@@ -225,11 +232,12 @@ pub struct Reconciler {
     works: BTreeMap<ModelKey, Work>,
     retries: HashMap<ModelKey, Retry>,
     artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
-    released: HashMap<StoreId, Instant>,
+    gc_candidates: gc::Candidates,
     store_bytes: BTreeMap<StoreId, u64>,
     fetch_slots: Arc<Semaphore>,
     tx: mpsc::UnboundedSender<Event>,
     status: Arc<ArcSwap<StatusDoc>>,
+    status_changes: Arc<tokio::sync::watch::Sender<Arc<StatusDoc>>>,
     status_bytes: Vec<u8>,
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
@@ -250,6 +258,7 @@ impl Reconciler {
         let (tx, rx) = mpsc::unbounded_channel();
         let status = Arc::new(ArcSwap::from_pointee(StatusDoc::new()));
         let ready = Arc::new(AtomicBool::new(false));
+        let status_changes = Arc::new(tokio::sync::watch::Sender::new(Arc::new(StatusDoc::new())));
         let alive = Arc::new(std::sync::atomic::AtomicU64::new(now_secs()));
         let mut r = Reconciler {
             fetch_slots: Arc::new(Semaphore::new(config.max_concurrent_fetches.max(1))),
@@ -264,10 +273,11 @@ impl Reconciler {
             works: BTreeMap::new(),
             retries: HashMap::new(),
             artifacts: HashMap::new(),
-            released: HashMap::new(),
+            gc_candidates: gc::Candidates::default(),
             store_bytes: BTreeMap::new(),
             tx: tx.clone(),
             status: status.clone(),
+            status_changes: status_changes.clone(),
             status_bytes: Vec::new(),
             ready: ready.clone(),
             alive: alive.clone(),
@@ -296,6 +306,7 @@ impl Reconciler {
             status,
             ready,
             alive,
+            status_changes,
         })
     }
 
@@ -604,16 +615,7 @@ impl Reconciler {
                 }
             }
             Placement::Fetch => {
-                let store = match self.records.owned_store(key) {
-                    Some(s) => s.clone(),
-                    None => {
-                        let id = self.records.allocate_store(key);
-                        // The record must exist before the directory, or a crash leaves an
-                        // orphan that looks like garbage... which is exactly what GC removes.
-                        self.save();
-                        id
-                    }
-                };
+                let (store, seed) = self.fetch_target(key, &artifact);
                 let handle = match self.state.store(&store) {
                     Ok(h) => h,
                     Err(e) => {
@@ -638,11 +640,15 @@ impl Reconciler {
                     store: store.clone(),
                     progress: progress.clone(),
                 };
+                let existing =
+                    Arc::new(self.known_blobs(&[Some(store.clone()), seed.clone()], seed.as_ref()));
+                let w = self.works.get_mut(key).expect("work");
                 let ctx = FetchContext {
                     store: handle,
                     progress,
                     cancel: w.cancel.clone(),
                     metrics: self.metrics.clone(),
+                    existing,
                 };
                 let source = w.source.clone();
                 let tx = self.tx.clone();
@@ -663,6 +669,65 @@ impl Reconciler {
                     });
                 });
             }
+        }
+    }
+
+    /// The store to fetch `artifact` into for `key`, and a seed store to hard-link known blobs
+    /// from. Normally the model's own store (blobs it already has are kept, so a new revision
+    /// fetches only changed files). But if other models are served from that store with another
+    /// artifact (children still on the old revision), the store is handed to them now, no byte
+    /// moving, and the new revision goes into a fresh store seeded from the old one: a parent
+    /// never holds a different artifact than its children.
+    fn fetch_target(
+        &mut self,
+        key: &ModelKey,
+        artifact: &ArtifactId,
+    ) -> (StoreId, Option<StoreId>) {
+        let Some(own) = self.records.owned_store(key).cloned() else {
+            let id = self.records.allocate_store(key);
+            // The record must exist before the directory, or a crash leaves a directory that
+            // garbage collection rightly removes as an orphan.
+            self.save();
+            return (id, None);
+        };
+        let split = self
+            .records
+            .users_of(&own)
+            .into_iter()
+            .any(|u| u != key && self.records.models[u].artifact.as_ref() != Some(artifact));
+        if !split {
+            return (own, None);
+        }
+        self.hand_over_or_release(&own, key, false);
+        let id = self.records.allocate_store(key);
+        self.save();
+        tracing::info!(model = %key, old = %own, new = %id, "children keep the old revision's store; fetching into a new one");
+        (id, Some(own))
+    }
+
+    /// Source digest → blob of the complete artifacts of `stores`.
+    fn known_blobs(
+        &mut self,
+        stores: &[Option<StoreId>],
+        seed: Option<&StoreId>,
+    ) -> crate::source::KnownBlobs {
+        let mut known = HashMap::new();
+        let ids: Vec<ArtifactId> = stores
+            .iter()
+            .flatten()
+            .filter_map(|s| self.records.stores.get(s))
+            .flat_map(|s| s.artifacts.iter().cloned())
+            .collect();
+        for a in ids {
+            if let Some(stored) = self.artifact(&a) {
+                for (e, blob) in stored.files() {
+                    known.insert(e.digest, *blob);
+                }
+            }
+        }
+        crate::source::KnownBlobs {
+            known,
+            seed: seed.and_then(|s| self.state.existing_store(s)),
         }
     }
 
@@ -799,33 +864,96 @@ impl Reconciler {
         self.prune_store_artifacts(&store);
     }
 
-    /// The owner `key` leaves `store`: ownership passes to the remaining user with the smallest
-    /// key, or the store is released (reserved if the leaving owner carried the reserve label).
+    /// The owner `key` leaves `store`. Ownership passes to a remaining user, deterministically:
+    /// the smallest ClusterBaseModel key (in every user's reuse scope), else the smallest key.
+    /// Users outside the new owner's scope (BaseModels of other namespaces) get a store of their
+    /// own per namespace, made of hard links to the same blobs: no bytes move, and no model is
+    /// ever reported as the child of another tenant's model. With no user left the store is
+    /// released (reserved if the leaving owner carried the reserve label).
     fn hand_over_or_release(&mut self, store: &StoreId, key: &ModelKey, reserve: bool) {
-        let next = self
+        let users: Vec<ModelKey> = self
             .records
             .users_of(store)
             .into_iter()
-            .find(|u| *u != key)
+            .filter(|u| *u != key)
+            .cloned()
+            .collect();
+        let ns_of = |r: &Records, k: &ModelKey| r.models.get(k).and_then(|m| m.namespace.clone());
+        let leaving_ns = ns_of(&self.records, key);
+        let next = users
+            .iter()
+            .find(|u| ns_of(&self.records, u).is_none())
+            .or_else(|| users.first())
             .cloned();
-        let ns = self
-            .records
-            .models
-            .get(key)
-            .and_then(|m| m.namespace.clone());
-        let Some(s) = self.records.stores.get_mut(store) else {
-            return;
-        };
-        match next {
-            Some(n) => {
-                tracing::info!(%store, from = %key, to = %n, "store ownership passes to a child");
-                s.owner = Some(n);
-            }
-            None => {
+        let Some(next) = next else {
+            if let Some(s) = self.records.stores.get_mut(store) {
                 s.owner = None;
                 s.reserved = reserve;
-                s.last_owner_namespace = ns;
+                s.last_owner_namespace = leaving_ns;
                 tracing::info!(%store, reserved = reserve, "store released");
+            }
+            return;
+        };
+        tracing::info!(%store, from = %key, to = %next, "store ownership passes to a child");
+        if let Some(s) = self.records.stores.get_mut(store) {
+            s.owner = Some(next.clone());
+        }
+        let owner_ns = ns_of(&self.records, &next);
+        let mut groups: BTreeMap<String, Vec<ModelKey>> = BTreeMap::new();
+        for u in users {
+            if let Some(ns) = ns_of(&self.records, &u) {
+                if !placement::in_scope(Some(&ns), owner_ns.as_deref()) {
+                    groups.entry(ns).or_default().push(u);
+                }
+            }
+        }
+        for (_, members) in groups {
+            self.split_store(store, &members);
+        }
+    }
+
+    /// Gives `members` (users of `from`, one namespace, in key order) a store of their own made of
+    /// hard links to the blobs they serve; the first member owns it.
+    fn split_store(&mut self, from: &StoreId, members: &[ModelKey]) {
+        let artifacts: BTreeSet<ArtifactId> = members
+            .iter()
+            .filter_map(|m| self.records.models.get(m).and_then(|r| r.artifact.clone()))
+            .collect();
+        let id = self.records.allocate_store(&members[0]);
+        self.save();
+        let linked = (|| -> Result<(), String> {
+            let src = self
+                .state
+                .existing_store(from)
+                .ok_or("source store missing")?;
+            let dst = self.state.store(&id).map_err(|e| e.to_string())?;
+            for a in &artifacts {
+                let stored = self.artifact(a).ok_or("artifact record missing")?;
+                for blob in &stored.blobs {
+                    match std::fs::hard_link(src.blob_path(blob), dst.blob_path(blob)) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                        Err(e) => return Err(format!("linking blob {blob}: {e}")),
+                    }
+                }
+            }
+            dst.sync().map_err(|e| e.to_string())
+        })();
+        match linked {
+            Ok(()) => {
+                let rec = self.records.stores.get_mut(&id).expect("new store");
+                rec.artifacts = artifacts;
+                for m in members {
+                    if let Some(r) = self.records.models.get_mut(m) {
+                        r.store = Some(id.clone());
+                    }
+                }
+                tracing::info!(from = %from, to = %id, owner = %members[0], "out-of-scope children moved to their own store (hard links)");
+            }
+            Err(e) => {
+                // They keep being served from the old store; only the reported parent is off.
+                tracing::error!(store = %id, error = %e, "could not split a store by namespace");
+                self.records.stores.get_mut(&id).expect("new store").owner = None;
             }
         }
     }
@@ -1176,7 +1304,9 @@ impl Reconciler {
                 .get_or_create(&crate::metrics::StatusLabel { status })
                 .set(n as i64);
         }
-        self.status.store(Arc::new(doc));
+        let doc = Arc::new(doc);
+        self.status.store(doc.clone());
+        self.status_changes.send_replace(doc);
         if let Err(e) = crate::store::fsutil::atomic_write(&self.state.status_path(), &bytes) {
             tracing::warn!(error = %e, "writing status.json failed");
         }

@@ -166,7 +166,7 @@ impl LocalSource {
                 unreachable!("local manifests carry sha256 digests");
             };
             let sha = Sha256Digest(sha);
-            if !ctx.store.has_blob(&sha, entry.size) {
+            if ctx.reuse_existing(entry)?.is_none() {
                 self.copy_one(entry, ctx)?;
                 ctx.record_fetched(SourceScheme::Local, entry.size);
             }

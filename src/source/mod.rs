@@ -10,11 +10,12 @@
 pub mod hf;
 pub mod local;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::artifact::{ArtifactError, Manifest, Sha256Digest};
+use crate::artifact::{ArtifactError, FileDigest, Manifest, ManifestEntry, Sha256Digest};
 use crate::manifest::SourceUri;
 use crate::metrics::{Metrics, SourceLabel, SourceScheme};
 use crate::store::{Store, StoreError};
@@ -136,6 +137,16 @@ impl Progress {
     }
 }
 
+/// Blobs a fetch may take instead of downloading: those already in the target store, and those
+/// of a *seed* store (the model's previous store, handed to its children when the model moved to
+/// a new revision), hard-linked across. `known` maps a source digest (which may be a git sha1)
+/// to the sha256 blob name, from the artifacts those stores hold.
+#[derive(Clone, Debug, Default)]
+pub struct KnownBlobs {
+    pub known: HashMap<FileDigest, Sha256Digest>,
+    pub seed: Option<Store>,
+}
+
 /// Everything a fetch needs besides the manifest.
 #[derive(Clone)]
 pub struct FetchContext {
@@ -143,9 +154,46 @@ pub struct FetchContext {
     pub progress: Arc<Progress>,
     pub cancel: Arc<AtomicBool>,
     pub metrics: Arc<Metrics>,
+    pub existing: Arc<KnownBlobs>,
 }
 
 impl FetchContext {
+    /// The blob of `entry` if the target store has it or can take it from the seed store by a
+    /// hard link (a copy across filesystems). Verified blobs are never fetched again.
+    pub fn reuse_existing(
+        &self,
+        entry: &ManifestEntry,
+    ) -> Result<Option<Sha256Digest>, SourceError> {
+        let sha = match entry.digest {
+            FileDigest::Sha256(d) => Some(Sha256Digest(d)),
+            other => self.existing.known.get(&other).copied(),
+        };
+        let Some(sha) = sha else {
+            return Ok(None);
+        };
+        if self.store.has_blob(&sha, entry.size) {
+            return Ok(Some(sha));
+        }
+        let Some(seed) = &self.existing.seed else {
+            return Ok(None);
+        };
+        if !seed.has_blob(&sha, entry.size) {
+            return Ok(None);
+        }
+        let (from, to) = (seed.blob_path(&sha), self.store.blob_path(&sha));
+        let linked = match std::fs::hard_link(&from, &to) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => std::fs::copy(&from, &to).map(drop),
+            Err(e) => Err(e),
+        };
+        linked.map_err(|e| SourceError::Store {
+            path: entry.path.clone(),
+            source: StoreError::io(format!("linking {}", to.display()), e),
+        })?;
+        Ok(Some(sha))
+    }
+
     pub fn check_cancelled(&self) -> Result<(), SourceError> {
         if self.cancel.load(Ordering::Relaxed) {
             Err(SourceError::Cancelled)

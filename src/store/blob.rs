@@ -57,6 +57,20 @@ impl Store {
         &self.root
     }
 
+    /// Path of a blob by file name (garbage collection walks names, not digests).
+    pub fn blob_path_by_name(&self, name: &str) -> PathBuf {
+        self.root.join("blobs").join(name)
+    }
+
+    /// Partial downloads present in `tmp/`.
+    pub fn partial_files(&self) -> io::Result<Vec<PathBuf>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(self.root.join("tmp"))? {
+            out.push(entry?.path());
+        }
+        Ok(out)
+    }
+
     pub fn blob_path(&self, digest: &Sha256Digest) -> PathBuf {
         self.root.join("blobs").join(digest.to_hex())
     }

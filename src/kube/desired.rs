@@ -1,0 +1,342 @@
+//! From the model objects in the API server and this node's labels to the desired set of
+//! models for this node (the pure part of the Kubernetes producer; fetching token Secrets is
+//! left to the caller, see [`Plan::secrets`]).
+//!
+//! Rules, in order, per object:
+//! 1. An object that does not deserialize, or has no usable `spec.storage`, cannot be targeted:
+//!    it is reported `Failed` with the reason on every node (silently skipping it would leave
+//!    its owner guessing why nothing happens). An object without a valid name cannot even be
+//!    keyed and is reported under `object:<kind>/<namespace>/<name>`.
+//! 2. Targeting ([`super::targeting`]) decides whether the model is on this node at all. A model
+//!    that is not targeted is absent from the desired set, so the reconciler removes it, and a
+//!    policy change of an untargeted model does nothing here.
+//! 3. For a targeted model, any other validation error (bad path, bad scheme) is `Failed`.
+//! 4. `local://` sources read files of the node: refused unless explicitly allowed, since in
+//!    a cluster any tenant that may create a BaseModel would otherwise read the node's disk.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use serde_json::Value;
+
+use super::targeting::{targets, NodeFacts};
+use crate::manifest::{deserialize_model_object, ModelKey, ModelKind, ModelSpec, SourceUri};
+
+/// One model object as received from the API server.
+#[derive(Clone, Debug)]
+pub struct RawObject {
+    pub kind: ModelKind,
+    pub value: Value,
+}
+
+/// Settings of the planner.
+#[derive(Clone, Debug)]
+pub struct PlanConfig {
+    /// Host directory the mount stands for.
+    pub models_root_dir: std::path::PathBuf,
+    /// Namespace of the daemon; a ClusterBaseModel's token Secret lives there.
+    pub namespace: String,
+    /// Serve `local://` sources (tests, single-tenant clusters).
+    pub allow_local_sources: bool,
+}
+
+/// Where a model's token comes from: Secret `namespace/name`, entry `entry`.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct SecretRef {
+    pub namespace: String,
+    pub name: String,
+    pub entry: String,
+}
+
+/// The outcome of planning.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    pub models: BTreeMap<ModelKey, Result<ModelSpec, String>>,
+    pub errors: BTreeMap<String, String>,
+    /// Token Secrets of the targeted, valid models.
+    pub secrets: BTreeMap<ModelKey, SecretRef>,
+    /// Object references for Events, per model key.
+    pub references: BTreeMap<ModelKey, ObjectReference>,
+}
+
+fn metadata_str<'a>(value: &'a Value, field: &str) -> Option<&'a str> {
+    value.get("metadata")?.get(field)?.as_str()
+}
+
+fn reference(kind: ModelKind, value: &Value) -> ObjectReference {
+    ObjectReference {
+        api_version: Some(crate::manifest::OME_API_VERSION.to_owned()),
+        kind: Some(kind.as_str().to_owned()),
+        name: metadata_str(value, "name").map(str::to_owned),
+        namespace: match kind {
+            ModelKind::BaseModel => metadata_str(value, "namespace").map(str::to_owned),
+            ModelKind::ClusterBaseModel => None,
+        },
+        uid: metadata_str(value, "uid").map(str::to_owned),
+        resource_version: metadata_str(value, "resourceVersion").map(str::to_owned),
+        field_path: None,
+    }
+}
+
+/// Why `local://` sources are refused, as shown in the model's status.
+pub const LOCAL_SOURCE_REFUSED: &str = "local:// sources are refused in Kubernetes mode: they \
+    would let any object author read files of the node (start the daemon with \
+    --allow-local-sources to permit them)";
+
+/// Plans the desired set for `node` from every model object in the cluster.
+pub fn plan(objects: &[RawObject], node: &NodeFacts, config: &PlanConfig) -> Plan {
+    let mut plan = Plan::default();
+    for object in objects {
+        plan_one(object, node, config, &mut plan);
+    }
+    plan
+}
+
+fn plan_one(object: &RawObject, node: &NodeFacts, config: &PlanConfig, plan: &mut Plan) {
+    let kind = object.kind;
+    let mut value = object.value.clone();
+    // List items from the API server carry no apiVersion/kind; the watch they came from says.
+    if let Some(map) = value.as_object_mut() {
+        map.entry("apiVersion")
+            .or_insert_with(|| Value::from(crate::manifest::OME_API_VERSION));
+        map.insert("kind".to_owned(), Value::from(kind.as_str()));
+    }
+    let name = metadata_str(&value, "name").unwrap_or_default().to_owned();
+    let namespace = metadata_str(&value, "namespace").map(str::to_owned);
+    let key = match ModelKey::new(kind, namespace.as_deref(), &name) {
+        Ok(key) => key,
+        Err(error) => {
+            plan.errors.insert(
+                format!(
+                    "object:{kind}/{}/{name}",
+                    namespace.as_deref().unwrap_or_default()
+                ),
+                error.to_string(),
+            );
+            return;
+        }
+    };
+    plan.references.insert(key.clone(), reference(kind, &value));
+    let parsed = match deserialize_model_object(&value) {
+        Ok(parsed) => parsed,
+        Err(reason) => {
+            plan.models.insert(key, Err(reason));
+            return;
+        }
+    };
+    let Some(storage) = parsed.spec.storage.as_ref() else {
+        // to_spec names the problem (and a misspelling of the field, if any).
+        let reason = match parsed.to_spec(&config.models_root_dir) {
+            Err(error) => error.to_string(),
+            Ok(_) => "spec.storage is missing".to_owned(),
+        };
+        plan.models.insert(key, Err(reason));
+        return;
+    };
+    match targets(storage, node) {
+        Ok(true) => {}
+        Ok(false) => {
+            plan.references.remove(&key);
+            return;
+        }
+        Err(error) => {
+            plan.models.insert(key, Err(error.to_string()));
+            return;
+        }
+    }
+    let spec = match parsed.to_spec(&config.models_root_dir) {
+        Ok(spec) => spec,
+        Err(error) => {
+            plan.models.insert(key, Err(error.to_string()));
+            return;
+        }
+    };
+    if let SourceUri::Local { path } = &spec.source {
+        if !config.allow_local_sources {
+            plan.models
+                .insert(key, Err(LOCAL_SOURCE_REFUSED.to_owned()));
+            return;
+        }
+        if !Path::new(path).is_absolute() {
+            plan.models.insert(
+                key,
+                Err(format!(
+                    "storageUri local://{}: the directory must be absolute in Kubernetes mode",
+                    path.display()
+                )),
+            );
+            return;
+        }
+    }
+    if let Some(secret) = &spec.token_secret {
+        let namespace = match kind {
+            ModelKind::BaseModel => spec.namespace.clone().unwrap_or_default(),
+            ModelKind::ClusterBaseModel => config.namespace.clone(),
+        };
+        plan.secrets.insert(
+            key.clone(),
+            SecretRef {
+                namespace,
+                name: secret.clone(),
+                entry: spec.token_secret_entry().to_owned(),
+            },
+        );
+    }
+    plan.models.insert(key, Ok(spec));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn node() -> NodeFacts {
+        NodeFacts {
+            name: "gpu-1".into(),
+            labels: [("gpu".to_owned(), "h100".to_owned())].into(),
+        }
+    }
+
+    fn config(allow_local_sources: bool) -> PlanConfig {
+        PlanConfig {
+            models_root_dir: "/mnt/models".into(),
+            namespace: "ome".into(),
+            allow_local_sources,
+        }
+    }
+
+    fn object(kind: ModelKind, ns: Option<&str>, name: &str, spec: Value) -> RawObject {
+        let mut metadata = json!({"name": name, "uid": format!("uid-{name}")});
+        if let Some(ns) = ns {
+            metadata["namespace"] = json!(ns);
+        }
+        RawObject {
+            kind,
+            value: json!({"metadata": metadata, "spec": spec}),
+        }
+    }
+
+    #[test]
+    fn plans_targeted_valid_and_failed_models() {
+        let objects = vec![
+            object(
+                ModelKind::ClusterBaseModel,
+                None,
+                "ok",
+                json!({"storage": {"storageUri": "hf://a/b", "key": "hf-token",
+                    "nodeSelector": {"gpu": "h100"}}}),
+            ),
+            object(
+                ModelKind::BaseModel,
+                Some("team"),
+                "elsewhere",
+                json!({"storage": {"storageUri": "hf://a/b", "nodeSelector": {"gpu": "a100"}}}),
+            ),
+            object(
+                ModelKind::BaseModel,
+                Some("team"),
+                "tok",
+                json!({"storage": {"storageUri": "hf://a/b", "key": "s",
+                    "parameters": {"secretKey": "hf"}}}),
+            ),
+            object(ModelKind::BaseModel, Some("team"), "nostorage", json!({})),
+            object(
+                ModelKind::BaseModel,
+                Some("team"),
+                "nouri",
+                json!({"storage": {"path": "/mnt/models/x"}}),
+            ),
+            object(
+                ModelKind::BaseModel,
+                Some("team"),
+                "scheme",
+                json!({"storage": {"storageUri": "ftp://x/y"}}),
+            ),
+            object(
+                ModelKind::BaseModel,
+                Some("team"),
+                "badpath",
+                json!({"storage": {"storageUri": "hf://a/b", "path": "/etc/passwd"}}),
+            ),
+            object(
+                ModelKind::BaseModel,
+                Some("team"),
+                "local",
+                json!({"storage": {"storageUri": "local:///srv/m"}}),
+            ),
+            object(
+                ModelKind::BaseModel,
+                Some("team"),
+                "badtype",
+                json!({"storage": {"storageUri": 7}}),
+            ),
+            object(ModelKind::ClusterBaseModel, None, "Bad_Name", json!({})),
+        ];
+        let plan = plan(&objects, &node(), &config(false));
+        let key = |s: &str| {
+            plan.models
+                .iter()
+                .find(|(k, _)| k.as_str() == s)
+                .map(|(_, v)| v.clone())
+        };
+        assert!(key("clusterbasemodel.ok").unwrap().is_ok());
+        assert!(key("team.basemodel.elsewhere").is_none());
+        assert!(key("team.basemodel.tok").unwrap().is_ok());
+        for (k, fragment) in [
+            ("team.basemodel.nostorage", "storage"),
+            ("team.basemodel.nouri", "storageUri"),
+            ("team.basemodel.scheme", "ftp"),
+            ("team.basemodel.badpath", "/etc/passwd"),
+            ("team.basemodel.local", "--allow-local-sources"),
+            ("team.basemodel.badtype", "storageUri"),
+        ] {
+            let reason = key(k).unwrap().expect_err(k);
+            assert!(reason.contains(fragment), "{k}: {reason}");
+        }
+        assert_eq!(plan.errors.len(), 1, "{:?}", plan.errors);
+        assert!(plan
+            .errors
+            .contains_key("object:ClusterBaseModel//Bad_Name"));
+        let secrets: Vec<(&str, &SecretRef)> =
+            plan.secrets.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        assert_eq!(
+            secrets,
+            vec![
+                (
+                    "clusterbasemodel.ok",
+                    &SecretRef {
+                        namespace: "ome".into(),
+                        name: "hf-token".into(),
+                        entry: "token".into()
+                    }
+                ),
+                (
+                    "team.basemodel.tok",
+                    &SecretRef {
+                        namespace: "team".into(),
+                        name: "s".into(),
+                        entry: "hf".into()
+                    }
+                ),
+            ]
+        );
+        assert!(!plan
+            .references
+            .keys()
+            .any(|k| k.as_str() == "team.basemodel.elsewhere"));
+        let reference =
+            &plan.references[&ModelKey::new(ModelKind::BaseModel, Some("team"), "tok").unwrap()];
+        assert_eq!(reference.uid.as_deref(), Some("uid-tok"));
+        assert_eq!(reference.kind.as_deref(), Some("BaseModel"));
+
+        let allowed = super::plan(&objects, &node(), &config(true));
+        let local = allowed
+            .models
+            .iter()
+            .find(|(k, _)| k.as_str() == "team.basemodel.local")
+            .unwrap()
+            .1;
+        assert!(local.is_ok());
+    }
+}

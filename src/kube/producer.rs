@@ -1,0 +1,309 @@
+//! The Kubernetes producer of the desired state: watches BaseModels and ClusterBaseModels in
+//! all namespaces and this node's Node object, and hands the reconciler the full desired set
+//! for this node whenever any of them changes.
+//!
+//! # Design
+//! * Each kind is mirrored by a kube-rs reflector (a watcher with backoff: a broken watch is
+//!   resumed from its last resourceVersion, and a 410 `Expired` makes it re-list). A re-list
+//!   replaces the mirror atomically when it completes, so a partial list is never planned.
+//! * Nothing is planned until all three mirrors have completed their first list: planning on
+//!   an empty mirror would tell the reconciler to delete every model.
+//! * Model objects are read as dynamic JSON, not typed: one malformed object must fail only
+//!   itself ([`super::desired`]), whereas a typed watch fails the whole list.
+//! * Every watch event marks the state dirty; planning runs after a short quiet period and
+//!   produces the whole set (so the result is independent of event order). It is also re-run
+//!   periodically, which is how token Secret changes are noticed without watching Secrets
+//!   cluster-wide (that would need read access to every Secret of every namespace).
+//! * The set is handed over only when it differs from the last one, so a re-list after a watch
+//!   error or an API server restart costs the reconciler nothing; and the reconciler itself
+//!   compares per-model fingerprints, so an unchanged model never causes work.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Secret};
+use kube::api::{Api, ApiResource, DynamicObject};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::Client;
+
+use super::desired::{plan, PlanConfig, RawObject, SecretRef};
+use super::targeting::NodeFacts;
+use crate::manifest::{ModelKey, ModelKind};
+use crate::reconciler::{DesiredState, ReconcilerHandle};
+use crate::source::Token;
+
+/// Model object references by key, shared with the status writer (for Events).
+pub type References = Arc<Mutex<BTreeMap<ModelKey, ObjectReference>>>;
+
+#[derive(Clone, Debug)]
+pub struct ProducerConfig {
+    pub node_name: String,
+    pub plan: PlanConfig,
+    /// Quiet period after a watch event before planning: a `kubectl apply` of many objects
+    /// arrives as a burst of events, and one plan should see all of them.
+    pub debounce: Duration,
+    /// Planning also runs this often without events, to pick up changed token Secrets.
+    pub resync: Duration,
+}
+
+impl ProducerConfig {
+    pub fn new(node_name: String, plan: PlanConfig) -> Self {
+        Self {
+            node_name,
+            plan,
+            debounce: Duration::from_millis(100),
+            resync: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The API resource of a model kind.
+pub fn model_resource(kind: ModelKind) -> ApiResource {
+    let plural = match kind {
+        ModelKind::BaseModel => "basemodels",
+        ModelKind::ClusterBaseModel => "clusterbasemodels",
+    };
+    ApiResource {
+        group: "ome.io".to_owned(),
+        version: "v1beta1".to_owned(),
+        api_version: crate::manifest::OME_API_VERSION.to_owned(),
+        kind: kind.as_str().to_owned(),
+        plural: plural.to_owned(),
+    }
+}
+
+/// Runs the producer until the task is aborted.
+pub fn spawn(
+    client: Client,
+    config: ProducerConfig,
+    reconciler: ReconcilerHandle,
+    references: References,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(run(client, config, reconciler, references))
+}
+
+fn mirror_models(
+    client: &Client,
+    kind: ModelKind,
+) -> (
+    Store<DynamicObject>,
+    impl Stream<Item = ()> + Send + 'static,
+) {
+    let resource = model_resource(kind);
+    let api: Api<DynamicObject> = Api::all_with(client.clone(), &resource);
+    let writer = reflector::store::Writer::new(resource);
+    let store = writer.as_reader();
+    let stream = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .map(move |event| {
+            if let Err(error) = event {
+                tracing::warn!(kind = kind.as_str(), %error, "watch error; retrying");
+            }
+        });
+    (store, stream)
+}
+
+async fn run(
+    client: Client,
+    config: ProducerConfig,
+    reconciler: ReconcilerHandle,
+    references: References,
+) {
+    let (base_models, base_stream) = mirror_models(&client, ModelKind::BaseModel);
+    let (cluster_models, cluster_stream) = mirror_models(&client, ModelKind::ClusterBaseModel);
+    let nodes_api: Api<Node> = Api::all(client.clone());
+    let (node_store, node_writer) = reflector::store::<Node>();
+    let node_stream = watcher(
+        nodes_api,
+        watcher::Config::default().fields(&format!("metadata.name={}", config.node_name)),
+    )
+    .default_backoff()
+    .reflect(node_writer)
+    .map(|event| {
+        if let Err(error) = event {
+            tracing::warn!(%error, "node watch error; retrying");
+        }
+    });
+
+    let (dirty_tx, mut dirty_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let driver = tokio::spawn(async move {
+        let mut events = futures::stream::select_all([
+            base_stream.boxed(),
+            cluster_stream.boxed(),
+            node_stream.boxed(),
+        ]);
+        while events.next().await.is_some() {
+            // A full channel already means "dirty".
+            let _ = dirty_tx.try_send(());
+        }
+    });
+    let _driver = AbortOnDrop(driver);
+
+    for store in [&base_models, &cluster_models] {
+        if store.wait_until_ready().await.is_err() {
+            return;
+        }
+    }
+    if node_store.wait_until_ready().await.is_err() {
+        return;
+    }
+    tracing::info!(node = %config.node_name, "watches synced");
+
+    let secrets = Secrets::new(client.clone());
+    let mut last_sent: Option<String> = None;
+    let mut tokens: BTreeMap<ModelKey, Token> = BTreeMap::new();
+    loop {
+        match node_store.state().first() {
+            None => tracing::warn!(
+                node = %config.node_name,
+                "this node's Node object does not exist; keeping the current models"
+            ),
+            Some(node) => {
+                let facts = NodeFacts {
+                    name: config.node_name.clone(),
+                    labels: node
+                        .metadata
+                        .labels
+                        .clone()
+                        .unwrap_or_default()
+                        .into_iter()
+                        .collect(),
+                };
+                let mut objects: Vec<RawObject> = Vec::new();
+                for (kind, store) in [
+                    (ModelKind::BaseModel, &base_models),
+                    (ModelKind::ClusterBaseModel, &cluster_models),
+                ] {
+                    for object in store.state() {
+                        match serde_json::to_value(object.as_ref()) {
+                            Ok(value) => objects.push(RawObject { kind, value }),
+                            Err(error) => tracing::warn!(%error, "unserializable object"),
+                        }
+                    }
+                }
+                let mut planned = plan(&objects, &facts, &config.plan);
+                tokens = secrets
+                    .resolve(&planned.secrets, &mut planned.models, &tokens)
+                    .await;
+                *references.lock().unwrap_or_else(|e| e.into_inner()) = planned.references;
+                let desired = DesiredState {
+                    models: planned.models,
+                    errors: planned.errors,
+                    tokens: tokens.clone(),
+                };
+                let summary = summarize(&desired);
+                if last_sent.as_ref() != Some(&summary) {
+                    tracing::info!(models = desired.models.len(), "desired state changed");
+                    reconciler.set_desired(desired);
+                    last_sent = Some(summary);
+                }
+            }
+        }
+        // Wait for a change (then for quiet) or for the resync period.
+        if let Ok(Some(())) = tokio::time::timeout(config.resync, dirty_rx.recv()).await {
+            while let Ok(Some(())) = tokio::time::timeout(config.debounce, dirty_rx.recv()).await {}
+        }
+    }
+}
+
+/// A comparable digest of a desired state (tokens by digest only).
+fn summarize(desired: &DesiredState) -> String {
+    let tokens: Vec<(String, String)> = desired
+        .tokens
+        .iter()
+        .map(|(key, token)| (key.to_string(), token.digest()))
+        .collect();
+    format!("{:?}|{:?}|{:?}", desired.models, desired.errors, tokens)
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads token Secrets.
+struct Secrets {
+    client: Client,
+}
+
+impl Secrets {
+    fn new(client: Client) -> Self {
+        Self { client }
+    }
+
+    /// Fetches the token of every model that names a Secret. A missing Secret or entry fails
+    /// that model (its owner must fix it); an API error keeps the model's previous token, so a
+    /// flaky API server does not change what a model downloads with.
+    async fn resolve(
+        &self,
+        wanted: &BTreeMap<ModelKey, SecretRef>,
+        models: &mut BTreeMap<ModelKey, Result<crate::manifest::ModelSpec, String>>,
+        previous: &BTreeMap<ModelKey, Token>,
+    ) -> BTreeMap<ModelKey, Token> {
+        let mut fetched: BTreeMap<(String, String), Result<Option<Secret>, String>> =
+            BTreeMap::new();
+        let mut tokens = BTreeMap::new();
+        for (key, secret_ref) in wanted {
+            let id = (secret_ref.namespace.clone(), secret_ref.name.clone());
+            if !fetched.contains_key(&id) {
+                let api: Api<Secret> = Api::namespaced(self.client.clone(), &id.0);
+                let result = api.get_opt(&id.1).await.map_err(|e| e.to_string());
+                fetched.insert(id.clone(), result);
+            }
+            let outcome = match &fetched[&id] {
+                Err(error) => {
+                    tracing::warn!(
+                        model = %key,
+                        secret = %format!("{}/{}", id.0, id.1),
+                        %error,
+                        "reading the token Secret failed; keeping the previous token"
+                    );
+                    if let Some(token) = previous.get(key) {
+                        tokens.insert(key.clone(), token.clone());
+                    }
+                    continue;
+                }
+                Ok(None) => Err(format!(
+                    "token Secret {}/{} (spec.storage.key) not found",
+                    id.0, id.1
+                )),
+                Ok(Some(secret)) => secret
+                    .data
+                    .as_ref()
+                    .and_then(|data| data.get(&secret_ref.entry))
+                    .map(|bytes| String::from_utf8_lossy(&bytes.0).trim().to_owned())
+                    .or_else(|| {
+                        secret
+                            .string_data
+                            .as_ref()
+                            .and_then(|data| data.get(&secret_ref.entry))
+                            .map(|text| text.trim().to_owned())
+                    })
+                    .filter(|token| !token.is_empty())
+                    .ok_or_else(|| {
+                        format!(
+                            "token Secret {}/{} has no entry {:?} (set \
+                             spec.storage.parameters.secretKey to the entry's name)",
+                            id.0, id.1, secret_ref.entry
+                        )
+                    }),
+            };
+            match outcome {
+                Ok(token) => {
+                    tokens.insert(key.clone(), Token::new(token));
+                }
+                Err(reason) => {
+                    models.insert(key.clone(), Err(reason));
+                }
+            }
+        }
+        tokens
+    }
+}

@@ -1,0 +1,550 @@
+//! Writes the reconciler's status document to Kubernetes: the node ConfigMap (SPEC 6.1), the
+//! node labels (SPEC 6.2) and Events on the model objects.
+//!
+//! # No lost updates
+//! Other writers share both objects (OME's controllers, operators, a second agent during a
+//! rollout). Every write is a read-modify-write of the latest object: read it, change only the
+//! entries this daemon owns, write it back with the resourceVersion that was read, and on a
+//! 409 Conflict start over from a fresh read. The ConfigMap is replaced (`PUT`); the Node is
+//! merge-patched with its resourceVersion as a precondition (only the label map changes, so
+//! a status or heartbeat update of the Node is never overwritten by a stale copy).
+//!
+//! Owned entries are the ones shaped like model keys (`clusterbasemodel.*`,
+//! `*.basemodel.*` data keys; `models.ome.io/<model key>` labels): the node's model agent is
+//! their only writer in OME, so an owned entry for a model that is no longer on this node (a
+//! deletion while the daemon was down, a model that stopped targeting the node) is removed.
+//! Everything else is left exactly as read.
+//!
+//! # Rate limit
+//! A change of a model's state (status, parent, children, reason, ...) is written at once.
+//! A change of download progress alone is written at most once per `progress_interval`: the
+//! reconciler publishes progress every few hundred milliseconds, and a node of many models
+//! would otherwise flood the API server.
+//!
+//! # Size
+//! A ConfigMap holds at most 1 MiB. If the full entries do not fit, they are written in OME's
+//! minimal layout (name, status, config; no progress or local extras), which is what OME's
+//! controllers read.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::Client;
+use serde_json::json;
+
+use super::names::{
+    configmap_key, is_model_key_shape, is_model_label, node_label_key, MANAGED_BY_ANNOTATION,
+    NODE_CONFIGMAP_LABEL, NODE_NAME_ANNOTATION, STATUS_CONFIGMAP_LABEL,
+};
+use super::producer::References;
+use crate::manifest::ModelKind;
+use crate::reconciler::ReconcilerHandle;
+use crate::status::{ModelStatus, StatusDoc};
+
+/// Name this daemon reports as the ConfigMap's manager and as the Events' controller.
+pub const MANAGER: &str = "modelfs";
+
+#[derive(Clone, Debug)]
+pub struct StatusSinkConfig {
+    pub node_name: String,
+    /// Namespace of the node ConfigMaps (OME's default is `ome`).
+    pub namespace: String,
+    /// Minimum time between two writes that change only download progress.
+    pub progress_interval: Duration,
+    /// How often the objects are re-checked without a status change (repairs a deleted
+    /// ConfigMap or label).
+    pub resync: Duration,
+    /// First delay after a failed write; doubles up to `retry_max`.
+    pub retry_base: Duration,
+    pub retry_max: Duration,
+    /// Largest ConfigMap data (bytes) written in the full layout; Kubernetes' limit is 1 MiB
+    /// for the whole object, and this leaves room for metadata.
+    pub max_data_bytes: usize,
+}
+
+impl StatusSinkConfig {
+    pub fn new(node_name: String, namespace: String) -> Self {
+        Self {
+            node_name,
+            namespace,
+            progress_interval: Duration::from_secs(5),
+            resync: Duration::from_secs(60),
+            retry_base: Duration::from_millis(200),
+            retry_max: Duration::from_secs(30),
+            max_data_bytes: 1000 * 1024,
+        }
+    }
+}
+
+/// Why a status write failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusSinkError {
+    #[error("Kubernetes API: {0}")]
+    Api(#[from] kube::Error),
+    #[error("gave up after {0} conflicting writes in a row")]
+    TooManyConflicts(u32),
+    #[error("encoding a status entry: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+/// Conflicts tolerated in one write before backing off: each retry re-reads, so only a
+/// writer that changes the object continuously can exhaust this.
+const MAX_CONFLICT_RETRIES: u32 = 20;
+
+/// `(kind, namespace, name)` of a model key.
+pub fn split_model_key(key: &str) -> Option<(ModelKind, Option<&str>, &str)> {
+    if let Some(name) = key.strip_prefix("clusterbasemodel.") {
+        return Some((ModelKind::ClusterBaseModel, None, name));
+    }
+    let (namespace, name) = key.split_once(".basemodel.")?;
+    Some((ModelKind::BaseModel, Some(namespace), name))
+}
+
+/// The state-relevant part of an entry (everything but progress and byte counts).
+fn significant(entry: &ModelStatus) -> ModelStatus {
+    ModelStatus {
+        progress: None,
+        bytes_on_disk: 0,
+        ..entry.clone()
+    }
+}
+
+fn significant_doc(doc: &StatusDoc) -> BTreeMap<&String, ModelStatus> {
+    doc.iter()
+        .filter(|(key, _)| split_model_key(key).is_some())
+        .map(|(key, entry)| (key, significant(entry)))
+        .collect()
+}
+
+/// The data entries and labels one status document asks for.
+struct Wanted {
+    data: BTreeMap<String, String>,
+    labels: BTreeMap<String, String>,
+}
+
+fn wanted(doc: &StatusDoc, max_data_bytes: usize) -> Result<Wanted, serde_json::Error> {
+    let mut data = BTreeMap::new();
+    let mut labels = BTreeMap::new();
+    let mut minimal = BTreeMap::new();
+    for (key, entry) in doc {
+        let Some((kind, namespace, name)) = split_model_key(key) else {
+            continue;
+        };
+        let data_key = configmap_key(kind, namespace, name);
+        data.insert(data_key.clone(), serde_json::to_string(entry)?);
+        minimal.insert(
+            data_key,
+            serde_json::to_string(&json!({
+                "name": entry.name, "status": entry.status, "config": entry.config
+            }))?,
+        );
+        labels.insert(node_label_key(kind, namespace, name), entry.status.clone());
+    }
+    let size: usize = data.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if size > max_data_bytes {
+        tracing::warn!(
+            bytes = size,
+            "status entries exceed the ConfigMap budget; writing the minimal layout"
+        );
+        data = minimal;
+    }
+    Ok(Wanted { data, labels })
+}
+
+/// Runs the writer until the task is aborted.
+pub fn spawn(
+    client: Client,
+    config: StatusSinkConfig,
+    reconciler: ReconcilerHandle,
+    references: References,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(run(client, config, reconciler, references))
+}
+
+async fn run(
+    client: Client,
+    config: StatusSinkConfig,
+    reconciler: ReconcilerHandle,
+    references: References,
+) {
+    let mut changes = reconciler.subscribe_status();
+    // Transitions are relative to what the records held at start: a model that was Ready
+    // before a restart gets no new Ready Event, one that fails on the first pass gets its
+    // Failed Event.
+    let mut seen: Arc<StatusDoc> = changes.borrow_and_update().clone();
+    // Until the first desired state is reconciled, the document holds only what the records
+    // remembered; writing it would remove entries of models that are about to come back.
+    while !reconciler.is_ready() {
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+    }
+    let writer = Writer {
+        configmaps: Api::namespaced(client.clone(), &config.namespace),
+        nodes: Api::all(client.clone()),
+        config: config.clone(),
+    };
+    let events = EventPublisher {
+        recorder: Recorder::new(
+            client,
+            Reporter {
+                controller: MANAGER.to_owned(),
+                instance: Some(format!("{MANAGER}-{}", config.node_name)),
+            },
+        ),
+        references,
+    };
+    let mut written: Option<Arc<StatusDoc>> = None;
+    let mut last_write = Instant::now() - config.progress_interval;
+    let mut failures: u32 = 0;
+    loop {
+        let doc = changes.borrow_and_update().clone();
+        events.publish_transitions(&seen, &doc);
+        seen = doc.clone();
+
+        let state_changed = written
+            .as_ref()
+            .is_none_or(|w| significant_doc(w) != significant_doc(&doc));
+        let anything_changed = written.as_ref().is_none_or(|w| **w != *doc);
+        let due = last_write + config.progress_interval;
+        let wait_until = if state_changed || (anything_changed && Instant::now() >= due) {
+            match writer.sync(&doc).await {
+                Ok(()) => {
+                    written = Some(doc);
+                    last_write = Instant::now();
+                    failures = 0;
+                    Instant::now() + config.resync
+                }
+                Err(error) => {
+                    failures = failures.saturating_add(1);
+                    let delay = config
+                        .retry_base
+                        .saturating_mul(1 << failures.min(16))
+                        .min(config.retry_max);
+                    tracing::warn!(%error, retry_in = ?delay, "writing node status failed");
+                    Instant::now() + delay
+                }
+            }
+        } else if anything_changed {
+            due
+        } else {
+            Instant::now() + config.resync
+        };
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep_until(wait_until.into()) => {
+                // Periodic resync or retry: force a full check of both objects.
+                if failures > 0 || written.as_ref().is_some_and(|w| **w == **changes.borrow()) {
+                    written = None;
+                }
+            }
+        }
+    }
+}
+
+struct Writer {
+    configmaps: Api<ConfigMap>,
+    nodes: Api<Node>,
+    config: StatusSinkConfig,
+}
+
+fn is_conflict(error: &kube::Error) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == 409)
+}
+
+impl Writer {
+    async fn sync(&self, doc: &StatusDoc) -> Result<(), StatusSinkError> {
+        let wanted = wanted(doc, self.config.max_data_bytes)?;
+        self.sync_configmap(&wanted.data).await?;
+        self.sync_labels(&wanted.labels).await
+    }
+
+    async fn sync_configmap(&self, data: &BTreeMap<String, String>) -> Result<(), StatusSinkError> {
+        let name = &self.config.node_name;
+        for _ in 0..MAX_CONFLICT_RETRIES {
+            let result = match self.configmaps.get_opt(name).await? {
+                None => {
+                    let mut configmap = ConfigMap::default();
+                    configmap.metadata.name = Some(name.clone());
+                    configmap.metadata.namespace = Some(self.config.namespace.clone());
+                    configmap.metadata.labels = Some(
+                        [
+                            (STATUS_CONFIGMAP_LABEL.to_owned(), "true".to_owned()),
+                            (NODE_CONFIGMAP_LABEL.to_owned(), name.clone()),
+                        ]
+                        .into(),
+                    );
+                    configmap.metadata.annotations = Some(
+                        [
+                            (NODE_NAME_ANNOTATION.to_owned(), name.clone()),
+                            (MANAGED_BY_ANNOTATION.to_owned(), MANAGER.to_owned()),
+                        ]
+                        .into(),
+                    );
+                    configmap.data = Some(data.clone());
+                    self.configmaps
+                        .create(&PostParams::default(), &configmap)
+                        .await
+                        .map(drop)
+                }
+                Some(mut configmap) => {
+                    let mut changed = false;
+                    let labels = configmap.metadata.labels.get_or_insert_with(BTreeMap::new);
+                    for (key, value) in [
+                        (STATUS_CONFIGMAP_LABEL, "true"),
+                        (NODE_CONFIGMAP_LABEL, name.as_str()),
+                    ] {
+                        if labels.get(key).map(String::as_str) != Some(value) {
+                            labels.insert(key.to_owned(), value.to_owned());
+                            changed = true;
+                        }
+                    }
+                    let current = configmap.data.get_or_insert_with(BTreeMap::new);
+                    let stale: Vec<String> = current
+                        .keys()
+                        .filter(|key| is_model_key_shape(key) && !data.contains_key(*key))
+                        .cloned()
+                        .collect();
+                    for key in stale {
+                        current.remove(&key);
+                        changed = true;
+                    }
+                    for (key, value) in data {
+                        if current.get(key) != Some(value) {
+                            current.insert(key.clone(), value.clone());
+                            changed = true;
+                        }
+                    }
+                    if !changed {
+                        return Ok(());
+                    }
+                    self.configmaps
+                        .replace(name, &PostParams::default(), &configmap)
+                        .await
+                        .map(drop)
+                }
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                // 409 is both "modified since read" and "created meanwhile": re-read.
+                Err(error) if is_conflict(&error) => {
+                    tracing::debug!("node ConfigMap changed concurrently; retrying");
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+        Err(StatusSinkError::TooManyConflicts(MAX_CONFLICT_RETRIES))
+    }
+
+    async fn sync_labels(&self, labels: &BTreeMap<String, String>) -> Result<(), StatusSinkError> {
+        let name = &self.config.node_name;
+        for _ in 0..MAX_CONFLICT_RETRIES {
+            let Some(node) = self.nodes.get_opt(name).await? else {
+                tracing::warn!(node = %name, "Node object not found; labels not written");
+                return Ok(());
+            };
+            let current = node.metadata.labels.clone().unwrap_or_default();
+            let mut patch = serde_json::Map::new();
+            let ours: BTreeSet<&String> = labels.keys().collect();
+            for key in current.keys() {
+                if is_model_label(key) && !ours.contains(key) {
+                    patch.insert(key.clone(), serde_json::Value::Null);
+                }
+            }
+            for (key, value) in labels {
+                if current.get(key) != Some(value) {
+                    patch.insert(key.clone(), json!(value));
+                }
+            }
+            if patch.is_empty() {
+                return Ok(());
+            }
+            let body = json!({"metadata": {
+                "resourceVersion": node.metadata.resource_version,
+                "labels": patch,
+            }});
+            match self
+                .nodes
+                .patch(name, &PatchParams::default(), &Patch::Merge(&body))
+                .await
+            {
+                Ok(_) => return Ok(()),
+                Err(error) if is_conflict(&error) => {
+                    tracing::debug!("Node changed concurrently; retrying");
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+        Err(StatusSinkError::TooManyConflicts(MAX_CONFLICT_RETRIES))
+    }
+}
+
+/// Publishes Events for state transitions of the models.
+struct EventPublisher {
+    recorder: Recorder,
+    references: References,
+}
+
+/// The Event a transition of one model deserves, if any.
+fn transition_event(before: Option<&ModelStatus>, after: &ModelStatus) -> Option<Event> {
+    let parent = |entry: &ModelStatus| entry.config.artifact.parent_path.clone();
+    let event = |type_, reason: &str, note: String| Event {
+        type_,
+        reason: reason.to_owned(),
+        note: Some(note.chars().take(1000).collect()),
+        action: "Reconcile".to_owned(),
+        secondary: None,
+    };
+    let was = before.map(|b| b.status.as_str());
+    match after.status.as_str() {
+        "Ready" if was != Some("Ready") => Some(event(
+            EventType::Normal,
+            "Ready",
+            format!("model is served at {}", after.path),
+        )),
+        "Ready" => {
+            let before = before?;
+            if parent(before) != parent(after) || before.policy != after.policy {
+                let parent = after
+                    .config
+                    .artifact
+                    .parent_path
+                    .keys()
+                    .next()
+                    .cloned()
+                    .unwrap_or_default();
+                Some(event(
+                    EventType::Normal,
+                    "PolicyApplied",
+                    format!(
+                        "downloadPolicy {}: served from the copy of {parent}",
+                        after.policy
+                    ),
+                ))
+            } else {
+                None
+            }
+        }
+        "Failed"
+            if was != Some("Failed") || before.and_then(|b| b.reason.clone()) != after.reason =>
+        {
+            Some(event(
+                EventType::Warning,
+                "Failed",
+                after
+                    .reason
+                    .clone()
+                    .unwrap_or_else(|| "unknown reason".to_owned()),
+            ))
+        }
+        _ => None,
+    }
+}
+
+impl EventPublisher {
+    fn publish_transitions(&self, before: &StatusDoc, after: &StatusDoc) {
+        let references = self
+            .references
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for (key, entry) in after {
+            let Some(event) = transition_event(before.get(key), entry) else {
+                continue;
+            };
+            let Some(reference) = references
+                .iter()
+                .find(|(model, _)| model.as_str() == key)
+                .map(|(_, reference)| reference.clone())
+            else {
+                continue;
+            };
+            let recorder = self.recorder.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                if let Err(error) = recorder.publish(&event, &reference).await {
+                    tracing::warn!(model = %key, %error, "publishing an Event failed");
+                }
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(status: &str, parent: &str, policy: &str) -> ModelStatus {
+        let mut e = ModelStatus {
+            name: "m".into(),
+            status: status.into(),
+            policy: policy.into(),
+            path: "/mnt/models/m".into(),
+            ..Default::default()
+        };
+        if !parent.is_empty() {
+            e.config
+                .artifact
+                .parent_path
+                .insert(parent.into(), "/p".into());
+        }
+        e
+    }
+
+    #[test]
+    fn transitions_that_deserve_events() {
+        let ready = entry("Ready", "clusterbasemodel.m", "AlwaysDownload");
+        let updating = entry("Updating", "", "AlwaysDownload");
+        assert_eq!(
+            transition_event(Some(&updating), &ready).unwrap().reason,
+            "Ready"
+        );
+        assert_eq!(transition_event(None, &ready).unwrap().reason, "Ready");
+        assert!(transition_event(Some(&ready), &ready).is_none());
+        let flipped = entry("Ready", "clusterbasemodel.other", "ReuseIfExists");
+        let event = transition_event(Some(&ready), &flipped).unwrap();
+        assert_eq!(event.reason, "PolicyApplied");
+        assert!(event.note.unwrap().contains("clusterbasemodel.other"));
+        let mut failed = entry("Failed", "", "AlwaysDownload");
+        failed.reason = Some("no access".into());
+        let event = transition_event(Some(&updating), &failed).unwrap();
+        assert_eq!(event.type_, EventType::Warning);
+        assert_eq!(event.note.as_deref(), Some("no access"));
+        assert!(transition_event(Some(&failed), &failed).is_none());
+        assert!(transition_event(Some(&ready), &updating).is_none());
+    }
+
+    #[test]
+    fn wanted_maps_keys_and_skips_non_models() {
+        let mut doc = StatusDoc::new();
+        doc.insert(
+            "team.basemodel.m".into(),
+            entry("Ready", "", "AlwaysDownload"),
+        );
+        doc.insert("file:broken.yaml".into(), entry("Failed", "", ""));
+        let long = format!("clusterbasemodel.{}", "x".repeat(60));
+        doc.insert(long.clone(), entry("Updating", "", "AlwaysDownload"));
+        let w = wanted(&doc, 1 << 20).unwrap();
+        assert_eq!(w.data.len(), 2);
+        assert!(w.data.contains_key("team.basemodel.m"));
+        assert!(w.data.contains_key(&long));
+        assert_eq!(w.labels["models.ome.io/team.basemodel.m"], "Ready");
+        assert_eq!(w.labels.len(), 2);
+        assert!(w
+            .labels
+            .keys()
+            .all(|k| k.len() - "models.ome.io/".len() <= 49));
+        // Over budget: the minimal layout.
+        let w = wanted(&doc, 10).unwrap();
+        let value: serde_json::Value = serde_json::from_str(&w.data["team.basemodel.m"]).unwrap();
+        assert_eq!(
+            value.as_object().unwrap().keys().collect::<Vec<_>>(),
+            vec!["config", "name", "status"]
+        );
+    }
+}

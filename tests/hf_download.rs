@@ -261,7 +261,10 @@ fn sigkill_mid_download_resumes_with_range() {
     assert!(served_before < size);
 
     hub.hub().clear_faults();
-    sh(&format!("umount -l {} 2>/dev/null || true", env.mount.display()));
+    sh(&format!(
+        "umount -l {} 2>/dev/null || true",
+        env.mount.display()
+    ));
     let d = start_daemon(&env, &hub);
     d.wait_model("clusterbasemodel.big", "Ready");
     assert_tree(&env.mount.join("big"), &files);

@@ -38,7 +38,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Mount and serve models.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print the models of a running daemon.
     Status(status_cmd::StatusArgs),
     /// Show (--dry-run) or remove garbage in a state directory while the daemon is stopped.
@@ -162,7 +162,7 @@ pub fn main() -> Result<()> {
                 .enable_all()
                 .thread_name("modelfs")
                 .build()?;
-            runtime.block_on(serve(args))
+            runtime.block_on(serve(*args))
         }
         Command::Status(args) => status_cmd::run(args),
         Command::Gc(args) => gc_cmd::run(args),

@@ -45,7 +45,7 @@ if [[ ! -f $REPO/.complete ]]; then
   done
   touch "$REPO/.complete"
 fi
-TOTAL=$(find "$REPO" -type f ! -name .complete -printf '%s\n' | awk '{s+=$1} END {printf "%d", s}')
+TOTAL=$(find "$REPO" -type f ! -name .complete -printf '%s\n' | awk '{s+=$1} END {printf "%.0f", s}')
 NFILES=$(find "$REPO" -type f ! -name .complete | wc -l)
 
 # The hub lists .complete too; keep it out of the repository it serves.

@@ -66,9 +66,9 @@ pub struct DownloadTuning {
     pub range_streams: usize,
     /// Size of one range request, and the unit of in-memory reordering (at most
     /// `range_streams` chunks per file wait in memory: 4 x 8 MiB = 32 MiB). Measured on
-    /// loopback: 4 MiB was fastest, 16 MiB about 10% slower, 64 MiB twice as slow (large
+    /// loopback: 4, 8 and 16 MiB within noise of each other, 64 MiB twice as slow (large
     /// buffers and head-of-line waits). Against a remote hub every chunk costs a round trip
-    /// per stream, which argues against going smaller; 8 MiB is the compromise.
+    /// per stream, which argues against going small; 8 MiB is the compromise.
     pub chunk_size: u64,
     /// Node-wide limit on HTTP transfers in flight (all models together), so a node with many
     /// models does not open hundreds of connections to the hub.

@@ -77,7 +77,7 @@ fn start_daemon(env: &TestEnv, hub: &TestHub) -> Daemon {
     Daemon::start(env, &flags)
 }
 
-/// Path → content of a generated repository.
+/// Path -> content of a generated repository.
 type Files = BTreeMap<String, Vec<u8>>;
 
 /// Nested directories, more entries than a page, LFS and plain files, an empty file,

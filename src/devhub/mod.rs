@@ -2,7 +2,7 @@
 //! generated repositories on loopback, has no persistence and no real authentication, and is not
 //! part of the daemon (the `modelfs-hub` binary and the integration tests are its only users).
 //!
-//! It speaks the subset of the hub protocol that clients use to download (SPEC §7), checked
+//! It speaks the subset of the hub protocol that clients use to download (SPEC 7), checked
 //! against the real `huggingface_hub` client by a test:
 //!
 //! * `GET /api/models/{repo}/revision/{rev}`: `sha` and `siblings`.
@@ -748,7 +748,7 @@ fn add_file_headers(h: &mut HeaderMap, commit: &str, file: &HubFile) {
     }
 }
 
-/// `Range: bytes=a-b | a- | -n` → `[start, end)`; `Err` when unsatisfiable.
+/// `Range: bytes=a-b | a- | -n` -> `[start, end)`; `Err` when unsatisfiable.
 fn parse_range(v: &str, size: u64) -> Option<Result<(u64, u64), ()>> {
     let spec = v.trim().strip_prefix("bytes=")?;
     if spec.contains(',') {

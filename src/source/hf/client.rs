@@ -1,7 +1,7 @@
 //! The HTTP side of the Hugging Face source: one reqwest client per daemon, the node-wide
 //! transfer limit, hub error decoding, `Link` pagination and retries.
 //!
-//! Retry policy (SPEC §7): 5xx, 408, resets, truncated bodies and stalls are retried with
+//! Retry policy (SPEC 7): 5xx, 408, resets, truncated bodies and stalls are retried with
 //! jittered exponential backoff (`retry_base` doubling up to `retry_max`, each delay drawn
 //! uniformly from 50-100% of the step so that many clients do not retry in lockstep); 429 and
 //! 503 wait for `Retry-After` when the hub sends one; 401/403/404 and malformed answers fail at

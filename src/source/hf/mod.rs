@@ -1,4 +1,4 @@
-//! `hf://<org>/<repo>[@<revision>]`: models from a Hugging Face hub (SPEC §2, §7).
+//! `hf://<org>/<repo>[@<revision>]`: models from a Hugging Face hub (SPEC 2 and 7).
 //!
 //! # Resolve
 //! A branch or tag is resolved to a commit with `GET /api/models/{repo}/revision/{rev}`; a 40-hex
@@ -11,7 +11,7 @@
 //! artifact is identified by repo + commit and by the manifest digest; two revisions with
 //! different files are different artifacts.
 //!
-//! **Access check (SPEC §3.1).** `resolve` always calls the hub with the model's own token
+//! **Access check (SPEC 3.1).** `resolve` always calls the hub with the model's own token
 //! (never a cache of resolves shared between models), and the reconciler resolves every model
 //! before placing it. A model without access therefore fails at resolve with the hub's error
 //! code (`GatedRepo`, `RepoNotFound`) and can never be mapped onto another model's copy.
@@ -198,7 +198,7 @@ impl HfError {
     }
 }
 
-/// Characters escaped in a revision placed in a URL path segment (`refs/pr/1` → `refs%2Fpr%2F1`).
+/// Characters escaped in a revision placed in a URL path segment (`refs/pr/1` -> `refs%2Fpr%2F1`).
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.');
 /// Characters escaped in a file path: as above, but `/` separates segments.
 const PATH: &AsciiSet = &SEGMENT.remove(b'/');
@@ -474,7 +474,10 @@ mod tests {
     #[test]
     fn paths_are_escaped_per_segment() {
         assert_eq!(encode_segment("refs/pr/1"), "refs%2Fpr%2F1");
-        assert_eq!(encode_path("dir/ü b#?.json"), "dir/%C3%BC%20b%23%3F.json");
+        assert_eq!(
+            encode_path("dir/\u{fc} b#?.json"),
+            "dir/%C3%BC%20b%23%3F.json"
+        );
     }
 
     #[test]

@@ -12,9 +12,13 @@
 //! * [`standalone`]: desired state from a directory of YAML files.
 //! * [`kube`]: desired state from the Kubernetes API; OME-compatible node status.
 //! * [`http`], [`metrics`], [`status`]: what operators see.
+//!
+//! `devhub` is a loopback Hugging Face hub for tests and benchmarks, not part of the daemon.
 
 pub mod artifact;
 pub mod cli;
+#[doc(hidden)]
+pub mod devhub;
 pub mod fs;
 pub mod fuse;
 pub mod http;

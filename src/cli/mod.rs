@@ -20,6 +20,8 @@ use crate::fuse::{FuseConfig, PassthroughMode};
 use crate::http::HttpState;
 use crate::metrics::Metrics;
 use crate::reconciler::{MountSink, Reconciler, ReconcilerConfig};
+use crate::source::hf::{DownloadTuning, HfConfig};
+use crate::source::{SourceConfig, Token};
 use crate::standalone::ModelsDirConfig;
 use crate::store::StateDir;
 
@@ -37,7 +39,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Mount and serve models.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print the models of a running daemon.
     Status(status_cmd::StatusArgs),
     /// Show (--dry-run) or remove garbage in a state directory while the daemon is stopped.
@@ -94,6 +96,65 @@ pub struct ServeArgs {
     /// Log lines as JSON.
     #[arg(long)]
     log_json: bool,
+    #[command(flatten)]
+    hf: HfArgs,
+}
+
+/// Hugging Face source settings. The default token comes from the environment (`HF_TOKEN`)
+/// only, never from a flag, so it does not show in the process list.
+#[derive(clap::Args, Debug)]
+struct HfArgs {
+    /// Hugging Face endpoint.
+    #[arg(long, env = "HF_ENDPOINT", default_value = crate::source::hf::DEFAULT_ENDPOINT)]
+    hf_endpoint: String,
+    /// Files of one model downloaded at once.
+    #[arg(long, default_value_t = DownloadTuning::default().max_files)]
+    hf_max_files: usize,
+    /// Parallel range requests per large file.
+    #[arg(long, default_value_t = DownloadTuning::default().range_streams)]
+    hf_range_streams: usize,
+    /// Size of one range request, MiB.
+    #[arg(long, default_value_t = DownloadTuning::default().chunk_size >> 20)]
+    hf_chunk_mib: u64,
+    /// Node-wide limit on concurrent HTTP transfers.
+    #[arg(long, default_value_t = DownloadTuning::default().max_transfers)]
+    hf_max_transfers: usize,
+    /// Seconds without a byte before a transfer is aborted and retried.
+    #[arg(long, default_value_t = DownloadTuning::default().stall_timeout.as_secs())]
+    hf_stall_timeout_secs: u64,
+    /// Attempts per request before the download fails (and is retried later).
+    #[arg(long, default_value_t = DownloadTuning::default().max_attempts)]
+    hf_max_attempts: u32,
+    /// First retry delay, milliseconds (doubles per attempt, jittered).
+    #[arg(long, default_value_t = DownloadTuning::default().retry_base.as_millis() as u64)]
+    hf_retry_base_ms: u64,
+    /// Seconds between download progress log lines.
+    #[arg(long, default_value_t = DownloadTuning::default().progress_log_interval.as_secs())]
+    hf_progress_log_secs: u64,
+}
+
+impl HfArgs {
+    fn config(&self) -> HfConfig {
+        let defaults = DownloadTuning::default();
+        HfConfig {
+            endpoint: self.hf_endpoint.clone(),
+            default_token: std::env::var("HF_TOKEN")
+                .ok()
+                .filter(|t| !t.trim().is_empty())
+                .map(|t| Token::new(t.trim())),
+            tuning: DownloadTuning {
+                max_files: self.hf_max_files.max(1),
+                range_streams: self.hf_range_streams.max(1),
+                chunk_size: self.hf_chunk_mib.max(1) << 20,
+                max_transfers: self.hf_max_transfers.max(1),
+                stall_timeout: Duration::from_secs(self.hf_stall_timeout_secs.max(1)),
+                max_attempts: self.hf_max_attempts.max(1),
+                retry_base: Duration::from_millis(self.hf_retry_base_ms),
+                progress_log_interval: Duration::from_secs(self.hf_progress_log_secs.max(1)),
+                ..defaults
+            },
+        }
+    }
 }
 
 pub fn main() -> Result<()> {
@@ -105,7 +166,7 @@ pub fn main() -> Result<()> {
                 .enable_all()
                 .thread_name("modelfs")
                 .build()?;
-            runtime.block_on(serve(args))
+            runtime.block_on(serve(*args))
         }
         Command::Status(args) => status_cmd::run(args),
         Command::Gc(args) => gc_cmd::run(args),
@@ -183,6 +244,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         models_root_dir: models_root_dir.clone(),
         gc_grace: Duration::from_secs(args.gc_grace_secs),
         max_concurrent_fetches: args.max_concurrent_fetches,
+        sources: SourceConfig::new(args.hf.config()).context("configuring sources")?,
         ..ReconcilerConfig::default()
     };
     let sink: Arc<dyn MountSink> = mount.clone();

@@ -41,7 +41,7 @@ use crate::artifact::{ArtifactId, Manifest, Sha256Digest, StoredArtifact};
 use crate::fs::{FsCore, Invalidation, MountEntry};
 use crate::manifest::{ModelKey, ModelSpec, MountPath};
 use crate::metrics::Metrics;
-use crate::source::{FetchContext, Progress, Source, SourceError};
+use crate::source::{FetchContext, Progress, Source, SourceConfig, SourceError};
 use crate::status::StatusDoc;
 use crate::store::{ModelPhase, ModelRecord, Records, StateDir, StoreId};
 
@@ -73,6 +73,8 @@ pub struct ReconcilerConfig {
     /// First retry delay after a transient failure; doubles per attempt up to `retry_max`.
     pub retry_base: Duration,
     pub retry_max: Duration,
+    /// Source settings shared by all models (Hugging Face endpoint, default token, tuning).
+    pub sources: SourceConfig,
 }
 
 impl Default for ReconcilerConfig {
@@ -84,6 +86,7 @@ impl Default for ReconcilerConfig {
             max_concurrent_fetches: 4,
             retry_base: Duration::from_secs(2),
             retry_max: Duration::from_secs(300),
+            sources: SourceConfig::default(),
         }
     }
 }
@@ -524,7 +527,7 @@ impl Reconciler {
             self.fail_conflict(key, &fp, reason);
             return true;
         }
-        let source = match Source::for_uri(&spec.source) {
+        let source = match Source::for_uri(&spec.source, &self.config.sources, token) {
             Ok(s) => s,
             Err(e) => {
                 self.fail(key, &fp, &e);

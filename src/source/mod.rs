@@ -7,6 +7,7 @@
 //! downloads zero bytes). `fetch` then writes only the blobs the target store lacks and verifies
 //! every one against the digest `resolve` obtained.
 
+pub mod hf;
 pub mod local;
 
 use std::collections::HashMap;
@@ -45,6 +46,8 @@ pub enum SourceError {
     },
     #[error("storage scheme {scheme}:// is not supported yet (supported: hf://, local://)")]
     Unsupported { scheme: String },
+    #[error(transparent)]
+    Hf(hf::HfError),
     #[error("cancelled")]
     Cancelled,
 }
@@ -58,6 +61,7 @@ impl SourceError {
                 matches!(source, StoreError::DiskFull { .. } | StoreError::Io { .. })
             }
             SourceError::LocalIo { .. } => true,
+            SourceError::Hf(e) => e.is_transient(),
             SourceError::LocalMissing { .. }
             | SourceError::LocalSpecialFile { .. }
             | SourceError::LocalLoop { .. }
@@ -208,21 +212,52 @@ impl FetchContext {
     }
 }
 
+/// Daemon-wide settings of all sources, built once at start and shared by every model.
+#[derive(Clone, Debug)]
+pub struct SourceConfig {
+    /// The Hugging Face client (endpoint, default token, tuning, node-wide transfer limit).
+    pub hf: Arc<hf::HubClient>,
+}
+
+impl SourceConfig {
+    pub fn new(hf: hf::HfConfig) -> Result<Self, SourceError> {
+        Ok(Self {
+            hf: Arc::new(hf::HubClient::new(hf)?),
+        })
+    }
+}
+
+impl Default for SourceConfig {
+    /// The public hub, no default token, default tuning.
+    fn default() -> Self {
+        Self::new(hf::HfConfig::default()).expect("the default HTTP client builds")
+    }
+}
+
 /// A resolvable, fetchable source.
 #[derive(Clone, Debug)]
 pub enum Source {
     Local(local::LocalSource),
+    Hf(hf::HfSource),
 }
 
 impl Source {
-    /// Builds the source for a validated URI. Schemes without an implementation are an error
-    /// here, so such models fail at once with a reason instead of waiting.
-    pub fn for_uri(uri: &SourceUri) -> Result<Self, SourceError> {
+    /// Builds the source for a validated URI with the model's own token (if any; the source's
+    /// default applies otherwise). Schemes without an implementation are an error here, so such
+    /// models fail at once with a reason instead of waiting.
+    pub fn for_uri(
+        uri: &SourceUri,
+        config: &SourceConfig,
+        token: Option<Token>,
+    ) -> Result<Self, SourceError> {
         match uri {
             SourceUri::Local { path } => Ok(Source::Local(local::LocalSource::new(path.clone()))),
-            SourceUri::HuggingFace { .. } => Err(SourceError::Unsupported {
-                scheme: "hf".into(),
-            }),
+            SourceUri::HuggingFace { repo, revision } => Ok(Source::Hf(hf::HfSource::new(
+                repo.clone(),
+                revision.clone(),
+                token,
+                config.hf.clone(),
+            ))),
             SourceUri::Unsupported { scheme, .. } => Err(SourceError::Unsupported {
                 scheme: scheme.clone(),
             }),
@@ -237,6 +272,7 @@ impl Source {
                     .await
                     .unwrap_or(Err(SourceError::Cancelled))
             }
+            Source::Hf(s) => s.resolve(cancel).await,
         }
     }
 
@@ -253,6 +289,7 @@ impl Source {
                     .await
                     .unwrap_or(Err(SourceError::Cancelled))
             }
+            Source::Hf(s) => s.fetch(manifest, ctx).await,
         }
     }
 }

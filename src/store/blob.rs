@@ -145,6 +145,45 @@ impl Store {
         Ok(writer)
     }
 
+    /// The blob whose bytes have the source digest `digest`, if this store verified such a blob
+    /// before. Sources that vouch for a non-sha256 digest (git blob sha1 for small Hugging Face
+    /// files) use it to skip files they already downloaded. An alias is written only after the
+    /// blob verified, and is trusted only while the blob is present with the right size.
+    pub fn lookup_alias(&self, digest: &FileDigest, size: u64) -> Option<Sha256Digest> {
+        let FileDigest::GitSha1(_) = digest else {
+            return None;
+        };
+        let text = std::fs::read_to_string(self.alias_path(digest)).ok()?;
+        let sha: Sha256Digest = text.trim().parse().ok()?;
+        self.has_blob(&sha, size).then_some(sha)
+    }
+
+    /// Records that the blob `sha256` has the source digest `digest` (see [`Store::lookup_alias`]).
+    /// Not fsynced: a lost or torn alias only costs a download.
+    pub fn record_alias(
+        &self,
+        digest: &FileDigest,
+        sha256: &Sha256Digest,
+    ) -> Result<(), StoreError> {
+        if let FileDigest::Sha256(_) = digest {
+            return Ok(());
+        }
+        let path = self.alias_path(digest);
+        let dir = self.root.join("aliases");
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| StoreError::io(format!("creating {}", dir.display()), e))?;
+        std::fs::write(&path, sha256.to_hex())
+            .map_err(|e| StoreError::io(format!("writing {}", path.display()), e))
+    }
+
+    fn alias_path(&self, digest: &FileDigest) -> PathBuf {
+        let name = match digest {
+            FileDigest::Sha256(d) => format!("sha256-{}", hex::encode(d)),
+            FileDigest::GitSha1(d) => format!("gitsha1-{}", hex::encode(d)),
+        };
+        self.root.join("aliases").join(name)
+    }
+
     /// Bytes already present in the partial file of `digest` (0 if none).
     pub fn partial_len(&self, digest: &FileDigest) -> u64 {
         std::fs::metadata(self.partial_path(digest))

@@ -8,6 +8,7 @@
 //! artifacts/<id>.json          complete artifacts (manifest + blob per entry), immutable
 //! stores/<store-id>/blobs/<sha256>
 //! stores/<store-id>/tmp/<digest>.part
+//! stores/<store-id>/aliases/gitsha1-<hex>   sha256 of the verified blob with that git digest
 //! ```
 //!
 //! A store is the set of blobs downloaded by one model (its owner); ownership can pass to another

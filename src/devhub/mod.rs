@@ -1,0 +1,1017 @@
+//! A Hugging Face-compatible hub for tests and benchmarks. **Development only**: it serves
+//! generated repositories on loopback, has no persistence and no real authentication, and is not
+//! part of the daemon (the `modelfs-hub` binary and the integration tests are its only users).
+//!
+//! It speaks the subset of the hub protocol that clients use to download (SPEC 7), checked
+//! against the real `huggingface_hub` client by a test:
+//!
+//! * `GET /api/models/{repo}/revision/{rev}`: `sha` and `siblings`.
+//! * `GET /api/models/{repo}/tree/{rev}[/{path}]?recursive=true`: files and directories, `lfs`
+//!   for LFS files, paginated with `Link: <..>; rel="next"` after `page_size` entries.
+//! * `GET|HEAD /{repo}/resolve/{rev}/{path}`: bytes with `Range`, `X-Repo-Commit`, `ETag` (git
+//!   blob sha1, or sha256 for LFS files), `X-Linked-Etag`, `X-Linked-Size`. With a CDN address
+//!   configured, LFS files answer `302` to `/cdn/{sha256}` on that other address, as the real hub
+//!   redirects to its CDN; requests reaching the CDN with an `Authorization` header are counted
+//!   (a client must drop it when the host changes).
+//! * Errors with `X-Error-Code`: `RepoNotFound`, `RevisionNotFound`, `EntryNotFound`, and
+//!   `GatedRepo` (401 without a token, 403 with a wrong one) for repositories given a token.
+//!
+//! Fault injection ([`Fault`]) applies to requests that serve file bytes: status codes (500,
+//! 429 with `Retry-After`...), truncated bodies, wrong bytes, slow or stalled streams. Counters
+//! ([`HubStats`]) report requests and bytes served. Everything is reachable in-process (tests)
+//! and over HTTP under `/_hub/` (the binary: `POST /_hub/faults`, `DELETE /_hub/faults`,
+//! `GET /_hub/stats`).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Read;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sha1::Sha1;
+use sha2::{Digest, Sha256};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> HubError {
+    let context = context.into();
+    move |source| HubError::Io { context, source }
+}
+
+/// Where a file's bytes live.
+#[derive(Clone, Debug)]
+pub enum Content {
+    Memory(Bytes),
+    Disk(PathBuf),
+}
+
+#[derive(Debug)]
+pub struct HubFile {
+    pub content: Content,
+    pub size: u64,
+    pub lfs: bool,
+    pub git_sha1: [u8; 20],
+    pub sha256: [u8; 32],
+}
+
+impl HubFile {
+    pub fn memory(bytes: impl Into<Bytes>, lfs: bool) -> Self {
+        let bytes: Bytes = bytes.into();
+        let mut s = Sha256::new();
+        let mut g = Sha1::new();
+        g.update(format!("blob {}\0", bytes.len()).as_bytes());
+        s.update(&bytes);
+        g.update(&bytes);
+        Self {
+            size: bytes.len() as u64,
+            content: Content::Memory(bytes),
+            lfs,
+            git_sha1: g.finalize().into(),
+            sha256: s.finalize().into(),
+        }
+    }
+
+    /// Hashes a file on disk (one pass for both digests).
+    pub fn disk(path: &Path, lfs: bool) -> Result<Self, HubError> {
+        let ctx = path.display().to_string();
+        let mut f = std::fs::File::open(path).map_err(io_err(&ctx))?;
+        let size = f.metadata().map_err(io_err(&ctx))?.len();
+        let mut s = Sha256::new();
+        let mut g = Sha1::new();
+        g.update(format!("blob {size}\0").as_bytes());
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = f.read(&mut buf).map_err(io_err(&ctx))?;
+            if n == 0 {
+                break;
+            }
+            s.update(&buf[..n]);
+            if !lfs {
+                g.update(&buf[..n]);
+            }
+        }
+        Ok(Self {
+            content: Content::Disk(path.to_path_buf()),
+            size,
+            lfs,
+            // LFS files are identified by sha256; their git object is the pointer file.
+            git_sha1: if lfs {
+                Sha1::digest(format!("lfs pointer {}", hex::encode(s.clone().finalize()))).into()
+            } else {
+                g.finalize().into()
+            },
+            sha256: s.finalize().into(),
+        })
+    }
+
+    fn etag(&self) -> String {
+        if self.lfs {
+            format!("\"{}\"", hex::encode(self.sha256))
+        } else {
+            format!("\"{}\"", hex::encode(self.git_sha1))
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Commit {
+    pub sha: String,
+    pub files: BTreeMap<String, Arc<HubFile>>,
+}
+
+#[derive(Default, Debug)]
+struct Repo {
+    refs: HashMap<String, String>,
+    commits: HashMap<String, Arc<Commit>>,
+    token: Option<String>,
+}
+
+/// Which requests a fault applies to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultTarget {
+    /// Requests that serve file bytes (`resolve` GETs and CDN GETs).
+    #[default]
+    File,
+    /// `/api/...` requests.
+    Api,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum FaultKind {
+    /// Answer with this status (and `Retry-After` seconds if given) instead of the content.
+    Status {
+        status: u16,
+        #[serde(default)]
+        retry_after: Option<u64>,
+    },
+    /// Send the headers of the full answer, then close the connection after `after` body bytes.
+    Truncate { after: u64 },
+    /// Flip the bits of the first body byte.
+    Corrupt,
+    /// Send at most this many bytes per second.
+    Slow { bytes_per_sec: u64 },
+    /// Send the first chunk, then nothing for `secs` seconds.
+    Stall { secs: u64 },
+}
+
+/// One fault rule: the next `count` matching requests get `kind`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Fault {
+    #[serde(flatten)]
+    pub kind: FaultKind,
+    pub count: u64,
+    /// Only requests for files whose path contains this string.
+    #[serde(default)]
+    pub path: Option<String>,
+    #[serde(default)]
+    pub target: FaultTarget,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HubStats {
+    /// File body bytes sent.
+    pub bytes_served: u64,
+    /// GET requests for file bytes (resolve and CDN).
+    pub file_requests: u64,
+    /// Requests under `/api/`.
+    pub api_requests: u64,
+    /// Faults applied.
+    pub faults_applied: u64,
+    /// CDN requests that arrived with an `Authorization` header (must stay 0).
+    pub cdn_requests_with_auth: u64,
+    /// Requests that carried a bearer token, and those refused for a gated repository.
+    pub authorized_requests: u64,
+    pub refused_requests: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct HubConfig {
+    /// Tree entries per page (the real hub uses 1000 for recursive listings; tests use fewer to
+    /// exercise pagination).
+    pub page_size: usize,
+    /// Body chunk size when streaming from memory or disk.
+    pub chunk: usize,
+}
+
+impl Default for HubConfig {
+    fn default() -> Self {
+        Self {
+            page_size: 1000,
+            chunk: 256 << 10,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    bytes_served: AtomicU64,
+    file_requests: AtomicU64,
+    api_requests: AtomicU64,
+    faults_applied: AtomicU64,
+    cdn_requests_with_auth: AtomicU64,
+    authorized_requests: AtomicU64,
+    refused_requests: AtomicU64,
+}
+
+/// An LFS file as the CDN serves it, and a path it has in some commit (for fault filters).
+type CdnEntry = (Arc<HubFile>, String);
+
+pub struct Hub {
+    config: HubConfig,
+    repos: Mutex<HashMap<String, Repo>>,
+    /// LFS content by sha256 (what the CDN serves), with the first path it was added under.
+    by_sha256: Mutex<HashMap<[u8; 32], CdnEntry>>,
+    faults: Mutex<Vec<Fault>>,
+    counters: Counters,
+    /// `http://host:port` of the CDN listener, when there is one.
+    cdn: Mutex<Option<String>>,
+}
+
+/// A running hub.
+pub struct RunningHub {
+    pub hub: Arc<Hub>,
+    pub addr: SocketAddr,
+    pub cdn_addr: Option<SocketAddr>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningHub {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for RunningHub {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn commit_sha(repo: &str, files: &BTreeMap<String, Arc<HubFile>>) -> String {
+    let mut h = Sha1::new();
+    h.update(repo.as_bytes());
+    for (p, f) in files {
+        h.update(b"\n");
+        h.update(p.as_bytes());
+        h.update(b"\0");
+        h.update(f.sha256);
+    }
+    hex::encode(h.finalize())
+}
+
+impl Hub {
+    pub fn new(config: HubConfig) -> Arc<Self> {
+        Arc::new(Self {
+            config,
+            repos: Mutex::default(),
+            by_sha256: Mutex::default(),
+            faults: Mutex::default(),
+            counters: Counters::default(),
+            cdn: Mutex::default(),
+        })
+    }
+
+    /// Adds a commit to `repo` and points `refs` (branches or tags) at it. Returns the commit.
+    pub fn add_commit(&self, repo: &str, refs: &[&str], files: Vec<(String, HubFile)>) -> String {
+        let files: BTreeMap<String, Arc<HubFile>> =
+            files.into_iter().map(|(p, f)| (p, Arc::new(f))).collect();
+        {
+            let mut by = self.by_sha256.lock().unwrap();
+            for (p, f) in &files {
+                by.entry(f.sha256).or_insert_with(|| (f.clone(), p.clone()));
+            }
+        }
+        let sha = commit_sha(repo, &files);
+        let mut repos = self.repos.lock().unwrap();
+        let r = repos.entry(repo.to_string()).or_default();
+        r.commits.insert(
+            sha.clone(),
+            Arc::new(Commit {
+                sha: sha.clone(),
+                files,
+            }),
+        );
+        for name in refs {
+            r.refs.insert(name.to_string(), sha.clone());
+        }
+        sha
+    }
+
+    /// Makes `repo` gated: every request needs `Authorization: Bearer <token>`.
+    pub fn set_gated(&self, repo: &str, token: &str) {
+        self.repos
+            .lock()
+            .unwrap()
+            .entry(repo.to_string())
+            .or_default()
+            .token = Some(token.to_string());
+    }
+
+    pub fn add_fault(&self, fault: Fault) {
+        self.faults.lock().unwrap().push(fault);
+    }
+
+    pub fn clear_faults(&self) {
+        self.faults.lock().unwrap().clear();
+    }
+
+    pub fn stats(&self) -> HubStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        HubStats {
+            bytes_served: l(&c.bytes_served),
+            file_requests: l(&c.file_requests),
+            api_requests: l(&c.api_requests),
+            faults_applied: l(&c.faults_applied),
+            cdn_requests_with_auth: l(&c.cdn_requests_with_auth),
+            authorized_requests: l(&c.authorized_requests),
+            refused_requests: l(&c.refused_requests),
+        }
+    }
+
+    fn take_fault(&self, target: FaultTarget, path: &str) -> Option<FaultKind> {
+        let mut faults = self.faults.lock().unwrap();
+        let i = faults.iter().position(|f| {
+            f.count > 0 && f.target == target && f.path.as_deref().is_none_or(|p| path.contains(p))
+        })?;
+        faults[i].count -= 1;
+        let kind = faults[i].kind.clone();
+        if faults[i].count == 0 {
+            faults.remove(i);
+        }
+        self.counters.faults_applied.fetch_add(1, Ordering::Relaxed);
+        Some(kind)
+    }
+
+    /// Serves on `addr` (use port 0 for a random port); with `cdn_addr`, LFS files are
+    /// redirected to a second listener there.
+    pub async fn serve(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+        cdn_addr: Option<SocketAddr>,
+    ) -> Result<RunningHub, HubError> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(io_err(format!("binding {addr}")))?;
+        let addr = listener.local_addr().map_err(io_err("local address"))?;
+        let mut tasks = Vec::new();
+        let mut cdn_bound = None;
+        if let Some(c) = cdn_addr {
+            let l = tokio::net::TcpListener::bind(c)
+                .await
+                .map_err(io_err(format!("binding {c}")))?;
+            let a = l.local_addr().map_err(io_err("local address"))?;
+            *self.cdn.lock().unwrap() = Some(format!("http://{a}"));
+            cdn_bound = Some(a);
+            let app = self.router();
+            tasks.push(tokio::spawn(async move {
+                let _ = axum::serve(l, app).await;
+            }));
+        }
+        let app = self.router();
+        tasks.push(tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        }));
+        Ok(RunningHub {
+            hub: self.clone(),
+            addr,
+            cdn_addr: cdn_bound,
+            tasks,
+        })
+    }
+
+    fn router(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route("/api/models/{org}/{name}/revision/{*rev}", get(revision))
+            .route("/api/models/{org}/{name}/tree/{rev}", get(tree_root))
+            .route(
+                "/api/models/{org}/{name}/tree/{rev}/{*path}",
+                get(tree_path),
+            )
+            .route(
+                "/{org}/{name}/resolve/{rev}/{*path}",
+                get(resolve).head(resolve),
+            )
+            .route("/cdn/{sha}", get(cdn).head(cdn))
+            .route(
+                "/_hub/faults",
+                axum::routing::post(post_faults).delete(delete_faults),
+            )
+            .route("/_hub/stats", get(get_stats))
+            .with_state(self.clone())
+    }
+
+    /// Checks access and finds the commit `rev` names in `repo`.
+    fn lookup(
+        &self,
+        repo: &str,
+        rev: &str,
+        headers: &HeaderMap,
+    ) -> Result<Arc<Commit>, Box<Response>> {
+        let repos = self.repos.lock().unwrap();
+        let Some(r) = repos.get(repo) else {
+            return Err(Box::new(hub_error(
+                StatusCode::NOT_FOUND,
+                "RepoNotFound",
+                &format!("Repository Not Found for url: {repo}."),
+            )));
+        };
+        let bearer = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if bearer.is_some() {
+            self.counters
+                .authorized_requests
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(token) = &r.token {
+            match bearer {
+                Some(b) if b == token => {}
+                Some(_) => {
+                    self.counters
+                        .refused_requests
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Err(Box::new(hub_error(
+                        StatusCode::FORBIDDEN,
+                        "GatedRepo",
+                        &format!("Access to model {repo} is restricted and you are not in the authorized list."),
+                    )));
+                }
+                None => {
+                    self.counters
+                        .refused_requests
+                        .fetch_add(1, Ordering::Relaxed);
+                    return Err(Box::new(hub_error(
+                        StatusCode::UNAUTHORIZED,
+                        "GatedRepo",
+                        &format!("Access to model {repo} is restricted. You must have access to it and be authenticated to access it."),
+                    )));
+                }
+            }
+        }
+        let sha = r.refs.get(rev).cloned().unwrap_or_else(|| rev.to_string());
+        r.commits.get(&sha).cloned().ok_or_else(|| {
+            Box::new(hub_error(
+                StatusCode::NOT_FOUND,
+                "RevisionNotFound",
+                &format!("Invalid rev id: {rev}"),
+            ))
+        })
+    }
+}
+
+fn hub_error(status: StatusCode, code: &str, message: &str) -> Response {
+    let mut resp = (status, Json(serde_json::json!({ "error": message }))).into_response();
+    let h = resp.headers_mut();
+    h.insert("x-error-code", HeaderValue::from_str(code).unwrap());
+    if let Ok(v) = HeaderValue::from_str(message) {
+        h.insert("x-error-message", v);
+    }
+    resp
+}
+
+type HubState = State<Arc<Hub>>;
+
+async fn revision(
+    State(hub): HubState,
+    UrlPath((org, name, rev)): UrlPath<(String, String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    hub.counters.api_requests.fetch_add(1, Ordering::Relaxed);
+    if let Some(r) = api_fault(&hub) {
+        return r;
+    }
+    let repo = format!("{org}/{name}");
+    let commit = match hub.lookup(&repo, &rev, &headers) {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    let siblings: Vec<_> = commit
+        .files
+        .keys()
+        .map(|p| serde_json::json!({ "rfilename": p }))
+        .collect();
+    Json(serde_json::json!({
+        "_id": commit.sha,
+        "id": repo,
+        "modelId": repo,
+        "sha": commit.sha,
+        "private": false,
+        "disabled": false,
+        "gated": false,
+        "tags": [],
+        "siblings": siblings,
+    }))
+    .into_response()
+}
+
+fn api_fault(hub: &Hub) -> Option<Response> {
+    match hub.take_fault(FaultTarget::Api, "")? {
+        FaultKind::Status {
+            status,
+            retry_after,
+        } => Some(status_fault(status, retry_after)),
+        _ => None,
+    }
+}
+
+fn status_fault(status: u16, retry_after: Option<u64>) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = (status, "injected fault").into_response();
+    if let Some(s) = retry_after {
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(s));
+    }
+    resp
+}
+
+#[derive(Deserialize)]
+struct TreeQuery {
+    #[serde(default)]
+    recursive: Option<String>,
+    #[serde(default)]
+    cursor: Option<usize>,
+}
+
+async fn tree_root(
+    state: HubState,
+    UrlPath((org, name, rev)): UrlPath<(String, String, String)>,
+    query: Query<TreeQuery>,
+    headers: HeaderMap,
+) -> Response {
+    tree(state, org, name, rev, String::new(), query, headers)
+}
+
+async fn tree_path(
+    state: HubState,
+    UrlPath((org, name, rev, path)): UrlPath<(String, String, String, String)>,
+    query: Query<TreeQuery>,
+    headers: HeaderMap,
+) -> Response {
+    tree(state, org, name, rev, path, query, headers)
+}
+
+fn tree(
+    State(hub): HubState,
+    org: String,
+    name: String,
+    rev: String,
+    prefix: String,
+    Query(q): Query<TreeQuery>,
+    headers: HeaderMap,
+) -> Response {
+    hub.counters.api_requests.fetch_add(1, Ordering::Relaxed);
+    if let Some(r) = api_fault(&hub) {
+        return r;
+    }
+    let repo = format!("{org}/{name}");
+    let commit = match hub.lookup(&repo, &rev, &headers) {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    let recursive = q
+        .recursive
+        .as_deref()
+        .is_some_and(|r| r.eq_ignore_ascii_case("true") || r == "1");
+    let prefix = prefix.trim_matches('/').to_string();
+    let under = |p: &str| -> Option<String> {
+        if prefix.is_empty() {
+            Some(p.to_string())
+        } else {
+            p.strip_prefix(&format!("{prefix}/")).map(str::to_string)
+        }
+    };
+    // Every entry (files and directories) below the prefix, sorted by path.
+    let mut dirs = BTreeSet::new();
+    let mut listed: Vec<(String, Option<&Arc<HubFile>>)> = Vec::new();
+    for (path, f) in &commit.files {
+        let Some(rel) = under(path) else { continue };
+        let segs: Vec<&str> = rel.split('/').collect();
+        for i in 1..segs.len() {
+            if !recursive && i > 1 {
+                break;
+            }
+            let d = segs[..i].join("/");
+            dirs.insert(if prefix.is_empty() {
+                d
+            } else {
+                format!("{prefix}/{d}")
+            });
+        }
+        if recursive || segs.len() == 1 {
+            listed.push((path.clone(), Some(f)));
+        }
+    }
+    if !prefix.is_empty() && listed.is_empty() && dirs.is_empty() {
+        return hub_error(
+            StatusCode::NOT_FOUND,
+            "EntryNotFound",
+            &format!("{prefix} does not exist on {rev}"),
+        );
+    }
+    listed.extend(dirs.into_iter().map(|d| (d, None)));
+    listed.sort_by(|a, b| a.0.cmp(&b.0));
+    let start = q.cursor.unwrap_or(0).min(listed.len());
+    let end = (start + hub.config.page_size.max(1)).min(listed.len());
+    let page: Vec<serde_json::Value> = listed[start..end]
+        .iter()
+        .map(|(p, f)| match f {
+            Some(f) => {
+                let mut v = serde_json::json!({
+                    "type": "file",
+                    "oid": hex::encode(f.git_sha1),
+                    "size": f.size,
+                    "path": p,
+                });
+                if f.lfs {
+                    v["lfs"] = serde_json::json!({
+                        "oid": hex::encode(f.sha256),
+                        "size": f.size,
+                        "pointerSize": 134,
+                    });
+                }
+                v
+            }
+            None => serde_json::json!({
+                "type": "directory",
+                "oid": hex::encode(Sha1::digest(p.as_bytes())),
+                "size": 0,
+                "path": p,
+            }),
+        })
+        .collect();
+    let mut resp = Json(page).into_response();
+    if end < listed.len() {
+        let host = headers
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("127.0.0.1");
+        let path = if prefix.is_empty() {
+            format!("/api/models/{repo}/tree/{}", commit.sha)
+        } else {
+            format!("/api/models/{repo}/tree/{}/{prefix}", commit.sha)
+        };
+        let link = format!(
+            "<http://{host}{path}?recursive={}&cursor={end}>; rel=\"next\"",
+            if recursive { "true" } else { "false" }
+        );
+        if let Ok(v) = HeaderValue::from_str(&link) {
+            resp.headers_mut().insert(header::LINK, v);
+        }
+    }
+    resp
+}
+
+async fn resolve(
+    State(hub): HubState,
+    method: Method,
+    UrlPath((org, name, rev, path)): UrlPath<(String, String, String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    let repo = format!("{org}/{name}");
+    let commit = match hub.lookup(&repo, &rev, &headers) {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    let Some(file) = commit.files.get(&path).cloned() else {
+        return hub_error(
+            StatusCode::NOT_FOUND,
+            "EntryNotFound",
+            &format!("{path} does not exist on {rev}"),
+        );
+    };
+    let cdn = hub.cdn.lock().unwrap().clone();
+    if let (true, Some(cdn)) = (file.lfs, cdn) {
+        let mut resp = StatusCode::FOUND.into_response();
+        let h = resp.headers_mut();
+        let location = format!("{cdn}/cdn/{}", hex::encode(file.sha256));
+        h.insert(header::LOCATION, HeaderValue::from_str(&location).unwrap());
+        add_file_headers(h, &commit.sha, &file);
+        return resp;
+    }
+    serve_file(&hub, &method, &headers, &path, file, Some(&commit.sha))
+}
+
+async fn cdn(
+    State(hub): HubState,
+    method: Method,
+    UrlPath(sha): UrlPath<String>,
+    headers: HeaderMap,
+) -> Response {
+    if headers.contains_key(header::AUTHORIZATION) {
+        hub.counters
+            .cdn_requests_with_auth
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    let mut key = [0u8; 32];
+    if hex::decode_to_slice(&sha, &mut key).is_err() {
+        return StatusCode::NOT_FOUND.into_response();
+    }
+    let Some((file, path)) = hub.by_sha256.lock().unwrap().get(&key).cloned() else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    serve_file(&hub, &method, &headers, &path, file, None)
+}
+
+fn add_file_headers(h: &mut HeaderMap, commit: &str, file: &HubFile) {
+    h.insert("x-repo-commit", HeaderValue::from_str(commit).unwrap());
+    h.insert(header::ETAG, HeaderValue::from_str(&file.etag()).unwrap());
+    if file.lfs {
+        h.insert(
+            "x-linked-etag",
+            HeaderValue::from_str(&file.etag()).unwrap(),
+        );
+        h.insert("x-linked-size", HeaderValue::from(file.size));
+    }
+}
+
+/// `Range: bytes=a-b | a- | -n` -> `[start, end)`; `Err` when unsatisfiable.
+fn parse_range(v: &str, size: u64) -> Option<Result<(u64, u64), ()>> {
+    let spec = v.trim().strip_prefix("bytes=")?;
+    if spec.contains(',') {
+        return None;
+    }
+    let (a, b) = spec.split_once('-')?;
+    let (a, b) = (a.trim(), b.trim());
+    let r = if a.is_empty() {
+        let n: u64 = b.parse().ok()?;
+        if n == 0 {
+            return Some(Err(()));
+        }
+        (size.saturating_sub(n), size)
+    } else {
+        let start: u64 = a.parse().ok()?;
+        let end = if b.is_empty() {
+            size
+        } else {
+            b.parse::<u64>().ok()?.saturating_add(1).min(size)
+        };
+        if start >= size || start >= end {
+            return Some(Err(()));
+        }
+        (start, end)
+    };
+    Some(Ok(r))
+}
+
+fn serve_file(
+    hub: &Arc<Hub>,
+    method: &Method,
+    headers: &HeaderMap,
+    path: &str,
+    file: Arc<HubFile>,
+    commit: Option<&str>,
+) -> Response {
+    let range = headers
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| parse_range(v, file.size));
+    let (status, start, end) = match range {
+        None => (StatusCode::OK, 0, file.size),
+        Some(Ok((s, e))) => (StatusCode::PARTIAL_CONTENT, s, e),
+        Some(Err(())) => {
+            let mut r = StatusCode::RANGE_NOT_SATISFIABLE.into_response();
+            r.headers_mut().insert(
+                header::CONTENT_RANGE,
+                HeaderValue::from_str(&format!("bytes */{}", file.size)).unwrap(),
+            );
+            return r;
+        }
+    };
+    let mut fault = None;
+    if *method == Method::GET {
+        hub.counters.file_requests.fetch_add(1, Ordering::Relaxed);
+        fault = hub.take_fault(FaultTarget::File, path);
+        if let Some(FaultKind::Status {
+            status,
+            retry_after,
+        }) = fault
+        {
+            return status_fault(status, retry_after);
+        }
+    }
+    let mut h = HeaderMap::new();
+    if let Some(c) = commit {
+        add_file_headers(&mut h, c, &file);
+    } else {
+        h.insert(header::ETAG, HeaderValue::from_str(&file.etag()).unwrap());
+    }
+    h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(end - start));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    if status == StatusCode::PARTIAL_CONTENT {
+        h.insert(
+            header::CONTENT_RANGE,
+            HeaderValue::from_str(&format!("bytes {start}-{}/{}", end - 1, file.size)).unwrap(),
+        );
+    }
+    let body = if *method == Method::HEAD {
+        Body::empty()
+    } else {
+        Body::from_stream(body_stream(hub.clone(), file, start, end, fault))
+    };
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    *resp.headers_mut() = h;
+    resp
+}
+
+struct BodyState {
+    hub: Arc<Hub>,
+    file: Arc<HubFile>,
+    disk: Option<std::fs::File>,
+    at: u64,
+    end: u64,
+    sent: u64,
+    fault: Option<FaultKind>,
+}
+
+fn body_stream(
+    hub: Arc<Hub>,
+    file: Arc<HubFile>,
+    start: u64,
+    end: u64,
+    fault: Option<FaultKind>,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
+    let state = BodyState {
+        hub,
+        file,
+        disk: None,
+        at: start,
+        end,
+        sent: 0,
+        fault,
+    };
+    futures_util::stream::unfold(state, |mut st| async move {
+        if st.at >= st.end {
+            return None;
+        }
+        let mut n = (st.end - st.at).min(st.hub.config.chunk as u64);
+        match &st.fault {
+            Some(FaultKind::Truncate { after }) => {
+                if st.sent >= *after {
+                    let e = std::io::Error::other("injected truncation");
+                    st.at = st.end;
+                    return Some((Err(e), st));
+                }
+                n = n.min(after - st.sent);
+            }
+            Some(FaultKind::Slow { bytes_per_sec }) => {
+                n = n.min((bytes_per_sec / 10).max(1));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Some(FaultKind::Stall { secs }) if st.sent > 0 => {
+                tokio::time::sleep(Duration::from_secs(*secs)).await;
+                st.fault = None;
+            }
+            _ => {}
+        }
+        let chunk = match &st.file.content {
+            Content::Memory(b) => b.slice(st.at as usize..(st.at + n) as usize),
+            Content::Disk(p) => {
+                if st.disk.is_none() {
+                    match std::fs::File::open(p) {
+                        Ok(f) => st.disk = Some(f),
+                        Err(e) => {
+                            st.at = st.end;
+                            return Some((Err(e), st));
+                        }
+                    }
+                }
+                let f = st.disk.as_ref().unwrap();
+                let mut buf = vec![0u8; n as usize];
+                use std::os::unix::fs::FileExt;
+                if let Err(e) = f.read_exact_at(&mut buf, st.at) {
+                    st.at = st.end;
+                    return Some((Err(e), st));
+                }
+                Bytes::from(buf)
+            }
+        };
+        let chunk = if st.sent == 0 && st.fault == Some(FaultKind::Corrupt) {
+            let mut v = chunk.to_vec();
+            v[0] ^= 0xff;
+            Bytes::from(v)
+        } else {
+            chunk
+        };
+        st.at += n;
+        st.sent += n;
+        st.hub.counters.bytes_served.fetch_add(n, Ordering::Relaxed);
+        Some((Ok(chunk), st))
+    })
+}
+
+async fn post_faults(State(hub): HubState, Json(faults): Json<Vec<Fault>>) -> StatusCode {
+    for f in faults {
+        hub.add_fault(f);
+    }
+    StatusCode::NO_CONTENT
+}
+
+async fn delete_faults(State(hub): HubState) -> StatusCode {
+    hub.clear_faults();
+    StatusCode::NO_CONTENT
+}
+
+async fn get_stats(State(hub): HubState) -> Json<HubStats> {
+    Json(hub.stats())
+}
+
+/// Files of a directory tree as hub files: LFS when at least `lfs_threshold` bytes or a weights
+/// extension (as `.gitattributes` of model repositories do).
+pub fn files_from_dir(dir: &Path, lfs_threshold: u64) -> Result<Vec<(String, HubFile)>, HubError> {
+    fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, PathBuf)>) -> Result<(), HubError> {
+        let rd = std::fs::read_dir(dir).map_err(io_err(dir.display().to_string()))?;
+        for e in rd {
+            let e = e.map_err(io_err(dir.display().to_string()))?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            let r = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
+            let p = e.path();
+            if p.is_dir() {
+                walk(&p, &r, out)?;
+            } else {
+                out.push((r, p));
+            }
+        }
+        Ok(())
+    }
+    let mut paths = Vec::new();
+    walk(dir, "", &mut paths)?;
+    paths.sort();
+    let mut out = Vec::new();
+    for (rel, p) in paths {
+        let size = std::fs::metadata(&p)
+            .map_err(io_err(p.display().to_string()))?
+            .len();
+        let weights = [".safetensors", ".bin", ".pt", ".gguf", ".onnx"]
+            .iter()
+            .any(|x| rel.ends_with(x));
+        out.push((rel, HubFile::disk(&p, size >= lfs_threshold || weights)?));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges() {
+        assert_eq!(parse_range("bytes=0-9", 100), Some(Ok((0, 10))));
+        assert_eq!(parse_range("bytes=90-", 100), Some(Ok((90, 100))));
+        assert_eq!(parse_range("bytes=-10", 100), Some(Ok((90, 100))));
+        assert_eq!(parse_range("bytes=95-200", 100), Some(Ok((95, 100))));
+        assert_eq!(parse_range("bytes=100-", 100), Some(Err(())));
+        assert_eq!(parse_range("bytes=0-1,5-6", 100), None);
+        assert_eq!(parse_range("items=0-1", 100), None);
+    }
+
+    #[test]
+    fn faults_parse_from_json() {
+        let f: Vec<Fault> = serde_json::from_str(
+            r#"[{"kind":"status","status":429,"retry_after":1,"count":3},
+                {"kind":"truncate","after":100,"count":1,"path":"model"}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            f[0].kind,
+            FaultKind::Status {
+                status: 429,
+                retry_after: Some(1)
+            }
+        );
+        assert_eq!(f[1].path.as_deref(), Some("model"));
+        assert_eq!(f[1].target, FaultTarget::File);
+    }
+}

@@ -2,6 +2,8 @@
 //! FUSE mount, and talks to it over its HTTP endpoint on 127.0.0.1.
 #![allow(dead_code)]
 
+pub mod hub;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;

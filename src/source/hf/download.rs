@@ -58,12 +58,11 @@ pub async fn fetch(
     let mut todo: Vec<(usize, Vec<usize>)> = Vec::new();
     let mut by_digest: std::collections::HashMap<FileDigest, usize> = Default::default();
     for (i, e) in entries.iter().enumerate() {
-        let have = match e.digest {
-            FileDigest::Sha256(d) => {
-                let sha = Sha256Digest(d);
-                ctx.store.has_blob(&sha, e.size).then_some(sha)
-            }
-            FileDigest::GitSha1(_) => ctx.store.lookup_alias(&e.digest, e.size),
+        // Blobs the store has (or can hard-link from the model's previous store), then small
+        // files committed before a crash, known only by their alias.
+        let have = match ctx.reuse_existing(e)? {
+            Some(sha) => Some(sha),
+            None => ctx.store.lookup_alias(&e.digest, e.size),
         };
         match have {
             Some(sha) => {

@@ -1,6 +1,6 @@
 //! modelfs: a read-only FUSE filesystem that serves machine-learning model files on GPU nodes.
 //!
-//! Data flows one way: sources → store → mapping → mount. The reconciler decides; the other
+//! Data flows one way: sources -> store -> mapping -> mount. The reconciler decides; the other
 //! layers execute.
 //!
 //! * [`manifest`]: OME `BaseModel` / `ClusterBaseModel` objects, validated into model specs.

@@ -1,5 +1,5 @@
-//! The status document: one entry per model key, in OME's node-ConfigMap layout (§6.1) plus the
-//! local fields of §6.3. The same entry type is served by `GET /v1/models`, written to
+//! The status document: one entry per model key, in OME's node-ConfigMap layout (section 6.1) plus the
+//! local fields of section 6.3. The same entry type is served by `GET /v1/models`, written to
 //! `<state>/status.json` and (in Kubernetes mode) into the node ConfigMap.
 
 use std::collections::BTreeMap;
@@ -62,7 +62,7 @@ pub struct ModelStatus {
     pub bytes_on_disk: u64,
 }
 
-/// Model key → status entry.
+/// Model key -> status entry.
 pub type StatusDoc = BTreeMap<String, ModelStatus>;
 
 /// RFC 3339 UTC timestamp, second precision.

@@ -1,7 +1,7 @@
-//! Crash consistency (SPEC §8.4): SIGKILL the daemon at random moments during imports, flips,
+//! Crash consistency (SPEC section 8.4): SIGKILL the daemon at random moments during imports, flips,
 //! deletions and garbage collection, restart it, and check after every round that
-//! * every Ready model serves exactly its artifact's bytes (§8.1),
-//! * no blob in use is missing and, after a GC pass, no store outlives its users (§8.3),
+//! * every Ready model serves exactly its artifact's bytes (section 8.1),
+//! * no blob in use is missing and, after a GC pass, no store outlives its users (section 8.3),
 //! * verified blobs were not written again (same inode before the crash and after recovery),
 //! * the mount, status and records agree.
 //!
@@ -67,7 +67,7 @@ fn yaml(i: usize, reuse: bool, src: &Path) -> String {
     }
 }
 
-/// (store, blob name) → inode of every blob on disk.
+/// (store, blob name) -> inode of every blob on disk.
 fn blob_inodes(state: &Path) -> BTreeMap<(String, String), u64> {
     let mut out = BTreeMap::new();
     let Ok(stores) = std::fs::read_dir(state.join("stores")) else {
@@ -176,7 +176,7 @@ fn sigkill_at_random_moments_leaves_a_consistent_state() {
             models_ok && s.as_object().is_some_and(|o| o.len() == desired.len())
         });
 
-        // §8.1: every Ready model serves its artifact's bytes.
+        // section 8.1: every Ready model serves its artifact's bytes.
         for (i, (reuse, rev)) in &desired {
             let k = key(*i);
             let got: Files = tree(&env.mount.join(mount_rel(*i)))
@@ -201,7 +201,7 @@ fn sigkill_at_random_moments_leaves_a_consistent_state() {
                 );
             }
         }
-        // §8.3: after a GC pass, one store per parent and nothing else.
+        // section 8.3: after a GC pass, one store per parent and nothing else.
         let parents: std::collections::BTreeSet<String> =
             desired.keys().map(|i| parent(&doc, &key(*i))).collect();
         daemon.wait_until(

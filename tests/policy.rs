@@ -1,4 +1,4 @@
-//! Policy changes T-01..T-04 (SPEC §3.2) and the lifecycle of §3.3 on a real mount, with readers
+//! Policy changes T-01..T-04 (SPEC section 3.2) and the lifecycle of section 3.3 on a real mount, with readers
 //! looping over every file of the affected models while the change happens.
 
 mod common;

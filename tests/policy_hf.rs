@@ -1,5 +1,5 @@
 //! Policy changes against the loopback Hugging Face hub: what the hub serves during T-01, T-02
-//! and T-04 (SPEC §3.2), and the access check before a gated copy is shared (§3.1).
+//! and T-04 (SPEC section 3.2), and the access check before a gated copy is shared (section 3.1).
 
 mod common;
 

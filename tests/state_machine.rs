@@ -1,6 +1,6 @@
 //! Property test of the policy state machine: the real reconciler and filesystem core (no FUSE),
 //! random sequences of create / change policy / change revision / delete / crash, checked after
-//! every step against the rules of SPEC §3 (a small reference model of who may serve whom).
+//! every step against the rules of SPEC section 3 (a small reference model of who may serve whom).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
@@ -262,7 +262,7 @@ struct World {
     state: PathBuf,
     revs: Vec<PathBuf>,
     digests: Vec<String>,
-    /// Model index → (reuse, rev).
+    /// Model index -> (reuse, rev).
     desired: BTreeMap<usize, (bool, usize)>,
 }
 
@@ -342,7 +342,7 @@ impl World {
         }
     }
 
-    /// The rules of SPEC §3 that hold in any settled state.
+    /// The rules of SPEC section 3 that hold in any settled state.
     fn check(&self, life: &Life, doc: &StatusDoc) -> Result<(), String> {
         for (i, (reuse, rev)) in &self.desired {
             let k = key(*i).to_string();
@@ -411,7 +411,7 @@ fn run(ops: Vec<Op>) -> Result<(), String> {
                 crash,
             } => {
                 let k = key(model).to_string();
-                // Placement runs when a model is created or its spec changes (SPEC §3.1, §3.2);
+                // Placement runs when a model is created or its spec changes (SPEC section 3.1, section 3.2);
                 // re-applying the same spec is no operation.
                 let changed = world.desired.get(&model) != Some(&(reuse, rev));
                 let expect_child =

@@ -16,7 +16,7 @@
 //! store. Until the new placement is complete and verified, the model keeps being served as
 //! before; then `serve` records the new placement and the mapping flips in one swap. This one
 //! path implements placement on create, source/revision changes and the four policy changes
-//! T-01..T-04 of SPEC §3.2.
+//! T-01..T-04 of SPEC section 3.2.
 //!
 //! # Durability
 //! Records are saved after every event that changed them, always after the data they point at
@@ -714,7 +714,7 @@ impl Reconciler {
         (id, Some(own))
     }
 
-    /// Source digest → blob of the complete artifacts of `stores`.
+    /// Source digest -> blob of the complete artifacts of `stores`.
     fn known_blobs(
         &mut self,
         stores: &[Option<StoreId>],
@@ -1064,7 +1064,7 @@ impl Reconciler {
     }
 
     /// Whether placing `key` at `path` (serving `artifact`, if known) would conflict with a model
-    /// already served or an earlier model still being placed (SPEC §4).
+    /// already served or an earlier model still being placed (SPEC section 4).
     fn conflict_for(
         &self,
         key: &ModelKey,

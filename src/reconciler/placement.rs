@@ -1,4 +1,4 @@
-//! Pure placement decisions (SPEC §3.1, §3.2): given the durable records, where should a model
+//! Pure placement decisions (SPEC section 3.1, section 3.2): given the durable records, where should a model
 //! be served from? No I/O here, so every rule is unit-tested directly.
 
 use std::collections::BTreeMap;
@@ -145,7 +145,7 @@ pub fn place(
     }
 }
 
-/// Path conflicts (SPEC §4): two models whose paths nest, or equal paths with different
+/// Path conflicts (SPEC section 4): two models whose paths nest, or equal paths with different
 /// artifacts. The later model (by creation order) is the one in conflict. `artifact_of` gives
 /// the artifact a model serves or is about to serve, when known; equal paths with an unknown
 /// artifact on either side are not (yet) a conflict.
@@ -287,7 +287,7 @@ mod tests {
             place(&r, &me, DownloadPolicy::ReuseIfExists, &art(2), &none),
             Placement::Fetch
         );
-        // Not Ready → not a candidate.
+        // Not Ready -> not a candidate.
         r.models.get_mut(&cluster).unwrap().phase = ModelPhase::Updating;
         assert_eq!(
             place(&r, &me, DownloadPolicy::ReuseIfExists, &a, &none),
@@ -309,7 +309,7 @@ mod tests {
         assert_eq!(
             reuse_candidates(&r, &me, &a),
             vec![s_x.clone(), s_y.clone()],
-            "tie → key order"
+            "tie -> key order"
         );
         let child = key(None, "child");
         add_model(&mut r, &child, None, ModelPhase::Ready, Some(s_y.clone()));

@@ -1,4 +1,4 @@
-//! The status document built from the records (SPEC §6.1, §6.3). Parent and children are
+//! The status document built from the records (SPEC section 6.1, section 6.3). Parent and children are
 //! derived from the placements every time, never stored, so they cannot go stale: the parent of
 //! a model is the owner of the store it is served from, and a parent's children are the other
 //! models served from its store.

@@ -18,7 +18,7 @@
 //! blobs and never re-hashes them. Partial downloads live in `tmp/` under the digest the source
 //! vouched for, so a restarted download finds and resumes them.
 //!
-//! Durability order: blob fsync → rename → directory fsync → artifact file → records. A crash at
+//! Durability order: blob fsync -> rename -> directory fsync -> artifact file -> records. A crash at
 //! any point leaves either a record that points only at synced blobs, or blobs that no record
 //! points at (garbage, swept later), never a record that points at a missing blob.
 

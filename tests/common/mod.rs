@@ -328,7 +328,7 @@ pub fn make_model_dir(dir: &Path, seed: u64, large: usize) {
     }
 }
 
-/// Every entry below `dir`: relative path → (is_dir, size, mode bits, sha256 of content).
+/// Every entry below `dir`: relative path -> (is_dir, size, mode bits, sha256 of content).
 pub fn tree(dir: &Path) -> std::collections::BTreeMap<String, (bool, u64, u32, String)> {
     let mut out = std::collections::BTreeMap::new();
     fn walk(

@@ -3,88 +3,14 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use common::*;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 fn uri(p: &Path) -> String {
     format!("local://{}", p.display())
-}
-
-/// Readers that loop over every file of some model directories, checking names and bytes,
-/// until stopped. Any error, missing file or wrong byte is counted.
-struct Readers {
-    stop: Arc<AtomicBool>,
-    passes: Arc<AtomicU64>,
-    threads: Vec<JoinHandle<Vec<String>>>,
-}
-
-impl Readers {
-    fn start(dirs: &[PathBuf], want: &BTreeMap<String, String>) -> Readers {
-        let stop = Arc::new(AtomicBool::new(false));
-        let passes = Arc::new(AtomicU64::new(0));
-        let threads = dirs
-            .iter()
-            .cloned()
-            .map(|dir| {
-                let (stop, passes, want) = (stop.clone(), passes.clone(), want.clone());
-                std::thread::spawn(move || {
-                    let mut problems = Vec::new();
-                    while !stop.load(Ordering::Relaxed) && problems.len() < 20 {
-                        for (rel, sha) in &want {
-                            match std::fs::read(dir.join(rel)) {
-                                Ok(data) => {
-                                    if hex::encode(Sha256::digest(&data)) != *sha {
-                                        problems
-                                            .push(format!("{}/{rel}: wrong bytes", dir.display()));
-                                    }
-                                }
-                                Err(e) => problems.push(format!("{}/{rel}: {e}", dir.display())),
-                            }
-                        }
-                        passes.fetch_add(1, Ordering::Relaxed);
-                    }
-                    problems
-                })
-            })
-            .collect();
-        Readers {
-            stop,
-            passes,
-            threads,
-        }
-    }
-
-    /// Stops the readers and asserts they saw nothing wrong (and did read something).
-    fn finish(self) {
-        std::thread::sleep(Duration::from_millis(300));
-        self.stop.store(true, Ordering::Relaxed);
-        let problems: Vec<String> = self
-            .threads
-            .into_iter()
-            .flat_map(|t| t.join().unwrap())
-            .collect();
-        assert!(problems.is_empty(), "readers saw problems: {problems:#?}");
-        assert!(
-            self.passes.load(Ordering::Relaxed) > 0,
-            "readers never completed a pass"
-        );
-    }
-}
-
-fn files_of(src: &Path) -> BTreeMap<String, String> {
-    tree(src)
-        .into_iter()
-        .filter(|(_, v)| !v.0)
-        .map(|(k, v)| (k, v.3))
-        .collect()
 }
 
 fn parent(e: &Value) -> String {

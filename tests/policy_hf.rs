@@ -79,7 +79,14 @@ fn hub_bytes_for_t01_t02_t04() {
     }
     assert_eq!(served(&hub), 2 * size, "children download nothing");
 
+    let want = files_of(&dir);
+    let dirs: Vec<std::path::PathBuf> = ["z-holder", "a-parent", "ns/c1", "ns/c2"]
+        .iter()
+        .map(|m| env.mount.join(m))
+        .collect();
+
     // T-04: the parent and its children move to the holder; the hub serves nothing.
+    let readers = Readers::start(&dirs, &want);
     env.write_models(
         "p.yaml",
         &cluster_model("a-parent", uri, "ReuseIfExists", None),
@@ -93,9 +100,11 @@ fn hub_bytes_for_t01_t02_t04() {
         .iter()
         .all(|k| parent(&s[*k]) == "clusterbasemodel.z-holder")
     });
+    readers.finish();
     assert_eq!(served(&hub), 2 * size, "T-04 served bytes");
 
     // T-01: a child asks for its own copy: exactly one more copy is served.
+    let readers = Readers::start(&dirs, &want);
     env.write_models(
         "kids.yaml",
         &[
@@ -107,9 +116,11 @@ fn hub_bytes_for_t01_t02_t04() {
     d.wait_until("T-01", Duration::from_secs(60), |s| {
         parent(&s["ns.basemodel.c1"]) == "ns.basemodel.c1"
     });
+    readers.finish();
     assert_eq!(served(&hub), 3 * size, "T-01 serves one copy");
 
     // T-02: that copy is given up again for the holder's: nothing served.
+    let readers = Readers::start(&dirs, &want);
     env.write_models(
         "kids.yaml",
         &[
@@ -121,6 +132,7 @@ fn hub_bytes_for_t01_t02_t04() {
     d.wait_until("T-02", Duration::from_secs(30), |s| {
         parent(&s["ns.basemodel.c1"]) == "clusterbasemodel.z-holder"
     });
+    readers.finish();
     assert_eq!(served(&hub), 3 * size, "T-02 served bytes");
     for m in ["z-holder", "a-parent", "ns/c1", "ns/c2"] {
         same_tree(&env.mount.join(m), &dir);

@@ -4,11 +4,15 @@
 
 pub mod hub;
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -389,4 +393,74 @@ pub fn sh(cmd: &str) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// Readers that loop over every file of some model directories, checking names and bytes,
+/// until stopped. Any error, missing file or wrong byte is counted.
+pub struct Readers {
+    stop: Arc<AtomicBool>,
+    passes: Arc<AtomicU64>,
+    threads: Vec<JoinHandle<Vec<String>>>,
+}
+
+impl Readers {
+    pub fn start(dirs: &[PathBuf], want: &BTreeMap<String, String>) -> Readers {
+        let stop = Arc::new(AtomicBool::new(false));
+        let passes = Arc::new(AtomicU64::new(0));
+        let threads = dirs
+            .iter()
+            .cloned()
+            .map(|dir| {
+                let (stop, passes, want) = (stop.clone(), passes.clone(), want.clone());
+                std::thread::spawn(move || {
+                    let mut problems = Vec::new();
+                    while !stop.load(Ordering::Relaxed) && problems.len() < 20 {
+                        for (rel, sha) in &want {
+                            match std::fs::read(dir.join(rel)) {
+                                Ok(data) => {
+                                    if hex::encode(Sha256::digest(&data)) != *sha {
+                                        problems
+                                            .push(format!("{}/{rel}: wrong bytes", dir.display()));
+                                    }
+                                }
+                                Err(e) => problems.push(format!("{}/{rel}: {e}", dir.display())),
+                            }
+                        }
+                        passes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    problems
+                })
+            })
+            .collect();
+        Readers {
+            stop,
+            passes,
+            threads,
+        }
+    }
+
+    /// Stops the readers and asserts they saw nothing wrong (and did read something).
+    pub fn finish(self) {
+        std::thread::sleep(Duration::from_millis(300));
+        self.stop.store(true, Ordering::Relaxed);
+        let problems: Vec<String> = self
+            .threads
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect();
+        assert!(problems.is_empty(), "readers saw problems: {problems:#?}");
+        assert!(
+            self.passes.load(Ordering::Relaxed) > 0,
+            "readers never completed a pass"
+        );
+    }
+}
+
+/// Relative path -> sha256 of every file below `src`.
+pub fn files_of(src: &Path) -> BTreeMap<String, String> {
+    tree(src)
+        .into_iter()
+        .filter(|(_, v)| !v.0)
+        .map(|(k, v)| (k, v.3))
+        .collect()
 }

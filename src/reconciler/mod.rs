@@ -430,23 +430,7 @@ impl Reconciler {
             .records
             .models
             .entry(key.clone())
-            .or_insert_with(|| ModelRecord {
-                seq,
-                name: name.clone(),
-                namespace: namespace.clone(),
-                fingerprint: String::new(),
-                source: String::new(),
-                policy: crate::manifest::DownloadPolicy::AlwaysDownload,
-                path: String::new(),
-                reserve: false,
-                phase: ModelPhase::Failed,
-                reason: None,
-                artifact: None,
-                sha: None,
-                store: None,
-                served_path: None,
-                served_source: None,
-            });
+            .or_insert_with(|| ModelRecord::new(seq, name, namespace, ModelPhase::Failed));
         tracing::warn!(model = %key, reason, "invalid model object");
         rec.fingerprint = fp;
         rec.phase = ModelPhase::Failed;
@@ -500,26 +484,18 @@ impl Reconciler {
             }
             None => {
                 let seq = self.records.allocate_model_seq();
-                self.records.models.insert(
-                    key.clone(),
-                    ModelRecord {
-                        seq,
-                        name: spec.name.clone(),
-                        namespace: spec.namespace.clone(),
-                        fingerprint: fp.clone(),
-                        source: spec.source.to_string(),
-                        policy: spec.policy,
-                        path: spec.path.to_string(),
-                        reserve: spec.reserve_artifact,
-                        phase: ModelPhase::Updating,
-                        reason: None,
-                        artifact: None,
-                        sha: None,
-                        store: None,
-                        served_path: None,
-                        served_source: None,
-                    },
+                let mut rec = ModelRecord::new(
+                    seq,
+                    spec.name.clone(),
+                    spec.namespace.clone(),
+                    ModelPhase::Updating,
                 );
+                rec.fingerprint = fp.clone();
+                rec.source = spec.source.to_string();
+                rec.policy = spec.policy;
+                rec.path = spec.path.to_string();
+                rec.reserve = spec.reserve_artifact;
+                self.records.models.insert(key.clone(), rec);
                 tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
             }
         }
@@ -637,13 +613,7 @@ impl Reconciler {
                     }
                 };
                 let w = self.works.get_mut(key).expect("work");
-                let progress = Arc::new(Progress::default());
-                progress
-                    .total_bytes
-                    .store(manifest.total_size(), Ordering::Relaxed);
-                progress
-                    .total_files
-                    .store(manifest.entries().len() as u64, Ordering::Relaxed);
+                let progress = Arc::new(Progress::for_manifest(&manifest));
                 w.stage = Stage::Fetching {
                     artifact,
                     store: store.clone(),

@@ -216,26 +216,10 @@ mod tests {
         store: Option<StoreId>,
     ) {
         let seq = r.allocate_model_seq();
-        r.models.insert(
-            k.clone(),
-            ModelRecord {
-                seq,
-                name: k.to_string(),
-                namespace: ns.map(str::to_string),
-                fingerprint: String::new(),
-                source: String::new(),
-                policy: DownloadPolicy::ReuseIfExists,
-                path: k.to_string(),
-                reserve: false,
-                phase,
-                reason: None,
-                artifact: None,
-                sha: None,
-                store,
-                served_path: None,
-                served_source: None,
-            },
-        );
+        let mut rec = ModelRecord::new(seq, k.to_string(), ns.map(str::to_string), phase);
+        rec.policy = DownloadPolicy::ReuseIfExists;
+        rec.store = store;
+        r.models.insert(k.clone(), rec);
     }
 
     /// A Ready parent `k` owning a store holding `a`.

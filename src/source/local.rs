@@ -153,12 +153,6 @@ impl LocalSource {
         ctx: &FetchContext,
     ) -> Result<Vec<Sha256Digest>, SourceError> {
         let progress = &ctx.progress;
-        progress
-            .total_bytes
-            .store(manifest.total_size(), Ordering::Relaxed);
-        progress
-            .total_files
-            .store(manifest.entries().len() as u64, Ordering::Relaxed);
         let mut blobs = Vec::with_capacity(manifest.entries().len());
         for entry in manifest.entries() {
             ctx.check_cancelled()?;

@@ -128,6 +128,16 @@ impl Default for Progress {
 }
 
 impl Progress {
+    /// Progress of a fetch of `manifest`, nothing done yet.
+    pub fn for_manifest(manifest: &Manifest) -> Self {
+        let p = Self::default();
+        p.total_bytes
+            .store(manifest.total_size(), Ordering::Relaxed);
+        p.total_files
+            .store(manifest.entries().len() as u64, Ordering::Relaxed);
+        p
+    }
+
     pub fn bytes_per_sec(&self) -> u64 {
         let secs = self.started.elapsed().as_secs_f64();
         if secs <= 0.0 {

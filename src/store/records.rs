@@ -102,6 +102,29 @@ pub struct ModelRecord {
     pub served_source: Option<String>,
 }
 
+impl ModelRecord {
+    /// A model that serves nothing yet.
+    pub fn new(seq: u64, name: String, namespace: Option<String>, phase: ModelPhase) -> Self {
+        Self {
+            seq,
+            name,
+            namespace,
+            fingerprint: String::new(),
+            source: String::new(),
+            policy: DownloadPolicy::AlwaysDownload,
+            path: String::new(),
+            reserve: false,
+            phase,
+            reason: None,
+            artifact: None,
+            sha: None,
+            store: None,
+            served_path: None,
+            served_source: None,
+        }
+    }
+}
+
 #[derive(Clone, PartialEq, Eq, Debug, Default, Serialize, Deserialize)]
 pub struct StoreRecord {
     /// The model the store belongs to; `None` once the owner is gone (kept only if reserved or

@@ -22,7 +22,7 @@ trap cleanup EXIT
 
 metric() { curl -sf "127.0.0.1:$PORT/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
 wait_for() {
-    for _ in $(seq 1 1200); do
+    for _ in $(seq 1 6000); do
         if curl -sf "127.0.0.1:$PORT/v1/models" | python3 -c "import json,sys; d=json.load(sys.stdin); sys.exit(0 if ($1) else 1)"; then return; fi
         sleep 0.05
     done

@@ -19,6 +19,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -148,12 +149,23 @@ pub struct ManifestEntry {
 }
 
 /// A validated, path-sorted list of files plus the revision it was resolved at.
-#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Manifest {
     /// Resolved revision: a 40-hex commit for Hugging Face, the manifest digest for local sources.
     pub revision: String,
     entries: Vec<ManifestEntry>,
+    /// The digest, computed once: it is O(files) and asked for on every placement decision.
+    #[serde(skip)]
+    id: std::sync::OnceLock<ArtifactId>,
 }
+
+impl PartialEq for Manifest {
+    fn eq(&self, other: &Self) -> bool {
+        self.revision == other.revision && self.entries == other.entries
+    }
+}
+
+impl Eq for Manifest {}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ArtifactError {
@@ -249,7 +261,11 @@ impl Manifest {
                 prefix_end += pos + 1;
             }
         }
-        Ok(Self { revision, entries })
+        Ok(Self {
+            revision,
+            entries,
+            id: std::sync::OnceLock::new(),
+        })
     }
 
     pub fn entries(&self) -> &[ManifestEntry] {
@@ -263,6 +279,10 @@ impl Manifest {
     /// sha256 over the canonical list of (path, size, digest). The revision is not part of it:
     /// identical content is the same artifact whatever it was called.
     pub fn id(&self) -> ArtifactId {
+        self.id.get_or_init(|| self.compute_id()).clone()
+    }
+
+    fn compute_id(&self) -> ArtifactId {
         let mut h = Sha256::new();
         h.update(b"modelfs-manifest-v1\n");
         for e in &self.entries {
@@ -283,7 +303,8 @@ impl Manifest {
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub struct StoredArtifact {
     pub id: ArtifactId,
-    pub manifest: Manifest,
+    /// Shared: placement decisions hand it around without copying 10,000 entries.
+    pub manifest: Arc<Manifest>,
     /// Parallel to `manifest.entries()`.
     pub blobs: Vec<Sha256Digest>,
     /// When the artifact first became complete, seconds since the epoch: the mtime the mount shows.
@@ -304,7 +325,7 @@ impl StoredArtifact {
         }
         Ok(Self {
             id: manifest.id(),
-            manifest,
+            manifest: Arc::new(manifest),
             blobs,
             completed_at,
         })

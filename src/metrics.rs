@@ -145,6 +145,11 @@ impl Metrics {
             "Files open through the mount",
             m.open_files.clone(),
         );
+        registry.register(
+            "mapping_update_seconds",
+            "Desired-state change received to new mapping live (changes needing no fetch)",
+            m.mapping_update_seconds.clone(),
+        );
         Self { registry, ..m }
     }
 
@@ -161,5 +166,39 @@ impl Metrics {
 
     pub fn error(&self, op: &'static str) {
         self.fuse_errors.get_or_create(&OpLabel { op }).inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_is_exported() {
+        let m = Metrics::new();
+        m.request("lookup");
+        m.error("lookup");
+        m.mapping_update_seconds.observe(0.001);
+        m.fetched_bytes
+            .get_or_create(&SourceLabel {
+                scheme: SourceScheme::Local,
+            })
+            .inc_by(5);
+        let text = m.encode();
+        for name in [
+            "modelfs_fuse_requests_total{op=\"lookup\"} 1",
+            "modelfs_fuse_errors_total{op=\"lookup\"} 1",
+            "modelfs_read_bytes_total 0",
+            "modelfs_passthrough_opens_total 0",
+            "modelfs_read_through_opens_total 0",
+            "modelfs_passthrough_fallbacks_total 0",
+            "modelfs_kernel_invalidations_total 0",
+            "modelfs_mapping_changes_total 0",
+            "modelfs_fetched_bytes_total{scheme=\"Local\"} 5",
+            "modelfs_open_files 0",
+            "modelfs_mapping_update_seconds_count 1",
+        ] {
+            assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
     }
 }

@@ -271,7 +271,7 @@ impl Filesystem for ModelFs {
         if self.passthrough.load(Ordering::Relaxed) {
             if let Some(id) = self.open_passthrough(&reply, fh, &blob) {
                 self.metrics.passthrough_opens.inc();
-                reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
+                reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
                 return;
             }
             if self.config.passthrough == PassthroughMode::Always {
@@ -288,7 +288,12 @@ impl Filesystem for ModelFs {
             self.metrics.passthrough_fallbacks.inc();
         }
         self.metrics.read_through_opens.inc();
-        reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE);
+        // Content never changes under an inode (keep the page cache between opens), and nothing
+        // is ever written (no FLUSH round trip on close).
+        reply.opened(
+            FileHandle(fh),
+            FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_NOFLUSH,
+        );
     }
 
     fn read(

@@ -529,7 +529,7 @@ impl Reconciler {
             },
         );
         if let Some(stored) = known {
-            self.decide(key, Arc::new(stored.manifest.clone()));
+            self.decide(key, stored.manifest.clone());
             return true;
         }
         let tx = self.tx.clone();

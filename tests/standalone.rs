@@ -325,3 +325,62 @@ fn bad_input_fails_with_a_reason_and_hurts_no_other_model() {
         std::fs::read(other.join("config.json")).unwrap()
     );
 }
+
+#[test]
+fn a_full_disk_fails_the_model_with_a_reason_and_hurts_no_other() {
+    let env = TestEnv::new();
+    // The state directory on an 8 MiB tmpfs.
+    std::fs::create_dir_all(&env.state).unwrap();
+    sh(&format!(
+        "mount -t tmpfs -o size=8m modelfs-test-tmpfs '{}'",
+        env.state.display()
+    ));
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
+        }
+    }
+    let _tmpfs = Unmount(env.state.clone());
+    let small = env.dir("small");
+    make_model_dir(&small, 1, 1 << 20);
+    let big = env.dir("big");
+    make_model_dir(&big, 2, 20 << 20);
+    env.write_models(
+        "small.yaml",
+        &cluster_model("small", &uri(&small), "AlwaysDownload", None),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.small", "Ready");
+
+    env.write_models(
+        "big.yaml",
+        &cluster_model("big", &uri(&big), "AlwaysDownload", None),
+    );
+    let e = d.wait_model("clusterbasemodel.big", "Failed");
+    let reason = e["reason"].as_str().unwrap();
+    assert!(reason.contains("disk full"), "{reason}");
+    assert!(reason.contains("retry"), "a full disk is retried: {reason}");
+    assert!(!env.mount.join("big").exists());
+    // The partial file was discarded: the space is free again for others.
+    let partials = sh(&format!(
+        "find '{}' -name '*.part' | wc -l",
+        env.state.display()
+    ));
+    assert_eq!(partials.trim(), "0");
+    assert_eq!(d.status()["clusterbasemodel.small"]["status"], "Ready");
+    let want: Vec<_> = tree(&small)
+        .into_iter()
+        .map(|(k, v)| (k, v.1, v.3))
+        .collect();
+    let got: Vec<_> = tree(&env.mount.join("small"))
+        .into_iter()
+        .map(|(k, v)| (k, v.1, v.3))
+        .collect();
+    assert_eq!(got, want);
+    assert_eq!(d.get("/healthz").0, 200);
+    drop(d);
+}

@@ -526,15 +526,33 @@ impl FsCore {
         if slot_id == 0 {
             return;
         }
-        let mut slots = self.slots.write().expect("slots lock");
-        if let Some(slot) = slots.get(&slot_id) {
-            let before = slot.kernel_refs.fetch_sub(
-                n.min(slot.kernel_refs.load(Ordering::Acquire)),
-                Ordering::AcqRel,
-            );
-            let retired = slot.retired_store.lock().expect("slot lock").is_some();
-            if before <= n && retired {
-                slots.remove(&slot_id);
+        // Lookups run concurrently under the read lock; the write lock is taken only to drop a
+        // retired slot whose last kernel reference just went.
+        let drop_it = {
+            let slots = self.slots.read().expect("slots lock");
+            let Some(slot) = slots.get(&slot_id) else {
+                return;
+            };
+            let left =
+                match slot
+                    .kernel_refs
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| {
+                        Some(r.saturating_sub(n))
+                    }) {
+                    Ok(before) | Err(before) => before.saturating_sub(n),
+                };
+            left == 0 && slot.retired_store.lock().expect("slot lock").is_some()
+        };
+        if drop_it {
+            let mut slots = self.slots.write().expect("slots lock");
+            // Re-check under the write lock: a lookup may have raced in, or the slot may have
+            // come back into the mapping.
+            if let Some(slot) = slots.get(&slot_id) {
+                if slot.kernel_refs.load(Ordering::Acquire) == 0
+                    && slot.retired_store.lock().expect("slot lock").is_some()
+                {
+                    slots.remove(&slot_id);
+                }
             }
         }
     }

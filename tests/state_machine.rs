@@ -398,6 +398,12 @@ fn holders_in_scope(doc: &StatusDoc, k: &str, digest: &str) -> bool {
 }
 
 fn run(ops: Vec<Op>) -> Result<(), String> {
+    if std::env::var_os("MODELFS_TEST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("modelfs=debug")
+            .with_test_writer()
+            .try_init();
+    }
     let mut world = World::new();
     let mut life = Life::start(&world.state);
     life.handle.set_desired(world.desired_state());
@@ -470,4 +476,50 @@ proptest! {
             prop_assert!(false, "{}", e);
         }
     }
+}
+
+/// A model recorded Failed before a restart gets a fresh attempt after it: pending retries are
+/// not durable, so without that it would stay Failed until its spec changed.
+#[test]
+fn a_failed_model_is_tried_again_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let src = dir.path().join("appears-later");
+    let mut desired = DesiredState::default();
+    desired.models.insert(key(0), Ok(spec(0, false, &src)));
+
+    let life = Life::start(&state);
+    life.handle.set_desired(desired.clone());
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while life
+        .handle
+        .status()
+        .get(key(0).as_str())
+        .is_none_or(|e| e.status != "Failed")
+    {
+        assert!(Instant::now() < deadline, "never failed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    life.crash();
+
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("weights.bin"), b"finally here").unwrap();
+    let life = Life::start(&state);
+    life.handle.set_desired(desired);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while life
+        .handle
+        .status()
+        .get(key(0).as_str())
+        .is_none_or(|e| e.status != "Ready")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "not retried after restart: {:?}",
+            life.handle.status().get(key(0).as_str())
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    verify_content(&life.fs, &rel_path(0), &src).unwrap();
+    life.crash();
 }

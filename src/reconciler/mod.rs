@@ -231,6 +231,8 @@ pub struct Reconciler {
     desired: Option<DesiredState>,
     works: BTreeMap<ModelKey, Work>,
     retries: HashMap<ModelKey, Retry>,
+    /// Models that failed before this start and were given their one fresh attempt.
+    attempted_since_start: std::collections::HashSet<ModelKey>,
     artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
     gc_candidates: gc::Candidates,
     store_bytes: BTreeMap<StoreId, u64>,
@@ -272,6 +274,7 @@ impl Reconciler {
             desired: None,
             works: BTreeMap::new(),
             retries: HashMap::new(),
+            attempted_since_start: std::collections::HashSet::new(),
             artifacts: HashMap::new(),
             gc_candidates: gc::Candidates::default(),
             store_bytes: BTreeMap::new(),
@@ -466,7 +469,12 @@ impl Reconciler {
                 ModelPhase::Ready => return false,
                 ModelPhase::Failed => match self.retries.get(key) {
                     Some(r) if r.fingerprint == fp && r.at <= now => {}
-                    _ => return false,
+                    Some(_) => return false,
+                    // Pending retries are not durable: a model recorded Failed before a
+                    // restart gets one fresh attempt; a permanent failure then stays failed
+                    // until its spec changes.
+                    None if self.attempted_since_start.insert(key.clone()) => {}
+                    None => return false,
                 },
                 ModelPhase::Updating => {}
             },
@@ -753,7 +761,8 @@ impl Reconciler {
                     self.remap();
                 }
             }
-            Err(SourceError::Cancelled) => {}
+            // A cancelled fetch of work that is still current was not cancelled by us (the task
+            // died): fail it as transient so it is retried rather than stuck in Updating.
             Err(e) => {
                 if current {
                     self.fail(&key, &fp, &e);

@@ -384,3 +384,54 @@ fn a_full_disk_fails_the_model_with_a_reason_and_hurts_no_other() {
     assert_eq!(d.get("/healthz").0, 200);
     drop(d);
 }
+
+/// The README's quick start serves `examples/models`: it must keep working.
+#[test]
+fn quick_start_example_serves_both_policies() {
+    let env = TestEnv::new();
+    // Copy the example (manifests with relative local:// paths, and the tiny model) so the
+    // test never writes into the repository.
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    sh(&format!(
+        "cp -r '{}' '{}'",
+        examples.display(),
+        env.root.path().join("examples").display()
+    ));
+    let models = env.root.path().join("examples/models");
+    std::fs::remove_dir_all(&env.models).unwrap();
+    std::os::unix::fs::symlink(&models, &env.models).unwrap();
+    let d = Daemon::start(&env, &[]);
+    let cluster = d.wait_model("clusterbasemodel.tiny-llm", "Ready");
+    let a = d.wait_model("team-a.basemodel.tiny-llm", "Ready");
+    let b = d.wait_model("team-b.basemodel.tiny-llm", "Ready");
+    let parent = |e: &serde_json::Value| {
+        e["config"]["artifact"]["parentPath"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .next()
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(parent(&cluster), "clusterbasemodel.tiny-llm");
+    assert_eq!(
+        parent(&a),
+        "clusterbasemodel.tiny-llm",
+        "team-a reuses the cluster copy"
+    );
+    assert_eq!(
+        parent(&b),
+        "team-b.basemodel.tiny-llm",
+        "team-b has its own copy"
+    );
+    assert_eq!(env.stores_with_blobs().len(), 2);
+    let src = env.root.path().join("examples/tiny-model");
+    for m in ["shared/tiny-llm", "team-a/tiny-llm", "team-b/tiny-llm"] {
+        let want: Vec<_> = tree(&src).into_iter().map(|(k, v)| (k, v.1, v.3)).collect();
+        let got: Vec<_> = tree(&env.mount.join(m))
+            .into_iter()
+            .map(|(k, v)| (k, v.1, v.3))
+            .collect();
+        assert_eq!(got, want, "{m}");
+    }
+}

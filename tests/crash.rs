@@ -137,10 +137,7 @@ fn sigkill_at_random_moments_leaves_a_consistent_state() {
         })
         .collect();
     type Files = Vec<(String, u64, String)>;
-    let expected: Vec<Files> = revs
-        .iter()
-        .map(|d| tree(d).into_iter().map(|(p, v)| (p, v.1, v.3)).collect())
-        .collect();
+    let expected: Vec<Files> = revs.iter().map(|d| contents(d)).collect();
     let mut desired: BTreeMap<usize, (bool, usize)> = BTreeMap::new();
     let mut daemon = Daemon::start(&env, &[]);
 
@@ -179,10 +176,7 @@ fn sigkill_at_random_moments_leaves_a_consistent_state() {
         // section 8.1: every Ready model serves its artifact's bytes.
         for (i, (reuse, rev)) in &desired {
             let k = key(*i);
-            let got: Files = tree(&env.mount.join(mount_rel(*i)))
-                .into_iter()
-                .map(|(p, v)| (p, v.1, v.3))
-                .collect();
+            let got: Files = contents(&env.mount.join(mount_rel(*i)));
             assert_eq!(got, expected[*rev], "{ctx}: {k} serves wrong content");
             let p = parent(&doc, &k);
             assert!(

@@ -147,11 +147,8 @@ fn crash_leftovers_are_swept_and_gc_dry_run_lists_without_removing() {
             && !stray.exists()
             && !stray_artifact.exists()
     });
-    let want: Vec<_> = tree(&src).into_iter().map(|(k, v)| (k, v.1, v.3)).collect();
-    let got: Vec<_> = tree(&env.mount.join("m"))
-        .into_iter()
-        .map(|(k, v)| (k, v.1, v.3))
-        .collect();
+    let want: Vec<_> = contents(&src);
+    let got: Vec<_> = contents(&env.mount.join("m"));
     assert_eq!(got, want);
 
     // `modelfs gc` without --dry-run refuses while the daemon runs.

@@ -18,12 +18,9 @@ fn parent(e: &serde_json::Value) -> String {
 }
 
 fn same_tree(a: &Path, b: &Path) {
-    let strip = |p: &Path| -> Vec<(String, u64, String)> {
-        tree(p).into_iter().map(|(k, v)| (k, v.1, v.3)).collect()
-    };
     assert_eq!(
-        strip(a),
-        strip(b),
+        contents(a),
+        contents(b),
         "{} differs from {}",
         a.display(),
         b.display()

@@ -137,11 +137,8 @@ fn manifest_files_add_change_and_delete_models() {
         std::fs::read(env.mount.join("m/only-in-v2.txt")).unwrap(),
         b"new file"
     );
-    let want: Vec<_> = tree(&v2).into_iter().map(|(k, v)| (k, v.1, v.3)).collect();
-    let got: Vec<_> = tree(&env.mount.join("m"))
-        .into_iter()
-        .map(|(k, v)| (k, v.1, v.3))
-        .collect();
+    let want: Vec<_> = contents(&v2);
+    let got: Vec<_> = contents(&env.mount.join("m"));
     assert_eq!(got, want);
 
     // Rename the file: same model, nothing changes.
@@ -217,11 +214,8 @@ fn sigkill_then_restart_serves_everything_without_reimport() {
         "something was imported again"
     );
     for m in ["a", "ns/b"] {
-        let want: Vec<_> = tree(&src).into_iter().map(|(k, v)| (k, v.1, v.3)).collect();
-        let got: Vec<_> = tree(&env.mount.join(m))
-            .into_iter()
-            .map(|(k, v)| (k, v.1, v.3))
-            .collect();
+        let want: Vec<_> = contents(&src);
+        let got: Vec<_> = contents(&env.mount.join(m));
         assert_eq!(got, want, "{m}");
     }
     assert_eq!(d.get("/readyz").0, 200);
@@ -372,14 +366,8 @@ fn a_full_disk_fails_the_model_with_a_reason_and_hurts_no_other() {
     ));
     assert_eq!(partials.trim(), "0");
     assert_eq!(d.status()["clusterbasemodel.small"]["status"], "Ready");
-    let want: Vec<_> = tree(&small)
-        .into_iter()
-        .map(|(k, v)| (k, v.1, v.3))
-        .collect();
-    let got: Vec<_> = tree(&env.mount.join("small"))
-        .into_iter()
-        .map(|(k, v)| (k, v.1, v.3))
-        .collect();
+    let want: Vec<_> = contents(&small);
+    let got: Vec<_> = contents(&env.mount.join("small"));
     assert_eq!(got, want);
     assert_eq!(d.get("/healthz").0, 200);
     drop(d);
@@ -427,11 +415,8 @@ fn quick_start_example_serves_both_policies() {
     assert_eq!(env.stores_with_blobs().len(), 2);
     let src = env.root.path().join("examples/tiny-model");
     for m in ["shared/tiny-llm", "team-a/tiny-llm", "team-b/tiny-llm"] {
-        let want: Vec<_> = tree(&src).into_iter().map(|(k, v)| (k, v.1, v.3)).collect();
-        let got: Vec<_> = tree(&env.mount.join(m))
-            .into_iter()
-            .map(|(k, v)| (k, v.1, v.3))
-            .collect();
+        let want: Vec<_> = contents(&src);
+        let got: Vec<_> = contents(&env.mount.join(m));
         assert_eq!(got, want, "{m}");
     }
 }

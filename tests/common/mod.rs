@@ -370,6 +370,12 @@ pub fn tree(dir: &Path) -> std::collections::BTreeMap<String, (bool, u64, u32, S
     out
 }
 
+/// Relative path, size and sha256 of every file and directory below `dir` (what two trees must
+/// share to hold the same model).
+pub fn contents(dir: &Path) -> Vec<(String, u64, String)> {
+    tree(dir).into_iter().map(|(k, v)| (k, v.1, v.3)).collect()
+}
+
 /// The Python interpreter with `safetensors`, `numpy` and `huggingface_hub` (created by
 /// `.ci/run` / `scripts/test`). Missing is a test failure, not a skip.
 pub fn python() -> PathBuf {

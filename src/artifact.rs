@@ -313,10 +313,11 @@ pub struct StoredArtifact {
 
 impl StoredArtifact {
     pub fn new(
-        manifest: Manifest,
+        manifest: impl Into<Arc<Manifest>>,
         blobs: Vec<Sha256Digest>,
         completed_at: u64,
     ) -> Result<Self, ArtifactError> {
+        let manifest = manifest.into();
         if blobs.len() != manifest.entries().len() {
             return Err(ArtifactError::BlobCountMismatch {
                 entries: manifest.entries().len(),
@@ -325,7 +326,7 @@ impl StoredArtifact {
         }
         Ok(Self {
             id: manifest.id(),
-            manifest: Arc::new(manifest),
+            manifest,
             blobs,
             completed_at,
         })

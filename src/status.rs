@@ -62,6 +62,18 @@ pub struct ModelStatus {
     pub bytes_on_disk: u64,
 }
 
+impl ModelStatus {
+    /// Key of the model this one is served from (itself for a parent), if it is placed.
+    pub fn parent(&self) -> Option<&str> {
+        self.config
+            .artifact
+            .parent_path
+            .keys()
+            .next()
+            .map(String::as_str)
+    }
+}
+
 /// Model key -> status entry.
 pub type StatusDoc = BTreeMap<String, ModelStatus>;
 

@@ -156,14 +156,7 @@ fn spec(i: usize, reuse: bool, rev_dir: &Path) -> ModelSpec {
 }
 
 fn parent(doc: &StatusDoc, k: &str) -> String {
-    doc[k]
-        .config
-        .artifact
-        .parent_path
-        .keys()
-        .next()
-        .cloned()
-        .unwrap_or_default()
+    doc[k].parent().unwrap_or_default().to_string()
 }
 
 fn namespace_of(k: &str) -> Option<&str> {

@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use crate::artifact::Sha256Digest;
+use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use crate::reconciler::gc::{self, Usage};
 use crate::store::{ModelPhase, Records, StateDir, StoreId};
+use std::sync::Arc;
 
 #[derive(clap::Args, Debug)]
 pub struct GcArgs {
@@ -28,7 +29,7 @@ pub struct GcArgs {
 
 /// What the records alone say about use. Stores of models still downloading are treated as
 /// being fetched into: their partial files are what a restarted daemon resumes.
-struct OfflineUsage<'a>(&'a Records);
+struct OfflineUsage<'a>(&'a Records, &'a StateDir);
 
 impl Usage for OfflineUsage<'_> {
     fn store_busy(&self, id: &StoreId) -> bool {
@@ -51,6 +52,10 @@ impl Usage for OfflineUsage<'_> {
     fn blobs_in_use(&self, _id: &StoreId) -> HashSet<Sha256Digest> {
         HashSet::new()
     }
+
+    fn artifact(&self, id: &ArtifactId) -> Option<Arc<StoredArtifact>> {
+        self.1.load_artifact(id).ok().map(Arc::new)
+    }
 }
 
 pub fn run(args: GcArgs) -> Result<()> {
@@ -66,7 +71,7 @@ pub fn run(args: GcArgs) -> Result<()> {
     let plan = gc::plan(
         &records,
         &state,
-        &OfflineUsage(&records),
+        &OfflineUsage(&records, &state),
         Duration::from_secs(args.partial_max_age_secs),
     );
     if args.json {

@@ -97,20 +97,11 @@ pub fn table(doc: &StatusDoc) -> String {
         if let Some(r) = &e.reason {
             status = format!("{status}: {r}");
         }
-        let parent = e
-            .config
-            .artifact
-            .parent_path
-            .keys()
-            .next()
-            .map(|p| {
-                if p == key {
-                    "(self)".to_string()
-                } else {
-                    p.clone()
-                }
-            })
-            .unwrap_or_else(|| "-".into());
+        let parent = match e.parent() {
+            Some(p) if p == key => "(self)".to_string(),
+            Some(p) => p.to_string(),
+            None => "-".into(),
+        };
         rows.push([
             key.clone(),
             status,

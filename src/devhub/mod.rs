@@ -423,6 +423,24 @@ impl Hub {
             .with_state(self.clone())
     }
 
+    /// The common start of an `/api/` request: count it, apply an API fault, check access and
+    /// find the commit. Returns the repository name and the commit, or the response to send.
+    fn api_commit(
+        self: &Arc<Self>,
+        org: &str,
+        name: &str,
+        rev: &str,
+        headers: &HeaderMap,
+    ) -> Result<(String, Arc<Commit>), Box<Response>> {
+        self.counters.api_requests.fetch_add(1, Ordering::Relaxed);
+        if let Some(r) = api_fault(self) {
+            return Err(Box::new(r));
+        }
+        let repo = format!("{org}/{name}");
+        let commit = self.lookup(&repo, rev, headers)?;
+        Ok((repo, commit))
+    }
+
     /// Checks access and finds the commit `rev` names in `repo`.
     fn lookup(
         &self,
@@ -500,13 +518,8 @@ async fn revision(
     UrlPath((org, name, rev)): UrlPath<(String, String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    hub.counters.api_requests.fetch_add(1, Ordering::Relaxed);
-    if let Some(r) = api_fault(&hub) {
-        return r;
-    }
-    let repo = format!("{org}/{name}");
-    let commit = match hub.lookup(&repo, &rev, &headers) {
-        Ok(c) => c,
+    let (repo, commit) = match hub.api_commit(&org, &name, &rev, &headers) {
+        Ok(found) => found,
         Err(r) => return *r,
     };
     let siblings: Vec<_> = commit
@@ -583,13 +596,8 @@ fn tree(
     Query(q): Query<TreeQuery>,
     headers: HeaderMap,
 ) -> Response {
-    hub.counters.api_requests.fetch_add(1, Ordering::Relaxed);
-    if let Some(r) = api_fault(&hub) {
-        return r;
-    }
-    let repo = format!("{org}/{name}");
-    let commit = match hub.lookup(&repo, &rev, &headers) {
-        Ok(c) => c,
+    let (repo, commit) = match hub.api_commit(&org, &name, &rev, &headers) {
+        Ok(found) => found,
         Err(r) => return *r,
     };
     let recursive = q

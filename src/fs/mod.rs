@@ -285,42 +285,32 @@ impl FsCore {
         }
     }
 
-    /// Blobs of `store` that the mount may still read: those of every slot served from it (the
-    /// current mapping and retired slots the kernel still references) and of open files. Blob
-    /// garbage collection never removes these. O(files of those slots).
-    pub fn blobs_in_use(&self, store: &StoreId) -> HashSet<Sha256Digest> {
-        let mut out = HashSet::new();
+    /// Blobs the mount may still read, per store: those of every slot (the current mapping and
+    /// retired slots the kernel still references) and of open files. Blob garbage collection
+    /// never removes these. One pass over the trees for all stores.
+    pub fn blobs_in_use(&self) -> HashMap<StoreId, HashSet<Sha256Digest>> {
+        let mut out: HashMap<StoreId, HashSet<Sha256Digest>> = HashMap::new();
         let mapping = self.mapping.load();
         let slots = self.slots.read().expect("slots lock");
         for slot in slots.values() {
-            let serving = match mapping.models.get(&slot.id) {
-                Some(m) => m.store.id == *store,
-                None => slot
-                    .retired_store
-                    .lock()
-                    .expect("slot lock")
-                    .as_ref()
-                    .is_some_and(|s| s.id == *store),
+            let store = match mapping.models.get(&slot.id) {
+                Some(m) => m.store.id.clone(),
+                None => match slot.retired_store.lock().expect("slot lock").as_ref() {
+                    Some(s) => s.id.clone(),
+                    None => continue,
+                },
             };
-            if serving {
-                for idx in 0..slot.tree.len() as u32 {
-                    if let Some(NodeKind::File { blob, .. }) = slot.tree.node(idx).map(|n| &n.kind)
-                    {
-                        out.insert(*blob);
-                    }
+            let blobs = out.entry(store).or_default();
+            for idx in 0..slot.tree.len() as u32 {
+                if let Some(NodeKind::File { blob, .. }) = slot.tree.node(idx).map(|n| &n.kind) {
+                    blobs.insert(*blob);
                 }
             }
         }
         for h in self.handles.iter() {
-            if h.store.id == *store {
-                out.insert(h.blob);
-            }
+            out.entry(h.store.id.clone()).or_default().insert(h.blob);
         }
         out
-    }
-
-    pub fn open_files(&self) -> usize {
-        self.handles.len()
     }
 
     pub fn generation(&self) -> u64 {

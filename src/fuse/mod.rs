@@ -267,10 +267,10 @@ impl Filesystem for ModelFs {
                 return;
             }
         };
-        self.metrics.open_files.set(self.core.open_files() as i64);
         if self.passthrough.load(Ordering::Relaxed) {
             if let Some(id) = self.open_passthrough(&reply, fh, &blob) {
                 self.metrics.passthrough_opens.inc();
+                self.metrics.open_files.inc();
                 reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &id);
                 return;
             }
@@ -288,6 +288,7 @@ impl Filesystem for ModelFs {
             self.metrics.passthrough_fallbacks.inc();
         }
         self.metrics.read_through_opens.inc();
+        self.metrics.open_files.inc();
         // Content never changes under an inode (keep the page cache between opens), and nothing
         // is ever written (no FLUSH round trip on close).
         reply.opened(
@@ -340,7 +341,7 @@ impl Filesystem for ModelFs {
             }
         }
         self.core.release(fh.0);
-        self.metrics.open_files.set(self.core.open_files() as i64);
+        self.metrics.open_files.dec();
         reply.ok();
     }
 

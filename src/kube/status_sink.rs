@@ -392,7 +392,6 @@ struct EventPublisher {
 
 /// The Event a transition of one model deserves, if any.
 fn transition_event(before: Option<&ModelStatus>, after: &ModelStatus) -> Option<Event> {
-    let parent = |entry: &ModelStatus| entry.config.artifact.parent_path.clone();
     let event = |type_, reason: &str, note: String| Event {
         type_,
         reason: reason.to_owned(),
@@ -409,15 +408,8 @@ fn transition_event(before: Option<&ModelStatus>, after: &ModelStatus) -> Option
         )),
         "Ready" => {
             let before = before?;
-            if parent(before) != parent(after) || before.policy != after.policy {
-                let parent = after
-                    .config
-                    .artifact
-                    .parent_path
-                    .keys()
-                    .next()
-                    .cloned()
-                    .unwrap_or_default();
+            if before.parent() != after.parent() || before.policy != after.policy {
+                let parent = after.parent().unwrap_or_default();
                 Some(event(
                     EventType::Normal,
                     "PolicyApplied",

@@ -70,4 +70,15 @@ mod test_support {
             None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures")),
         }
     }
+
+    /// One of OME's CRDs from `ome-crds/`, as JSON.
+    pub(crate) fn read_ome_crd(file_name: &str) -> serde_json::Value {
+        let path = fixtures_dir().join("ome-crds").join(file_name);
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
+        let mut documents: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text)
+            .unwrap_or_else(|error| panic!("cannot parse {}: {error}", path.display()));
+        assert_eq!(documents.len(), 1, "{} holds one CRD", path.display());
+        documents.remove(0)
+    }
 }

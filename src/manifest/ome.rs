@@ -568,18 +568,6 @@ mod tests {
         }
     }
 
-    fn read_crd(file_name: &str) -> Value {
-        let path = crate::manifest::test_support::fixtures_dir()
-            .join("ome-crds")
-            .join(file_name);
-        let text = std::fs::read_to_string(&path)
-            .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
-        let mut documents: Vec<Value> = serde_saphyr::from_multiple(&text)
-            .unwrap_or_else(|error| panic!("cannot parse {}: {error}", path.display()));
-        assert_eq!(documents.len(), 1, "{} holds one CRD", path.display());
-        documents.remove(0)
-    }
-
     /// For each CRD, an object that sets every property of the schema (spec, storage, nested
     /// node affinity, status) must parse and serialize back to exactly the same JSON: no CRD
     /// field is rejected or dropped.
@@ -589,7 +577,7 @@ mod tests {
             ("ome.io_basemodels.yaml", ModelKind::BaseModel),
             ("ome.io_clusterbasemodels.yaml", ModelKind::ClusterBaseModel),
         ] {
-            let crd = read_crd(file_name);
+            let crd = crate::manifest::test_support::read_ome_crd(file_name);
             assert_eq!(crd["spec"]["names"]["kind"], kind.as_str());
             let versions = crd["spec"]["versions"]
                 .as_array()

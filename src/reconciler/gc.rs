@@ -15,14 +15,15 @@
 //! [`plan`] computes the garbage without touching anything; the daemon and `modelfs gc` execute
 //! it.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
 use super::{Reconciler, Stage};
-use crate::artifact::{ArtifactId, Sha256Digest};
+use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use crate::store::{Records, StateDir, StoreId};
 
 /// How the garbage collector learns about uses that the records do not show.
@@ -33,6 +34,8 @@ pub trait Usage {
     fn fetching_into(&self, store: &StoreId) -> bool;
     /// Blobs of the store the mount may still read.
     fn blobs_in_use(&self, store: &StoreId) -> HashSet<Sha256Digest>;
+    /// A complete artifact record (from a cache where there is one).
+    fn artifact(&self, id: &ArtifactId) -> Option<Arc<StoredArtifact>>;
 }
 
 /// What is garbage now.
@@ -89,10 +92,10 @@ pub fn plan(
         }
         let mut live: HashSet<Sha256Digest> = usage.blobs_in_use(id);
         for a in &s.artifacts {
-            match state.load_artifact(a) {
-                Ok(art) => live.extend(art.blobs.iter().copied()),
+            match usage.artifact(a) {
+                Some(art) => live.extend(art.blobs.iter().copied()),
                 // Unreadable artifact record: sweep nothing of this store rather than guess.
-                Err(_) => live.extend(
+                None => live.extend(
                     store
                         .blob_names()
                         .unwrap_or_default()
@@ -179,22 +182,33 @@ pub fn execute(state: &StateDir, plan: &GcPlan) -> Vec<String> {
     errors
 }
 
-struct DaemonUsage<'a>(&'a Reconciler);
+struct DaemonUsage<'a> {
+    reconciler: &'a Reconciler,
+    /// Computed once per pass: it walks every mounted tree.
+    blobs_in_use: HashMap<StoreId, HashSet<Sha256Digest>>,
+}
 
 impl Usage for DaemonUsage<'_> {
     fn store_busy(&self, id: &StoreId) -> bool {
-        self.0.fs.store_in_use(id) || self.fetching_into(id)
+        self.reconciler.fs.store_in_use(id) || self.fetching_into(id)
     }
 
     fn fetching_into(&self, id: &StoreId) -> bool {
-        self.0
+        self.reconciler
             .works
             .values()
             .any(|w| matches!(&w.stage, Stage::Fetching { store, .. } if store == id))
     }
 
     fn blobs_in_use(&self, id: &StoreId) -> HashSet<Sha256Digest> {
-        self.0.fs.blobs_in_use(id)
+        self.blobs_in_use.get(id).cloned().unwrap_or_default()
+    }
+
+    fn artifact(&self, id: &ArtifactId) -> Option<Arc<StoredArtifact>> {
+        match self.reconciler.artifacts.get(id) {
+            Some(a) => Some(a.clone()),
+            None => self.reconciler.state.load_artifact(id).ok().map(Arc::new),
+        }
     }
 }
 
@@ -208,12 +222,11 @@ impl Reconciler {
     pub(super) fn gc(&mut self) {
         let now = Instant::now();
         let partial_max_age = self.config.gc_grace.max(Duration::from_secs(3600));
-        let found = plan(
-            &self.records,
-            &self.state,
-            &DaemonUsage(self),
-            partial_max_age,
-        );
+        let usage = DaemonUsage {
+            reconciler: self,
+            blobs_in_use: self.fs.blobs_in_use(),
+        };
+        let found = plan(&self.records, &self.state, &usage, partial_max_age);
         // Only what has been garbage for the whole grace period goes.
         let grace = self.config.gc_grace;
         let mut seen = std::mem::take(&mut self.gc_candidates.first_seen);

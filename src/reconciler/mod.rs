@@ -445,7 +445,7 @@ impl Reconciler {
         rec.store = None;
         rec.served_path = None;
         rec.served_source = None;
-        self.wake_waiters(key);
+        self.wake_waiters();
         true
     }
 
@@ -565,7 +565,7 @@ impl Reconciler {
         }
         // Waiters on this resolve now see a fetch (and keep waiting), a Ready holder, or a
         // failure (and fetch themselves).
-        self.wake_waiters(&key);
+        self.wake_waiters();
     }
 
     fn in_flight(&self, source: &str) -> placement::InFlight {
@@ -731,7 +731,7 @@ impl Reconciler {
             Ok(blobs) => {
                 // A complete, verified artifact is real data whether or not the model still
                 // wants it: record it so that the store (and any waiter) can use it.
-                let stored = match StoredArtifact::new((*manifest).clone(), blobs, now_secs()) {
+                let stored = match StoredArtifact::new(manifest.clone(), blobs, now_secs()) {
                     Ok(s) => s,
                     Err(e) => {
                         tracing::error!(model = %key, error = %e, "fetch returned an inconsistent artifact");
@@ -769,13 +769,12 @@ impl Reconciler {
                 }
             }
         }
-        self.wake_waiters(&key);
+        self.wake_waiters();
     }
 
-    /// Models waiting for `key`'s fetch decide again (they map onto the result, or fetch
-    /// themselves if it failed).
-    fn wake_waiters(&mut self, key: &ModelKey) {
-        let _ = key;
+    /// Models waiting for another model's fetch decide again after any fetch, resolve or deletion
+    /// ends: they map onto the result, keep waiting, or fetch themselves if it failed.
+    fn wake_waiters(&mut self) {
         let waiting: Vec<(ModelKey, Arc<Manifest>)> = self
             .works
             .iter()
@@ -974,7 +973,7 @@ impl Reconciler {
             self.hand_over_or_release(&own, key, reserve);
         }
         self.records.models.remove(key);
-        self.wake_waiters(key);
+        self.wake_waiters();
     }
 
     fn cancel_work(&mut self, key: &ModelKey) {

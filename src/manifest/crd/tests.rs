@@ -37,18 +37,6 @@ fn schema_of(crd: &Value) -> &Value {
     &versions[0]["schema"]["openAPIV3Schema"]
 }
 
-fn read_ome_crd(file_name: &str) -> Value {
-    let path = crate::manifest::test_support::fixtures_dir()
-        .join("ome-crds")
-        .join(file_name);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
-    let mut documents: Vec<Value> = serde_saphyr::from_multiple(&text)
-        .unwrap_or_else(|error| panic!("cannot parse {}: {error}", path.display()));
-    assert_eq!(documents.len(), 1, "{} holds one CRD", path.display());
-    documents.remove(0)
-}
-
 /// Collects every way `node` (at `path`) breaks the rules of a structural schema, plus this
 /// crate's stricter rule that every node names its type.
 fn structural_problems(node: &Value, path: &str, problems: &mut Vec<String>) {
@@ -211,7 +199,7 @@ fn envelope_matches_ome() {
         "named as OME names its files"
     );
     for (crd, file_name) in generated().iter().zip(&file_names) {
-        let ome = read_ome_crd(file_name);
+        let ome = crate::manifest::test_support::read_ome_crd(file_name);
         assert_eq!(crd["apiVersion"], ome["apiVersion"]);
         assert_eq!(crd["kind"], "CustomResourceDefinition");
         assert_eq!(crd["metadata"]["name"], ome["metadata"]["name"]);
@@ -309,7 +297,7 @@ fn every_ome_spec_property_exists_with_the_same_type() {
         .iter()
         .zip(["ome.io_basemodels.yaml", "ome.io_clusterbasemodels.yaml"])
     {
-        let ome = read_ome_crd(file_name);
+        let ome = crate::manifest::test_support::read_ome_crd(file_name);
         let theirs = &ome["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
         let storage = theirs["properties"]["storage"]["properties"]
             .as_object()

@@ -13,8 +13,8 @@
 //! [`StoredArtifact`] records the sha256 of every entry once the artifact is complete.
 //!
 //! Entry paths are validated here, once, for every source: a hostile listing (absolute paths,
-//! `..`, NUL, duplicates, a file and a directory of the same name, absurd sizes) is rejected
-//! before anything touches the disk.
+//! `..`, NUL and control characters, duplicates, a file and a directory of the same name,
+//! absurd sizes) is rejected before anything touches the disk.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -186,8 +186,9 @@ pub enum ArtifactError {
 }
 
 /// Checks one relative path of a listing. Rejects everything that could escape a directory or
-/// confuse a path join: absolute paths, `.`/`..`, empty segments, NUL, backslashes (a Windows
-/// separator in a listing is either an attack or a bug), and over-long names.
+/// confuse a path join: absolute paths, `.`/`..`, empty segments, NUL and other control
+/// characters, backslashes (a Windows separator in a listing is either an attack or a bug), and
+/// over-long names.
 pub fn validate_relative_path(path: &str) -> Result<(), ArtifactError> {
     let bad = |why| ArtifactError::BadPath {
         path: path.chars().take(200).collect(),
@@ -207,6 +208,11 @@ pub fn validate_relative_path(path: &str) -> Result<(), ArtifactError> {
     }
     if path.contains('\\') {
         return Err(bad("backslash"));
+    }
+    // As for spec.storage.path: a newline or escape sequence in a name forges log lines and
+    // terminal output, and no model needs one.
+    if path.chars().any(char::is_control) {
+        return Err(bad("control character in a name"));
     }
     for segment in path.split('/') {
         match segment {
@@ -368,6 +374,10 @@ mod tests {
             (vec![entry("./x", 1)], "dot"),
             (vec![entry("a//b", 1)], "empty segment"),
             (vec![entry("a\0b", 1)], "NUL"),
+            (vec![entry("a/b\nc", 1)], "control character"),
+            (vec![entry("\u{1b}[31mred", 1)], "control character"),
+            (vec![entry("del\u{7f}", 1)], "control character"),
+            (vec![entry("c1\u{85}", 1)], "control character"),
             (vec![entry("a\\..\\b", 1)], "backslash"),
             (vec![entry("", 1)], "empty path"),
             (vec![entry("x", 1), entry("x", 2)], "twice"),

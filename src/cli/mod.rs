@@ -157,6 +157,9 @@ impl HfArgs {
     }
 }
 
+/// How long `serve` waits at exit for blocking work that ignored cancellation.
+const BLOCKING_WORK_GRACE: Duration = Duration::from_secs(2);
+
 pub fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
@@ -166,7 +169,13 @@ pub fn main() -> Result<()> {
                 .enable_all()
                 .thread_name("modelfs")
                 .build()?;
-            runtime.block_on(serve(*args))
+            let result = runtime.block_on(serve(*args));
+            // Work on the blocking pool (local imports) can sit in a read the kernel does not
+            // end (a hung network filesystem): the mount is gone and the records are saved by
+            // now, so give it a moment and exit without it. Dropping the runtime would wait
+            // for it forever.
+            runtime.shutdown_timeout(BLOCKING_WORK_GRACE);
+            result
         }
         Command::Status(args) => status_cmd::run(args),
         Command::Gc(args) => gc_cmd::run(args),

@@ -544,6 +544,34 @@ impl Filesystem for ModelFs {
         reply.error(self.read_only("removexattr"));
     }
 
+    /// No entry has extended attributes. Answered (rather than left to `fuser`'s default, which
+    /// logs a warning and returns `ENOSYS`) because tools ask on every file: `ls`, `cp -a`,
+    /// `rsync -X` and SELinux-aware programs.
+    fn getxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _name: &OsStr,
+        _size: u32,
+        reply: fuser::ReplyXattr,
+    ) {
+        self.metrics.request("getxattr");
+        match self.core.getattr(ino.0) {
+            Ok(_) => reply.error(Errno::ENODATA),
+            Err(e) => reply.error(self.fail("getxattr", &e)),
+        }
+    }
+
+    /// The empty list: its size is 0 whatever buffer was offered.
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: fuser::ReplyXattr) {
+        self.metrics.request("listxattr");
+        match self.core.getattr(ino.0) {
+            Ok(_) if size == 0 => reply.size(0),
+            Ok(_) => reply.data(&[]),
+            Err(e) => reply.error(self.fail("listxattr", &e)),
+        }
+    }
+
     fn fallocate(
         &self,
         _req: &Request,

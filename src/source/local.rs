@@ -5,20 +5,51 @@
 //! again and checking the result against the first pass. The source may change at any time (it
 //! is an ordinary directory); a file that changes between or during the passes fails the import
 //! with a transient error and is retried, so the store never holds bytes that were not verified.
-//! Symlinks are followed (a Hugging Face cache snapshot is a tree of symlinks into `blobs/`);
-//! loops are detected.
+//!
+//! # What may be imported
+//! The mount shows every file to every user (0444 on an `allow_other` mount), and the daemon
+//! runs as root, so an import must not turn a private file into a public one or reach outside
+//! the directory it was given. Each entry is checked before it is read, and each is permanent
+//! (`Failed` with a reason naming the file, not retried until the spec changes):
+//! * Only regular files and directories. A FIFO, socket or device is refused by its `lstat`
+//!   type before anything opens it (opening a device can have effects), and again by `fstat`
+//!   on what was opened: every open is `O_NONBLOCK | O_NOFOLLOW`, so a FIFO swapped in after
+//!   the check is seen, not waited on forever.
+//! * Symlinks are followed (as copies) only while they stay inside the source tree. The tree is
+//!   the directory itself (its own path may contain symlinks: the operator named it), except
+//!   for a Hugging Face cache snapshot (`models--<org>--<name>/snapshots/<commit>`), a tree of
+//!   symlinks into the repository's `blobs/`: there the tree is the repository's cache directory.
+//!   An entry is resolved with every symlink followed (`realpath`), the result must lie below
+//!   the tree, and it is then opened with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` from
+//!   the tree's descriptor, so a symlink swapped in after the check fails the open (a transient
+//!   "changed" error) instead of being followed out.
+//! * Files must be readable by others and directories below the root readable and searchable
+//!   by others. Keeping a file's restriction through the mount would need per-file modes in
+//!   the artifact, whose identity is content only (two models of the same bytes share a
+//!   store), so the honest choice is to refuse the model with a reason. The root directory's
+//!   own mode is not checked: a 0700 staging directory is how operators prepare an import.
+//! * File names must be UTF-8 (a listing is UTF-8, as the mount's names are) and pass the same
+//!   checks as every listing ([`validate_relative_path`]: no control characters and so on),
+//!   checked during the walk so a bad name fails before anything is hashed.
+//!
+//! A read can still block where the kernel blocks it (a hung network filesystem); that work runs
+//! on the blocking pool, which the daemon does not wait for at shutdown (see `cli`).
 
 use std::collections::HashSet;
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::MetadataExt;
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags, Stat};
+use rustix::io::Errno;
 use sha2::{Digest, Sha256};
 
 use super::{FetchContext, SourceError};
-use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use crate::artifact::{validate_relative_path, FileDigest, Manifest, ManifestEntry, Sha256Digest};
 use crate::metrics::SourceScheme;
 
 const CHUNK: usize = 1 << 20;
@@ -28,30 +59,80 @@ pub struct LocalSource {
     root: PathBuf,
 }
 
-fn io_err(path: &Path, source: std::io::Error) -> SourceError {
+fn io_err(path: &Path, source: impl Into<std::io::Error>) -> SourceError {
     SourceError::LocalIo {
         path: path.display().to_string(),
-        source,
+        source: source.into(),
     }
 }
 
-fn hash_file(path: &Path, cancel: &AtomicBool) -> Result<(u64, Sha256Digest), SourceError> {
-    let mut f = File::open(path).map_err(|e| io_err(path, e))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; CHUNK];
-    let mut total = 0u64;
-    loop {
-        if cancel.load(Ordering::Relaxed) {
-            return Err(SourceError::Cancelled);
-        }
-        let n = f.read(&mut buf).map_err(|e| io_err(path, e))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-        total += n as u64;
+/// What an entry is, once checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    File,
+    Dir,
+}
+
+/// The opened source tree: what every entry is resolved and opened against.
+struct Tree {
+    /// The directory named by the URI, with the symlinks of its own path resolved.
+    root: PathBuf,
+    /// What symlinks may lead into: `root`, or a Hugging Face cache repository directory.
+    boundary: PathBuf,
+    boundary_fd: OwnedFd,
+    /// `root` relative to `boundary` (empty when they are the same).
+    root_inside: PathBuf,
+}
+
+/// The directory a Hugging Face cache snapshot's symlinks point into: for
+/// `.../models--org--name/snapshots/<commit>` the repository's cache directory.
+fn hf_cache_repository(root: &Path) -> Option<&Path> {
+    let snapshots = root.parent()?;
+    let repository = snapshots.parent()?;
+    let name = repository.file_name()?.to_str()?;
+    let is_repository = ["models--", "datasets--", "spaces--"]
+        .iter()
+        .any(|prefix| name.starts_with(prefix));
+    (snapshots.file_name()? == "snapshots" && is_repository).then_some(repository)
+}
+
+/// A relative path for the `*at` calls: the empty path is the directory itself.
+fn at_path(inside: &Path) -> &Path {
+    if inside.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        inside
     }
-    Ok((total, Sha256Digest(h.finalize().into())))
+}
+
+/// Checks the type and mode of an entry (not the root) against what may be published.
+fn check_entry(listed: &Path, stat: &Stat) -> Result<Kind, SourceError> {
+    let path = || listed.display().to_string();
+    let mode = stat.st_mode & 0o7777;
+    let (kind, needed, what, fix) = match FileType::from_raw_mode(stat.st_mode) {
+        FileType::RegularFile => (Kind::File, 0o004, "file", "chmod o+r"),
+        FileType::Directory => (Kind::Dir, 0o005, "directory", "chmod o+rx"),
+        other => {
+            let kind = match other {
+                FileType::Fifo => "named pipe (FIFO)",
+                FileType::Socket => "socket",
+                FileType::CharacterDevice => "character device",
+                FileType::BlockDevice => "block device",
+                FileType::Symlink => "symlink",
+                _ => "file of unknown type",
+            };
+            return Err(SourceError::LocalSpecialFile { path: path(), kind });
+        }
+    };
+    if mode & needed != needed {
+        return Err(SourceError::LocalNotPublic {
+            path: path(),
+            what,
+            mode,
+            fix,
+        });
+    }
+    Ok(kind)
 }
 
 impl LocalSource {
@@ -59,82 +140,255 @@ impl LocalSource {
         Self { root }
     }
 
-    fn walk(
-        &self,
-        dir: &Path,
-        rel: &str,
-        visited: &mut HashSet<(u64, u64)>,
-        out: &mut Vec<(String, PathBuf)>,
-    ) -> Result<(), SourceError> {
-        let meta = std::fs::metadata(dir).map_err(|e| io_err(dir, e))?;
-        if !visited.insert((meta.dev(), meta.ino())) {
-            return Err(SourceError::LocalLoop {
-                path: dir.display().to_string(),
-            });
-        }
-        let mut entries: Vec<_> = std::fs::read_dir(dir)
-            .map_err(|e| io_err(dir, e))?
-            .collect::<Result<_, _>>()
-            .map_err(|e| io_err(dir, e))?;
-        entries.sort_by_key(|e| e.file_name());
-        for entry in entries {
-            let path = entry.path();
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else {
-                return Err(SourceError::LocalIo {
-                    path: path.display().to_string(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        "file name is not valid UTF-8",
-                    ),
-                });
-            };
-            let rel_path = if rel.is_empty() {
-                name.to_string()
-            } else {
-                format!("{rel}/{name}")
-            };
-            // Follows symlinks.
-            let meta = std::fs::metadata(&path).map_err(|e| io_err(&path, e))?;
-            if meta.is_dir() {
-                self.walk(&path, &rel_path, visited, out)?;
-            } else if meta.is_file() {
-                out.push((rel_path, path));
-            } else {
-                return Err(SourceError::LocalSpecialFile {
-                    path: path.display().to_string(),
-                });
-            }
-        }
-        visited.remove(&(meta.dev(), meta.ino()));
-        Ok(())
-    }
-
-    fn files(&self) -> Result<Vec<(String, PathBuf)>, SourceError> {
-        match std::fs::metadata(&self.root) {
-            Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(SourceError::LocalSpecialFile {
-                    path: self.root.display().to_string(),
-                })
-            }
+    fn open_tree(&self) -> Result<Tree, SourceError> {
+        let root = match std::fs::canonicalize(&self.root) {
+            Ok(root) => root,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(SourceError::LocalMissing {
                     path: self.root.display().to_string(),
                 })
             }
             Err(e) => return Err(io_err(&self.root, e)),
+        };
+        let stat = rustix::fs::lstat(&root).map_err(|e| io_err(&root, e))?;
+        match FileType::from_raw_mode(stat.st_mode) {
+            FileType::Directory => {}
+            FileType::RegularFile => {
+                return Err(SourceError::LocalNotDirectory {
+                    path: self.root.display().to_string(),
+                })
+            }
+            // Reported with its type, through the same words as any entry.
+            _ => {
+                check_entry(&self.root, &stat)?;
+            }
         }
+        let boundary = hf_cache_repository(&root).unwrap_or(&root).to_path_buf();
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let boundary_fd =
+            rustix::fs::open(&boundary, flags, Mode::empty()).map_err(|e| io_err(&boundary, e))?;
+        let root_inside = root
+            .strip_prefix(&boundary)
+            .expect("the boundary is the root or one of its ancestors")
+            .to_path_buf();
+        Ok(Tree {
+            root,
+            boundary,
+            boundary_fd,
+            root_inside,
+        })
+    }
+
+    /// Resolves the listed entry `rel` with every symlink followed and checks what it is;
+    /// returns its path relative to the tree's boundary. A symlink leading out of the tree is
+    /// refused here.
+    fn inspect(&self, tree: &Tree, rel: &str) -> Result<(PathBuf, Kind), SourceError> {
+        let listed = self.root.join(rel);
+        let real = match std::fs::canonicalize(tree.root.join(rel)) {
+            Ok(real) => real,
+            Err(e) if e.raw_os_error() == Some(Errno::LOOP.raw_os_error()) => {
+                return Err(SourceError::LocalLoop {
+                    path: listed.display().to_string(),
+                })
+            }
+            Err(e) => return Err(io_err(&listed, e)),
+        };
+        let Ok(inside) = real.strip_prefix(&tree.boundary) else {
+            return Err(SourceError::LocalSymlinkEscape {
+                path: listed.display().to_string(),
+                target: real.display().to_string(),
+                tree: tree.boundary.display().to_string(),
+            });
+        };
+        let stat = rustix::fs::statat(
+            &tree.boundary_fd,
+            at_path(inside),
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(|e| io_err(&listed, e))?;
+        let kind = check_entry(&listed, &stat)?;
+        Ok((inside.to_path_buf(), kind))
+    }
+
+    /// Opens `inside` (relative to the boundary, free of symlinks when it was resolved) without
+    /// following any symlink, without leaving the tree and without blocking.
+    fn open_beneath(
+        &self,
+        tree: &Tree,
+        inside: &Path,
+        listed: &Path,
+        kind: Kind,
+    ) -> Result<OwnedFd, SourceError> {
+        let mut flags =
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY;
+        if kind == Kind::Dir {
+            flags |= OFlags::DIRECTORY;
+        }
+        let resolve =
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+        let changed = || SourceError::LocalChanged {
+            path: listed.display().to_string(),
+        };
+        let opened = rustix::fs::openat2(
+            &tree.boundary_fd,
+            at_path(inside),
+            flags,
+            Mode::empty(),
+            resolve,
+        );
+        let fd = match opened {
+            Ok(fd) => fd,
+            // A symlink appeared on the path after it was resolved, or a concurrent rename
+            // made the kernel refuse to vouch for the resolution.
+            Err(Errno::LOOP | Errno::XDEV | Errno::AGAIN | Errno::NOTDIR) => return Err(changed()),
+            // Kernels before 5.6 or a seccomp filter: only the last component is protected.
+            Err(Errno::NOSYS) => {
+                rustix::fs::openat(&tree.boundary_fd, at_path(inside), flags, Mode::empty())
+                    .map_err(|e| match e {
+                        Errno::LOOP | Errno::NOTDIR => changed(),
+                        e => io_err(listed, e),
+                    })?
+            }
+            Err(e) => return Err(io_err(listed, e)),
+        };
+        // What was opened, not what the path named a moment ago.
+        let stat = rustix::fs::fstat(&fd).map_err(|e| io_err(listed, e))?;
+        if check_entry(listed, &stat)? != kind {
+            return Err(changed());
+        }
+        if kind == Kind::File {
+            let flags = rustix::fs::fcntl_getfl(&fd).map_err(|e| io_err(listed, e))?;
+            rustix::fs::fcntl_setfl(&fd, flags - OFlags::NONBLOCK)
+                .map_err(|e| io_err(listed, e))?;
+        }
+        Ok(fd)
+    }
+
+    /// Opens the listed regular file `rel` for reading, checked as in the module docs.
+    fn open_file(&self, tree: &Tree, rel: &str) -> Result<File, SourceError> {
+        let listed = self.root.join(rel);
+        let (inside, kind) = self.inspect(tree, rel)?;
+        if kind != Kind::File {
+            return Err(SourceError::LocalChanged {
+                path: listed.display().to_string(),
+            });
+        }
+        Ok(File::from(self.open_beneath(
+            tree,
+            &inside,
+            &listed,
+            Kind::File,
+        )?))
+    }
+
+    fn hash_file(
+        &self,
+        tree: &Tree,
+        rel: &str,
+        cancel: &AtomicBool,
+    ) -> Result<(u64, Sha256Digest), SourceError> {
+        let path = self.root.join(rel);
+        let mut f = self.open_file(tree, rel)?;
+        let mut h = Sha256::new();
+        let mut buf = vec![0u8; CHUNK];
+        let mut total = 0u64;
+        loop {
+            if cancel.load(Ordering::Relaxed) {
+                return Err(SourceError::Cancelled);
+            }
+            let n = f.read(&mut buf).map_err(|e| io_err(&path, e))?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+            total += n as u64;
+        }
+        Ok((total, Sha256Digest(h.finalize().into())))
+    }
+
+    /// Lists the directory `dir` (open, listed as `rel` below the root) into `out`, depth
+    /// first. `chain` holds the directories being walked, to detect symlink loops.
+    fn walk(
+        &self,
+        tree: &Tree,
+        rel: &str,
+        dir: OwnedFd,
+        chain: &mut HashSet<(u64, u64)>,
+        out: &mut Vec<String>,
+        cancel: &AtomicBool,
+    ) -> Result<(), SourceError> {
+        let listed = self.root.join(rel);
+        let stat = rustix::fs::fstat(&dir).map_err(|e| io_err(&listed, e))?;
+        let id = (stat.st_dev, stat.st_ino);
+        if !chain.insert(id) {
+            return Err(SourceError::LocalLoop {
+                path: listed.display().to_string(),
+            });
+        }
+        let mut names = Vec::new();
+        for entry in rustix::fs::Dir::new(dir).map_err(|e| io_err(&listed, e))? {
+            let entry = entry.map_err(|e| io_err(&listed, e))?;
+            let name = entry.file_name().to_bytes();
+            if name != b"." && name != b".." {
+                names.push(name.to_vec());
+            }
+        }
+        names.sort();
+        for name in names {
+            if cancel.load(Ordering::Relaxed) {
+                return Err(SourceError::Cancelled);
+            }
+            let name = String::from_utf8(name).map_err(|e| SourceError::LocalBadName {
+                path: listed
+                    .join(OsStr::from_bytes(e.as_bytes()))
+                    .display()
+                    .to_string(),
+                why: "is not valid UTF-8",
+            })?;
+            let child = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
+            validate_relative_path(&child)?;
+            match self.inspect(tree, &child)? {
+                (_, Kind::File) => out.push(child),
+                (inside, Kind::Dir) => {
+                    let child_listed = self.root.join(&child);
+                    let fd = self.open_beneath(tree, &inside, &child_listed, Kind::Dir)?;
+                    self.walk(tree, &child, fd, chain, out, cancel)?;
+                }
+            }
+        }
+        chain.remove(&id);
+        Ok(())
+    }
+
+    /// Every regular file below the root, as listed paths.
+    fn files(&self, tree: &Tree, cancel: &AtomicBool) -> Result<Vec<String>, SourceError> {
+        let flags = OFlags::RDONLY
+            | OFlags::DIRECTORY
+            | OFlags::NOFOLLOW
+            | OFlags::NONBLOCK
+            | OFlags::CLOEXEC;
+        let root = rustix::fs::openat(
+            &tree.boundary_fd,
+            at_path(&tree.root_inside),
+            flags,
+            Mode::empty(),
+        )
+        .map_err(|e| io_err(&self.root, e))?;
         let mut out = Vec::new();
-        self.walk(&self.root, "", &mut HashSet::new(), &mut out)?;
+        self.walk(tree, "", root, &mut HashSet::new(), &mut out, cancel)?;
         Ok(out)
     }
 
     /// Lists and hashes the directory. The revision of a local artifact is its manifest digest.
     pub fn resolve(&self, cancel: &AtomicBool) -> Result<Manifest, SourceError> {
+        let tree = self.open_tree()?;
         let mut entries = Vec::new();
-        for (rel, path) in self.files()? {
-            let (size, digest) = hash_file(&path, cancel)?;
+        for rel in self.files(&tree, cancel)? {
+            let (size, digest) = self.hash_file(&tree, &rel, cancel)?;
             entries.push(ManifestEntry {
                 path: rel,
                 size,
@@ -153,6 +407,7 @@ impl LocalSource {
         ctx: &FetchContext,
     ) -> Result<Vec<Sha256Digest>, SourceError> {
         let progress = &ctx.progress;
+        let tree = self.open_tree()?;
         let mut blobs = Vec::with_capacity(manifest.entries().len());
         for entry in manifest.entries() {
             ctx.check_cancelled()?;
@@ -161,7 +416,7 @@ impl LocalSource {
             };
             let sha = Sha256Digest(sha);
             if ctx.reuse_existing(entry)?.is_none() {
-                self.copy_one(entry, ctx)?;
+                self.copy_one(&tree, entry, ctx)?;
                 ctx.record_fetched(SourceScheme::Local, entry.size);
             }
             progress
@@ -177,13 +432,18 @@ impl LocalSource {
         Ok(blobs)
     }
 
-    fn copy_one(&self, entry: &ManifestEntry, ctx: &FetchContext) -> Result<(), SourceError> {
+    fn copy_one(
+        &self,
+        tree: &Tree,
+        entry: &ManifestEntry,
+        ctx: &FetchContext,
+    ) -> Result<(), SourceError> {
         let path = self.root.join(&entry.path);
         let store_err = |source| SourceError::Store {
             path: entry.path.clone(),
             source,
         };
-        let mut src = File::open(&path).map_err(|e| io_err(&path, e))?;
+        let mut src = self.open_file(tree, &entry.path)?;
         let mut writer = ctx
             .store
             .writer(entry.digest, entry.size)
@@ -215,5 +475,238 @@ impl LocalSource {
             }),
             Err(other) => Err(store_err(other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{symlink, PermissionsExt};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::source::{KnownBlobs, Progress};
+    use crate::store::Store;
+
+    fn write(path: &Path, data: &[u8], mode: u32) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, data).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    fn mkfifo(path: &Path) {
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            path,
+            FileType::Fifo,
+            Mode::from_raw_mode(0o644),
+            0,
+        )
+        .unwrap();
+    }
+
+    fn resolve(root: &Path) -> Result<Manifest, SourceError> {
+        LocalSource::new(root.to_path_buf()).resolve(&AtomicBool::new(false))
+    }
+
+    fn paths(m: &Manifest) -> Vec<&str> {
+        m.entries().iter().map(|e| e.path.as_str()).collect()
+    }
+
+    fn permanent(err: SourceError, want: &str) {
+        assert!(!err.is_transient(), "{err} must not be retried");
+        assert!(err.to_string().contains(want), "{err} should say {want:?}");
+    }
+
+    /// Runs `f` on a thread; a blocked call is a test failure after `limit`, and `unblock`
+    /// then frees the thread.
+    fn within<T: Send + 'static>(
+        limit: Duration,
+        f: impl FnOnce() -> T + Send + 'static,
+        unblock: impl FnOnce(),
+    ) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        match rx.recv_timeout(limit) {
+            Ok(v) => v,
+            Err(_) => {
+                unblock();
+                panic!("blocked for more than {limit:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_fifo_swapped_in_between_resolve_and_fetch_fails_with_a_reason_instead_of_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        write(&src.join("a.bin"), b"first", 0o644);
+        write(&src.join("b.bin"), b"second", 0o644);
+        let manifest = Arc::new(resolve(&src).unwrap());
+        std::fs::remove_file(src.join("b.bin")).unwrap();
+        mkfifo(&src.join("b.bin"));
+
+        let ctx = FetchContext {
+            store: Store::open(dir.path().join("store")).unwrap(),
+            progress: Arc::new(Progress::for_manifest(&manifest)),
+            cancel: Arc::new(AtomicBool::new(false)),
+            metrics: Arc::new(crate::metrics::Metrics::new()),
+            existing: Arc::new(KnownBlobs::default()),
+        };
+        let source = LocalSource::new(src.clone());
+        let fifo = src.join("b.bin");
+        let err = within(
+            Duration::from_secs(20),
+            move || source.fetch(&manifest, &ctx).unwrap_err(),
+            // A writer releases a reader blocked in open(2).
+            move || drop(std::fs::OpenOptions::new().write(true).open(fifo)),
+        );
+        assert!(
+            matches!(err, SourceError::LocalSpecialFile { .. }),
+            "{err:?}"
+        );
+        permanent(err, "b.bin is a named pipe (FIFO)");
+
+        // Present from the start: refused by the walk, never opened.
+        let err = within(Duration::from_secs(20), move || resolve(&src), || ()).unwrap_err();
+        permanent(err, "b.bin is a named pipe (FIFO)");
+    }
+
+    #[test]
+    fn symlinks_are_followed_inside_the_tree_and_refused_when_they_leave_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        write(&src.join("weights/model.bin"), b"weights", 0o644);
+        write(&dir.path().join("secret"), b"outside", 0o644);
+        symlink("weights/model.bin", src.join("alias.bin")).unwrap();
+        symlink("weights", src.join("linked-dir")).unwrap();
+        // An absolute symlink that stays inside is followed too.
+        symlink(src.join("weights/model.bin"), src.join("absolute.bin")).unwrap();
+        let m = resolve(&src).unwrap();
+        assert_eq!(
+            paths(&m),
+            [
+                "absolute.bin",
+                "alias.bin",
+                "linked-dir/model.bin",
+                "weights/model.bin"
+            ]
+        );
+        assert!(m
+            .entries()
+            .iter()
+            .all(|e| e.digest == m.entries()[0].digest));
+
+        symlink("../secret", src.join("escape")).unwrap();
+        permanent(
+            resolve(&src).unwrap_err(),
+            "escape is a symlink that leads to",
+        );
+        std::fs::remove_file(src.join("escape")).unwrap();
+        symlink("/", src.join("weights/root")).unwrap();
+        let err = resolve(&src).unwrap_err();
+        assert!(
+            matches!(err, SourceError::LocalSymlinkEscape { .. }),
+            "{err}"
+        );
+        std::fs::remove_file(src.join("weights/root")).unwrap();
+
+        // A directory symlink back up the tree would list it forever.
+        symlink("..", src.join("weights/up")).unwrap();
+        permanent(resolve(&src).unwrap_err(), "symlink loop");
+    }
+
+    #[test]
+    fn a_symlink_swapped_in_after_the_check_is_not_followed_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        let outside = dir.path().join("outside");
+        write(&src.join("sub/f"), b"inside", 0o644);
+        write(&outside.join("f"), b"outside", 0o644);
+        let source = LocalSource::new(src.clone());
+        let tree = source.open_tree().unwrap();
+
+        // The last component becomes a symlink.
+        let (inside, kind) = source.inspect(&tree, "sub/f").unwrap();
+        std::fs::remove_file(src.join("sub/f")).unwrap();
+        symlink(outside.join("f"), src.join("sub/f")).unwrap();
+        let err = source
+            .open_beneath(&tree, &inside, &src.join("sub/f"), kind)
+            .unwrap_err();
+        assert!(matches!(err, SourceError::LocalChanged { .. }), "{err}");
+
+        // A directory on the way becomes one.
+        std::fs::remove_file(src.join("sub/f")).unwrap();
+        write(&src.join("sub/f"), b"inside", 0o644);
+        let (inside, kind) = source.inspect(&tree, "sub/f").unwrap();
+        std::fs::rename(src.join("sub"), dir.path().join("old-sub")).unwrap();
+        symlink(&outside, src.join("sub")).unwrap();
+        let err = source
+            .open_beneath(&tree, &inside, &src.join("sub/f"), kind)
+            .unwrap_err();
+        assert!(matches!(err, SourceError::LocalChanged { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_hugging_face_cache_snapshot_may_link_into_its_blobs() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path().join("hub/models--org--tiny");
+        write(&repo.join("blobs/abc"), b"{}", 0o644);
+        write(&repo.join("refs/main"), b"0123", 0o644);
+        let snapshot = repo.join("snapshots/0123");
+        std::fs::create_dir_all(&snapshot).unwrap();
+        symlink("../../blobs/abc", snapshot.join("config.json")).unwrap();
+        assert_eq!(paths(&resolve(&snapshot).unwrap()), ["config.json"]);
+
+        // Not past the repository, though.
+        write(&dir.path().join("hub/other"), b"x", 0o644);
+        symlink("../../../other", snapshot.join("other")).unwrap();
+        permanent(
+            resolve(&snapshot).unwrap_err(),
+            "outside the source directory",
+        );
+    }
+
+    #[test]
+    fn files_and_directories_others_cannot_read_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        write(&src.join("public.bin"), b"ok", 0o444);
+        // The root's own mode does not matter (a private staging directory is normal).
+        std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o700)).unwrap();
+        resolve(&src).unwrap();
+
+        for (mode, shown) in [(0o600, "0600"), (0o000, "0000"), (0o640, "0640")] {
+            write(&src.join("private.bin"), b"secret", mode);
+            let err = resolve(&src).unwrap_err();
+            assert!(matches!(err, SourceError::LocalNotPublic { .. }), "{err}");
+            permanent(
+                err,
+                &format!("private.bin is not readable by other users (mode {shown})"),
+            );
+            std::fs::remove_file(src.join("private.bin")).unwrap();
+        }
+        write(&src.join("hidden/inner.bin"), b"secret", 0o644);
+        std::fs::set_permissions(src.join("hidden"), std::fs::Permissions::from_mode(0o711))
+            .unwrap();
+        permanent(resolve(&src).unwrap_err(), "directory");
+    }
+
+    #[test]
+    fn bad_file_names_are_permanent_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        write(&src.join("ok.bin"), b"ok", 0o644);
+        let bad = src.join(OsStr::from_bytes(b"latin1-\xe9.bin"));
+        write(&bad, b"x", 0o644);
+        let err = resolve(&src).unwrap_err();
+        assert!(matches!(err, SourceError::LocalBadName { .. }), "{err}");
+        permanent(err, "is not valid UTF-8");
+        std::fs::remove_file(&bad).unwrap();
+
+        write(&src.join("sub/new\nline.bin"), b"x", 0o644);
+        permanent(resolve(&src).unwrap_err(), "control character");
     }
 }

@@ -30,8 +30,32 @@ pub enum SourceError {
         #[source]
         source: std::io::Error,
     },
-    #[error("source {path} is neither a regular file nor a directory")]
-    LocalSpecialFile { path: String },
+    #[error("source {path} is a {kind}; only regular files and directories can be imported")]
+    LocalSpecialFile { path: String, kind: &'static str },
+    #[error("source {path} is not a directory; local:// names the directory to import")]
+    LocalNotDirectory { path: String },
+    #[error(
+        "source {path} is a symlink that leads to {target}, outside the source directory \
+         {tree}; only symlinks that stay inside it are followed"
+    )]
+    LocalSymlinkEscape {
+        path: String,
+        target: String,
+        tree: String,
+    },
+    #[error(
+        "source {what} {path} is not readable by other users (mode {mode:04o}), but the mount \
+         would show it to every user: make it readable by others ({fix}) or remove it from the \
+         source directory"
+    )]
+    LocalNotPublic {
+        path: String,
+        what: &'static str,
+        mode: u32,
+        fix: &'static str,
+    },
+    #[error("source {path}: the file name {why}")]
+    LocalBadName { path: String, why: &'static str },
     #[error("source {path} changed while it was being imported")]
     LocalChanged { path: String },
     #[error("source directory {path} contains a symlink loop")]
@@ -64,6 +88,10 @@ impl SourceError {
             SourceError::Hf(e) => e.is_transient(),
             SourceError::LocalMissing { .. }
             | SourceError::LocalSpecialFile { .. }
+            | SourceError::LocalNotDirectory { .. }
+            | SourceError::LocalSymlinkEscape { .. }
+            | SourceError::LocalNotPublic { .. }
+            | SourceError::LocalBadName { .. }
             | SourceError::LocalLoop { .. }
             | SourceError::Listing(_)
             | SourceError::Unsupported { .. } => false,

@@ -41,7 +41,10 @@ fn write_mode(path: &Path, data: &[u8], mode: u32) {
 fn assert_failed_for_good(d: &Daemon, key: &str, want: &str) -> String {
     let entry = d.wait_model(key, "Failed");
     let reason = entry["reason"].as_str().unwrap_or_default().to_string();
-    assert!(reason.contains(want), "{key}: reason {reason:?} should say {want:?}");
+    assert!(
+        reason.contains(want),
+        "{key}: reason {reason:?} should say {want:?}"
+    );
     assert!(
         !reason.contains("(retry"),
         "{key}: a permanent error must not be retried: {reason:?}"
@@ -90,8 +93,7 @@ fn a_fifo_swapped_in_during_an_import_fails_the_model_and_sigterm_still_exits() 
         rustix::fs::inotify::CreateFlags::NONBLOCK | rustix::fs::inotify::CreateFlags::CLOEXEC,
     )
     .unwrap();
-    rustix::fs::inotify::add_watch(&inotify, &src, rustix::fs::inotify::WatchFlags::OPEN)
-        .unwrap();
+    rustix::fs::inotify::add_watch(&inotify, &src, rustix::fs::inotify::WatchFlags::OPEN).unwrap();
 
     let d = Daemon::start(&env, &[]);
     env.write_models(
@@ -330,8 +332,14 @@ fn control_characters_and_non_utf8_names_fail_for_good_and_hurt_no_other_model()
     let control_reason =
         assert_failed_for_good(&d, "clusterbasemodel.control", "control character");
     // The name is quoted with its escapes, never written raw into status or logs.
-    assert!(control_reason.contains(r"sub/evil\u{1b}[2J.bin"), "{control_reason}");
-    assert!(!d.log_text().contains('\x1b'), "a raw escape reached the log");
+    assert!(
+        control_reason.contains(r"sub/evil\u{1b}[2J.bin"),
+        "{control_reason}"
+    );
+    assert!(
+        !d.log_text().contains('\x1b'),
+        "a raw escape reached the log"
+    );
     let latin1_reason = assert_failed_for_good(
         &d,
         "clusterbasemodel.latin1",

@@ -251,6 +251,13 @@ save_file({{"embed": rng.standard_normal((512, 256)).astype(np.float32),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // safetensors writes 0600; the mount shows files to every user, so an import needs them
+    // readable by others (a private file is refused with a reason).
+    std::fs::set_permissions(
+        src.join("model.safetensors"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o644),
+    )
+    .unwrap();
     env.write_models(
         "m.yaml",
         &cluster_model("st", &uri(&src), "AlwaysDownload", None),

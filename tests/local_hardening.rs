@@ -1,7 +1,7 @@
 //! Hostile `local://` sources end to end, with a real mount: a FIFO swapped in during an import,
 //! an import blocked in the kernel at shutdown, symlinks leaving the source tree, files other
-//! users cannot read, control characters and non-UTF-8 names. Also extended attributes on the
-//! mount.
+//! users cannot read, control characters and non-UTF-8 names (and control characters in a
+//! hub's listing: the check is shared by every source). Also extended attributes on the mount.
 
 mod common;
 
@@ -348,6 +348,34 @@ fn control_characters_and_non_utf8_names_fail_for_good_and_hurt_no_other_model()
     assert!(latin1_reason.contains(&latin1.display().to_string()));
     d.wait_model("clusterbasemodel.good", "Ready");
     assert_eq!(contents(&env.mount.join("good")), contents(&good));
+}
+
+#[test]
+fn a_hub_listing_with_control_characters_fails_for_good() {
+    let hub = common::hub::TestHub::start(100);
+    hub.hub().add_commit(
+        "org/bell",
+        &["main"],
+        vec![
+            (
+                "config.json".to_string(),
+                modelfs::devhub::HubFile::memory(b"{}".to_vec(), false),
+            ),
+            (
+                "docs/ring\u{7}.md".to_string(),
+                modelfs::devhub::HubFile::memory(b"x".to_vec(), false),
+            ),
+        ],
+    );
+    let env = TestEnv::new();
+    let d = common::hub::start_daemon(&env, &hub);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("bell", "hf://org/bell", "AlwaysDownload", None),
+    );
+    let reason = assert_failed_for_good(&d, "clusterbasemodel.bell", "control character");
+    assert!(reason.contains(r"docs/ring\u{7}.md"), "{reason}");
+    assert!(!env.mount.join("bell").exists());
 }
 
 #[test]

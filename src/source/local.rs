@@ -572,6 +572,17 @@ mod tests {
         // Present from the start: refused by the walk, never opened.
         let err = within(Duration::from_secs(20), move || resolve(&src), || ()).unwrap_err();
         permanent(err, "b.bin is a named pipe (FIFO)");
+
+        // The root itself must be a directory.
+        let root_fifo = dir.path().join("root-fifo");
+        mkfifo(&root_fifo);
+        let err = within(Duration::from_secs(20), move || resolve(&root_fifo), || ()).unwrap_err();
+        permanent(err, "root-fifo is a named pipe (FIFO)");
+        write(&dir.path().join("file"), b"x", 0o644);
+        permanent(
+            resolve(&dir.path().join("file")).unwrap_err(),
+            "is not a directory",
+        );
     }
 
     #[test]

@@ -105,6 +105,18 @@ fn at_path(inside: &Path) -> &Path {
     }
 }
 
+/// What a file that is neither a regular file nor a directory is, in words.
+fn special_file_kind(file_type: FileType) -> &'static str {
+    match file_type {
+        FileType::Fifo => "named pipe (FIFO)",
+        FileType::Socket => "socket",
+        FileType::CharacterDevice => "character device",
+        FileType::BlockDevice => "block device",
+        FileType::Symlink => "symlink",
+        _ => "file of unknown type",
+    }
+}
+
 /// Checks the type and mode of an entry (not the root) against what may be published.
 fn check_entry(listed: &Path, stat: &Stat) -> Result<Kind, SourceError> {
     let path = || listed.display().to_string();
@@ -113,15 +125,10 @@ fn check_entry(listed: &Path, stat: &Stat) -> Result<Kind, SourceError> {
         FileType::RegularFile => (Kind::File, 0o004, "file", "chmod o+r"),
         FileType::Directory => (Kind::Dir, 0o005, "directory", "chmod o+rx"),
         other => {
-            let kind = match other {
-                FileType::Fifo => "named pipe (FIFO)",
-                FileType::Socket => "socket",
-                FileType::CharacterDevice => "character device",
-                FileType::BlockDevice => "block device",
-                FileType::Symlink => "symlink",
-                _ => "file of unknown type",
-            };
-            return Err(SourceError::LocalSpecialFile { path: path(), kind });
+            return Err(SourceError::LocalSpecialFile {
+                path: path(),
+                kind: special_file_kind(other),
+            })
         }
     };
     if mode & needed != needed {
@@ -158,9 +165,11 @@ impl LocalSource {
                     path: self.root.display().to_string(),
                 })
             }
-            // Reported with its type, through the same words as any entry.
-            _ => {
-                check_entry(&self.root, &stat)?;
+            other => {
+                return Err(SourceError::LocalSpecialFile {
+                    path: self.root.display().to_string(),
+                    kind: special_file_kind(other),
+                })
             }
         }
         let boundary = hf_cache_repository(&root).unwrap_or(&root).to_path_buf();

@@ -172,13 +172,15 @@ impl Drop for HungMount {
     }
 }
 
-/// Whether a thread of `pid` waits for an answer from a FUSE server.
+/// Whether a thread of `pid` waits for an answer from a FUSE server (`fuse_get_req` while the
+/// connection is not initialised; the daemon's own FUSE threads wait in `fuse_dev_*` instead).
 fn blocked_on_fuse(pid: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return false;
     };
     tasks.flatten().any(|task| {
-        std::fs::read_to_string(task.path().join("wchan")).is_ok_and(|w| w == "fuse_get_req")
+        std::fs::read_to_string(task.path().join("wchan"))
+            .is_ok_and(|w| w.starts_with("fuse") && !w.starts_with("fuse_dev"))
     })
 }
 

@@ -292,6 +292,41 @@ fn huggingface_hub_and_transformers_resolve_ids_offline_from_the_view() {
         !log.contains("passthrough open failed"),
         "ref files are served like blobs"
     );
+
+    // After a restart with another view directory, a served model whose path now lies in it
+    // fails with the reason, and the view is rebuilt there from the records.
+    assert!(d.stop());
+    let flags = hf_flags(&hub);
+    let mut flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    flags.extend(["--hf-cache-dir", "o"]);
+    let d = Daemon::start(&env, &flags);
+    let e = d.wait_model("clusterbasemodel.other", "Failed");
+    assert!(
+        e["reason"].as_str().unwrap().contains("--hf-cache-dir"),
+        "{e}"
+    );
+    d.wait_until("view at o", Duration::from_secs(30), |_| {
+        std::fs::read_to_string(env.mount.join("o/models--org--tiny/refs/main")).ok()
+            == Some(commit.clone())
+    });
+    assert!(!repo_dir.exists());
+    let res = run_python(CLIENTS, &["org/tiny", &commit], &env.mount.join("o"), &home);
+    assert_eq!(res["config"], serde_json::json!(["bert", 32, 2]));
+
+    // An empty --hf-cache-dir turns the view off.
+    assert!(d.stop());
+    let flags = hf_flags(&hub);
+    let mut flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    flags.push("--hf-cache-dir=");
+    let d = Daemon::start(&env, &flags);
+    d.wait_model("clusterbasemodel.other", "Ready");
+    d.wait_model("clusterbasemodel.tiny", "Ready");
+    assert_eq!(contents(&env.mount.join("o/other")), contents(&other));
+    assert!(!env.mount.join("o/models--org--tiny").exists());
+    assert!(!repo_dir.exists());
+    // Without a view, its former directory is an ordinary model path.
+    d.wait_model("clusterbasemodel.squatter", "Ready");
+    assert_eq!(contents(&view.join("models--org--other")), contents(&other));
 }
 
 /// A reader in a loop: resolves the id (`snapshot_download` and `hf_hub_download`), checks

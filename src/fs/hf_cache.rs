@@ -504,6 +504,47 @@ mod tests {
         assert!(!view.expired(t0 + Duration::from_secs(3600)));
     }
 
+    /// A reader that resolves the ref and then reads the snapshot it names, while the ref
+    /// flips between two commits: it always finds the snapshot and the right bytes.
+    #[test]
+    fn concurrent_reader_never_sees_a_half_updated_view() {
+        let f = Arc::new(fixture());
+        let s1 = f.stores[0].clone();
+        let a1 = artifact(&s1.store, C1, 10, &[("f", b"one"), ("g/h", b"1")]);
+        let a2 = artifact(&s1.store, C2, 20, &[("f", b"two"), ("g/h", b"2")]);
+        let mut view = HfCacheView::new(vec!["c".into()], Duration::from_secs(60));
+        let now = Instant::now();
+        apply(&f, &mut view, &[served("m", "o/r", "main", &a1, &s1)], now);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let (f, stop) = (f.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut seen = std::collections::BTreeSet::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let commit = read(&f.core, "c/models--o--r/refs/main").unwrap();
+                    let commit = String::from_utf8(commit).unwrap();
+                    let base = format!("c/models--o--r/snapshots/{commit}");
+                    let want: (&[u8], &[u8]) = if commit == C1 {
+                        (b"one", b"1")
+                    } else {
+                        (b"two", b"2")
+                    };
+                    assert_eq!(read(&f.core, &format!("{base}/f")).unwrap(), want.0);
+                    assert_eq!(read(&f.core, &format!("{base}/g/h")).unwrap(), want.1);
+                    seen.insert(commit);
+                }
+                seen
+            })
+        };
+        for i in 0..400 {
+            let a = if i % 2 == 0 { &a2 } else { &a1 };
+            apply(&f, &mut view, &[served("m", "o/r", "main", a, &s1)], now);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let seen = reader.join().expect("reader saw an error");
+        assert!(!seen.is_empty());
+    }
+
     #[test]
     fn odd_revisions_and_clashes() {
         let f = fixture();

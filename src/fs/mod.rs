@@ -386,15 +386,29 @@ impl FsCore {
             };
             planned.push((e.path.clone(), slot, e));
         }
-        // Drop entries that nest inside another (defence in depth, see above).
-        let all_paths: Vec<Vec<String>> = planned.iter().map(|p| p.0.clone()).collect();
-        planned.retain(|(path, _, _)| {
-            !all_paths
+        // Drop entries that nest inside another (defence in depth, see above). Hash sets of
+        // paths and of their proper prefixes: O(total segments), not O(entries^2), because the
+        // Hugging Face cache view doubles the entries of a large node.
+        let nested: HashSet<usize> = {
+            let paths: HashSet<&[String]> = planned.iter().map(|p| p.0.as_slice()).collect();
+            let prefixes: HashSet<&[String]> = planned
                 .iter()
-                .any(|other| other.len() < path.len() && path.starts_with(other))
-                && !all_paths
-                    .iter()
-                    .any(|other| other.len() > path.len() && other.starts_with(path))
+                .flat_map(|p| (1..p.0.len()).map(move |depth| &p.0[..depth]))
+                .collect();
+            planned
+                .iter()
+                .enumerate()
+                .filter(|(_, (path, _, _))| {
+                    prefixes.contains(path.as_slice())
+                        || (1..path.len()).any(|depth| paths.contains(&path[..depth]))
+                })
+                .map(|(i, _)| i)
+                .collect()
+        };
+        let mut index = 0;
+        planned.retain(|_| {
+            index += 1;
+            !nested.contains(&(index - 1))
         });
 
         let mut new = Mapping {

@@ -22,6 +22,12 @@
 //! Records are saved after every event that changed them, always after the data they point at
 //! is durable (blobs synced, artifact file written): a SIGKILL leaves a state that start-up turns
 //! back into a consistent mapping by `stat`ing blobs, never re-hashing them.
+//!
+//! # Hugging Face cache view
+//! `remap` also derives the cache view ([`crate::fs::hf_cache`]) from the served `hf://` models
+//! and hands it to the core in the same snapshot. A model path that nests with the view's
+//! directory is a conflict ([`crate::fs::hf_cache::path_conflict`], checked with the other
+//! path conflicts); lingering snapshots that expire trigger a `remap` on the tick.
 
 pub mod gc;
 pub mod placement;

@@ -111,6 +111,35 @@ res["token_names"] = tok.convert_ids_to_tokens(res["tokens"])
 print(json.dumps(res))
 "#;
 
+/// A real tiny model (two safetensors shards) read through the view: `AutoConfig` and every
+/// tensor through `safe_open` (mmap), compared with the source files.
+const PHI: &str = r#"
+import json, os, sys
+import numpy as np
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
+from transformers import AutoConfig
+src = sys.argv[1]
+cfg = AutoConfig.from_pretrained("org/phi")
+p = snapshot_download("org/phi", local_files_only=True)
+same, n = True, 0
+for shard in ["model-1-of-2.safetensors", "model-2-of-2.safetensors"]:
+    with safe_open(os.path.join(p, shard), "np") as f, safe_open(os.path.join(src, shard), "np") as g:
+        if sorted(f.keys()) != sorted(g.keys()):
+            same = False
+        for k in f.keys():
+            n += 1
+            same = same and np.array_equal(f.get_tensor(k), g.get_tensor(k))
+print(json.dumps({"model_type": cfg.model_type, "snapshot": p, "tensors": n, "same": same}))
+"#;
+
+/// The shared fixtures: `$MODELFS_FIXTURES_DIR`, else `../shared/fixtures` next to the crate.
+fn fixtures_dir() -> PathBuf {
+    std::env::var_os("MODELFS_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"))
+}
+
 fn in_view(p: &Value, view: &Path) -> PathBuf {
     let p = PathBuf::from(p.as_str().unwrap_or_else(|| panic!("not a path: {p}")));
     assert!(
@@ -163,9 +192,17 @@ fn huggingface_hub_and_transformers_resolve_ids_offline_from_the_view() {
         files_from_dir(&other, 64 << 10).unwrap(),
     );
 
+    let phi = fixtures_dir().join("hf-configs/tiny-random-PhiModel");
+    hub.hub().add_commit(
+        "org/phi",
+        &["main"],
+        files_from_dir(&phi, 64 << 10).unwrap(),
+    );
+
     env.write_models(
         "m.yaml",
         &[
+            cluster_model("phi", "hf://org/phi", "AlwaysDownload", None),
             cluster_model("tiny", "hf://org/tiny", "AlwaysDownload", None),
             cluster_model("tiny-v1", "hf://org/tiny@v1", "AlwaysDownload", None),
             base_model(
@@ -187,6 +224,7 @@ fn huggingface_hub_and_transformers_resolve_ids_offline_from_the_view() {
     );
     let d = start_daemon(&env, &hub);
     for k in [
+        "clusterbasemodel.phi",
         "clusterbasemodel.tiny",
         "clusterbasemodel.tiny-v1",
         "team.basemodel.tiny",
@@ -282,6 +320,15 @@ fn huggingface_hub_and_transformers_resolve_ids_offline_from_the_view() {
     assert_eq!(
         res["token_names"],
         serde_json::json!(["hello", "world", "model"])
+    );
+
+    let res = run_python(PHI, &[phi.to_str().unwrap()], &view, &home);
+    assert_eq!(res["model_type"], "phi", "{res}");
+    in_view(&res["snapshot"], &view);
+    assert!(res["tensors"].as_u64().unwrap() > 0, "{res}");
+    assert_eq!(
+        res["same"], true,
+        "tensors read through the view differ: {res}"
     );
 
     // Nothing was written to the view or fetched again.

@@ -627,6 +627,10 @@ fn view_follows_flips_revisions_and_deletion_without_reader_errors() {
     d.wait_until("view empty", Duration::from_secs(30), |_| {
         !repo_dir.exists()
     });
+    // Lingering snapshots held their stores; once they are gone, so is every blob.
+    d.wait_until("every store collected", Duration::from_secs(30), |_| {
+        env.stores_with_blobs().is_empty()
+    });
     let res = reader.finish();
     assert_eq!(res["errors"], serde_json::json!([]), "{res}");
     assert!(res["passes"].as_u64().unwrap() > 0, "{res}");

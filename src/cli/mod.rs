@@ -87,6 +87,15 @@ pub struct ServeArgs {
     /// Seconds a store with no users stays on disk before it is removed.
     #[arg(long, default_value_t = 300)]
     gc_grace_secs: u64,
+    /// Directory of the Hugging Face cache view, relative to the mount; empty for no view.
+    /// With HF_HUB_CACHE=<mount>/<dir> HF_HUB_OFFLINE=1, Hugging Face libraries resolve the
+    /// ids of Ready hf:// models from the mount. No model path may lie in it.
+    #[arg(long, default_value = crate::fs::hf_cache::DEFAULT_DIR)]
+    hf_cache_dir: String,
+    /// Seconds a snapshot stays in the Hugging Face cache view after no model serves it (for
+    /// readers that resolved it just before a change).
+    #[arg(long, default_value_t = 300)]
+    hf_cache_linger_secs: u64,
     /// FUSE worker threads.
     #[arg(long, default_value_t = FuseConfig::default().threads)]
     fuse_threads: usize,
@@ -254,6 +263,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
         gc_grace: Duration::from_secs(args.gc_grace_secs),
         max_concurrent_fetches: args.max_concurrent_fetches,
         sources: SourceConfig::new(args.hf.config()).context("configuring sources")?,
+        hf_cache_dir: hf_cache_dir(&args.hf_cache_dir)?,
+        hf_cache_linger: Duration::from_secs(args.hf_cache_linger_secs),
         ..ReconcilerConfig::default()
     };
     let sink: Arc<dyn MountSink> = mount.clone();
@@ -354,4 +365,14 @@ async fn wait_for_signal() -> Result<()> {
         _ = int.recv() => {}
     }
     Ok(())
+}
+
+/// `--hf-cache-dir`: a relative path below the mount, or empty for no view.
+fn hf_cache_dir(arg: &str) -> Result<Option<crate::manifest::MountPath>> {
+    if arg.is_empty() {
+        return Ok(None);
+    }
+    crate::manifest::MountPath::from_relative(arg)
+        .map(Some)
+        .with_context(|| format!("--hf-cache-dir {arg:?} must be a relative path below the mount"))
 }

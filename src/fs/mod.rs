@@ -22,13 +22,25 @@
 //! An open file holds an [`OpenBlob`], which holds the [`StoreHandle`] of the store it was opened
 //! on. Stores are interned by id as weak references: a store is in use exactly while some mapping,
 //! retained slot or open file holds its handle. Garbage collection asks [`FsCore::store_in_use`].
+//!
+//! # Inline files
+//! Besides model trees, a mapping can hold small files whose bytes live in the mapping itself
+//! ([`InlineFile`]: the `refs/<revision>` files of the Hugging Face cache view, see
+//! [`hf_cache`]). They sit in synthesized directories and are numbered like them (slot 0), one
+//! inode per (path, content) pair: new content is a new inode, so the kernel can never show new
+//! bytes under an old inode or old bytes under a new one, and an inode whose file left the
+//! mapping stays answerable (its old content) for a kernel that still holds it. Opening one
+//! gives a sealed memfd holding the content, so the FUSE adapter treats it as any other file
+//! (passthrough or read-through).
 
+pub mod hf_cache;
 pub mod tree;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
+use std::os::fd::FromRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -148,8 +160,10 @@ pub struct OpenBlob {
     pub file: File,
     pub size: u64,
     pub ino: u64,
+    /// sha256 of the content.
     pub blob: Sha256Digest,
-    pub store: Arc<StoreHandle>,
+    /// `None` for an [`InlineFile`], whose bytes are not in any store.
+    pub store: Option<Arc<StoreHandle>>,
 }
 
 /// One model to mount.
@@ -159,6 +173,14 @@ pub struct MountEntry {
     pub path: Vec<String>,
     pub artifact: Arc<StoredArtifact>,
     pub store: Arc<StoreHandle>,
+}
+
+/// A small file whose bytes the mapping holds (see the module documentation).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InlineFile {
+    /// Path below the mount, as segments.
+    pub path: Vec<String>,
+    pub content: Arc<[u8]>,
 }
 
 /// One (path, artifact) pair's tree, alive while mounted or referenced by the kernel.
@@ -180,6 +202,7 @@ struct SynthDir {
     /// Children by inode (readdir order, offset = ino + 2) and by name (lookup).
     by_ino: BTreeMap<u64, (String, Kind)>,
     by_name: HashMap<String, u64>,
+    subdirs: u32,
 }
 
 #[derive(Debug)]
@@ -201,6 +224,7 @@ pub struct Mapping {
 struct Registries {
     synth_ids: HashMap<Vec<String>, u64>,
     slot_ids: HashMap<(Vec<String>, ArtifactId), u32>,
+    inline_ids: HashMap<(Vec<String>, Arc<[u8]>), u64>,
     next_synth: u64,
     next_slot: u32,
 }
@@ -212,6 +236,8 @@ pub struct FsCore {
     registries: Mutex<Registries>,
     stores: Mutex<HashMap<StoreId, Weak<StoreHandle>>>,
     handles: DashMap<u64, Arc<OpenBlob>>,
+    /// Every inline file ever mapped, by inode (a few bytes each; see the module docs).
+    inline: RwLock<HashMap<u64, Arc<[u8]>>>,
     next_fh: AtomicU64,
     /// Shown as the mtime of synthesized directories.
     started: SystemTime,
@@ -251,6 +277,7 @@ impl FsCore {
             registries: Mutex::new(registries),
             stores: Mutex::new(HashMap::new()),
             handles: DashMap::new(),
+            inline: RwLock::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             started,
             apply_lock: Mutex::new(()),
@@ -308,7 +335,9 @@ impl FsCore {
             }
         }
         for h in self.handles.iter() {
-            out.entry(h.store.id.clone()).or_default().insert(h.blob);
+            if let Some(store) = &h.store {
+                out.entry(store.id.clone()).or_default().insert(h.blob);
+            }
         }
         out
     }
@@ -321,6 +350,16 @@ impl FsCore {
     /// reconciler guarantees it); an entry violating that is skipped, never half-applied.
     /// Returns the kernel cache entries to invalidate, to be sent after this call returns.
     pub fn apply(&self, entries: &[MountEntry]) -> Result<Vec<Invalidation>, FsError> {
+        self.apply_with_files(entries, &[])
+    }
+
+    /// [`FsCore::apply`] with inline files in the same snapshot. A file whose path is taken by
+    /// or nests with a model or another file is skipped (the first of two equal paths wins).
+    pub fn apply_with_files(
+        &self,
+        entries: &[MountEntry],
+        files: &[InlineFile],
+    ) -> Result<Vec<Invalidation>, FsError> {
         let _serial = self.apply_lock.lock().expect("apply lock");
         let old = self.mapping.load_full();
         let mut reg = self.registries.lock().expect("registries lock");
@@ -347,15 +386,29 @@ impl FsCore {
             };
             planned.push((e.path.clone(), slot, e));
         }
-        // Drop entries that nest inside another (defence in depth, see above).
-        let all_paths: Vec<Vec<String>> = planned.iter().map(|p| p.0.clone()).collect();
-        planned.retain(|(path, _, _)| {
-            !all_paths
+        // Drop entries that nest inside another (defence in depth, see above). Hash sets of
+        // paths and of their proper prefixes: O(total segments), not O(entries^2), because the
+        // Hugging Face cache view doubles the entries of a large node.
+        let nested: HashSet<usize> = {
+            let paths: HashSet<&[String]> = planned.iter().map(|p| p.0.as_slice()).collect();
+            let prefixes: HashSet<&[String]> = planned
                 .iter()
-                .any(|other| other.len() < path.len() && path.starts_with(other))
-                && !all_paths
-                    .iter()
-                    .any(|other| other.len() > path.len() && other.starts_with(path))
+                .flat_map(|p| (1..p.0.len()).map(move |depth| &p.0[..depth]))
+                .collect();
+            planned
+                .iter()
+                .enumerate()
+                .filter(|(_, (path, _, _))| {
+                    prefixes.contains(path.as_slice())
+                        || (1..path.len()).any(|depth| paths.contains(&path[..depth]))
+                })
+                .map(|(i, _)| i)
+                .collect()
+        };
+        let mut index = 0;
+        planned.retain(|_| {
+            index += 1;
+            !nested.contains(&(index - 1))
         });
 
         let mut new = Mapping {
@@ -434,6 +487,7 @@ impl FsCore {
                 debug_assert_eq!(*id, m.slot.id);
             }
         }
+        self.place_inline_files(&mut reg, &mut new, &planned, files);
         drop(reg);
 
         let invalidations = diff(&old, &new);
@@ -441,18 +495,114 @@ impl FsCore {
         Ok(invalidations)
     }
 
+    /// Adds `files` to `new`, below synthesized directories, skipping any whose path clashes
+    /// with a model root, a directory on the way to one, or an earlier file.
+    fn place_inline_files(
+        &self,
+        reg: &mut Registries,
+        new: &mut Mapping,
+        planned: &[(Vec<String>, u32, &MountEntry)],
+        files: &[InlineFile],
+    ) {
+        if files.is_empty() {
+            return;
+        }
+        // Paths that must stay directories (every proper prefix of a taken path) and paths
+        // taken by a model root or a file: O(total segments).
+        let mut dirs: HashSet<&[String]> = HashSet::new();
+        let mut leaves: HashSet<&[String]> = HashSet::new();
+        for (path, _, _) in planned {
+            leaves.insert(path);
+            for depth in 1..path.len() {
+                dirs.insert(&path[..depth]);
+            }
+        }
+        let mut inline = self.inline.write().expect("inline lock");
+        for f in files {
+            let path = f.path.as_slice();
+            let clash = path.is_empty()
+                || dirs.contains(path)
+                || (1..=path.len()).any(|depth| leaves.contains(&path[..depth]));
+            if clash {
+                continue;
+            }
+            leaves.insert(path);
+            for depth in 1..path.len() {
+                dirs.insert(&path[..depth]);
+            }
+            let parent = self.synthesize_parents(reg, new, path);
+            let key = (f.path.clone(), f.content.clone());
+            let ino = match reg.inline_ids.get(&key) {
+                Some(i) => *i,
+                None => {
+                    let i = reg.next_synth;
+                    reg.next_synth += 1;
+                    reg.inline_ids.insert(key, i);
+                    i
+                }
+            };
+            inline.entry(ino).or_insert_with(|| f.content.clone());
+            new.synth.get_mut(&parent).expect("parent synthesized").add(
+                ino,
+                path[path.len() - 1].clone(),
+                Kind::File,
+            );
+        }
+    }
+
+    /// Synthesized directories for every proper prefix of `path`; returns the innermost.
+    fn synthesize_parents(&self, reg: &mut Registries, new: &mut Mapping, path: &[String]) -> u64 {
+        let mut parent = ROOT_INO;
+        for depth in 1..path.len() {
+            let prefix = path[..depth].to_vec();
+            let name = prefix[depth - 1].clone();
+            let ino = match reg.synth_ids.get(&prefix) {
+                Some(i) => *i,
+                None => {
+                    let i = reg.next_synth;
+                    reg.next_synth += 1;
+                    reg.synth_ids.insert(prefix, i);
+                    i
+                }
+            };
+            new.synth
+                .entry(ino)
+                .or_insert_with(|| SynthDir::new(parent, name.clone()));
+            new.synth
+                .get_mut(&parent)
+                .expect("parent synthesized first")
+                .add(ino, name, Kind::Dir);
+            parent = ino;
+        }
+        parent
+    }
+
+    fn inline_attr(&self, ino: u64) -> Option<Attr> {
+        let inline = self.inline.read().expect("inline lock");
+        let content = inline.get(&ino)?;
+        Some(Attr {
+            ino,
+            kind: Kind::File,
+            size: content.len() as u64,
+            perm: 0o444,
+            nlink: 1,
+            mtime: self.started,
+            // One content per inode, for ever.
+            immutable: true,
+        })
+    }
+
     fn slot(&self, id: u32) -> Option<Arc<Slot>> {
         self.slots.read().expect("slots lock").get(&id).cloned()
     }
 
     fn synth_attr(&self, ino: u64, dir: &SynthDir) -> Attr {
-        let subdirs = dir.by_ino.len() as u32;
         Attr {
             ino,
             kind: Kind::Dir,
             size: 0,
             perm: 0o555,
-            nlink: 2 + subdirs,
+            nlink: 2 + dir.subdirs,
             mtime: self.started,
             immutable: false,
         }
@@ -493,8 +643,10 @@ impl FsCore {
             let child = *dir.by_name.get(name).ok_or(FsError::NotFound)?;
             let (child_slot, _) = split_ino(child);
             if child_slot == 0 {
-                let d = mapping.synth.get(&child).ok_or(FsError::NotFound)?;
-                return Ok(self.synth_attr(child, d));
+                if let Some(d) = mapping.synth.get(&child) {
+                    return Ok(self.synth_attr(child, d));
+                }
+                return self.inline_attr(child).ok_or(FsError::NotFound);
             }
             let m = mapping.models.get(&child_slot).ok_or(FsError::NotFound)?;
             m.slot.kernel_refs.fetch_add(1, Ordering::AcqRel);
@@ -551,8 +703,10 @@ impl FsCore {
         let (slot_id, node) = split_ino(ino);
         if slot_id == 0 {
             let mapping = self.mapping.load();
-            let dir = mapping.synth.get(&ino).ok_or(FsError::NotFound)?;
-            return Ok(self.synth_attr(ino, dir));
+            if let Some(dir) = mapping.synth.get(&ino) {
+                return Ok(self.synth_attr(ino, dir));
+            }
+            return self.inline_attr(ino).ok_or(FsError::NotFound);
         }
         let slot = self.slot(slot_id).ok_or(FsError::NotFound)?;
         Self::node_attr(&slot, node)
@@ -590,7 +744,13 @@ impl FsCore {
         let after = offset.saturating_sub(2);
         if slot_id == 0 {
             let mapping = self.mapping.load();
-            let dir = mapping.synth.get(&ino).ok_or(FsError::NotFound)?;
+            let Some(dir) = mapping.synth.get(&ino) else {
+                return Err(if self.inline_attr(ino).is_some() {
+                    FsError::NotDir
+                } else {
+                    FsError::NotFound
+                });
+            };
             if dots(dir.parent, &mut add) {
                 return Ok(());
             }
@@ -653,7 +813,7 @@ impl FsCore {
     pub fn open(&self, ino: u64) -> Result<(u64, Arc<OpenBlob>), FsError> {
         let (slot_id, node) = split_ino(ino);
         if slot_id == 0 {
-            return Err(FsError::IsDir);
+            return self.open_inline(ino);
         }
         let (slot, store) = {
             let mapping = self.mapping.load();
@@ -681,16 +841,42 @@ impl FsCore {
             context: format!("opening blob {}", path.display()),
             source,
         })?;
-        let blob = Arc::new(OpenBlob {
+        Ok(self.register(OpenBlob {
             file,
             size,
             ino,
             blob,
-            store,
-        });
+            store: Some(store),
+        }))
+    }
+
+    fn register(&self, blob: OpenBlob) -> (u64, Arc<OpenBlob>) {
+        let blob = Arc::new(blob);
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.handles.insert(fh, blob.clone());
-        Ok((fh, blob))
+        (fh, blob)
+    }
+
+    fn open_inline(&self, ino: u64) -> Result<(u64, Arc<OpenBlob>), FsError> {
+        let content = self.inline.read().expect("inline lock").get(&ino).cloned();
+        let Some(content) = content else {
+            return Err(if self.getattr(ino).is_ok() {
+                FsError::IsDir
+            } else {
+                FsError::NotFound
+            });
+        };
+        let file = sealed_memfd(&content).map_err(|source| FsError::Io {
+            context: format!("creating the memory file of inode {ino}"),
+            source,
+        })?;
+        Ok(self.register(OpenBlob {
+            file,
+            size: content.len() as u64,
+            ino,
+            blob: Sha256Digest::of(&content),
+            store: None,
+        }))
     }
 
     /// Reads up to `size` bytes at `offset`; short only at end of file.
@@ -731,14 +917,49 @@ impl SynthDir {
             name,
             by_ino: BTreeMap::new(),
             by_name: HashMap::new(),
+            subdirs: 0,
         }
     }
 
     fn add(&mut self, ino: u64, name: String, kind: Kind) {
         if self.by_name.insert(name.clone(), ino).is_none() {
             self.by_ino.insert(ino, (name, kind));
+            if kind == Kind::Dir {
+                self.subdirs += 1;
+            }
         }
     }
+}
+
+/// An anonymous memory file holding `content`, sealed against any change (a passthrough
+/// backing file must not change under the kernel).
+fn sealed_memfd(content: &[u8]) -> io::Result<File> {
+    // SAFETY: the name is a valid C string; the flags are plain bits.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"modelfs-inline".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and is owned by nothing else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.write_all_at(content, 0)?;
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on a descriptor `file` owns, with integer arguments.
+    if unsafe {
+        libc::fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            libc::F_ADD_SEALS,
+            seals,
+        )
+    } < 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
 }
 
 /// What the kernel must forget when `old` becomes `new`: entries whose target changed or went

@@ -192,7 +192,7 @@ fn repoint_to_another_store_keeps_inodes_and_open_files() {
     f.core.apply(&[entry("m", &a, &f.store_a)]).unwrap();
     let before = resolve(&f.core, "m/model.bin").unwrap();
     let (fh, blob) = f.core.open(before.ino).unwrap();
-    assert_eq!(blob.store.id, StoreId::from_seq(1));
+    assert_eq!(blob.store.as_ref().unwrap().id, StoreId::from_seq(1));
 
     let inv = f.core.apply(&[entry("m", &a_in_b, &f.store_b)]).unwrap();
     assert!(
@@ -203,7 +203,7 @@ fn repoint_to_another_store_keeps_inodes_and_open_files() {
     assert_eq!(before, after, "inode and attributes survive a re-point");
     let (fh2, blob2) = f.core.open(after.ino).unwrap();
     assert_eq!(
-        blob2.store.id,
+        blob2.store.as_ref().unwrap().id,
         StoreId::from_seq(2),
         "new opens use the new store"
     );
@@ -316,7 +316,11 @@ fn nesting_or_duplicate_paths_are_never_half_applied() {
         "nesting paths: neither mounted"
     );
     let (_, blob) = f.core.open(resolve(&f.core, "r/x").unwrap().ino).unwrap();
-    assert_eq!(blob.store.id, StoreId::from_seq(1), "first duplicate wins");
+    assert_eq!(
+        blob.store.as_ref().unwrap().id,
+        StoreId::from_seq(1),
+        "first duplicate wins"
+    );
 }
 
 /// Reference model: the mount shows exactly the files of the mounted entries at their paths.

@@ -22,6 +22,12 @@
 //! Records are saved after every event that changed them, always after the data they point at
 //! is durable (blobs synced, artifact file written): a SIGKILL leaves a state that start-up turns
 //! back into a consistent mapping by `stat`ing blobs, never re-hashing them.
+//!
+//! # Hugging Face cache view
+//! `remap` also derives the cache view ([`crate::fs::hf_cache`]) from the served `hf://` models
+//! and hands it to the core in the same snapshot. A model path that nests with the view's
+//! directory is a conflict ([`crate::fs::hf_cache::path_conflict`], checked with the other
+//! path conflicts); lingering snapshots that expire trigger a `remap` on the tick.
 
 pub mod gc;
 pub mod placement;
@@ -38,8 +44,9 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::artifact::{ArtifactId, Manifest, Sha256Digest, StoredArtifact};
+use crate::fs::hf_cache::{HfCacheView, HfServed};
 use crate::fs::{FsCore, Invalidation, MountEntry};
-use crate::manifest::{ModelKey, ModelSpec, MountPath};
+use crate::manifest::{ModelKey, ModelSpec, MountPath, SourceUri};
 use crate::metrics::Metrics;
 use crate::source::{FetchContext, Progress, Source, SourceConfig, SourceError};
 use crate::status::StatusDoc;
@@ -75,6 +82,11 @@ pub struct ReconcilerConfig {
     pub retry_max: Duration,
     /// Source settings shared by all models (Hugging Face endpoint, default token, tuning).
     pub sources: SourceConfig,
+    /// Directory of the Hugging Face cache view below the mount (`None`: no view); see
+    /// [`crate::fs::hf_cache`].
+    pub hf_cache_dir: Option<MountPath>,
+    /// How long a snapshot stays in the view after no model serves it.
+    pub hf_cache_linger: Duration,
 }
 
 impl Default for ReconcilerConfig {
@@ -87,6 +99,8 @@ impl Default for ReconcilerConfig {
             retry_base: Duration::from_secs(2),
             retry_max: Duration::from_secs(300),
             sources: SourceConfig::default(),
+            hf_cache_dir: None,
+            hf_cache_linger: Duration::from_secs(300),
         }
     }
 }
@@ -244,6 +258,7 @@ pub struct Reconciler {
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
     last_gc: Instant,
+    hf_cache: Option<HfCacheView>,
 }
 
 impl Reconciler {
@@ -285,7 +300,13 @@ impl Reconciler {
             ready: ready.clone(),
             alive: alive.clone(),
             last_gc: Instant::now(),
+            hf_cache: None,
         };
+        r.hf_cache = r
+            .config
+            .hf_cache_dir
+            .as_ref()
+            .map(|d| HfCacheView::new(d.segments().to_vec(), r.config.hf_cache_linger));
         r.saved = serde_json::to_vec_pretty(&r.records).unwrap_or_default();
         r.recover();
         r.remap();
@@ -368,6 +389,13 @@ impl Reconciler {
             } => self.on_fetched(key, fingerprint, store, manifest, result),
             Event::Tick => {
                 self.reconcile_all();
+                if self
+                    .hf_cache
+                    .as_ref()
+                    .is_some_and(|v| v.expired(Instant::now()))
+                {
+                    self.remap();
+                }
                 // A pass every 5 ticks, or more often when the grace period is shorter.
                 let gc_every =
                     (self.config.tick * 5).min(self.config.gc_grace.max(self.config.tick));
@@ -464,9 +492,12 @@ impl Reconciler {
             self.cancel_work(key);
         }
         let now = Instant::now();
+        let in_cache_view = self.hf_cache_conflict(&spec.path).is_some();
         match self.records.models.get_mut(key) {
             Some(rec) if rec.fingerprint == fp => match rec.phase {
-                ModelPhase::Ready => return false,
+                ModelPhase::Ready if !in_cache_view => return false,
+                // Served, but the view directory now covers its path (a changed flag).
+                ModelPhase::Ready => {}
                 ModelPhase::Failed => match self.retries.get(key) {
                     Some(r) if r.fingerprint == fp && r.at <= now => {}
                     Some(_) => return false,
@@ -1041,6 +1072,12 @@ impl Reconciler {
         }
     }
 
+    /// Why `path` cannot be a model path: it nests with the Hugging Face cache view.
+    fn hf_cache_conflict(&self, path: &MountPath) -> Option<String> {
+        let dir = self.config.hf_cache_dir.as_ref()?;
+        crate::fs::hf_cache::path_conflict(path.segments(), dir.segments())
+    }
+
     /// Whether placing `key` at `path` (serving `artifact`, if known) would conflict with a model
     /// already served or an earlier model still being placed (SPEC section 4).
     fn conflict_for(
@@ -1049,6 +1086,9 @@ impl Reconciler {
         path: &MountPath,
         artifact: Option<&ArtifactId>,
     ) -> Option<String> {
+        if let Some(reason) = self.hf_cache_conflict(path) {
+            return Some(reason);
+        }
         let my_seq = self
             .records
             .models
@@ -1127,8 +1167,9 @@ impl Reconciler {
             .collect();
         let conflicts = placement::path_conflicts(&claims);
         let mut entries = Vec::with_capacity(served.len());
+        let mut hf_served = Vec::new();
         for (_, key, path, artifact, store) in served {
-            if conflicts.contains_key(&key) {
+            if conflicts.contains_key(&key) || self.hf_cache_conflict(&path).is_some() {
                 continue;
             }
             let Some(stored) = self.artifact(&artifact) else {
@@ -1141,13 +1182,34 @@ impl Reconciler {
                     continue;
                 }
             };
+            if self.hf_cache.is_some() {
+                let source = self.records.models[&key].served_source.as_deref();
+                if let Some(Ok(SourceUri::HuggingFace { repo, revision })) =
+                    source.map(SourceUri::parse)
+                {
+                    hf_served.push(HfServed {
+                        model: key.to_string(),
+                        repo,
+                        revision,
+                        artifact: stored.clone(),
+                        store: handle.clone(),
+                    });
+                }
+            }
             entries.push(MountEntry {
                 path: path.segments().to_vec(),
                 artifact: stored,
                 store: handle,
             });
         }
-        match self.fs.apply(&entries) {
+        // The cache view joins the same snapshot: its refs and snapshots flip with the paths.
+        let mut files = Vec::new();
+        if let Some(view) = &mut self.hf_cache {
+            let (snapshots, refs) = view.update(&hf_served, Instant::now());
+            entries.extend(snapshots);
+            files = refs;
+        }
+        match self.fs.apply_with_files(&entries, &files) {
             Ok(inv) => {
                 self.metrics.mapping_changes.inc();
                 if let Some(m) = &self.mount {

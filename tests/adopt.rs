@@ -257,3 +257,52 @@ fn a_local_source_under_the_models_root_is_served_from_the_files_there() {
         "both stores hold the old file's inode"
     );
 }
+
+/// Detaches a bind mount when the test ends, whatever happens.
+struct BindMount(PathBuf);
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+#[test]
+fn a_models_root_that_is_a_bind_mount_is_mounted_over_and_adopted() {
+    // As in the DaemonSet: the models root the daemon sees is a bind mount of the host
+    // directory. Hard links cannot cross mounts, so the files are copied (and verified).
+    let hub = TestHub::start(50);
+    let env = TestEnv::new();
+    let (dir_m, _) = publish(&env, &hub, "org/m", 31);
+    let host = env.dir("host-models");
+    prefill(&dir_m, &host.join("m"));
+    let before = snapshot(&host);
+    std::fs::create_dir_all(&env.mount).unwrap();
+    sh(&format!(
+        "mount --bind '{}' '{}'",
+        host.display(),
+        env.mount.display()
+    ));
+    let _bind = BindMount(env.mount.clone());
+
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", "hf://org/m", "AlwaysDownload", Some("m")),
+    );
+    let d = start_daemon(&env, &hub);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(contents(&env.mount.join("m")), contents(&dir_m));
+    assert_eq!(hub.hub().stats().bytes_served, 0, "log:\n{}", d.log_text());
+    assert_eq!(hub.hub().stats().file_requests, 0);
+    assert!(d.stop(), "clean shutdown");
+
+    assert_eq!(snapshot(&host), before, "the old tree was modified");
+    let file = host.join("m").join(BIG);
+    let sha = hex::encode(Sha256::digest(std::fs::read(&file).unwrap()));
+    let inodes = blob_inodes(&env, &sha);
+    assert_eq!(inodes.len(), 1, "adopted into one store");
+    assert_ne!(inodes[0], std::fs::metadata(&file).unwrap().ino(), "copied");
+}

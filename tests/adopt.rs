@@ -198,6 +198,22 @@ fn a_models_root_left_by_ome_is_adopted_not_downloaded() {
     assert!(blob_inodes(&env, &bad).is_empty(), "corrupted bytes stored");
     let good = hex::encode(Sha256::digest(std::fs::read(dir_k.join(BIG)).unwrap()));
     assert!(!blob_inodes(&env, &good).is_empty());
+
+    // A restart serves the adopted stores as they are: nothing is adopted or fetched again.
+    let served = hub.hub().stats().bytes_served;
+    let d = start_daemon(&env, &hub);
+    for key in [
+        "clusterbasemodel.m",
+        "team-b.basemodel.m",
+        "clusterbasemodel.k",
+    ] {
+        d.wait_model(key, "Ready");
+    }
+    assert_eq!(contents(&root.join("team-b/m")), contents(&dir_m));
+    assert_eq!(hub.hub().stats().bytes_served, served);
+    assert!(!d.log_text().contains("adopted files"), "adopted again");
+    assert!(d.stop(), "clean shutdown");
+    assert_eq!(snapshot(&root), before, "the old tree was modified");
 }
 
 #[test]

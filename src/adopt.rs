@@ -57,6 +57,8 @@ use std::sync::Arc;
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
 
 use crate::artifact::{FileDigest, Manifest, Sha256Digest};
+use crate::manifest::ModelKey;
+use crate::source::{FetchContext, Source, SourceError};
 use crate::store::Store;
 
 /// Most symlinks followed while resolving one path (the kernel's limit).
@@ -289,9 +291,27 @@ pub fn import_into(
 #[derive(Debug)]
 pub struct Cancelled;
 
+/// A model's fetch into its own store: first adopts what `adopt` holds (if given), then lets
+/// the source fetch whatever the store still lacks.
+pub async fn fetch_adopting(
+    key: &ModelKey,
+    source: &Source,
+    adopt: Option<AdoptFrom>,
+    manifest: &Arc<Manifest>,
+    ctx: FetchContext,
+) -> Result<Vec<Sha256Digest>, SourceError> {
+    if let Some(from) = adopt {
+        let (store, cancel) = (ctx.store.clone(), ctx.cancel.clone());
+        adopt_before_fetch(key, from, manifest.clone(), store, cancel)
+            .await
+            .map_err(|Cancelled| SourceError::Cancelled)?;
+    }
+    source.fetch(manifest.clone(), ctx).await
+}
+
 /// Runs [`import_into`] off the async runtime and logs what it did.
-pub async fn adopt_before_fetch(
-    key: String,
+async fn adopt_before_fetch(
+    key: &ModelKey,
     from: AdoptFrom,
     manifest: Arc<Manifest>,
     store: Store,

@@ -646,23 +646,8 @@ impl Reconciler {
                 tokio::spawn(async move {
                     let result = match slots.acquire_owned().await {
                         Ok(_permit) => {
-                            let adopted = match adopt {
-                                Some(from) => {
-                                    crate::adopt::adopt_before_fetch(
-                                        key2.to_string(),
-                                        from,
-                                        manifest.clone(),
-                                        ctx.store.clone(),
-                                        ctx.cancel.clone(),
-                                    )
-                                    .await
-                                }
-                                None => Ok(()),
-                            };
-                            match adopted {
-                                Ok(()) => source.fetch(manifest.clone(), ctx).await,
-                                Err(crate::adopt::Cancelled) => Err(SourceError::Cancelled),
-                            }
+                            crate::adopt::fetch_adopting(&key2, &source, adopt, &manifest, ctx)
+                                .await
                         }
                         Err(_) => Err(SourceError::Cancelled),
                     };

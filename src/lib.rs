@@ -4,6 +4,7 @@
 //! layers execute.
 //!
 //! * [`manifest`]: OME `BaseModel` / `ClusterBaseModel` objects, validated into model specs.
+//! * [`adopt`]: the files an old agent left under the models root, reached beneath the mount.
 //! * [`source`]: resolve a model's source to an artifact and fetch its blobs into a store.
 //! * [`store`]: content-addressed blob stores and the daemon's durable records.
 //! * [`fs`]: the filesystem core (mapping table, trees, inodes, open files), FUSE-free.
@@ -15,6 +16,7 @@
 //!
 //! `devhub` is a loopback Hugging Face hub for tests and benchmarks, not part of the daemon.
 
+pub mod adopt;
 pub mod artifact;
 pub mod cli;
 #[doc(hidden)]

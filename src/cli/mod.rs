@@ -240,6 +240,18 @@ async fn serve(args: ServeArgs) -> Result<()> {
         None => mount_dir.clone(),
     };
 
+    // The directory the mount is about to cover, opened first: files an old agent left there
+    // are adopted through this handle instead of being hidden (see `adopt`). A stale mount of
+    // a crashed daemon is removed first so that the handle is on the directory itself.
+    crate::fuse::clean_stale_mount(&mount_dir)
+        .with_context(|| format!("preparing {}", mount_dir.display()))?;
+    std::fs::create_dir_all(&mount_dir)
+        .with_context(|| format!("creating {}", mount_dir.display()))?;
+    let under_mount = Arc::new(
+        crate::adopt::UnderMount::open(&mount_dir, &models_root_dir)
+            .with_context(|| format!("opening {}", mount_dir.display()))?,
+    );
+
     let metrics = Arc::new(Metrics::new());
     let core = Arc::new(FsCore::new());
     let fuse_config = FuseConfig {
@@ -262,7 +274,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         models_root_dir: models_root_dir.clone(),
         gc_grace: Duration::from_secs(args.gc_grace_secs),
         max_concurrent_fetches: args.max_concurrent_fetches,
-        sources: SourceConfig::new(args.hf.config()).context("configuring sources")?,
+        sources: SourceConfig::new(args.hf.config())
+            .context("configuring sources")?
+            .with_under_mount(under_mount),
         hf_cache_dir: hf_cache_dir(&args.hf_cache_dir)?,
         hf_cache_linger: Duration::from_secs(args.hf_cache_linger_secs),
         ..ReconcilerConfig::default()

@@ -10,8 +10,6 @@ use std::path::{Path, PathBuf};
 pub enum MountpointError {
     #[error("{path} is already served by a live modelfs mount; stop that daemon first")]
     AlreadyMounted { path: PathBuf },
-    #[error("{path} is a mountpoint of another filesystem ({fstype})")]
-    ForeignMount { path: PathBuf, fstype: String },
     #[error("preparing mountpoint {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
 }
@@ -75,8 +73,9 @@ pub(crate) fn detach(path: &Path) -> io::Result<()> {
 }
 
 /// Detaches a mount left behind by a crashed daemon (its connection is dead: `ENOTCONN`).
-/// Returns whether one was cleaned. A live modelfs mount or another filesystem mounted here is
-/// an error: the daemon must not stack on top of it.
+/// Returns whether one was cleaned. A live modelfs mount here is an error: the daemon must not
+/// stack on top of it. Another filesystem mounted here is the directory the daemon mounts over
+/// (in a container the models root is a bind mount of the host directory), not an error.
 pub fn clean_stale_mount(path: &Path) -> Result<bool, MountpointError> {
     let io_err = |source| MountpointError::Io {
         path: path.to_path_buf(),
@@ -90,10 +89,8 @@ pub fn clean_stale_mount(path: &Path) -> Result<bool, MountpointError> {
         };
         let ours = (fstype == "fuse" || fstype.starts_with("fuse.")) && source == "modelfs";
         if !ours {
-            return Err(MountpointError::ForeignMount {
-                path: path.to_path_buf(),
-                fstype,
-            });
+            tracing::debug!(path = %path.display(), fstype, "mounting over a mount of another filesystem");
+            return Ok(cleaned);
         }
         match statfs(path) {
             Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {

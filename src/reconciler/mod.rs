@@ -672,10 +672,14 @@ impl Reconciler {
                 let tx = self.tx.clone();
                 let slots = self.fetch_slots.clone();
                 let key2 = key.clone();
+                let adopt = self.adopt_from(&spec);
                 tracing::info!(model = %key, %store, bytes = manifest.total_size(), files = manifest.entries().len(), "fetching");
                 tokio::spawn(async move {
                     let result = match slots.acquire_owned().await {
-                        Ok(_permit) => source.fetch(manifest.clone(), ctx).await,
+                        Ok(_permit) => {
+                            crate::adopt::fetch_adopting(&key2, &source, adopt, &manifest, ctx)
+                                .await
+                        }
                         Err(_) => Err(SourceError::Cancelled),
                     };
                     let _ = tx.send(Event::Fetched {
@@ -688,6 +692,19 @@ impl Reconciler {
                 });
             }
         }
+    }
+
+    /// Where a fetch of `spec` into its own store looks for files an old agent left under the
+    /// models root (see [`crate::adopt`]): its `local://` directory when that lies below the
+    /// root, else the model's own path (following OME's child symlinks).
+    fn adopt_from(&self, spec: &ModelSpec) -> Option<crate::adopt::AdoptFrom> {
+        let under = self.config.sources.under_mount.clone()?;
+        let local = match &spec.source {
+            crate::manifest::SourceUri::Local { path } => under.relative_of(path),
+            _ => None,
+        };
+        let dir = local.unwrap_or_else(|| spec.path.segments().iter().collect());
+        Some(crate::adopt::AdoptFrom { under, dir })
     }
 
     /// The store to fetch `artifact` into for `key`, and a seed store to hard-link known blobs

@@ -255,13 +255,46 @@ impl FetchContext {
 pub struct SourceConfig {
     /// The Hugging Face client (endpoint, default token, tuning, node-wide transfer limit).
     pub hf: Arc<hf::HubClient>,
+    /// The directory underneath the mount (see [`crate::adopt`]): `local://` directories below
+    /// the models root are read through it, and fetches adopt old files from it.
+    pub under_mount: Option<Arc<crate::adopt::UnderMount>>,
 }
 
 impl SourceConfig {
     pub fn new(hf: hf::HfConfig) -> Result<Self, SourceError> {
         Ok(Self {
             hf: Arc::new(hf::HubClient::new(hf)?),
+            under_mount: None,
         })
+    }
+
+    pub fn with_under_mount(self, under: Arc<crate::adopt::UnderMount>) -> Self {
+        Self {
+            under_mount: Some(under),
+            ..self
+        }
+    }
+
+    /// Where a `local://` directory is read from: below the models root, through the handle on
+    /// the directory underneath the mount (with OME's symlinks followed within the root); the
+    /// path itself elsewhere.
+    pub fn local_root(&self, path: &std::path::Path) -> Result<std::path::PathBuf, SourceError> {
+        let Some(under) = &self.under_mount else {
+            return Ok(path.to_path_buf());
+        };
+        let Some(rel) = under.relative_of(path) else {
+            return Ok(path.to_path_buf());
+        };
+        match under.resolve(&rel) {
+            Ok(real) => Ok(under.proc_path(&real)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(SourceError::LocalMissing {
+                path: path.display().to_string(),
+            }),
+            Err(source) => Err(SourceError::LocalIo {
+                path: path.display().to_string(),
+                source,
+            }),
+        }
     }
 }
 
@@ -289,7 +322,9 @@ impl Source {
         token: Option<Token>,
     ) -> Result<Self, SourceError> {
         match uri {
-            SourceUri::Local { path } => Ok(Source::Local(local::LocalSource::new(path.clone()))),
+            SourceUri::Local { path } => Ok(Source::Local(local::LocalSource::new(
+                config.local_root(path)?,
+            ))),
             SourceUri::HuggingFace { repo, revision } => Ok(Source::Hf(hf::HfSource::new(
                 repo.clone(),
                 revision.clone(),

@@ -2,7 +2,10 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use sha1::Sha1;
 use sha2::{Digest, Sha256};
@@ -212,6 +215,197 @@ impl Store {
     pub fn disk_usage(&self) -> u64 {
         fsutil::disk_usage(&self.root)
     }
+}
+
+impl Store {
+    /// Imports an existing file (one an old agent left under the models root) as a blob
+    /// without copying it: a hard link into `tmp/`, then the bytes of that inode are verified
+    /// against `expected`, then renamed into `blobs/`. Linking before verifying means the inode
+    /// that was verified is the one that enters the store; the inode's size and modification
+    /// times are compared before and after hashing, so a write during the check rejects the
+    /// file. Across filesystems (`EXDEV`) the bytes are copied and verified like a download.
+    /// Returns the blob and whether it was hard-linked (`false`: copied). The source file is
+    /// never written, renamed or removed (the link only adds a name to its inode).
+    pub fn import_file(
+        &self,
+        file: &File,
+        expected: FileDigest,
+        size: u64,
+        cancel: &AtomicBool,
+    ) -> Result<(Sha256Digest, bool), StoreError> {
+        let name = match expected {
+            FileDigest::Sha256(d) => format!("adopt-sha256-{}", hex::encode(d)),
+            FileDigest::GitSha1(d) => format!("adopt-gitsha1-{}", hex::encode(d)),
+        };
+        let tmp = self.root.join("tmp").join(name);
+        let _ = std::fs::remove_file(&tmp);
+        // /proc/self/fd/N names exactly the inode that was opened (and checked to lie beneath
+        // the models root); following it links that inode, wherever its path points by now.
+        let proc_path = format!("/proc/self/fd/{}", file.as_raw_fd());
+        let cwd = rustix::fs::CWD;
+        match rustix::fs::linkat(
+            cwd,
+            &proc_path,
+            cwd,
+            &tmp,
+            rustix::fs::AtFlags::SYMLINK_FOLLOW,
+        ) {
+            Ok(()) => {}
+            Err(e) if e == rustix::io::Errno::XDEV => {
+                let sha = self.copy_in(file, expected, size, cancel)?;
+                return Ok((sha, false));
+            }
+            Err(e) => {
+                return Err(StoreError::io(
+                    format!("linking into {}", tmp.display()),
+                    e.into(),
+                ))
+            }
+        }
+        let verified = (|| {
+            let stat_err = |e| StoreError::io("stat of an adopted file", e);
+            // Taken after the link, which itself changes the inode's ctime.
+            let before = file.metadata().map_err(stat_err)?;
+            let sha = verify_file(file, &expected, size, cancel)?;
+            let after = file.metadata().map_err(stat_err)?;
+            let stamp = |m: &std::fs::Metadata| {
+                (
+                    m.len(),
+                    m.mtime(),
+                    m.mtime_nsec(),
+                    m.ctime(),
+                    m.ctime_nsec(),
+                )
+            };
+            if stamp(&before) != stamp(&after) {
+                return Err(StoreError::io(
+                    "adopting a file",
+                    io::Error::other("the file changed while it was being verified"),
+                ));
+            }
+            file.sync_all()
+                .map_err(|e| StoreError::io(format!("syncing {}", tmp.display()), e))?;
+            Ok(sha)
+        })();
+        let sha = match verified {
+            Ok(sha) => sha,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
+        let final_path = self.blob_path(&sha);
+        std::fs::rename(&tmp, &final_path)
+            .map_err(|e| StoreError::io(format!("publishing {}", final_path.display()), e))?;
+        self.record_alias(&expected, &sha)?;
+        Ok((sha, true))
+    }
+
+    /// Copies `file` into the store through a [`BlobWriter`] (verified on commit).
+    fn copy_in(
+        &self,
+        file: &File,
+        expected: FileDigest,
+        size: u64,
+        cancel: &AtomicBool,
+    ) -> Result<Sha256Digest, StoreError> {
+        let mut writer = self.writer(expected, size)?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut offset = 0u64;
+        loop {
+            if cancel.load(Ordering::Relaxed) {
+                writer.discard();
+                return Err(cancelled());
+            }
+            let n = match file.read_at(&mut buf, offset) {
+                Ok(n) => n,
+                Err(e) => {
+                    writer.discard();
+                    return Err(StoreError::io("reading an adopted file", e));
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            if let Err(e) = writer.write_all(&buf[..n]) {
+                writer.discard();
+                return Err(e);
+            }
+            offset += n as u64;
+        }
+        let sha = writer.commit()?;
+        self.record_alias(&expected, &sha)?;
+        Ok(sha)
+    }
+}
+
+fn cancelled() -> StoreError {
+    StoreError::io(
+        "adopting a file",
+        io::Error::from(io::ErrorKind::Interrupted),
+    )
+}
+
+/// Hashes `file` from its start and checks it has exactly `size` bytes with digest `expected`
+/// (sha256, or git blob sha1 over `"blob <size>\0"` and the bytes). Returns its sha256.
+fn verify_file(
+    file: &File,
+    expected: &FileDigest,
+    size: u64,
+    cancel: &AtomicBool,
+) -> Result<Sha256Digest, StoreError> {
+    let mut sha256 = Sha256::new();
+    let mut git_sha1 = match expected {
+        FileDigest::GitSha1(_) => {
+            let mut h = Sha1::new();
+            h.update(format!("blob {size}\0").as_bytes());
+            Some(h)
+        }
+        FileDigest::Sha256(_) => None,
+    };
+    let mut buf = vec![0u8; 1 << 20];
+    let mut offset = 0u64;
+    loop {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(cancelled());
+        }
+        let n = file
+            .read_at(&mut buf, offset)
+            .map_err(|e| StoreError::io("reading an adopted file", e))?;
+        if n == 0 {
+            break;
+        }
+        sha256.update(&buf[..n]);
+        if let Some(h) = &mut git_sha1 {
+            h.update(&buf[..n]);
+        }
+        offset += n as u64;
+        if offset > size {
+            break;
+        }
+    }
+    if offset != size {
+        return Err(StoreError::SizeMismatch {
+            expected: size,
+            actual: offset,
+        });
+    }
+    let sha = Sha256Digest(sha256.finalize().into());
+    let (ok, actual) = match (expected, git_sha1) {
+        (FileDigest::Sha256(want), _) => (*want == sha.0, FileDigest::Sha256(sha.0)),
+        (FileDigest::GitSha1(want), Some(h)) => {
+            let got: [u8; 20] = h.finalize().into();
+            (*want == got, FileDigest::GitSha1(got))
+        }
+        (FileDigest::GitSha1(_), None) => unreachable!("a git digest always has its hasher"),
+    };
+    if !ok {
+        return Err(StoreError::DigestMismatch {
+            expected: expected.to_string(),
+            actual: actual.to_string(),
+        });
+    }
+    Ok(sha)
 }
 
 /// Streams one blob into `tmp/`, hashing as it goes; [`BlobWriter::commit`] verifies size and

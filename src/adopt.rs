@@ -1,0 +1,497 @@
+//! Adoption of the files an old model agent (OME's) left under the models root.
+//!
+//! The FUSE mount sits on the models root, so once it is mounted every path below it shows the
+//! mount, and whatever OME's agent downloaded there would be hidden (not deleted) and downloaded
+//! again. Instead, before mounting, the daemon opens the directory it is about to cover
+//! ([`UnderMount::open`]) and keeps that descriptor for its whole life. Every later access to
+//! the old files goes through it (`openat2` relative to it, or `/proc/self/fd/N/...` paths),
+//! which reach the directory underneath the mount, not the mount.
+//!
+//! # What OME leaves there
+//! OME's agent downloads a Hugging Face model straight into `spec.storage.path`
+//! (`<path>/<file>`, no temporary names, no metadata files beside them; its chunk caches live
+//! in `HF_HOME`, outside the models root). It considers a file already present when only its
+//! *size* matches, so a copy it left can hold wrong bytes of the right size. A model reusing
+//! another's copy (`ReuseIfExists`) is a directory symlink at the child's path pointing to the
+//! parent's directory, written as a path relative to the child's parent directory
+//! (`team-a/llama -> ../shared/llama`). `local://` models are never copied: OME serves them
+//! from where they are.
+//!
+//! # Resolving old paths
+//! [`UnderMount::resolve`] walks a relative path one component at a time, following symlinks
+//! the way the kernel would (relative targets from the link's directory; absolute targets when
+//! they name a path below the models root, by either name it is known under) but refusing any
+//! that would leave the models root. The file is then opened with `openat2(RESOLVE_BENEATH |
+//! RESOLVE_NO_SYMLINKS)` on the resolved path, so even a link swapped in after the walk cannot
+//! lead outside.
+//!
+//! # Importing
+//! [`import_into`] runs before a model's fetch into its own store: for every manifest entry the
+//! store lacks, the old file at the same relative path is opened; if it is a regular file of the
+//! manifest's size, it is hard-linked into the store and the linked inode is verified against the
+//! manifest digest (sha256 or git blob sha1) before it is renamed into `blobs/`
+//! ([`crate::store::Store::import_file`]; a copy across filesystems). Files that are missing,
+//! of another size or with another digest are simply left to the fetch, which downloads exactly
+//! those. Adoption never fails a model: at worst it downloads what it could not adopt.
+//!
+//! # A file changed after verification
+//! A hard link shares the inode: a process that writes to the old file afterwards writes into
+//! the store's blob. The daemon accepts that risk, bounded, rather than doubling the disk space:
+//! after the mount no path below the models root leads to the old files any more (they are
+//! covered), so only a process that opened one before the mount, or a second mount of the same
+//! filesystem, could write to them; the migration stops OME's agent first
+//! (`deploy/MIGRATION.md`). Writes *during* verification are detected (size, mtime and ctime of
+//! the inode compared before and after hashing) and reject the file. A store on another
+//! filesystem than the models root gets independent copies, with no shared inode at all.
+
+use std::collections::HashSet;
+use std::ffi::OsString;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStringExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
+
+use crate::artifact::{FileDigest, Manifest, Sha256Digest};
+use crate::manifest::ModelKey;
+use crate::source::{FetchContext, Source, SourceError};
+use crate::store::Store;
+
+/// Most symlinks followed while resolving one path (the kernel's limit).
+const MAX_SYMLINKS: usize = 40;
+
+/// The directory underneath the mount, opened before mounting.
+#[derive(Debug)]
+pub struct UnderMount {
+    dir: OwnedFd,
+    /// Absolute names of the models root: where the daemon mounts it, and the host path that
+    /// `spec.storage.path`, `local://` URIs and OME's absolute symlinks use.
+    names: Vec<PathBuf>,
+}
+
+fn escape_error(what: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!("{} leads outside the models root", what.display()),
+    )
+}
+
+impl UnderMount {
+    /// Opens `mount_dir` (which must not be mounted over yet). `models_root_dir` is the same
+    /// directory as named in model objects (the host path), if it differs.
+    pub fn open(mount_dir: &Path, models_root_dir: &Path) -> io::Result<Self> {
+        let dir = rustix::fs::open(
+            mount_dir,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let mut names = vec![mount_dir.to_path_buf()];
+        if models_root_dir != mount_dir {
+            names.push(models_root_dir.to_path_buf());
+        }
+        Ok(Self { dir, names })
+    }
+
+    /// `/proc/self/fd/N/<rel>`: a path that reaches `rel` below the covered directory (for code
+    /// that works with paths, such as the `local://` source).
+    pub fn proc_path(&self, rel: &Path) -> PathBuf {
+        let base = PathBuf::from(format!("/proc/self/fd/{}", self.dir.as_raw_fd()));
+        if rel.as_os_str().is_empty() {
+            base
+        } else {
+            base.join(rel)
+        }
+    }
+
+    /// The part of absolute path `abs` below the models root, if it lies there (lexically; `..`
+    /// is refused).
+    pub fn relative_of(&self, abs: &Path) -> Option<PathBuf> {
+        self.names.iter().find_map(|root| {
+            let rel = abs.strip_prefix(root).ok()?;
+            rel.components()
+                .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+                .then(|| rel.to_path_buf())
+        })
+    }
+
+    /// Resolves `rel` (relative to the models root) to a path below it that has no symlink in
+    /// it, following symlinks as the kernel would but never outside the models root.
+    pub fn resolve(&self, rel: &Path) -> io::Result<PathBuf> {
+        let mut done: Vec<OsString> = Vec::new();
+        let mut todo: Vec<OsString> = Vec::new();
+        push_components(&mut todo, rel, rel)?;
+        let mut links = 0usize;
+        while let Some(name) = todo.pop() {
+            if name == ".." {
+                if done.pop().is_none() {
+                    return Err(escape_error(rel));
+                }
+                continue;
+            }
+            done.push(name);
+            let here: PathBuf = done.iter().collect();
+            let stat = rustix::fs::statat(&self.dir, &here, AtFlags::SYMLINK_NOFOLLOW)?;
+            if FileType::from_raw_mode(stat.st_mode) != FileType::Symlink {
+                continue;
+            }
+            links += 1;
+            if links > MAX_SYMLINKS {
+                return Err(io::Error::from_raw_os_error(libc::ELOOP));
+            }
+            let target = PathBuf::from(OsString::from_vec(
+                rustix::fs::readlinkat(&self.dir, &here, Vec::new())?.into_bytes(),
+            ));
+            done.pop();
+            if target.is_absolute() {
+                let inside = self.relative_of(&target).ok_or_else(|| escape_error(rel))?;
+                done.clear();
+                push_components(&mut todo, &inside, rel)?;
+            } else {
+                push_components(&mut todo, &target, rel)?;
+            }
+        }
+        Ok(done.iter().collect())
+    }
+
+    /// Opens the regular file at `rel` (following symlinks within the models root). `None` when
+    /// nothing is there; an error for anything else that is not a readable regular file.
+    pub fn open_file(&self, rel: &Path) -> io::Result<Option<File>> {
+        let real = match self.resolve(rel) {
+            Ok(p) => p,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let fd = match rustix::fs::openat2(
+            &self.dir,
+            &real,
+            OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW | OFlags::NONBLOCK,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+        ) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let file = File::from(fd);
+        if !file.metadata()?.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not a regular file", rel.display()),
+            ));
+        }
+        Ok(Some(file))
+    }
+}
+
+/// Pushes the components of `path` onto the stack `todo` so that the first component is popped
+/// first. `.` is dropped; an absolute path here is a bug of the caller.
+fn push_components(todo: &mut Vec<OsString>, path: &Path, whole: &Path) -> io::Result<()> {
+    let mut parts = Vec::new();
+    for c in path.components() {
+        match c {
+            Component::Normal(n) => parts.push(n.to_os_string()),
+            Component::ParentDir => parts.push(OsString::from("..")),
+            Component::CurDir => {}
+            Component::RootDir | Component::Prefix(_) => return Err(escape_error(whole)),
+        }
+    }
+    todo.extend(parts.into_iter().rev());
+    Ok(())
+}
+
+/// Where a model's old files are, below the models root.
+#[derive(Clone, Debug)]
+pub struct AdoptFrom {
+    pub under: Arc<UnderMount>,
+    /// Relative to the models root: the model's path, or its `local://` directory.
+    pub dir: PathBuf,
+}
+
+/// What one adoption pass did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Adopted {
+    /// Files imported by hard link.
+    pub linked: usize,
+    /// Files imported by copy (the store is on another filesystem).
+    pub copied: usize,
+    pub bytes: u64,
+    /// Files present but not adopted (wrong size or digest, unreadable), with the reason; the
+    /// fetch downloads them.
+    pub rejected: Vec<(String, String)>,
+}
+
+/// Imports into `store` every entry of `manifest` that the store lacks and that `from` holds
+/// with the manifest's size and digest. Errors other than cancellation are per file and end in
+/// [`Adopted::rejected`]: the fetch that follows gets what was not adopted.
+pub fn import_into(
+    from: &AdoptFrom,
+    manifest: &Manifest,
+    store: &Store,
+    cancel: &AtomicBool,
+) -> Result<Adopted, Cancelled> {
+    let mut out = Adopted::default();
+    let mut seen: HashSet<FileDigest> = HashSet::new();
+    for entry in manifest.entries() {
+        if cancel.load(Ordering::Relaxed) {
+            return Err(Cancelled);
+        }
+        if !seen.insert(entry.digest) {
+            continue;
+        }
+        let present = match entry.digest {
+            FileDigest::Sha256(d) => store.has_blob(&Sha256Digest(d), entry.size),
+            FileDigest::GitSha1(_) => store.lookup_alias(&entry.digest, entry.size).is_some(),
+        };
+        if present {
+            continue;
+        }
+        let file = match from.under.open_file(&from.dir.join(&entry.path)) {
+            Ok(Some(f)) => f,
+            Ok(None) => continue,
+            Err(e) => {
+                out.rejected.push((entry.path.clone(), e.to_string()));
+                continue;
+            }
+        };
+        match file.metadata() {
+            Ok(m) if m.len() == entry.size => {}
+            Ok(m) => {
+                out.rejected.push((
+                    entry.path.clone(),
+                    format!("size {} instead of {}", m.len(), entry.size),
+                ));
+                continue;
+            }
+            Err(e) => {
+                out.rejected.push((entry.path.clone(), e.to_string()));
+                continue;
+            }
+        }
+        match store.import_file(&file, entry.digest, entry.size, cancel) {
+            Ok((_, linked)) => {
+                if linked {
+                    out.linked += 1;
+                } else {
+                    out.copied += 1;
+                }
+                out.bytes += entry.size;
+            }
+            Err(_) if cancel.load(Ordering::Relaxed) => return Err(Cancelled),
+            Err(e) => out.rejected.push((entry.path.clone(), e.to_string())),
+        }
+    }
+    Ok(out)
+}
+
+/// The adoption pass was cancelled (the model's work was cancelled or the daemon stops).
+#[derive(Debug)]
+pub struct Cancelled;
+
+/// A model's fetch into its own store: first adopts what `adopt` holds (if given), then lets
+/// the source fetch whatever the store still lacks.
+pub async fn fetch_adopting(
+    key: &ModelKey,
+    source: &Source,
+    adopt: Option<AdoptFrom>,
+    manifest: &Arc<Manifest>,
+    ctx: FetchContext,
+) -> Result<Vec<Sha256Digest>, SourceError> {
+    if let Some(from) = adopt {
+        let (store, cancel) = (ctx.store.clone(), ctx.cancel.clone());
+        adopt_before_fetch(key, from, manifest.clone(), store, cancel)
+            .await
+            .map_err(|Cancelled| SourceError::Cancelled)?;
+    }
+    source.fetch(manifest.clone(), ctx).await
+}
+
+/// Runs [`import_into`] off the async runtime and logs what it did.
+async fn adopt_before_fetch(
+    key: &ModelKey,
+    from: AdoptFrom,
+    manifest: Arc<Manifest>,
+    store: Store,
+    cancel: Arc<AtomicBool>,
+) -> Result<(), Cancelled> {
+    let dir = from.dir.clone();
+    let result =
+        tokio::task::spawn_blocking(move || import_into(&from, &manifest, &store, &cancel))
+            .await
+            .unwrap_or(Err(Cancelled))?;
+    if result.linked + result.copied > 0 {
+        tracing::info!(
+            model = %key,
+            from = %dir.display(),
+            linked = result.linked,
+            copied = result.copied,
+            bytes = result.bytes,
+            "adopted files left under the models root"
+        );
+    }
+    for (path, reason) in &result.rejected {
+        tracing::warn!(model = %key, from = %dir.display(), file = %path, %reason, "old file not adopted; it is fetched instead");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{symlink, MetadataExt};
+
+    use sha1::Sha1;
+    use sha2::{Digest, Sha256};
+
+    use super::*;
+    use crate::artifact::ManifestEntry;
+
+    fn git_sha1(bytes: &[u8]) -> [u8; 20] {
+        let mut h = Sha1::new();
+        h.update(format!("blob {}\0", bytes.len()).as_bytes());
+        h.update(bytes);
+        h.finalize().into()
+    }
+
+    /// A models root known under two names (as mounted, and the host path in model objects).
+    fn root() -> (tempfile::TempDir, PathBuf, UnderMount) {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        std::fs::create_dir_all(root.join("shared/m/sub")).unwrap();
+        std::fs::write(root.join("shared/m/sub/a.bin"), b"alpha").unwrap();
+        std::fs::create_dir_all(tmp.path().join("outside")).unwrap();
+        std::fs::write(tmp.path().join("outside/a.bin"), b"secret").unwrap();
+        let under = UnderMount::open(&root, Path::new("/raid/models")).unwrap();
+        (tmp, root, under)
+    }
+
+    #[test]
+    fn symlinks_are_followed_within_the_root_only() {
+        let (tmp, root, under) = root();
+        std::fs::create_dir_all(root.join("team-a")).unwrap();
+        symlink("../shared/m", root.join("team-a/m")).unwrap();
+        symlink("/raid/models/shared/m", root.join("abs")).unwrap();
+        symlink("../outside", root.join("up")).unwrap();
+        symlink(tmp.path().join("outside"), root.join("abs-out")).unwrap();
+        symlink("loop", root.join("loop")).unwrap();
+
+        let p = |s: &str| PathBuf::from(s);
+        assert_eq!(
+            under.resolve(&p("team-a/m/sub/a.bin")).unwrap(),
+            p("shared/m/sub/a.bin")
+        );
+        assert_eq!(
+            under.resolve(&p("abs/sub/./a.bin")).unwrap(),
+            p("shared/m/sub/a.bin")
+        );
+        assert_eq!(
+            under.resolve(&p("shared/m/sub/../sub/a.bin")).unwrap(),
+            p("shared/m/sub/a.bin")
+        );
+        for escaping in [
+            "up/a.bin",
+            "abs-out/a.bin",
+            "../outside/a.bin",
+            "shared/../../x",
+        ] {
+            let e = under.resolve(&p(escaping)).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{escaping}: {e}");
+            assert!(under.open_file(&p(escaping)).is_err(), "{escaping}");
+        }
+        assert_eq!(
+            under.resolve(&p("loop")).unwrap_err().raw_os_error(),
+            Some(libc::ELOOP)
+        );
+
+        let mut f = under.open_file(&p("team-a/m/sub/a.bin")).unwrap().unwrap();
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut f, &mut text).unwrap();
+        assert_eq!(text, "alpha");
+        assert!(under.open_file(&p("team-a/m/missing")).unwrap().is_none());
+        assert!(under.open_file(&p("nothing/here")).unwrap().is_none());
+        assert!(under.open_file(&p("shared/m/sub")).is_err(), "a directory");
+
+        assert_eq!(
+            under.relative_of(Path::new("/raid/models/x/y")),
+            Some(p("x/y"))
+        );
+        assert_eq!(under.relative_of(&root.join("x")), Some(p("x")));
+        assert_eq!(under.relative_of(Path::new("/raid/models/../etc")), None);
+        assert_eq!(under.relative_of(Path::new("/raid/other")), None);
+    }
+
+    #[test]
+    fn verified_files_are_hard_linked_and_others_left_to_the_fetch() {
+        let (tmp, root, under) = root();
+        let good = b"good weights".to_vec();
+        let small = b"{\"small\": true}".to_vec();
+        let bad = b"bad weights!".to_vec(); // same size as the manifest says, other bytes
+        std::fs::write(root.join("shared/m/good.bin"), &good).unwrap();
+        std::fs::write(root.join("shared/m/config.json"), &small).unwrap();
+        std::fs::write(root.join("shared/m/bad.bin"), &bad).unwrap();
+        std::fs::write(root.join("shared/m/short.bin"), b"abc").unwrap();
+        let entry = |path: &str, size: usize, digest| ManifestEntry {
+            path: path.into(),
+            size: size as u64,
+            digest,
+        };
+        let manifest = Manifest::new(
+            "rev".into(),
+            vec![
+                entry(
+                    "good.bin",
+                    good.len(),
+                    FileDigest::Sha256(Sha256::digest(&good).into()),
+                ),
+                entry(
+                    "config.json",
+                    small.len(),
+                    FileDigest::GitSha1(git_sha1(&small)),
+                ),
+                entry(
+                    "bad.bin",
+                    bad.len(),
+                    FileDigest::Sha256(Sha256::digest(b"other weight").into()),
+                ),
+                entry("short.bin", 10, FileDigest::Sha256([1; 32])),
+                entry("missing.bin", 4, FileDigest::Sha256([2; 32])),
+            ],
+        )
+        .unwrap();
+        let store = Store::open(tmp.path().join("store")).unwrap();
+        let from = AdoptFrom {
+            under: Arc::new(under),
+            dir: PathBuf::from("shared/m"),
+        };
+        let done = import_into(&from, &manifest, &store, &AtomicBool::new(false)).unwrap();
+        assert_eq!((done.linked, done.copied), (2, 0));
+        assert_eq!(done.bytes, (good.len() + small.len()) as u64);
+        let rejected: Vec<&str> = done.rejected.iter().map(|r| r.0.as_str()).collect();
+        assert_eq!(rejected, ["bad.bin", "short.bin"], "{:?}", done.rejected);
+
+        let blob = store.blob_path(&Sha256Digest::of(&good));
+        let old = root.join("shared/m/good.bin");
+        assert_eq!(
+            std::fs::metadata(&blob).unwrap().ino(),
+            std::fs::metadata(&old).unwrap().ino()
+        );
+        let alias = store.lookup_alias(&FileDigest::GitSha1(git_sha1(&small)), small.len() as u64);
+        assert_eq!(alias, Some(Sha256Digest::of(&small)));
+        assert!(!store.blob_path(&Sha256Digest::of(&bad)).exists());
+        assert!(
+            store.partial_files().unwrap().is_empty(),
+            "no leftovers in tmp/"
+        );
+        assert_eq!(
+            std::fs::read(&old).unwrap(),
+            good,
+            "the old file is untouched"
+        );
+
+        // A second pass finds everything it can adopt already present.
+        let again = import_into(&from, &manifest, &store, &AtomicBool::new(false)).unwrap();
+        assert_eq!((again.linked, again.copied), (0, 0));
+    }
+}

@@ -1,0 +1,324 @@
+//! Migration from OME's model agent (SPEC section 5, last bullet): files the old agent left under
+//! the models root are adopted through a handle on the directory underneath the mount
+//! (verified, hard-linked into the store), never hidden and never downloaded again; a corrupted
+//! file is downloaded; `local://` directories under the models root are served from there.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use common::hub::*;
+use common::*;
+use modelfs::devhub::files_from_dir;
+use sha2::{Digest, Sha256};
+
+/// Everything below `dir` without following symlinks: relative path -> description (kind,
+/// symlink target or size, mtime, content digest). Equal snapshots mean nothing was changed.
+fn snapshot(dir: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for entry in walkdir(dir) {
+        let rel = entry.strip_prefix(dir).unwrap().display().to_string();
+        let m = std::fs::symlink_metadata(&entry).unwrap();
+        let what = if m.file_type().is_symlink() {
+            format!("link -> {}", std::fs::read_link(&entry).unwrap().display())
+        } else if m.is_dir() {
+            format!("dir {:o}", m.mode())
+        } else {
+            let data = std::fs::read(&entry).unwrap();
+            format!(
+                "file {:o} {} {}.{} {}",
+                m.mode(),
+                m.len(),
+                m.mtime(),
+                m.mtime_nsec(),
+                hex::encode(Sha256::digest(&data))
+            )
+        };
+        out.insert(rel, what);
+    }
+    out
+}
+
+fn walkdir(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if e.file_type().unwrap().is_dir() {
+                todo.push(p.clone());
+            }
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Copies the files of `src` to `dst` as OME's agent writes them (plain files at their relative
+/// paths, nothing else).
+fn prefill(src: &Path, dst: &Path) {
+    for (rel, _) in files_of(src) {
+        let to = dst.join(&rel);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(src.join(&rel), &to).unwrap();
+    }
+}
+
+/// The blob file in some store with this sha256 (hex), if any.
+fn blob_inodes(env: &TestEnv, sha: &str) -> Vec<u64> {
+    env.stores_with_blobs()
+        .iter()
+        .filter_map(|s| std::fs::metadata(s.join("blobs").join(sha)).ok())
+        .map(|m| m.ino())
+        .collect()
+}
+
+fn publish(env: &TestEnv, hub: &TestHub, repo: &str, seed: u64) -> (PathBuf, u64) {
+    let dir = env.dir(&format!("repo-{seed}"));
+    make_model_dir(&dir, seed, 3 << 20);
+    hub.hub()
+        .add_commit(repo, &["main"], files_from_dir(&dir, 64 << 10).unwrap());
+    let size = tree(&dir).values().map(|v| v.1).sum();
+    (dir, size)
+}
+
+const BIG: &str = "weights/model-00001-of-00002.safetensors";
+const SMALL: &str = "tokenizer/vocab/merges.txt";
+
+#[test]
+fn a_models_root_left_by_ome_is_adopted_not_downloaded() {
+    let hub = TestHub::start(50);
+    let env = TestEnv::new();
+    let (dir_m, size_m) = publish(&env, &hub, "org/m", 11);
+    let (dir_k, _) = publish(&env, &hub, "org/k", 12);
+    let root = env.mount.clone();
+
+    // What OME's agent leaves: a parent's download, two children as relative directory
+    // symlinks to it (OME's ReuseIfExists), a second model whose copy has one corrupted file
+    // of the right size (OME trusts sizes), and a "child" whose link leads outside the root.
+    prefill(&dir_m, &root.join("shared/m"));
+    for child in ["team-a", "team-b"] {
+        std::fs::create_dir_all(root.join(child)).unwrap();
+        std::os::unix::fs::symlink("../shared/m", root.join(child).join("m")).unwrap();
+    }
+    prefill(&dir_k, &root.join("other/k"));
+    let corrupt = root.join("other/k").join(BIG);
+    let mut bytes = std::fs::read(&corrupt).unwrap();
+    bytes[1000] ^= 0xff;
+    std::fs::write(&corrupt, &bytes).unwrap();
+    let corrupt_size = bytes.len() as u64;
+    let outside = env.dir("outside/m");
+    prefill(&dir_m, &outside);
+    std::fs::create_dir_all(root.join("escape")).unwrap();
+    std::os::unix::fs::symlink(&outside, root.join("escape/m")).unwrap();
+    let before = snapshot(&root);
+
+    let at = |p: &str| root.join(p).display().to_string();
+    env.write_models(
+        "models.yaml",
+        &[
+            cluster_model("m", "hf://org/m", "AlwaysDownload", Some(&at("shared/m"))),
+            base_model(
+                "team-a",
+                "m",
+                "hf://org/m",
+                "ReuseIfExists",
+                Some(&at("team-a/m")),
+            ),
+            base_model(
+                "team-b",
+                "m",
+                "hf://org/m",
+                "AlwaysDownload",
+                Some(&at("team-b/m")),
+            ),
+            cluster_model("k", "hf://org/k", "AlwaysDownload", Some(&at("other/k"))),
+            cluster_model(
+                "escape",
+                "hf://org/m",
+                "AlwaysDownload",
+                Some(&at("escape/m")),
+            ),
+        ]
+        .join("---\n"),
+    );
+    let d = start_daemon(&env, &hub);
+    for key in [
+        "clusterbasemodel.m",
+        "team-a.basemodel.m",
+        "team-b.basemodel.m",
+        "clusterbasemodel.k",
+        "clusterbasemodel.escape",
+    ] {
+        d.wait_model(key, "Ready");
+    }
+    for (path, dir) in [
+        ("shared/m", &dir_m),
+        ("team-a/m", &dir_m),
+        ("team-b/m", &dir_m),
+        ("other/k", &dir_k),
+        ("escape/m", &dir_m),
+    ] {
+        assert_eq!(
+            contents(&root.join(path)),
+            contents(dir),
+            "{path} via the mount"
+        );
+    }
+    // The hub served the corrupted file and the model whose link leads outside the root,
+    // nothing else.
+    assert_eq!(
+        hub.hub().stats().bytes_served,
+        corrupt_size + size_m,
+        "hub bytes; log:\n{}",
+        d.log_text()
+    );
+    let log = d.log_text();
+    assert!(
+        log.contains("old file not adopted") && log.contains(BIG),
+        "the rejected file is reported; log:\n{log}"
+    );
+    assert!(d.stop(), "clean shutdown");
+
+    // Nothing under the old tree changed, and the adopted blobs are the old files' inodes.
+    assert_eq!(snapshot(&root), before, "the old tree was modified");
+    for (old, rel) in [("shared/m", BIG), ("shared/m", SMALL), ("other/k", SMALL)] {
+        let file = root.join(old).join(rel);
+        let sha = hex::encode(Sha256::digest(std::fs::read(&file).unwrap()));
+        let ino = std::fs::metadata(&file).unwrap().ino();
+        assert!(
+            blob_inodes(&env, &sha).contains(&ino),
+            "{old}/{rel} was not hard-linked into a store"
+        );
+    }
+    // The corrupted file's bytes never entered a store; the downloaded one did.
+    let bad = hex::encode(Sha256::digest(&bytes));
+    assert!(blob_inodes(&env, &bad).is_empty(), "corrupted bytes stored");
+    let good = hex::encode(Sha256::digest(std::fs::read(dir_k.join(BIG)).unwrap()));
+    assert!(!blob_inodes(&env, &good).is_empty());
+
+    // A restart serves the adopted stores as they are: nothing is adopted or fetched again.
+    let served = hub.hub().stats().bytes_served;
+    let d = start_daemon(&env, &hub);
+    for key in [
+        "clusterbasemodel.m",
+        "team-b.basemodel.m",
+        "clusterbasemodel.k",
+    ] {
+        d.wait_model(key, "Ready");
+    }
+    assert_eq!(contents(&root.join("team-b/m")), contents(&dir_m));
+    assert_eq!(hub.hub().stats().bytes_served, served);
+    assert!(!d.log_text().contains("adopted files"), "adopted again");
+    assert!(d.stop(), "clean shutdown");
+    assert_eq!(snapshot(&root), before, "the old tree was modified");
+}
+
+#[test]
+fn a_local_source_under_the_models_root_is_served_from_the_files_there() {
+    let env = TestEnv::new();
+    let root = env.mount.clone();
+    let src = env.dir("src");
+    make_model_dir(&src, 21, 1 << 20);
+    // As OME's local:// means it: the files already sit on the node, here below the models
+    // root (reached by one model through an OME-style relative symlink).
+    prefill(&src, &root.join("data/tiny"));
+    std::fs::create_dir_all(root.join("links")).unwrap();
+    std::os::unix::fs::symlink("../data/tiny", root.join("links/tiny")).unwrap();
+    let before = snapshot(&root);
+
+    let uri = |p: &str| format!("local://{}", root.join(p).display());
+    env.write_models(
+        "models.yaml",
+        &[
+            cluster_model(
+                "tiny",
+                &uri("data/tiny"),
+                "AlwaysDownload",
+                Some("data/tiny"),
+            ),
+            cluster_model(
+                "linked",
+                &uri("links/tiny"),
+                "AlwaysDownload",
+                Some("copies/tiny"),
+            ),
+        ]
+        .join("---\n"),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.tiny", "Ready");
+    d.wait_model("clusterbasemodel.linked", "Ready");
+    assert_eq!(contents(&root.join("data/tiny")), contents(&src));
+    assert_eq!(contents(&root.join("copies/tiny")), contents(&src));
+    // Nothing was copied: every local file is counted as fetched only when copied.
+    assert_eq!(
+        d.metric("modelfs_fetched_bytes_total"),
+        0.0,
+        "{}",
+        d.metrics()
+    );
+    assert!(d.stop(), "clean shutdown");
+
+    assert_eq!(snapshot(&root), before, "the old tree was modified");
+    let file = root.join("data/tiny").join(BIG);
+    let sha = hex::encode(Sha256::digest(std::fs::read(&file).unwrap()));
+    let ino = std::fs::metadata(&file).unwrap().ino();
+    let inodes = blob_inodes(&env, &sha);
+    assert_eq!(
+        inodes,
+        vec![ino, ino],
+        "both stores hold the old file's inode"
+    );
+}
+
+/// Detaches a bind mount when the test ends, whatever happens.
+struct BindMount(PathBuf);
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+#[test]
+fn a_models_root_that_is_a_bind_mount_is_mounted_over_and_adopted() {
+    // As in the DaemonSet: the models root the daemon sees is a bind mount of the host
+    // directory. Hard links cannot cross mounts, so the files are copied (and verified).
+    let hub = TestHub::start(50);
+    let env = TestEnv::new();
+    let (dir_m, _) = publish(&env, &hub, "org/m", 31);
+    let host = env.dir("host-models");
+    prefill(&dir_m, &host.join("m"));
+    let before = snapshot(&host);
+    std::fs::create_dir_all(&env.mount).unwrap();
+    sh(&format!(
+        "mount --bind '{}' '{}'",
+        host.display(),
+        env.mount.display()
+    ));
+    let _bind = BindMount(env.mount.clone());
+
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", "hf://org/m", "AlwaysDownload", Some("m")),
+    );
+    let d = start_daemon(&env, &hub);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(contents(&env.mount.join("m")), contents(&dir_m));
+    assert_eq!(hub.hub().stats().bytes_served, 0, "log:\n{}", d.log_text());
+    assert_eq!(hub.hub().stats().file_requests, 0);
+    assert!(d.stop(), "clean shutdown");
+
+    assert_eq!(snapshot(&host), before, "the old tree was modified");
+    let file = host.join("m").join(BIG);
+    let sha = hex::encode(Sha256::digest(std::fs::read(&file).unwrap()));
+    let inodes = blob_inodes(&env, &sha);
+    assert_eq!(inodes.len(), 1, "adopted into one store");
+    assert_ne!(inodes[0], std::fs::metadata(&file).unwrap().ino(), "copied");
+}

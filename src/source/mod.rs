@@ -71,6 +71,40 @@ impl SourceError {
     }
 }
 
+impl SourceError {
+    /// How this failure counts in OME's download metrics (`None`: not a download failure, the
+    /// work was cancelled).
+    pub fn ome_outcome(&self) -> Option<crate::metrics::DownloadOutcome> {
+        use crate::metrics::DownloadOutcome;
+        fn mismatch(e: &StoreError) -> bool {
+            matches!(
+                e,
+                StoreError::DigestMismatch { .. } | StoreError::SizeMismatch { .. }
+            )
+        }
+        fn hf(e: &hf::HfError) -> Option<DownloadOutcome> {
+            Some(match e {
+                hf::HfError::Cancelled => return None,
+                hf::HfError::Corrupt { .. } => DownloadOutcome::VerificationFailed,
+                hf::HfError::Store { source, .. } if mismatch(source) => {
+                    DownloadOutcome::VerificationFailed
+                }
+                hf::HfError::Status { status: 429, .. } => DownloadOutcome::RateLimited,
+                hf::HfError::Exhausted { last, .. } => return hf(last),
+                _ => DownloadOutcome::Failed,
+            })
+        }
+        match self {
+            SourceError::Cancelled => None,
+            SourceError::Hf(e) => hf(e),
+            SourceError::Store { source, .. } if mismatch(source) => {
+                Some(DownloadOutcome::VerificationFailed)
+            }
+            _ => Some(DownloadOutcome::Failed),
+        }
+    }
+}
+
 /// A source credential (a Hugging Face token). `Debug` and `Display` never show it, so it
 /// cannot reach a log line by accident; only [`Token::expose`] gives the value.
 #[derive(Clone, PartialEq, Eq)]
@@ -112,6 +146,8 @@ pub struct Progress {
     pub completed_bytes: AtomicU64,
     pub total_files: AtomicU64,
     pub completed_files: AtomicU64,
+    /// Bytes this fetch wrote into the store (blobs it already had or linked are not counted).
+    pub fetched_bytes: AtomicU64,
     pub started: Instant,
 }
 
@@ -122,6 +158,7 @@ impl Default for Progress {
             completed_bytes: AtomicU64::new(0),
             total_files: AtomicU64::new(0),
             completed_files: AtomicU64::new(0),
+            fetched_bytes: AtomicU64::new(0),
             started: Instant::now(),
         }
     }
@@ -213,6 +250,9 @@ impl FetchContext {
     }
 
     pub fn record_fetched(&self, scheme: SourceScheme, bytes: u64) {
+        self.progress
+            .fetched_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
         let label = SourceLabel { scheme };
         self.metrics
             .fetched_bytes

@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::hub::TestHub;
 use common::{files_of, make_model_dir, Readers};
 use fake_apiserver::FakeApiServer;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
@@ -492,7 +491,243 @@ async fn metric_sum(listen: &str, prefix: &str) -> u64 {
         .sum::<f64>() as u64
 }
 
-#[allow(dead_code)]
-fn unused(_: &Path, _: &TestHub) {
-    let _ = files_from_dir;
+/// Standard base64, for Secret data.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+fn secret(namespace: &str, name: &str, entry: &str, token: &str) -> Value {
+    json!({"metadata": {"name": name, "namespace": namespace},
+        "data": {entry: base64(token.as_bytes())}})
+}
+
+const GATED_TOKEN: &str = "hf_GatedGood_4242abcd";
+const ENV_TOKEN: &str = "hf_EnvToken_7373efgh";
+const WRONG_TOKEN: &str = "hf_WrongToken_9191ijkl";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schemes_tokens_and_ome_metrics() {
+    assert_eq!(base64(b"token!"), "dG9rZW4h");
+    assert_eq!(base64(b"ab"), "YWI=");
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let hub = modelfs::devhub::Hub::new(modelfs::devhub::HubConfig::default());
+    let mut repos: BTreeMap<&str, PathBuf> = BTreeMap::new();
+    for (i, repo) in ["gpt2", "org/public", "org/gated", "org/gated-env"]
+        .into_iter()
+        .enumerate()
+    {
+        let dir = data.path().join(format!("repo{i}"));
+        make_model_dir(&dir, 90 + i as u64, 1 << 20);
+        hub.add_commit(repo, &["main"], files_from_dir(&dir, 1 << 10).unwrap());
+        repos.insert(repo, dir);
+    }
+    hub.set_gated("org/gated", GATED_TOKEN);
+    hub.set_gated("org/gated-env", ENV_TOKEN);
+    let running = hub
+        .clone()
+        .serve("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+
+    server.put(NODES, node());
+    server.put("api/v1/secrets", secret("team", "hf", "token", GATED_TOKEN));
+    server.put(
+        "api/v1/secrets",
+        secret("team", "hf-custom", "hf_token", GATED_TOKEN),
+    );
+    // A ClusterBaseModel's Secret is read in the daemon's namespace, not in another one.
+    server.put(
+        "api/v1/secrets",
+        secret("ome", "cluster-hf", "token", GATED_TOKEN),
+    );
+    server.put(
+        "api/v1/secrets",
+        secret("team", "cluster-hf", "token", WRONG_TOKEN),
+    );
+    let hf = |repo: &str| json!({"storageUri": format!("hf://{repo}")});
+    let with = |mut storage: Value, extra: Value| {
+        for (k, v) in extra.as_object().unwrap() {
+            storage[k] = v.clone();
+        }
+        storage
+    };
+    server.put(CBM, cluster_model("single", hf("gpt2")));
+    server.put(
+        CBM,
+        cluster_model("vendor", json!({"storageUri": "vendor://nvidia/llama"})),
+    );
+    server.put(
+        CBM,
+        cluster_model("claim", json!({"storageUri": "pvc://models/llama"})),
+    );
+    server.put(
+        CBM,
+        cluster_model(
+            "cluster-secret",
+            with(hf("org/gated"), json!({"key": "cluster-hf"})),
+        ),
+    );
+    for (name, storage) in [
+        ("from-secret", with(hf("org/gated"), json!({"key": "hf"}))),
+        (
+            "secret-wins",
+            with(
+                hf("org/gated"),
+                json!({"key": "hf-custom",
+                    "parameters": {"secretKey": "hf_token", "token": WRONG_TOKEN}}),
+            ),
+        ),
+        (
+            "inline",
+            with(
+                hf("org/gated"),
+                json!({"parameters": {"token": GATED_TOKEN}}),
+            ),
+        ),
+        ("from-env", hf("org/gated-env")),
+        (
+            "missing-public",
+            with(hf("org/public"), json!({"key": "absent"})),
+        ),
+        (
+            "missing-gated",
+            with(hf("org/gated"), json!({"key": "absent"})),
+        ),
+        (
+            "wrong",
+            with(
+                hf("org/gated"),
+                json!({"parameters": {"token": WRONG_TOKEN}}),
+            ),
+        ),
+    ] {
+        server.put(BM, base_model("team", name, storage));
+    }
+
+    let url = running.url();
+    let daemon = start_daemon(
+        &server,
+        &["--hf-endpoint", &url, "--hf-retry-base-ms", "20"],
+        &[("HF_TOKEN", ENV_TOKEN)],
+    );
+    let mnt = daemon.mount.clone();
+    for (key, repo) in [
+        ("clusterbasemodel.single", "gpt2"),
+        ("clusterbasemodel.cluster-secret", "org/gated"),
+        ("team.basemodel.from-secret", "org/gated"),
+        ("team.basemodel.secret-wins", "org/gated"),
+        ("team.basemodel.inline", "org/gated"),
+        ("team.basemodel.from-env", "org/gated-env"),
+        ("team.basemodel.missing-public", "org/public"),
+    ] {
+        let entry = wait_status(&server, key, "Ready").await;
+        let path = entry["path"].as_str().unwrap();
+        assert_eq!(files_of(Path::new(path)), files_of(&repos[repo]), "{key}");
+    }
+    // vendor://: Ready with no files, as OME.
+    let vendor = wait_status(&server, "clusterbasemodel.vendor", "Ready").await;
+    assert!(!mnt.join("vendor").exists(), "{vendor}");
+    // A gated repository without a usable token fails with the hub's reason.
+    for key in ["team.basemodel.missing-gated", "team.basemodel.wrong"] {
+        let entry = wait_status(&server, key, "Failed").await;
+        let reason = entry["reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("403") && reason.contains("GatedRepo"),
+            "{key}: {reason}"
+        );
+    }
+    wait_for("labels", || {
+        let labels = node_labels(&server);
+        (labels
+            .get("models.ome.io/clusterbasemodel.vendor")
+            .map(String::as_str)
+            == Some("Ready")
+            && labels
+                .get("models.ome.io/team.basemodel.wrong")
+                .map(String::as_str)
+                == Some("Failed"))
+        .then_some(())
+    })
+    .await;
+    // pvc:// is not the node agent's: no entry, no label (written in the same passes as the
+    // entries above).
+    assert!(!entries(&server).contains_key("clusterbasemodel.claim"));
+    assert!(!node_labels(&server)
+        .keys()
+        .any(|label| label.contains("claim")));
+    // A missing Secret is a warning and an Event, not a failure.
+    wait_for("TokenSecretUnavailable events", || {
+        let events = server.list(EVENTS);
+        let warned = |name: &str| {
+            events.iter().any(|e| {
+                e["reason"] == "TokenSecretUnavailable"
+                    && e["type"] == "Warning"
+                    && e["regarding"]["name"] == name
+                    && e["note"]
+                        .as_str()
+                        .is_some_and(|n| n.contains("team/absent"))
+            })
+        };
+        (warned("missing-public") && warned("missing-gated")).then_some(())
+    })
+    .await;
+    assert!(daemon.log_text().contains("token Secret unusable"));
+
+    // OME's metric names beside modelfs's own.
+    let metrics = metrics_text(&daemon.listen).await;
+    for line in [
+        "model_agent_downloads_success_total{model_type=\"ClusterBaseModel\",namespace=\"\",name=\"single\"} 1",
+        "model_agent_verifications_total{model_type=\"BaseModel\",namespace=\"team\",name=\"inline\",result=\"success\"} 1",
+        "model_agent_download_duration_seconds_count{model_type=\"BaseModel\",namespace=\"team\",name=\"from-env\"} 1",
+        "model_agent_downloads_failed_total{model_type=\"BaseModel\",namespace=\"team\",name=\"wrong\"} 1",
+        "modelfs_fetched_bytes_total{scheme=\"Hf\"}",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
+    }
+    let single_bytes: u64 = metrics
+        .lines()
+        .find(|l| l.starts_with("model_agent_download_bytes_total{model_type=\"ClusterBaseModel\",namespace=\"\",name=\"single\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap();
+    let repo_bytes: u64 = files_of(&repos["gpt2"])
+        .keys()
+        .map(|p| std::fs::metadata(repos["gpt2"].join(p)).unwrap().len())
+        .sum();
+    assert_eq!(single_bytes, repo_bytes);
+
+    // No token text anywhere: ConfigMap, labels, Events, status, metrics, log.
+    let (_, models) = daemon.get("/v1/models");
+    let places = [
+        (
+            "ConfigMap",
+            server.get(CM, "ome", NODE).unwrap().to_string(),
+        ),
+        ("Node", server.get(NODES, "", NODE).unwrap().to_string()),
+        ("Events", Value::from(server.list(EVENTS)).to_string()),
+        ("/v1/models", models),
+        ("/metrics", metrics),
+        ("daemon log", daemon.log_text()),
+    ];
+    for (place, text) in &places {
+        for token in [GATED_TOKEN, ENV_TOKEN, WRONG_TOKEN] {
+            assert!(!text.contains(token), "a token appears in the {place}");
+        }
+    }
+    drop(daemon);
 }

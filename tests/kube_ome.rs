@@ -731,3 +731,100 @@ async fn schemes_tokens_and_ome_metrics() {
     }
     drop(daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn progress_is_written_with_omes_phases_at_the_configured_interval() {
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let dir = data.path().join("big");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), b"{\"model_type\":\"llama\"}").unwrap();
+    std::fs::write(dir.join("weights.bin"), common::bytes(5, 3 << 20)).unwrap();
+    let hub = modelfs::devhub::Hub::new(modelfs::devhub::HubConfig::default());
+    hub.add_commit("org/big", &["main"], files_from_dir(&dir, 1 << 10).unwrap());
+    // About six seconds of download.
+    hub.add_fault(modelfs::devhub::Fault {
+        kind: modelfs::devhub::FaultKind::Slow {
+            bytes_per_sec: 512 << 10,
+        },
+        count: 1000,
+        path: Some("weights".into()),
+        target: modelfs::devhub::FaultTarget::File,
+    });
+    let running = hub
+        .clone()
+        .serve("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    server.put(NODES, node());
+    server.put(
+        CBM,
+        cluster_model("big", json!({"storageUri": "hf://org/big"})),
+    );
+    // Record when each ConfigMap write happens, as OME's controller would be woken.
+    let writes: Arc<std::sync::Mutex<Vec<(Instant, Value)>>> = Arc::default();
+    let watcher = {
+        let writes = writes.clone();
+        let api: Api<k8s_openapi::api::core::v1::ConfigMap> =
+            Api::namespaced(server.client().await, "ome");
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            let stream = kube::runtime::watcher(api, kube::runtime::watcher::Config::default());
+            futures::pin_mut!(stream);
+            while let Some(event) = stream.next().await {
+                if let Ok(kube::runtime::watcher::Event::Apply(cm)) = event {
+                    if let Some(entry) =
+                        cm.data.as_ref().and_then(|d| d.get("clusterbasemodel.big"))
+                    {
+                        let entry: Value = serde_json::from_str(entry).unwrap();
+                        writes.lock().unwrap().push((Instant::now(), entry));
+                    }
+                }
+            }
+        })
+    };
+    let url = running.url();
+    let daemon = start_daemon(
+        &server,
+        &["--hf-endpoint", &url, "--progress-interval-secs", "2"],
+        &[],
+    );
+    wait_status(&server, "clusterbasemodel.big", "Ready").await;
+    watcher.abort();
+    let writes = writes.lock().unwrap().clone();
+    let progress: Vec<(Instant, Value)> = writes
+        .iter()
+        .filter(|(_, e)| e["status"] == "Updating" && e["progress"].is_object())
+        .cloned()
+        .collect();
+    assert!(
+        progress.len() >= 2,
+        "expected several progress writes during the download: {writes:?}"
+    );
+    for (_, entry) in &progress {
+        let phase = entry["progress"]["phase"].as_str().unwrap();
+        assert!(
+            ["scanning", "downloading", "finalizing"].contains(&phase),
+            "{entry}"
+        );
+        if phase != "scanning" {
+            assert_eq!(entry["progress"]["totalBytes"], (3 << 20) + 22);
+        }
+    }
+    assert!(progress
+        .iter()
+        .any(|(_, e)| e["progress"]["phase"] == "downloading"));
+    // Progress-only writes (same state, new numbers) are at least the interval apart.
+    for pair in progress.windows(2) {
+        let gap = pair[1].0 - pair[0].0;
+        assert!(
+            gap >= Duration::from_millis(1900),
+            "two progress writes {gap:?} apart: {} then {}",
+            pair[0].1,
+            pair[1].1
+        );
+    }
+    let ready = wait_status(&server, "clusterbasemodel.big", "Ready").await;
+    assert!(ready.get("progress").is_none(), "{ready}");
+    drop(daemon);
+}

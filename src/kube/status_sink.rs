@@ -557,6 +557,20 @@ mod tests {
     }
 
     #[test]
+    fn progress_is_written_every_30_seconds_by_default_as_ome() {
+        let config = StatusSinkConfig::new("n".into(), "ome".into());
+        assert_eq!(config.progress_interval, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn removal_event_names_the_path() {
+        let event = removal_event(&entry("Ready", "", "AlwaysDownload"));
+        assert_eq!(event.reason, "Deleted");
+        assert_eq!(event.type_, EventType::Normal);
+        assert!(event.note.unwrap().contains("/mnt/models/m"));
+    }
+
+    #[test]
     fn wanted_maps_keys_and_skips_non_models() {
         let mut doc = StatusDoc::new();
         doc.insert(

@@ -343,3 +343,58 @@ impl Source {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::DownloadOutcome;
+
+    #[test]
+    fn failures_count_in_omes_download_metrics_by_kind() {
+        let status = |status: u16| hf::HfError::Status {
+            what: "x".into(),
+            status,
+            code: None,
+            message: String::new(),
+            retry_after: None,
+        };
+        let mismatch = StoreError::DigestMismatch {
+            expected: "a".into(),
+            actual: "b".into(),
+        };
+        let cases: Vec<(SourceError, Option<DownloadOutcome>)> = vec![
+            (SourceError::Cancelled, None),
+            (SourceError::Hf(hf::HfError::Cancelled), None),
+            (
+                SourceError::Hf(hf::HfError::Exhausted {
+                    attempts: 8,
+                    last: Box::new(status(429)),
+                }),
+                Some(DownloadOutcome::RateLimited),
+            ),
+            (
+                SourceError::Hf(hf::HfError::Corrupt {
+                    path: "w".into(),
+                    attempts: 3,
+                    detail: String::new(),
+                }),
+                Some(DownloadOutcome::VerificationFailed),
+            ),
+            (
+                SourceError::Store {
+                    path: "w".into(),
+                    source: mismatch,
+                },
+                Some(DownloadOutcome::VerificationFailed),
+            ),
+            (SourceError::Hf(status(403)), Some(DownloadOutcome::Failed)),
+            (
+                SourceError::LocalMissing { path: "/x".into() },
+                Some(DownloadOutcome::Failed),
+            ),
+        ];
+        for (error, expected) in cases {
+            assert_eq!(error.ome_outcome(), expected, "{error}");
+        }
+    }
+}

@@ -458,8 +458,21 @@ async fn deletion_with_omes_finalizers_for_models_parents_and_children() {
         "deleting parents moved or fetched bytes"
     );
     assert_eq!(finalizers_removed.load(Ordering::Relaxed), 6);
-    controller.abort();
+
+    // 3. A deletion while no daemon runs is completed by the next one at start.
     drop(daemon);
+    server.delete(BM, "lab", "bchild").unwrap();
+    assert!(entries(&server).contains_key("lab.basemodel.bchild"));
+    let restarted = start_daemon(&server, &["--allow-local-sources"], &[]);
+    wait_for("lab/bchild gone after the restart", || {
+        server.get(BM, "lab", "bchild").is_none().then_some(())
+    })
+    .await;
+    assert!(!entries(&server).contains_key("lab.basemodel.bchild"));
+    assert!(!node_labels(&server).contains_key("models.ome.io/lab.basemodel.bchild"));
+    assert_eq!(finalizers_removed.load(Ordering::Relaxed), 7);
+    controller.abort();
+    drop(restarted);
 }
 
 fn status_of(server: &FakeApiServer, key: &str) -> Option<String> {

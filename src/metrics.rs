@@ -1,5 +1,15 @@
 //! Prometheus metrics, one registry per daemon.
 //!
+//! Besides modelfs's own metrics (prefix `modelfs_`), the model-agent metrics of OME's agent
+//! (`model_agent_*`, labels `model_type` = `BaseModel` | `ClusterBaseModel`, `namespace` (empty
+//! for a ClusterBaseModel), `name`) are exported with the same meaning, so dashboards and
+//! alerts built for OME keep working: a download is one fetch of a model's artifact (resolve
+//! and fetch; a model served from another model's copy downloads nothing and counts nothing),
+//! its bytes are the bytes written into the store, a verification is the digest check of a
+//! completed fetch, and a checksum failure is a fetch that ended on bytes that never matched
+//! their digest (OME checks MD5s; modelfs sha256 / git sha1, same meaning). A rate limit is a
+//! download that failed on HTTP 429. OME's Go runtime gauges (`go_*`) have no equivalent.
+//!
 //! Bytes read are counted only for read-through opens: with passthrough the kernel reads the blob
 //! directly and the daemon never sees the bytes (that is the point), so `passthrough_opens` is the
 //! signal for that path.
@@ -37,8 +47,146 @@ pub enum SourceScheme {
     Hf,
 }
 
+/// Labels of OME's model-agent metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OmeModelLabels {
+    pub model_type: String,
+    pub namespace: String,
+    pub name: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OmeVerificationLabels {
+    pub model_type: String,
+    pub namespace: String,
+    pub name: String,
+    /// `success` or `failure`.
+    pub result: &'static str,
+}
+
+/// How a download attempt of a model ended, for OME's metrics.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DownloadOutcome {
+    Succeeded {
+        seconds: f64,
+        bytes: u64,
+    },
+    /// The bytes never matched their digest.
+    VerificationFailed,
+    /// The hub answered 429 until the fetch gave up.
+    RateLimited,
+    Failed,
+}
+
+fn ome_duration_histogram() -> Histogram {
+    // As OME: 0.1 s doubling, 10 buckets.
+    Histogram::new(exponential_buckets(0.1, 2.0, 10))
+}
+
+/// OME's `model_agent_*` metrics (module docs).
+pub struct OmeMetrics {
+    registry: Registry,
+    pub downloads_success: Family<OmeModelLabels, Counter>,
+    pub downloads_failed: Family<OmeModelLabels, Counter>,
+    pub verifications: Family<OmeVerificationLabels, Counter>,
+    pub checksum_failed: Family<OmeModelLabels, Counter>,
+    pub rate_limit: Family<OmeModelLabels, Counter>,
+    pub download_duration: Family<OmeModelLabels, Histogram, fn() -> Histogram>,
+    pub download_bytes: Family<OmeModelLabels, Counter>,
+}
+
+impl OmeMetrics {
+    fn new() -> Self {
+        let mut registry = Registry::default();
+        let m = Self {
+            downloads_success: Family::default(),
+            downloads_failed: Family::default(),
+            verifications: Family::default(),
+            checksum_failed: Family::default(),
+            rate_limit: Family::default(),
+            download_duration: Family::new_with_constructor(ome_duration_histogram),
+            download_bytes: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "model_agent_downloads_success",
+            "The total number of successful model downloads",
+            m.downloads_success.clone(),
+        );
+        registry.register(
+            "model_agent_downloads_failed",
+            "The total number of failed model downloads",
+            m.downloads_failed.clone(),
+        );
+        registry.register(
+            "model_agent_verifications",
+            "The total number of model verification attempts",
+            m.verifications.clone(),
+        );
+        registry.register(
+            "model_agent_md5_checksum_failed",
+            "The total number of checksum failures (sha256 / git sha1 in modelfs)",
+            m.checksum_failed.clone(),
+        );
+        registry.register(
+            "model_agent_rate_limit",
+            "The total number of rate limit (429) responses encountered",
+            m.rate_limit.clone(),
+        );
+        registry.register(
+            "model_agent_download_duration_seconds",
+            "The duration of model downloads in seconds",
+            m.download_duration.clone(),
+        );
+        registry.register(
+            "model_agent_download_bytes",
+            "The total bytes transferred while downloading models",
+            m.download_bytes.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// Records how one download of a model ended.
+    pub fn record(&self, model: OmeModelLabels, outcome: DownloadOutcome) {
+        let verification = |result| OmeVerificationLabels {
+            model_type: model.model_type.clone(),
+            namespace: model.namespace.clone(),
+            name: model.name.clone(),
+            result,
+        };
+        match outcome {
+            DownloadOutcome::Succeeded { seconds, bytes } => {
+                self.downloads_success.get_or_create(&model).inc();
+                self.download_duration
+                    .get_or_create(&model)
+                    .observe(seconds);
+                self.download_bytes.get_or_create(&model).inc_by(bytes);
+                self.verifications
+                    .get_or_create(&verification("success"))
+                    .inc();
+            }
+            DownloadOutcome::VerificationFailed => {
+                self.downloads_failed.get_or_create(&model).inc();
+                self.checksum_failed.get_or_create(&model).inc();
+                self.verifications
+                    .get_or_create(&verification("failure"))
+                    .inc();
+            }
+            DownloadOutcome::RateLimited => {
+                self.downloads_failed.get_or_create(&model).inc();
+                self.rate_limit.get_or_create(&model).inc();
+            }
+            DownloadOutcome::Failed => {
+                self.downloads_failed.get_or_create(&model).inc();
+            }
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    /// OME's model-agent metrics, exported beside these.
+    pub ome: OmeMetrics,
     pub fuse_requests: Family<OpLabel, Counter>,
     pub fuse_errors: Family<OpLabel, Counter>,
     pub read_bytes: Counter,
@@ -83,6 +231,7 @@ impl Metrics {
             // 10 us .. ~5 s.
             mapping_update_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
             registry: Registry::default(),
+            ome: OmeMetrics::new(),
         };
         registry.register(
             "fuse_requests",
@@ -154,8 +303,11 @@ impl Metrics {
     }
 
     pub fn encode(&self) -> String {
+        use prometheus_client::encoding::text::{encode_eof, encode_registry};
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+        encode_registry(&mut out, &self.registry)
+            .and_then(|()| encode_registry(&mut out, &self.ome.registry))
+            .and_then(|()| encode_eof(&mut out))
             .expect("writing to a String cannot fail");
         out
     }
@@ -184,8 +336,33 @@ mod tests {
                 scheme: SourceScheme::Local,
             })
             .inc_by(5);
+        let model = |name: &str| OmeModelLabels {
+            model_type: "BaseModel".into(),
+            namespace: "team".into(),
+            name: name.into(),
+        };
+        m.ome.record(
+            model("ok"),
+            DownloadOutcome::Succeeded {
+                seconds: 0.5,
+                bytes: 7,
+            },
+        );
+        m.ome
+            .record(model("bad"), DownloadOutcome::VerificationFailed);
+        m.ome.record(model("slow"), DownloadOutcome::RateLimited);
         let text = m.encode();
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        assert!(text.ends_with("# EOF\n"));
         for name in [
+            "model_agent_downloads_success_total{model_type=\"BaseModel\",namespace=\"team\",name=\"ok\"} 1",
+            "model_agent_download_bytes_total{model_type=\"BaseModel\",namespace=\"team\",name=\"ok\"} 7",
+            "model_agent_download_duration_seconds_bucket{le=\"0.8\",model_type=\"BaseModel\",namespace=\"team\",name=\"ok\"} 1",
+            "model_agent_verifications_total{model_type=\"BaseModel\",namespace=\"team\",name=\"ok\",result=\"success\"} 1",
+            "model_agent_verifications_total{model_type=\"BaseModel\",namespace=\"team\",name=\"bad\",result=\"failure\"} 1",
+            "model_agent_md5_checksum_failed_total{model_type=\"BaseModel\",namespace=\"team\",name=\"bad\"} 1",
+            "model_agent_downloads_failed_total{model_type=\"BaseModel\",namespace=\"team\",name=\"bad\"} 1",
+            "model_agent_rate_limit_total{model_type=\"BaseModel\",namespace=\"team\",name=\"slow\"} 1",
             "modelfs_fuse_requests_total{op=\"lookup\"} 1",
             "modelfs_fuse_errors_total{op=\"lookup\"} 1",
             "modelfs_read_bytes_total 0",

@@ -477,11 +477,6 @@ async fn targeting_malformed_objects_and_api_restarts() {
             base_model("t", "badpath", json!({"storageUri": uri, "path": "/etc/m"})),
             "/etc/m",
         ),
-        (
-            "nosecret",
-            base_model("t", "nosecret", json!({"storageUri": uri, "key": "absent"})),
-            "absent",
-        ),
     ];
     for (_, object, _) in &malformed {
         server.put(BM, object.clone());

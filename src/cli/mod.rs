@@ -74,6 +74,10 @@ pub struct ServeArgs {
     /// may create a BaseModel read files of the node.
     #[arg(long)]
     allow_local_sources: bool,
+    /// Kubernetes mode: seconds between node ConfigMap writes that only update download
+    /// progress (OME's agent writes every 30 s; each write wakes OME's controllers).
+    #[arg(long, default_value_t = crate::kube::status_sink::DEFAULT_PROGRESS_INTERVAL.as_secs())]
+    progress_interval_secs: u64,
     /// HTTP address for probes, metrics and status.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
@@ -269,6 +273,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
         "mounted"
     );
     let mounted = Arc::new(AtomicBool::new(true));
+    let health = Arc::new(
+        crate::http::HealthChecks::new(args.state.clone(), mount_dir.clone())
+            .with_context(|| format!("checking the mount at {}", mount_dir.display()))?,
+    );
 
     let reconciler_config = ReconcilerConfig {
         models_root_dir: models_root_dir.clone(),
@@ -303,6 +311,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
                     namespace: args.namespace.clone(),
                     models_root_dir,
                     allow_local_sources: args.allow_local_sources,
+                    progress_interval: Duration::from_secs(args.progress_interval_secs),
                 },
                 reconciler.clone(),
             ),
@@ -334,6 +343,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             metrics,
             reconciler: reconciler.clone(),
             mounted: mounted.clone(),
+            health,
         },
         async move {
             let _ = http_stopped.await;

@@ -13,6 +13,8 @@
 //!   configured, LFS files answer `302` to `/cdn/{sha256}` on that other address, as the real hub
 //!   redirects to its CDN; requests reaching the CDN with an `Authorization` header are counted
 //!   (a client must drop it when the host changes).
+//! * Single-part repository ids (`gpt2`, the hub's legacy models) have the same routes without
+//!   the organisation part.
 //! * Errors with `X-Error-Code`: `RepoNotFound`, `RevisionNotFound`, `EntryNotFound`, and
 //!   `GatedRepo` (401 without a token, 403 with a wrong one) for repositories given a token.
 //!
@@ -414,6 +416,16 @@ impl Hub {
                 "/{org}/{name}/resolve/{rev}/{*path}",
                 get(resolve).head(resolve),
             )
+            .route("/api/models/{org}/revision/{*rev}", get(single_revision))
+            .route("/api/models/{org}/tree/{rev}", get(single_tree_root))
+            .route(
+                "/api/models/{org}/tree/{rev}/{*path}",
+                get(single_tree_path),
+            )
+            .route(
+                "/{org}/resolve/{rev}/{*path}",
+                get(single_resolve).head(single_resolve),
+            )
             .route("/cdn/{sha}", get(cdn).head(cdn))
             .route(
                 "/_hub/faults",
@@ -436,7 +448,7 @@ impl Hub {
         if let Some(r) = api_fault(self) {
             return Err(Box::new(r));
         }
-        let repo = format!("{org}/{name}");
+        let repo = repo_id(org, name);
         let commit = self.lookup(&repo, rev, headers)?;
         Ok((repo, commit))
     }
@@ -512,6 +524,64 @@ fn hub_error(status: StatusCode, code: &str, message: &str) -> Response {
 }
 
 type HubState = State<Arc<Hub>>;
+
+/// `org/name`, or `name` alone for a single-part id (routed with an empty `org`).
+fn repo_id(org: &str, name: &str) -> String {
+    if org.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{org}/{name}")
+    }
+}
+
+async fn single_revision(
+    state: HubState,
+    UrlPath((name, rev)): UrlPath<(String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    revision(state, UrlPath((String::new(), name, rev)), headers).await
+}
+
+async fn single_tree_root(
+    state: HubState,
+    UrlPath((name, rev)): UrlPath<(String, String)>,
+    query: Query<TreeQuery>,
+    headers: HeaderMap,
+) -> Response {
+    tree(
+        state,
+        String::new(),
+        name,
+        rev,
+        String::new(),
+        query,
+        headers,
+    )
+}
+
+async fn single_tree_path(
+    state: HubState,
+    UrlPath((name, rev, path)): UrlPath<(String, String, String)>,
+    query: Query<TreeQuery>,
+    headers: HeaderMap,
+) -> Response {
+    tree(state, String::new(), name, rev, path, query, headers)
+}
+
+async fn single_resolve(
+    state: HubState,
+    method: Method,
+    UrlPath((name, rev, path)): UrlPath<(String, String, String)>,
+    headers: HeaderMap,
+) -> Response {
+    resolve(
+        state,
+        method,
+        UrlPath((String::new(), name, rev, path)),
+        headers,
+    )
+    .await
+}
 
 async fn revision(
     State(hub): HubState,
@@ -699,7 +769,7 @@ async fn resolve(
     UrlPath((org, name, rev, path)): UrlPath<(String, String, String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    let repo = format!("{org}/{name}");
+    let repo = repo_id(&org, &name);
     let commit = match hub.lookup(&repo, &rev, &headers) {
         Ok(c) => c,
         Err(r) => return *r,

@@ -13,6 +13,20 @@
 //! 3. For a targeted model, any other validation error (bad path, bad scheme) is `Failed`.
 //! 4. `local://` sources read files of the node: refused unless explicitly allowed, since in
 //!    a cluster any tenant that may create a BaseModel would otherwise read the node's disk.
+//!
+//! Before all of these, two kinds of objects are left out of the desired set entirely, as
+//! OME's agent leaves them out:
+//! * An object with `metadata.deletionTimestamp` is being deleted (OME's controller holds it
+//!   with its finalizer until no node ConfigMap has the model's key): it is treated as deleted,
+//!   so the reconciler unserves it and the status writer removes its entry and label, which is
+//!   what lets the controller remove the finalizer. Its reference is kept in
+//!   [`Plan::deleting`] for the Event that reports the removal.
+//! * A `pvc://` model is mounted by OME's controller from its PersistentVolumeClaim; no node
+//!   agent serves it, so it gets no ConfigMap entry and no label.
+//!
+//! Tokens: `spec.storage.parameters.token` is moved out of the spec into
+//! [`Plan::inline_tokens`] (no spec carries a secret); the producer prefers the Secret named by
+//! `spec.storage.key` and falls back to it, then to the daemon's `HF_TOKEN`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -58,6 +72,11 @@ pub struct Plan {
     pub secrets: BTreeMap<ModelKey, SecretRef>,
     /// Object references for Events, per model key.
     pub references: BTreeMap<ModelKey, ObjectReference>,
+    /// Models whose object has a deletionTimestamp (absent from `models`), with their
+    /// references: the removal is reported on them with an Event.
+    pub deleting: BTreeMap<ModelKey, ObjectReference>,
+    /// `spec.storage.parameters.token` of the targeted, valid models.
+    pub inline_tokens: BTreeMap<ModelKey, crate::source::Token>,
 }
 
 fn metadata_str<'a>(value: &'a Value, field: &str) -> Option<&'a str> {
@@ -117,6 +136,20 @@ fn plan_one(object: &RawObject, node: &NodeFacts, config: &PlanConfig, plan: &mu
             return;
         }
     };
+    if value
+        .get("metadata")
+        .and_then(|m| m.get("deletionTimestamp"))
+        .is_some_and(|t| !t.is_null())
+    {
+        plan.deleting.insert(key, reference(kind, &value));
+        return;
+    }
+    let storage_uri = value
+        .pointer("/spec/storage/storageUri")
+        .and_then(Value::as_str);
+    if storage_uri.is_some_and(|uri| uri.starts_with("pvc://")) {
+        return;
+    }
     plan.references.insert(key.clone(), reference(kind, &value));
     let parsed = match deserialize_model_object(&value) {
         Ok(parsed) => parsed,
@@ -145,7 +178,7 @@ fn plan_one(object: &RawObject, node: &NodeFacts, config: &PlanConfig, plan: &mu
             return;
         }
     }
-    let spec = match parsed.to_spec(&config.models_root_dir) {
+    let mut spec = match parsed.to_spec(&config.models_root_dir) {
         Ok(spec) => spec,
         Err(error) => {
             plan.models.insert(key, Err(error.to_string()));
@@ -168,6 +201,15 @@ fn plan_one(object: &RawObject, node: &NodeFacts, config: &PlanConfig, plan: &mu
             );
             return;
         }
+    }
+    if let Some(token) = spec
+        .parameters
+        .remove(crate::standalone::TOKEN_PARAMETER)
+        .map(|t| t.trim().to_owned())
+        .filter(|t| !t.is_empty())
+    {
+        plan.inline_tokens
+            .insert(key.clone(), crate::source::Token::new(token));
     }
     if let Some(secret) = &spec.token_secret {
         let namespace = match kind {
@@ -330,6 +372,9 @@ mod tests {
         assert_eq!(reference.uid.as_deref(), Some("uid-tok"));
         assert_eq!(reference.kind.as_deref(), Some("BaseModel"));
 
+        assert!(plan.deleting.is_empty());
+        assert!(plan.inline_tokens.is_empty());
+
         let allowed = super::plan(&objects, &node(), &config(true));
         let local = allowed
             .models
@@ -338,5 +383,77 @@ mod tests {
             .unwrap()
             .1;
         assert!(local.is_ok());
+    }
+
+    #[test]
+    fn deleting_and_pvc_objects_are_left_out_and_inline_tokens_leave_the_spec() {
+        let mut deleting = object(
+            ModelKind::BaseModel,
+            Some("team"),
+            "going",
+            json!({"storage": {"storageUri": "hf://a/b"}}),
+        );
+        deleting.value["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        deleting.value["metadata"]["finalizers"] = json!(["basemodels.ome.io/finalizer"]);
+        let mut null_timestamp = object(
+            ModelKind::ClusterBaseModel,
+            None,
+            "staying",
+            json!({"storage": {"storageUri": "hf://a/b"}}),
+        );
+        null_timestamp.value["metadata"]["deletionTimestamp"] = Value::Null;
+        let objects = vec![
+            deleting,
+            null_timestamp,
+            object(
+                ModelKind::ClusterBaseModel,
+                None,
+                "claim",
+                json!({"storage": {"storageUri": "pvc://models-pvc/llama", "path": "/etc/x"}}),
+            ),
+            object(
+                ModelKind::ClusterBaseModel,
+                None,
+                "vendor",
+                json!({"storage": {"storageUri": "vendor://nvidia/llama"}}),
+            ),
+            object(
+                ModelKind::BaseModel,
+                Some("team"),
+                "inline",
+                json!({"storage": {"storageUri": "hf://a/b",
+                    "parameters": {"token": " hf_inline ", "other": "kept"}}}),
+            ),
+        ];
+        let plan = plan(&objects, &node(), &config(false));
+        let keys: Vec<&str> = plan.models.keys().map(ModelKey::as_str).collect();
+        assert_eq!(
+            keys,
+            vec![
+                "clusterbasemodel.staying",
+                "clusterbasemodel.vendor",
+                "team.basemodel.inline"
+            ]
+        );
+        assert!(plan.models.values().all(Result::is_ok));
+        let deleting: Vec<&str> = plan.deleting.keys().map(ModelKey::as_str).collect();
+        assert_eq!(deleting, vec!["team.basemodel.going"]);
+        assert_eq!(
+            plan.deleting.values().next().unwrap().name.as_deref(),
+            Some("going")
+        );
+        assert!(!plan
+            .references
+            .keys()
+            .any(|k| k.as_str() == "team.basemodel.going"));
+        assert!(!plan
+            .references
+            .keys()
+            .any(|k| k.as_str() == "clusterbasemodel.claim"));
+        let inline = ModelKey::new(ModelKind::BaseModel, Some("team"), "inline").unwrap();
+        assert_eq!(plan.inline_tokens[&inline].expose(), "hf_inline");
+        let spec = plan.models[&inline].as_ref().unwrap();
+        assert!(!spec.parameters.contains_key("token"));
+        assert_eq!(spec.parameters["other"], "kept");
     }
 }

@@ -34,6 +34,8 @@ pub struct KubeConfig {
     pub models_root_dir: PathBuf,
     /// Serve `local://` sources (off by default: see [`desired`]).
     pub allow_local_sources: bool,
+    /// Shortest time between two ConfigMap writes that change only download progress.
+    pub progress_interval: std::time::Duration,
 }
 
 /// The running Kubernetes tasks; dropping this stops them.
@@ -60,7 +62,8 @@ pub fn start(client: kube::Client, config: KubeConfig, reconciler: ReconcilerHan
             allow_local_sources: config.allow_local_sources,
         },
     );
-    let sink_config = status_sink::StatusSinkConfig::new(config.node_name, config.namespace);
+    let mut sink_config = status_sink::StatusSinkConfig::new(config.node_name, config.namespace);
+    sink_config.progress_interval = config.progress_interval;
     KubeTasks {
         tasks: vec![
             producer::spawn(

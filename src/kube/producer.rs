@@ -17,6 +17,15 @@
 //! * The set is handed over only when it differs from the last one, so a re-list after a watch
 //!   error or an API server restart costs the reconciler nothing; and the reconciler itself
 //!   compares per-model fingerprints, so an unchanged model never causes work.
+//!
+//! # Tokens
+//! As OME's agent: the Secret named by `spec.storage.key` (entry `parameters.secretKey`,
+//! default `token`; a ClusterBaseModel's Secret lives in the daemon's namespace), else
+//! `spec.storage.parameters.token`, else the daemon's `HF_TOKEN`. A missing Secret or entry is
+//! not a failure: it is logged, reported once as a Warning Event on the model, and the next
+//! source applies, so a public repository still downloads and a gated one fails with the
+//! hub's own reason. An API error while reading the Secret keeps the token used before, so a
+//! flaky API server does not change what a model downloads with.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -154,6 +163,20 @@ async fn run(
     tracing::info!(node = %config.node_name, "watches synced");
 
     let secrets = Secrets::new(client.clone());
+    let events = kube::runtime::events::Recorder::new(
+        client.clone(),
+        kube::runtime::events::Reporter {
+            controller: super::status_sink::MANAGER.to_owned(),
+            instance: Some(format!(
+                "{}-{}",
+                super::status_sink::MANAGER,
+                config.node_name
+            )),
+        },
+    );
+    // Token problems already reported, per model: an Event is published when one appears or
+    // changes, not on every planning pass.
+    let mut reported: BTreeMap<ModelKey, String> = BTreeMap::new();
     let mut last_sent: Option<String> = None;
     let mut tokens: BTreeMap<ModelKey, Token> = BTreeMap::new();
     loop {
@@ -185,11 +208,37 @@ async fn run(
                         }
                     }
                 }
-                let mut planned = plan(&objects, &facts, &config.plan);
-                tokens = secrets
-                    .resolve(&planned.secrets, &mut planned.models, &tokens)
+                let planned = plan(&objects, &facts, &config.plan);
+                let (resolved, problems) = secrets
+                    .resolve(&planned.secrets, &planned.inline_tokens, &tokens)
                     .await;
-                *references.lock().unwrap_or_else(|e| e.into_inner()) = planned.references;
+                tokens = resolved;
+                for (key, problem) in &problems {
+                    if reported.get(key) == Some(problem) {
+                        continue;
+                    }
+                    tracing::warn!(model = %key, problem, "token Secret unusable; using the next token source");
+                    if let Some(reference) = planned.references.get(key).cloned() {
+                        let recorder = events.clone();
+                        let event = kube::runtime::events::Event {
+                            type_: kube::runtime::events::EventType::Warning,
+                            reason: "TokenSecretUnavailable".to_owned(),
+                            note: Some(problem.chars().take(1000).collect()),
+                            action: "ReadToken".to_owned(),
+                            secondary: None,
+                        };
+                        let key = key.clone();
+                        tokio::spawn(async move {
+                            if let Err(error) = recorder.publish(&event, &reference).await {
+                                tracing::warn!(model = %key, %error, "publishing an Event failed");
+                            }
+                        });
+                    }
+                }
+                reported = problems;
+                let mut all_references = planned.references;
+                all_references.extend(planned.deleting);
+                *references.lock().unwrap_or_else(|e| e.into_inner()) = all_references;
                 let desired = DesiredState {
                     models: planned.models,
                     errors: planned.errors,
@@ -238,18 +287,20 @@ impl Secrets {
         Self { client }
     }
 
-    /// Fetches the token of every model that names a Secret. A missing Secret or entry fails
-    /// that model (its owner must fix it); an API error keeps the model's previous token, so a
-    /// flaky API server does not change what a model downloads with.
+    /// The token of every model, by OME's precedence (module docs): the Secret's entry, else
+    /// the inline `parameters.token`; models with neither are absent (the daemon's `HF_TOKEN`
+    /// applies). Also returns, per model, why its Secret could not be used, if it could not.
+    /// An API error keeps the model's previous token.
     async fn resolve(
         &self,
         wanted: &BTreeMap<ModelKey, SecretRef>,
-        models: &mut BTreeMap<ModelKey, Result<crate::manifest::ModelSpec, String>>,
+        inline: &BTreeMap<ModelKey, Token>,
         previous: &BTreeMap<ModelKey, Token>,
-    ) -> BTreeMap<ModelKey, Token> {
+    ) -> (BTreeMap<ModelKey, Token>, BTreeMap<ModelKey, String>) {
         let mut fetched: BTreeMap<(String, String), Result<Option<Secret>, String>> =
             BTreeMap::new();
-        let mut tokens = BTreeMap::new();
+        let mut tokens = inline.clone();
+        let mut problems = BTreeMap::new();
         for (key, secret_ref) in wanted {
             let id = (secret_ref.namespace.clone(), secret_ref.name.clone());
             if !fetched.contains_key(&id) {
@@ -271,7 +322,7 @@ impl Secrets {
                     continue;
                 }
                 Ok(None) => Err(format!(
-                    "token Secret {}/{} (spec.storage.key) not found",
+                    "token Secret {}/{} (spec.storage.key) not found; downloading without it",
                     id.0, id.1
                 )),
                 Ok(Some(secret)) => secret
@@ -290,7 +341,8 @@ impl Secrets {
                     .ok_or_else(|| {
                         format!(
                             "token Secret {}/{} has no entry {:?} (set \
-                             spec.storage.parameters.secretKey to the entry's name)",
+                             spec.storage.parameters.secretKey to the entry's name); \
+                             downloading without it",
                             id.0, id.1, secret_ref.entry
                         )
                     }),
@@ -299,11 +351,11 @@ impl Secrets {
                 Ok(token) => {
                     tokens.insert(key.clone(), Token::new(token));
                 }
-                Err(reason) => {
-                    models.insert(key.clone(), Err(reason));
+                Err(problem) => {
+                    problems.insert(key.clone(), problem);
                 }
             }
         }
-        tokens
+        (tokens, problems)
     }
 }

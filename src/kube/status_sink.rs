@@ -17,9 +17,14 @@
 //!
 //! # Rate limit
 //! A change of a model's state (status, parent, children, reason, ...) is written at once.
-//! A change of download progress alone is written at most once per `progress_interval`: the
-//! reconciler publishes progress every few hundred milliseconds, and a node of many models
-//! would otherwise flood the API server.
+//! A change of download progress alone is written at most once per `progress_interval`
+//! (default 30 s, as OME's agent; `--progress-interval-secs`): every ConfigMap write wakes
+//! OME's BaseModel controllers, which then reconcile every model the ConfigMap names.
+//!
+//! # Deletion
+//! A model that leaves the document while its object is being deleted (the producer keeps
+//! the references of objects with a deletionTimestamp) gets a `Deleted` Event; its entry and
+//! label are removed by the same read-modify-write as any other change.
 //!
 //! # Size
 //! A ConfigMap holds at most 1 MiB. If the full entries do not fit, they are written in OME's
@@ -30,7 +35,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{ConfigMap, Node};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::Client;
@@ -71,7 +76,7 @@ impl StatusSinkConfig {
         Self {
             node_name,
             namespace,
-            progress_interval: Duration::from_secs(5),
+            progress_interval: DEFAULT_PROGRESS_INTERVAL,
             resync: Duration::from_secs(60),
             retry_base: Duration::from_millis(200),
             retry_max: Duration::from_secs(30),
@@ -79,6 +84,9 @@ impl StatusSinkConfig {
         }
     }
 }
+
+/// How often progress alone is written, as OME's agent (`progressThrottle`).
+pub const DEFAULT_PROGRESS_INTERVAL: Duration = Duration::from_secs(30);
 
 /// Why a status write failed.
 #[derive(Debug, thiserror::Error)]
@@ -456,14 +464,51 @@ impl EventPublisher {
             else {
                 continue;
             };
-            let recorder = self.recorder.clone();
-            let key = key.clone();
-            tokio::spawn(async move {
-                if let Err(error) = recorder.publish(&event, &reference).await {
-                    tracing::warn!(model = %key, %error, "publishing an Event failed");
-                }
-            });
+            self.publish(event, reference, key.clone());
         }
+        // Models that left the document while their object still exists (being deleted).
+        for (key, entry) in before {
+            if after.contains_key(key) || split_model_key(key).is_none() {
+                continue;
+            }
+            let Some(reference) = references
+                .iter()
+                .find(|(model, _)| model.as_str() == key)
+                .map(|(_, reference)| reference.clone())
+            else {
+                continue;
+            };
+            self.publish(removal_event(entry), reference, key.clone());
+        }
+    }
+
+    fn publish(&self, event: Event, reference: ObjectReference, key: String) {
+        let recorder = self.recorder.clone();
+        tokio::spawn(async move {
+            if let Err(error) = recorder.publish(&event, &reference).await {
+                tracing::warn!(model = %key, %error, "publishing an Event failed");
+            }
+        });
+    }
+}
+
+/// The Event of a model removed from this node because its object is being deleted.
+fn removal_event(before: &ModelStatus) -> Event {
+    Event {
+        type_: EventType::Normal,
+        reason: "Deleted".to_owned(),
+        note: Some(
+            format!(
+                "object is being deleted: no longer served at {}; its node ConfigMap entry and \
+                 node label are removed",
+                before.path
+            )
+            .chars()
+            .take(1000)
+            .collect(),
+        ),
+        action: "Delete".to_owned(),
+        secondary: None,
     }
 }
 
@@ -509,6 +554,20 @@ mod tests {
         assert_eq!(event.note.as_deref(), Some("no access"));
         assert!(transition_event(Some(&failed), &failed).is_none());
         assert!(transition_event(Some(&ready), &updating).is_none());
+    }
+
+    #[test]
+    fn progress_is_written_every_30_seconds_by_default_as_ome() {
+        let config = StatusSinkConfig::new("n".into(), "ome".into());
+        assert_eq!(config.progress_interval, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn removal_event_names_the_path() {
+        let event = removal_event(&entry("Ready", "", "AlwaysDownload"));
+        assert_eq!(event.reason, "Deleted");
+        assert_eq!(event.type_, EventType::Normal);
+        assert!(event.note.unwrap().contains("/mnt/models/m"));
     }
 
     #[test]

@@ -507,7 +507,7 @@ spec:
         let bad_uri = object(
             ModelKind::ClusterBaseModel,
             None,
-            Some(storage("hf://onlyone")),
+            Some(storage("hf://a/b/c")),
         );
         assert!(matches!(
             bad_uri.to_spec(root),
@@ -520,7 +520,7 @@ spec:
             .map(|_| ())
             .expect_err("invalid")
             .to_string()
-            .starts_with("spec.storage.storageUri: storageUri \"hf://onlyone\": "));
+            .starts_with("spec.storage.storageUri: storageUri \"hf://a/b/c\": "));
 
         let mut escaping = storage("hf://a/b");
         escaping.path = Some("/x/../y".to_owned());

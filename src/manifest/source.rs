@@ -17,9 +17,9 @@ pub const UNSUPPORTED_OME_SCHEMES: [&str; 7] = ["oci", "s3", "gs", "az", "pvc", 
 /// A parsed storage URI.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SourceUri {
-    /// `hf://<org>/<name>[@<revision>]`.
+    /// `hf://[<org>/]<name>[@<revision>]`.
     HuggingFace {
-        /// `<org>/<name>`.
+        /// `<org>/<name>`, or `<name>` alone for the hub's single-part ids (`gpt2`).
         repo: String,
         /// Branch, tag, or 40-hex commit; [`DEFAULT_HF_REVISION`] when the URI has none.
         revision: String,
@@ -106,14 +106,33 @@ impl SourceUri {
         }
     }
 
-    /// The `Failed` reason for a source modelfs cannot serve yet, `None` for supported ones.
+    /// The `Failed` reason for a source modelfs cannot serve yet, `None` for supported ones
+    /// (including `vendor://`, which is served without files: [`SourceUri::is_vendor`]).
     pub fn unsupported_reason(&self) -> Option<String> {
         match self {
+            SourceUri::Unsupported { scheme, .. } if scheme == "vendor" => None,
+            SourceUri::Unsupported { scheme, .. } if scheme == "pvc" => Some(
+                "pvc:// models are mounted from their PersistentVolumeClaim by OME's \
+                 controller; no node agent serves them"
+                    .to_owned(),
+            ),
             SourceUri::Unsupported { scheme, .. } => {
                 Some(format!("scheme {scheme} is not supported yet"))
             }
             _ => None,
         }
+    }
+
+    /// `vendor://`: the files come with the serving runtime (a vendor image). As OME's agent,
+    /// modelfs fetches nothing and reports the model `Ready` with no files.
+    pub fn is_vendor(&self) -> bool {
+        matches!(self, SourceUri::Unsupported { scheme, .. } if scheme == "vendor")
+    }
+
+    /// `pvc://`: served by OME's controller from a PersistentVolumeClaim; OME's node agent
+    /// skips such models entirely (no ConfigMap entry, no label), and so does Kubernetes mode.
+    pub fn is_pvc(&self) -> bool {
+        matches!(self, SourceUri::Unsupported { scheme, .. } if scheme == "pvc")
     }
 
     /// For a Hugging Face source pinned to a commit, that commit: no revision lookup is needed.
@@ -146,9 +165,10 @@ fn parse_hugging_face(uri: &str, rest: &str) -> Result<SourceUri, SourceUriError
     if repo.is_empty() {
         return Err(repo_error("the repository is missing".to_owned()));
     }
-    if segments.len() != 2 {
+    // Single-part ids (`hf://gpt2`) are valid, as in OME and on the hub.
+    if segments.len() > 2 {
         return Err(repo_error(format!(
-            "repository {repo:?} must have exactly two parts, <org>/<repo>"
+            "repository {repo:?} must be <org>/<repo> or a single-part id"
         )));
     }
     for segment in &segments {
@@ -294,6 +314,8 @@ mod tests {
             ("hf://org/repo_name.v2@dev", hf("org/repo_name.v2", "dev")),
             (&commit_uri, hf("a/b", commit)),
             ("hf://a/b@refs/pr/1", hf("a/b", "refs/pr/1")),
+            ("hf://gpt2", hf("gpt2", "main")),
+            ("hf://bert-base-uncased@v1", hf("bert-base-uncased", "v1")),
             (
                 "local:///srv/models/x",
                 SourceUri::Local {
@@ -359,10 +381,17 @@ mod tests {
             );
             assert_eq!(parsed.scheme(), scheme);
             assert_eq!(parsed.to_string(), uri);
-            assert_eq!(
-                parsed.unsupported_reason(),
-                Some(format!("scheme {scheme} is not supported yet"))
-            );
+            assert_eq!(parsed.is_vendor(), scheme == "vendor");
+            assert_eq!(parsed.is_pvc(), scheme == "pvc");
+            let reason = parsed.unsupported_reason();
+            match scheme {
+                "vendor" => assert_eq!(reason, None),
+                "pvc" => assert!(reason.unwrap().contains("PersistentVolumeClaim")),
+                _ => assert_eq!(
+                    reason,
+                    Some(format!("scheme {scheme} is not supported yet"))
+                ),
+            }
         }
     }
 
@@ -375,8 +404,8 @@ mod tests {
             ("ftp://host/x", "storageUri \"ftp://host/x\" uses unknown scheme \"ftp\"; supported: hf, local (recognised but not supported yet: oci, s3, gs, az, pvc, vendor, github)"),
             ("HF://a/b", "storageUri \"HF://a/b\" uses unknown scheme \"HF\"; supported: hf, local (recognised but not supported yet: oci, s3, gs, az, pvc, vendor, github)"),
             ("hf://", "storageUri \"hf://\": the repository is missing; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
-            ("hf://onlyone", "storageUri \"hf://onlyone\": repository \"onlyone\" must have exactly two parts, <org>/<repo>; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
-            ("hf://a/b/c", "storageUri \"hf://a/b/c\": repository \"a/b/c\" must have exactly two parts, <org>/<repo>; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
+            ("hf://a/b/c", "storageUri \"hf://a/b/c\": repository \"a/b/c\" must be <org>/<repo> or a single-part id; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
+            ("hf://gpt 2", "storageUri \"hf://gpt 2\": \"gpt 2\" contains ' '; only letters, digits, '.', '_' and '-' are allowed; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
             ("hf://a/", "storageUri \"hf://a/\": \"\" is empty; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
             ("hf:///b", "storageUri \"hf:///b\": \"\" is empty; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
             ("hf://a/b c", "storageUri \"hf://a/b c\": \"b c\" contains ' '; only letters, digits, '.', '_' and '-' are allowed; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),

@@ -538,6 +538,10 @@ impl Reconciler {
                 tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
             }
         }
+        if spec.source.is_vendor() {
+            self.serve_without_files(key, spec);
+            return true;
+        }
         if let Some(reason) = self.conflict_for(key, &spec.path, None) {
             self.fail_conflict(key, &fp, reason);
             return true;
@@ -804,6 +808,15 @@ impl Reconciler {
                 self.update_store_bytes(&store);
                 if current {
                     let spec = self.works[&key].spec.clone();
+                    if let Stage::Fetching { progress, .. } = &self.works[&key].stage {
+                        self.metrics.ome.record(
+                            ome_labels(&key),
+                            crate::metrics::DownloadOutcome::Succeeded {
+                                seconds: progress.started.elapsed().as_secs_f64(),
+                                bytes: progress.fetched_bytes.load(Ordering::Relaxed),
+                            },
+                        );
+                    }
                     tracing::info!(model = %key, %store, "fetch complete and verified");
                     self.serve(&key, store, id, manifest.revision.clone(), &spec);
                     self.remap();
@@ -1011,6 +1024,29 @@ impl Reconciler {
         }
     }
 
+    /// A `vendor://` model: its files come with the serving runtime, so, as OME's agent does,
+    /// nothing is fetched or mounted and the model is `Ready` at once. A copy it owned before
+    /// (its source changed to vendor) is handed to its children or released.
+    fn serve_without_files(&mut self, key: &ModelKey, spec: &ModelSpec) {
+        self.cancel_work(key);
+        self.retries.remove(key);
+        if let Some(own) = self.records.owned_store(key).cloned() {
+            let reserve = self.records.models.get(key).is_some_and(|m| m.reserve);
+            self.hand_over_or_release(&own, key, reserve);
+        }
+        if let Some(rec) = self.records.models.get_mut(key) {
+            rec.artifact = None;
+            rec.sha = None;
+            rec.store = None;
+            rec.served_path = None;
+            rec.served_source = Some(spec.source.to_string());
+            rec.phase = ModelPhase::Ready;
+            rec.reason = None;
+        }
+        tracing::info!(model = %key, source = %spec.source, "vendor model: Ready with no files");
+        self.wake_waiters();
+    }
+
     fn delete(&mut self, key: &ModelKey) {
         self.cancel_work(key);
         self.retries.remove(key);
@@ -1031,6 +1067,9 @@ impl Reconciler {
     }
 
     fn fail(&mut self, key: &ModelKey, fp: &str, err: &SourceError) {
+        if let Some(outcome) = err.ome_outcome() {
+            self.metrics.ome.record(ome_labels(key), outcome);
+        }
         self.cancel_work(key);
         let transient = err.is_transient();
         let mut reason = err.to_string();
@@ -1377,6 +1416,21 @@ impl Reconciler {
             tracing::warn!(error = %e, "writing status.json failed");
         }
         self.status_bytes = bytes;
+    }
+}
+
+/// The labels of OME's model-agent metrics for a model.
+fn ome_labels(key: &ModelKey) -> crate::metrics::OmeModelLabels {
+    let (namespace, name) = split_key(key);
+    crate::metrics::OmeModelLabels {
+        model_type: if namespace.is_some() {
+            "BaseModel"
+        } else {
+            "ClusterBaseModel"
+        }
+        .to_owned(),
+        namespace: namespace.unwrap_or_default(),
+        name,
     }
 }
 

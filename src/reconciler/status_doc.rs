@@ -71,16 +71,35 @@ impl Reconciler {
                 }
             }
             if let Some(w) = self.works.get(key) {
-                if let Stage::Fetching { progress, .. } = &w.stage {
-                    e.progress = Some(ProgressStatus {
-                        phase: "downloading".into(),
-                        total_bytes: progress.total_bytes.load(Ordering::Relaxed),
-                        completed_bytes: progress.completed_bytes.load(Ordering::Relaxed),
-                        total_files: progress.total_files.load(Ordering::Relaxed),
-                        completed_files: progress.completed_files.load(Ordering::Relaxed),
-                        speed_bytes_per_sec: progress.bytes_per_sec(),
-                        last_updated: rfc3339(SystemTime::now()),
-                    });
+                // OME's phases: `scanning` while the file list is fetched, `downloading`, then
+                // `finalizing` once every byte is in (last verifications, commit).
+                match &w.stage {
+                    Stage::Resolving => {
+                        e.progress = Some(ProgressStatus {
+                            phase: "scanning".into(),
+                            last_updated: rfc3339(SystemTime::now()),
+                            ..Default::default()
+                        });
+                    }
+                    Stage::Fetching { progress, .. } => {
+                        let total_bytes = progress.total_bytes.load(Ordering::Relaxed);
+                        let completed_bytes = progress.completed_bytes.load(Ordering::Relaxed);
+                        e.progress = Some(ProgressStatus {
+                            phase: if completed_bytes >= total_bytes {
+                                "finalizing"
+                            } else {
+                                "downloading"
+                            }
+                            .into(),
+                            total_bytes,
+                            completed_bytes,
+                            total_files: progress.total_files.load(Ordering::Relaxed),
+                            completed_files: progress.completed_files.load(Ordering::Relaxed),
+                            speed_bytes_per_sec: progress.bytes_per_sec(),
+                            last_updated: rfc3339(SystemTime::now()),
+                        });
+                    }
+                    Stage::Waiting { .. } => {}
                 }
             }
             if rec.phase == ModelPhase::Failed && e.reason.is_none() {

@@ -99,6 +99,40 @@ impl SourceError {
     }
 }
 
+impl SourceError {
+    /// How this failure counts in OME's download metrics (`None`: not a download failure, the
+    /// work was cancelled).
+    pub fn ome_outcome(&self) -> Option<crate::metrics::DownloadOutcome> {
+        use crate::metrics::DownloadOutcome;
+        fn mismatch(e: &StoreError) -> bool {
+            matches!(
+                e,
+                StoreError::DigestMismatch { .. } | StoreError::SizeMismatch { .. }
+            )
+        }
+        fn hf(e: &hf::HfError) -> Option<DownloadOutcome> {
+            Some(match e {
+                hf::HfError::Cancelled => return None,
+                hf::HfError::Corrupt { .. } => DownloadOutcome::VerificationFailed,
+                hf::HfError::Store { source, .. } if mismatch(source) => {
+                    DownloadOutcome::VerificationFailed
+                }
+                hf::HfError::Status { status: 429, .. } => DownloadOutcome::RateLimited,
+                hf::HfError::Exhausted { last, .. } => return hf(last),
+                _ => DownloadOutcome::Failed,
+            })
+        }
+        match self {
+            SourceError::Cancelled => None,
+            SourceError::Hf(e) => hf(e),
+            SourceError::Store { source, .. } if mismatch(source) => {
+                Some(DownloadOutcome::VerificationFailed)
+            }
+            _ => Some(DownloadOutcome::Failed),
+        }
+    }
+}
+
 /// A source credential (a Hugging Face token). `Debug` and `Display` never show it, so it
 /// cannot reach a log line by accident; only [`Token::expose`] gives the value.
 #[derive(Clone, PartialEq, Eq)]
@@ -140,6 +174,8 @@ pub struct Progress {
     pub completed_bytes: AtomicU64,
     pub total_files: AtomicU64,
     pub completed_files: AtomicU64,
+    /// Bytes this fetch wrote into the store (blobs it already had or linked are not counted).
+    pub fetched_bytes: AtomicU64,
     pub started: Instant,
 }
 
@@ -150,6 +186,7 @@ impl Default for Progress {
             completed_bytes: AtomicU64::new(0),
             total_files: AtomicU64::new(0),
             completed_files: AtomicU64::new(0),
+            fetched_bytes: AtomicU64::new(0),
             started: Instant::now(),
         }
     }
@@ -241,6 +278,9 @@ impl FetchContext {
     }
 
     pub fn record_fetched(&self, scheme: SourceScheme, bytes: u64) {
+        self.progress
+            .fetched_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
         let label = SourceLabel { scheme };
         self.metrics
             .fetched_bytes
@@ -363,6 +403,61 @@ impl Source {
                     .unwrap_or(Err(SourceError::Cancelled))
             }
             Source::Hf(s) => s.fetch(manifest, ctx).await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::DownloadOutcome;
+
+    #[test]
+    fn failures_count_in_omes_download_metrics_by_kind() {
+        let status = |status: u16| hf::HfError::Status {
+            what: "x".into(),
+            status,
+            code: None,
+            message: String::new(),
+            retry_after: None,
+        };
+        let mismatch = StoreError::DigestMismatch {
+            expected: "a".into(),
+            actual: "b".into(),
+        };
+        let cases: Vec<(SourceError, Option<DownloadOutcome>)> = vec![
+            (SourceError::Cancelled, None),
+            (SourceError::Hf(hf::HfError::Cancelled), None),
+            (
+                SourceError::Hf(hf::HfError::Exhausted {
+                    attempts: 8,
+                    last: Box::new(status(429)),
+                }),
+                Some(DownloadOutcome::RateLimited),
+            ),
+            (
+                SourceError::Hf(hf::HfError::Corrupt {
+                    path: "w".into(),
+                    attempts: 3,
+                    detail: String::new(),
+                }),
+                Some(DownloadOutcome::VerificationFailed),
+            ),
+            (
+                SourceError::Store {
+                    path: "w".into(),
+                    source: mismatch,
+                },
+                Some(DownloadOutcome::VerificationFailed),
+            ),
+            (SourceError::Hf(status(403)), Some(DownloadOutcome::Failed)),
+            (
+                SourceError::LocalMissing { path: "/x".into() },
+                Some(DownloadOutcome::Failed),
+            ),
+        ];
+        for (error, expected) in cases {
+            assert_eq!(error.ome_outcome(), expected, "{error}");
         }
     }
 }

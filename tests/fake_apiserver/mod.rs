@@ -14,6 +14,16 @@
 //! * watch: a chunked stream of `ADDED` / `MODIFIED` / `DELETED` events from the given
 //!   resourceVersion, replayed from a history; a resourceVersion older than the history
 //!   gives an `ERROR` event with a 410 `Expired` status, which makes clients re-list.
+//! * finalizers, as the real registry store handles them: DELETE of an object that still has
+//!   `metadata.finalizers` does not remove it but sets `metadata.deletionTimestamp` (a write:
+//!   new resourceVersion, `MODIFIED` event; a second DELETE changes nothing); the object is
+//!   removed (`DELETED` event) by the update or patch that empties its finalizers; an update
+//!   that adds a finalizer to an object being deleted is refused (422 `Invalid`), and
+//!   `deletionTimestamp`, `uid` and `creationTimestamp` cannot be changed by a client. DELETE
+//!   honours `preconditions` (uid, resourceVersion: 409 on mismatch).
+//! * `metadata.generation` for the custom resources (`ome.io`): 1 on create, bumped when the
+//!   spec changes and when a deletionTimestamp is first set (as the real API server does);
+//!   metadata-only changes (labels, finalizers, annotations) leave it alone.
 //!
 //! Failure injection: [`FakeApiServer::restart`] ends every open watch, forgets the event
 //! history (as etcd compaction does) and answers 503 for a while, which is what a client
@@ -351,14 +361,7 @@ impl FakeApiServer {
             .to_owned();
         let mut state = self.shared.state.lock().unwrap();
         let id = (resource.to_owned(), namespace, name);
-        let existed = state.objects.contains_key(&id);
-        store(
-            &self.shared,
-            &mut state,
-            id,
-            object,
-            if existed { "MODIFIED" } else { "ADDED" },
-        )
+        write(&self.shared, &mut state, id, object).unwrap_or_else(|_| panic!("put refused"))
     }
 
     /// Applies a JSON merge patch to an object directly, emitting the event.
@@ -367,15 +370,164 @@ impl FakeApiServer {
         let id = (resource.to_owned(), namespace.to_owned(), name.to_owned());
         let mut object = state.objects.get(&id).cloned().expect("object exists");
         json_patch::merge(&mut object, patch);
-        store(&self.shared, &mut state, id, object, "MODIFIED")
+        write(&self.shared, &mut state, id, object).unwrap_or_else(|_| panic!("merge refused"))
     }
 
-    /// Deletes an object directly, emitting the event.
+    /// Deletes an object directly as a client's DELETE would: an object with finalizers only
+    /// gets its deletionTimestamp. Returns the object as the API server would (`None` if it
+    /// did not exist).
     pub fn delete(&self, resource: &str, namespace: &str, name: &str) -> Option<Value> {
         let mut state = self.shared.state.lock().unwrap();
         let id = (resource.to_owned(), namespace.to_owned(), name.to_owned());
-        remove(&self.shared, &mut state, &id)
+        delete_object(&self.shared, &mut state, &id, &Value::Null).ok()
     }
+}
+
+/// Whether objects of a resource carry `metadata.generation` (the custom resources; the core
+/// kinds this fake serves have none).
+fn tracks_generation(resource: &str) -> bool {
+    resource.starts_with("apis/ome.io/")
+}
+
+/// An API error answered instead of a write.
+type Refusal = Box<Response>;
+
+/// A client's create, update or patch of `id` with the full new `object`, with the real
+/// registry's rules: server-owned metadata is kept, generation follows the spec, a finalizer
+/// cannot be added to an object being deleted, and an object being deleted whose last
+/// finalizer goes is removed.
+fn write(
+    shared: &Shared,
+    state: &mut State,
+    id: ObjectId,
+    mut object: Value,
+) -> Result<Value, Refusal> {
+    let previous = state.objects.get(&id).cloned();
+    if !object["metadata"].is_object() {
+        object["metadata"] = json!({});
+    }
+    match &previous {
+        None => {
+            if let Some(meta) = object["metadata"].as_object_mut() {
+                meta.remove("deletionTimestamp");
+                meta.remove("deletionGracePeriodSeconds");
+                meta.remove("generation");
+            }
+            if tracks_generation(&id.0) {
+                object["metadata"]["generation"] = json!(1);
+            }
+        }
+        Some(previous) => {
+            let old_meta = &previous["metadata"];
+            let meta = object["metadata"].as_object_mut().expect("metadata object");
+            for field in [
+                "uid",
+                "creationTimestamp",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+            ] {
+                match old_meta.get(field) {
+                    Some(value) => meta.insert(field.to_owned(), value.clone()),
+                    None => meta.remove(field),
+                };
+            }
+            if old_meta.get("deletionTimestamp").is_some() {
+                let old: Vec<&Value> = finalizers(previous);
+                let added: Vec<String> = finalizers(&object)
+                    .into_iter()
+                    .filter(|f| !old.contains(f))
+                    .map(|f| f.as_str().unwrap_or_default().to_owned())
+                    .collect();
+                if !added.is_empty() {
+                    return Err(Box::new(status_body(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "Invalid",
+                        &format!(
+                            "{} {:?} is invalid: metadata.finalizers: Forbidden: no new \
+                             finalizers can be added if the object is being deleted, found new \
+                             finalizers {added:?}",
+                            kind_of(&id.0).map(|k| k.0).unwrap_or("object"),
+                            id.2
+                        ),
+                    )));
+                }
+            }
+            if tracks_generation(&id.0) {
+                let generation = previous["metadata"]["generation"].as_i64().unwrap_or(1);
+                let bumped = if previous.get("spec") != object.get("spec") {
+                    generation + 1
+                } else {
+                    generation
+                };
+                object["metadata"]["generation"] = json!(bumped);
+            }
+        }
+    }
+    if previous.is_some()
+        && object["metadata"].get("deletionTimestamp").is_some()
+        && finalizers(&object).is_empty()
+    {
+        state.objects.insert(id.clone(), object);
+        return Ok(remove(shared, state, &id).expect("object just stored"));
+    }
+    let event = if previous.is_some() {
+        "MODIFIED"
+    } else {
+        "ADDED"
+    };
+    Ok(store(shared, state, id, object, event))
+}
+
+fn finalizers(object: &Value) -> Vec<&Value> {
+    object["metadata"]["finalizers"]
+        .as_array()
+        .map(|list| list.iter().collect())
+        .unwrap_or_default()
+}
+
+/// DELETE of `id`, as the registry store does it: an object with finalizers only gets its
+/// deletionTimestamp (once); one without is removed.
+fn delete_object(
+    shared: &Shared,
+    state: &mut State,
+    id: &ObjectId,
+    preconditions: &Value,
+) -> Result<Value, Refusal> {
+    let Some(mut object) = state.objects.get(id).cloned() else {
+        return Err(Box::new(status_body(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("{} not found", id.2),
+        )));
+    };
+    for field in ["uid", "resourceVersion"] {
+        if let Some(wanted) = preconditions[field].as_str() {
+            if Some(wanted) != object["metadata"][field].as_str() {
+                return Err(Box::new(status_body(
+                    StatusCode::CONFLICT,
+                    "Conflict",
+                    &format!(
+                        "Operation cannot be fulfilled on {}: the precondition {field} {wanted} \
+                         does not match the object",
+                        id.2
+                    ),
+                )));
+            }
+        }
+    }
+    if finalizers(&object).is_empty() {
+        return Ok(remove(shared, state, id).expect("object exists"));
+    }
+    if object["metadata"].get("deletionTimestamp").is_some() {
+        return Ok(object);
+    }
+    object["metadata"]["deletionTimestamp"] =
+        json!(modelfs::status::rfc3339(std::time::SystemTime::now()));
+    object["metadata"]["deletionGracePeriodSeconds"] = json!(0);
+    if let Some(generation) = object["metadata"]["generation"].as_i64() {
+        object["metadata"]["generation"] = json!(generation + 1);
+    }
+    Ok(store(shared, state, id.clone(), object, "MODIFIED"))
 }
 
 /// Stores `object` under `id` with a new resourceVersion and announces it.
@@ -473,7 +625,11 @@ async fn handle(
     let body_json = || serde_json::from_slice::<Value>(&body);
     match (method, &target.name) {
         (Method::GET, None) => {
-            if query.get("watch").is_some_and(|w| w == "true" || w == "1") {
+            // Parsed as Go's strconv.ParseBool does (Python clients send `True`).
+            if query
+                .get("watch")
+                .is_some_and(|w| matches!(w.as_str(), "1" | "t" | "T" | "true" | "True" | "TRUE"))
+            {
                 return start_watch(shared, target, query);
             }
             let state = shared.state.lock().unwrap();
@@ -533,9 +689,13 @@ async fn handle(
             }
             if let Some(meta) = object["metadata"].as_object_mut() {
                 meta.remove("resourceVersion");
+                meta.remove("uid");
+                meta.remove("creationTimestamp");
             }
-            let stored = store(&shared, &mut state, id(&name), object, "ADDED");
-            json_response(StatusCode::CREATED, &stored)
+            match write(&shared, &mut state, id(&name), object) {
+                Ok(stored) => json_response(StatusCode::CREATED, &stored),
+                Err(refusal) => *refusal,
+            }
         }
         (Method::PUT, Some(name)) => {
             let Ok(object) = body_json() else {
@@ -555,8 +715,10 @@ async fn handle(
                     return conflict(name);
                 }
             }
-            let stored = store(&shared, &mut state, id(name), object, "MODIFIED");
-            json_response(StatusCode::OK, &stored)
+            match write(&shared, &mut state, id(name), object) {
+                Ok(stored) => json_response(StatusCode::OK, &stored),
+                Err(refusal) => *refusal,
+            }
         }
         (Method::PATCH, Some(name)) => {
             let content_type = headers
@@ -607,18 +769,18 @@ async fn handle(
             {
                 return conflict(name);
             }
-            let stored = store(&shared, &mut state, id(name), patched, "MODIFIED");
-            json_response(StatusCode::OK, &stored)
+            match write(&shared, &mut state, id(name), patched) {
+                Ok(stored) => json_response(StatusCode::OK, &stored),
+                Err(refusal) => *refusal,
+            }
         }
         (Method::DELETE, Some(name)) => {
+            // DeleteOptions, if any (an empty body is allowed).
+            let options = body_json().unwrap_or(Value::Null);
             let mut state = shared.state.lock().unwrap();
-            match remove(&shared, &mut state, &id(name)) {
-                Some(object) => json_response(StatusCode::OK, &object),
-                None => status_body(
-                    StatusCode::NOT_FOUND,
-                    "NotFound",
-                    &format!("{name} not found"),
-                ),
+            match delete_object(&shared, &mut state, &id(name), &options["preconditions"]) {
+                Ok(object) => json_response(StatusCode::OK, &object),
+                Err(refusal) => *refusal,
             }
         }
         _ => status_body(

@@ -1,0 +1,865 @@
+//! OME parity in Kubernetes mode, end to end: the real `modelfs` binary with a real FUSE mount,
+//! the in-process fake API server (finalizers and deletionTimestamp as the real one), kube's
+//! real client playing OME's BaseModel controller, and the loopback Hugging Face hub.
+
+mod common;
+mod fake_apiserver;
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{files_of, make_model_dir, Readers};
+use fake_apiserver::FakeApiServer;
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use modelfs::devhub::files_from_dir;
+use modelfs::manifest::ModelKind;
+use serde_json::{json, Value};
+
+const NODE: &str = "node-a";
+const CM: &str = "api/v1/configmaps";
+const NODES: &str = "api/v1/nodes";
+const EVENTS: &str = "apis/events.k8s.io/v1/events";
+const BM: &str = "apis/ome.io/v1beta1/basemodels";
+const CBM: &str = "apis/ome.io/v1beta1/clusterbasemodels";
+const TIMEOUT: Duration = Duration::from_secs(90);
+/// OME's finalizers (pkg/constants: BaseModelFinalizer, ClusterBaseModelFinalizer).
+const BASE_MODEL_FINALIZER: &str = "basemodels.ome.io/finalizer";
+const CLUSTER_BASE_MODEL_FINALIZER: &str = "clusterbasemodels.ome.io/finalizer";
+
+struct Daemon {
+    child: Child,
+    mount: PathBuf,
+    listen: String,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child process by its pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+    }
+}
+
+impl Daemon {
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn get(&self, path: &str) -> (u16, String) {
+        common::http_get(&self.listen, path).expect("daemon answers")
+    }
+}
+
+fn start_daemon(server: &FakeApiServer, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
+    let mount = dir.path().join("mnt");
+    std::fs::create_dir_all(&mount).unwrap();
+    let listen = format!("127.0.0.1:{}", common::free_port());
+    let log = dir.path().join("daemon.log");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_modelfs"));
+    command
+        .args(["serve", "--kube", "--node-name", NODE, "--namespace", "ome"])
+        .arg("--mount")
+        .arg(&mount)
+        .arg("--state")
+        .arg(dir.path().join("state"))
+        .args(["--listen", &listen, "--gc-grace-secs", "1"])
+        .args(extra)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "info,modelfs=debug")
+        .env_remove("HF_TOKEN")
+        .stderr(std::fs::File::create(&log).unwrap());
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let child = command.spawn().expect("spawn modelfs");
+    Daemon {
+        child,
+        mount,
+        listen,
+        log,
+        _dir: dir,
+    }
+}
+
+fn node() -> Value {
+    json!({"metadata": {"name": NODE, "labels": {"gpu": "h100"}}})
+}
+
+fn cluster_model(name: &str, storage: Value) -> Value {
+    json!({"metadata": {"name": name}, "spec": {"modelFormat": {"name": "safetensors"},
+        "storage": storage}})
+}
+
+fn base_model(namespace: &str, name: &str, storage: Value) -> Value {
+    json!({"metadata": {"name": name, "namespace": namespace},
+        "spec": {"modelFormat": {"name": "safetensors"}, "storage": storage}})
+}
+
+/// The node ConfigMap's entries, parsed.
+fn entries(server: &FakeApiServer) -> BTreeMap<String, Value> {
+    server
+        .get(CM, "ome", NODE)
+        .and_then(|cm| cm["data"].as_object().cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| {
+            let parsed = serde_json::from_str(v.as_str().unwrap_or("null")).unwrap_or(v);
+            (k, parsed)
+        })
+        .collect()
+}
+
+fn node_labels(server: &FakeApiServer) -> BTreeMap<String, String> {
+    server
+        .get(NODES, "", NODE)
+        .and_then(|n| serde_json::from_value(n["metadata"]["labels"].clone()).ok())
+        .unwrap_or_default()
+}
+
+async fn wait_for<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_status(server: &FakeApiServer, key: &str, status: &str) -> Value {
+    wait_for(&format!("{key} {status}"), || {
+        let entry = entries(server).get(key).cloned()?;
+        (entry["status"] == status).then_some(entry)
+    })
+    .await
+}
+
+/// OME's BaseModel and ClusterBaseModel controllers, as far as deletion goes
+/// (pkg/controller/v1beta1/basemodel): every model gets the kind's finalizer (an Update of the
+/// object); an object with a deletionTimestamp keeps it until no model-status ConfigMap in
+/// `ome` has the model's key (or only an entry marked `Deleted`), then the finalizer is
+/// removed with an Update.
+struct OmeController {
+    client: kube::Client,
+    finalizers_removed: Arc<AtomicU64>,
+}
+
+impl OmeController {
+    fn spawn(client: kube::Client) -> (tokio::task::JoinHandle<()>, Arc<AtomicU64>) {
+        let finalizers_removed = Arc::new(AtomicU64::new(0));
+        let controller = OmeController {
+            client,
+            finalizers_removed: finalizers_removed.clone(),
+        };
+        let task = tokio::spawn(async move {
+            loop {
+                controller.pass().await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        (task, finalizers_removed)
+    }
+
+    async fn pass(&self) {
+        let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+            Api::namespaced(self.client.clone(), "ome");
+        let Ok(status_maps) = configmaps
+            .list(&ListParams::default().labels("models.ome/basemodel-status=true"))
+            .await
+        else {
+            return;
+        };
+        for (kind, finalizer) in [
+            (ModelKind::BaseModel, BASE_MODEL_FINALIZER),
+            (ModelKind::ClusterBaseModel, CLUSTER_BASE_MODEL_FINALIZER),
+        ] {
+            let resource = modelfs::kube::producer::model_resource(kind);
+            let api: Api<DynamicObject> = Api::all_with(self.client.clone(), &resource);
+            let Ok(objects) = api.list(&ListParams::default()).await else {
+                continue;
+            };
+            for mut object in objects {
+                let name = object.metadata.name.clone().unwrap_or_default();
+                let namespace = object.metadata.namespace.clone();
+                let scoped: Api<DynamicObject> = match &namespace {
+                    Some(ns) => Api::namespaced_with(self.client.clone(), ns, &resource),
+                    None => Api::all_with(self.client.clone(), &resource),
+                };
+                let finalizers = object.metadata.finalizers.get_or_insert_with(Vec::new);
+                let has = finalizers.iter().any(|f| f == finalizer);
+                if object.metadata.deletion_timestamp.is_none() {
+                    if !has {
+                        finalizers.push(finalizer.to_owned());
+                        // A conflict is retried on the next pass, as controller-runtime does.
+                        let _ = scoped.replace(&name, &PostParams::default(), &object).await;
+                    }
+                    continue;
+                }
+                if !has {
+                    continue;
+                }
+                let key = match &namespace {
+                    Some(ns) => format!("{ns}.basemodel.{name}"),
+                    None => format!("clusterbasemodel.{name}"),
+                };
+                let still_held = status_maps.items.iter().any(|cm| {
+                    cm.data
+                        .as_ref()
+                        .and_then(|d| d.get(&key))
+                        .is_some_and(|entry| {
+                            serde_json::from_str::<Value>(entry)
+                                .map(|e| e["status"] != "Deleted")
+                                .unwrap_or(true)
+                        })
+                });
+                if still_held {
+                    continue;
+                }
+                finalizers.retain(|f| f != finalizer);
+                if scoped
+                    .replace(&name, &PostParams::default(), &object)
+                    .await
+                    .is_ok()
+                {
+                    self.finalizers_removed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}
+
+fn has_finalizer(object: &Value, finalizer: &str) -> bool {
+    object["metadata"]["finalizers"]
+        .as_array()
+        .is_some_and(|list| list.iter().any(|f| f == finalizer))
+}
+
+fn read_all(file: &mut std::fs::File) -> Vec<u8> {
+    use std::io::Seek;
+    file.seek(std::io::SeekFrom::Start(0)).unwrap();
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).unwrap();
+    bytes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deletion_with_omes_finalizers_for_models_parents_and_children() {
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let sources: Vec<PathBuf> = (0..3)
+        .map(|i| {
+            let dir = data.path().join(format!("src{i}"));
+            make_model_dir(&dir, 70 + i, 2 << 20);
+            dir
+        })
+        .collect();
+    let uri = |i: usize| format!("local://{}", sources[i].display());
+    server.put(NODES, node());
+    // Plain models of both kinds.
+    server.put(CBM, cluster_model("solo", json!({"storageUri": uri(0)})));
+    server.put(
+        BM,
+        base_model("team", "solo", json!({"storageUri": uri(1)})),
+    );
+    // A ClusterBaseModel parent with two children (a ClusterBaseModel and a BaseModel), and a
+    // BaseModel parent with a BaseModel child, all of one artifact.
+    server.put(CBM, cluster_model("parent", json!({"storageUri": uri(2)})));
+    let reuse = json!({"storageUri": uri(2), "downloadPolicy": "ReuseIfExists"});
+    server.put(CBM, cluster_model("child", reuse.clone()));
+    server.put(BM, base_model("team", "child", reuse.clone()));
+    server.put(
+        BM,
+        base_model("lab", "bparent", json!({"storageUri": uri(2)})),
+    );
+    server.put(BM, base_model("lab", "bchild", reuse.clone()));
+
+    let daemon = start_daemon(&server, &["--allow-local-sources"], &[]);
+    let (controller, finalizers_removed) = OmeController::spawn(server.client().await);
+    let mnt = daemon.mount.clone();
+    for key in [
+        "clusterbasemodel.solo",
+        "team.basemodel.solo",
+        "clusterbasemodel.parent",
+        "clusterbasemodel.child",
+        "team.basemodel.child",
+        "lab.basemodel.bparent",
+        "lab.basemodel.bchild",
+    ] {
+        wait_status(&server, key, "Ready").await;
+    }
+    // The controller has put its finalizer on every model.
+    wait_for("finalizers on every model", || {
+        let all: Vec<(Value, &str)> = server
+            .list(BM)
+            .into_iter()
+            .map(|o| (o, BASE_MODEL_FINALIZER))
+            .chain(
+                server
+                    .list(CBM)
+                    .into_iter()
+                    .map(|o| (o, CLUSTER_BASE_MODEL_FINALIZER)),
+            )
+            .collect();
+        (all.len() == 7 && all.iter().all(|(o, f)| has_finalizer(o, f))).then_some(())
+    })
+    .await;
+    let parent_key = "clusterbasemodel.parent";
+    let entry = entries(&server)[parent_key].clone();
+    let children_paths = entry["config"]["artifact"]["childrenPaths"].to_string();
+    for child in ["mnt/child\"", "mnt/team/child\""] {
+        assert!(children_paths.contains(child), "{entry}");
+    }
+
+    // 1. Plain models: DELETE only sets deletionTimestamp; the daemon unserves the model and
+    // removes its key and label; the controller then removes its finalizer; the object goes.
+    let solo_want = files_of(&sources[0]);
+    let (solo_rel, solo_sha) = solo_want.iter().next().unwrap();
+    let mut open_file = std::fs::File::open(mnt.join("solo").join(solo_rel)).unwrap();
+    for (resource, namespace, name, key, label) in [
+        (
+            CBM,
+            "",
+            "solo",
+            "clusterbasemodel.solo",
+            "models.ome.io/clusterbasemodel.solo",
+        ),
+        (
+            BM,
+            "team",
+            "solo",
+            "team.basemodel.solo",
+            "models.ome.io/team.basemodel.solo",
+        ),
+    ] {
+        let answered = server.delete(resource, namespace, name).unwrap();
+        assert!(answered["metadata"]["deletionTimestamp"].is_string());
+        assert!(server.get(resource, namespace, name).is_some());
+        wait_for(&format!("{key} object gone"), || {
+            server
+                .get(resource, namespace, name)
+                .is_none()
+                .then_some(())
+        })
+        .await;
+        assert!(!entries(&server).contains_key(key));
+        assert!(!node_labels(&server).contains_key(label));
+    }
+    assert!(
+        !mnt.join("solo").exists(),
+        "the deleted model's path is gone"
+    );
+    assert!(!mnt.join("team/solo").exists());
+    // A file opened before the deletion keeps reading its bytes.
+    use sha2::Digest;
+    assert_eq!(
+        hex::encode(sha2::Sha256::digest(read_all(&mut open_file))),
+        *solo_sha
+    );
+    drop(open_file);
+    wait_for("Deleted events", || {
+        let events = server.list(EVENTS);
+        let deleted = |kind: &str| {
+            events.iter().any(|e| {
+                e["reason"] == "Deleted"
+                    && e["regarding"]["kind"] == kind
+                    && e["regarding"]["name"] == "solo"
+            })
+        };
+        (deleted("ClusterBaseModel") && deleted("BaseModel")).then_some(())
+    })
+    .await;
+
+    // 2. Parents with children: the children keep reading their files throughout; the
+    // parent's path disappears; ownership passes to a child; no byte moves.
+    let want = files_of(&sources[2]);
+    let children = [
+        mnt.join("child"),
+        mnt.join("team/child"),
+        mnt.join("lab/bchild"),
+    ];
+    let readers = Readers::start(&children, &want);
+    let fetched_before = fetched_bytes(&daemon.listen).await;
+    server.delete(CBM, "", "parent").unwrap();
+    wait_for("the ClusterBaseModel parent gone", || {
+        server.get(CBM, "", "parent").is_none().then_some(())
+    })
+    .await;
+    assert!(!mnt.join("parent").exists());
+    let e = entries(&server);
+    assert!(!e.contains_key(parent_key));
+    // Every former child is still Ready, served from a copy another model owns now.
+    for key in [
+        "clusterbasemodel.child",
+        "team.basemodel.child",
+        "lab.basemodel.bchild",
+    ] {
+        assert_eq!(e[key]["status"], "Ready", "{key}: {}", e[key]);
+        let parent = e[key]["config"]["artifact"]["parentPath"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .next()
+            .cloned()
+            .unwrap();
+        assert_ne!(parent, parent_key, "{key}");
+    }
+    server.delete(BM, "lab", "bparent").unwrap();
+    wait_for("the BaseModel parent gone", || {
+        server.get(BM, "lab", "bparent").is_none().then_some(())
+    })
+    .await;
+    assert!(!mnt.join("lab/bparent").exists());
+    assert!(!entries(&server).contains_key("lab.basemodel.bparent"));
+    assert_eq!(
+        status_of(&server, "lab.basemodel.bchild").as_deref(),
+        Some("Ready")
+    );
+    readers.finish();
+    // Finally two of the children themselves; the last one keeps its files.
+    for (resource, namespace, name) in [(CBM, "", "child"), (BM, "team", "child")] {
+        server.delete(resource, namespace, name).unwrap();
+    }
+    for (resource, namespace, name) in [(CBM, "", "child"), (BM, "team", "child")] {
+        wait_for(&format!("{namespace}/{name} gone"), || {
+            server
+                .get(resource, namespace, name)
+                .is_none()
+                .then_some(())
+        })
+        .await;
+    }
+    assert!(!mnt.join("child").exists());
+    assert_eq!(files_of(&mnt.join("lab/bchild")), want);
+    assert_eq!(
+        fetched_bytes(&daemon.listen).await,
+        fetched_before,
+        "deleting parents moved or fetched bytes"
+    );
+    assert_eq!(finalizers_removed.load(Ordering::Relaxed), 6);
+
+    // 3. A deletion while no daemon runs is completed by the next one at start.
+    drop(daemon);
+    server.delete(BM, "lab", "bchild").unwrap();
+    assert!(entries(&server).contains_key("lab.basemodel.bchild"));
+    let restarted = start_daemon(&server, &["--allow-local-sources"], &[]);
+    wait_for("lab/bchild gone after the restart", || {
+        server.get(BM, "lab", "bchild").is_none().then_some(())
+    })
+    .await;
+    assert!(!entries(&server).contains_key("lab.basemodel.bchild"));
+    assert!(!node_labels(&server).contains_key("models.ome.io/lab.basemodel.bchild"));
+    assert_eq!(finalizers_removed.load(Ordering::Relaxed), 7);
+    controller.abort();
+    drop(restarted);
+}
+
+fn status_of(server: &FakeApiServer, key: &str) -> Option<String> {
+    entries(server)
+        .get(key)
+        .and_then(|e| e["status"].as_str().map(str::to_owned))
+}
+
+async fn fetched_bytes(listen: &str) -> u64 {
+    metric_sum(listen, "modelfs_fetched_bytes").await
+}
+
+async fn metrics_text(listen: &str) -> String {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::get(format!("http://{listen}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+async fn metric_sum(listen: &str, prefix: &str) -> u64 {
+    metrics_text(listen)
+        .await
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Standard base64, for Secret data.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+fn secret(namespace: &str, name: &str, entry: &str, token: &str) -> Value {
+    json!({"metadata": {"name": name, "namespace": namespace},
+        "data": {entry: base64(token.as_bytes())}})
+}
+
+const GATED_TOKEN: &str = "hf_GatedGood_4242abcd";
+const ENV_TOKEN: &str = "hf_EnvToken_7373efgh";
+const WRONG_TOKEN: &str = "hf_WrongToken_9191ijkl";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schemes_tokens_and_ome_metrics() {
+    assert_eq!(base64(b"token!"), "dG9rZW4h");
+    assert_eq!(base64(b"ab"), "YWI=");
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let hub = modelfs::devhub::Hub::new(modelfs::devhub::HubConfig::default());
+    let mut repos: BTreeMap<&str, PathBuf> = BTreeMap::new();
+    for (i, repo) in ["gpt2", "org/public", "org/gated", "org/gated-env"]
+        .into_iter()
+        .enumerate()
+    {
+        let dir = data.path().join(format!("repo{i}"));
+        make_model_dir(&dir, 90 + i as u64, 1 << 20);
+        hub.add_commit(repo, &["main"], files_from_dir(&dir, 1 << 10).unwrap());
+        repos.insert(repo, dir);
+    }
+    hub.set_gated("org/gated", GATED_TOKEN);
+    hub.set_gated("org/gated-env", ENV_TOKEN);
+    let running = hub
+        .clone()
+        .serve("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+
+    server.put(NODES, node());
+    server.put("api/v1/secrets", secret("team", "hf", "token", GATED_TOKEN));
+    server.put(
+        "api/v1/secrets",
+        secret("team", "hf-custom", "hf_token", GATED_TOKEN),
+    );
+    // A ClusterBaseModel's Secret is read in the daemon's namespace, not in another one.
+    server.put(
+        "api/v1/secrets",
+        secret("ome", "cluster-hf", "token", GATED_TOKEN),
+    );
+    server.put(
+        "api/v1/secrets",
+        secret("team", "cluster-hf", "token", WRONG_TOKEN),
+    );
+    let hf = |repo: &str| json!({"storageUri": format!("hf://{repo}")});
+    let with = |mut storage: Value, extra: Value| {
+        for (k, v) in extra.as_object().unwrap() {
+            storage[k] = v.clone();
+        }
+        storage
+    };
+    server.put(CBM, cluster_model("single", hf("gpt2")));
+    server.put(
+        CBM,
+        cluster_model("vendor", json!({"storageUri": "vendor://nvidia/llama"})),
+    );
+    server.put(
+        CBM,
+        cluster_model("claim", json!({"storageUri": "pvc://models/llama"})),
+    );
+    server.put(
+        CBM,
+        cluster_model(
+            "cluster-secret",
+            with(hf("org/gated"), json!({"key": "cluster-hf"})),
+        ),
+    );
+    for (name, storage) in [
+        ("from-secret", with(hf("org/gated"), json!({"key": "hf"}))),
+        (
+            "secret-wins",
+            with(
+                hf("org/gated"),
+                json!({"key": "hf-custom",
+                    "parameters": {"secretKey": "hf_token", "token": WRONG_TOKEN}}),
+            ),
+        ),
+        (
+            "inline",
+            with(
+                hf("org/gated"),
+                json!({"parameters": {"token": GATED_TOKEN}}),
+            ),
+        ),
+        ("from-env", hf("org/gated-env")),
+        (
+            "missing-public",
+            with(hf("org/public"), json!({"key": "absent"})),
+        ),
+        (
+            "missing-gated",
+            with(hf("org/gated"), json!({"key": "absent"})),
+        ),
+        (
+            "wrong",
+            with(
+                hf("org/gated"),
+                json!({"parameters": {"token": WRONG_TOKEN}}),
+            ),
+        ),
+    ] {
+        server.put(BM, base_model("team", name, storage));
+    }
+
+    let url = running.url();
+    let daemon = start_daemon(
+        &server,
+        &["--hf-endpoint", &url, "--hf-retry-base-ms", "20"],
+        &[("HF_TOKEN", ENV_TOKEN)],
+    );
+    let mnt = daemon.mount.clone();
+    for (key, repo) in [
+        ("clusterbasemodel.single", "gpt2"),
+        ("clusterbasemodel.cluster-secret", "org/gated"),
+        ("team.basemodel.from-secret", "org/gated"),
+        ("team.basemodel.secret-wins", "org/gated"),
+        ("team.basemodel.inline", "org/gated"),
+        ("team.basemodel.from-env", "org/gated-env"),
+        ("team.basemodel.missing-public", "org/public"),
+    ] {
+        let entry = wait_status(&server, key, "Ready").await;
+        let path = entry["path"].as_str().unwrap();
+        assert_eq!(files_of(Path::new(path)), files_of(&repos[repo]), "{key}");
+    }
+    // vendor://: Ready with no files, as OME.
+    let vendor = wait_status(&server, "clusterbasemodel.vendor", "Ready").await;
+    assert!(!mnt.join("vendor").exists(), "{vendor}");
+    // A gated repository without a usable token fails with the hub's reason.
+    for key in ["team.basemodel.missing-gated", "team.basemodel.wrong"] {
+        let entry = wait_status(&server, key, "Failed").await;
+        let reason = entry["reason"].as_str().unwrap_or_default();
+        assert!(
+            reason.contains("403") && reason.contains("GatedRepo"),
+            "{key}: {reason}"
+        );
+    }
+    wait_for("labels", || {
+        let labels = node_labels(&server);
+        (labels
+            .get("models.ome.io/clusterbasemodel.vendor")
+            .map(String::as_str)
+            == Some("Ready")
+            && labels
+                .get("models.ome.io/team.basemodel.wrong")
+                .map(String::as_str)
+                == Some("Failed"))
+        .then_some(())
+    })
+    .await;
+    // pvc:// is not the node agent's: no entry, no label (written in the same passes as the
+    // entries above).
+    assert!(!entries(&server).contains_key("clusterbasemodel.claim"));
+    assert!(!node_labels(&server)
+        .keys()
+        .any(|label| label.contains("claim")));
+    // A missing Secret is a warning and an Event, not a failure.
+    wait_for("TokenSecretUnavailable events", || {
+        let events = server.list(EVENTS);
+        let warned = |name: &str| {
+            events.iter().any(|e| {
+                e["reason"] == "TokenSecretUnavailable"
+                    && e["type"] == "Warning"
+                    && e["regarding"]["name"] == name
+                    && e["note"]
+                        .as_str()
+                        .is_some_and(|n| n.contains("team/absent"))
+            })
+        };
+        (warned("missing-public") && warned("missing-gated")).then_some(())
+    })
+    .await;
+    assert!(daemon.log_text().contains("token Secret unusable"));
+
+    // OME's metric names beside modelfs's own.
+    let metrics = metrics_text(&daemon.listen).await;
+    for line in [
+        "model_agent_downloads_success_total{model_type=\"ClusterBaseModel\",namespace=\"\",name=\"single\"} 1",
+        "model_agent_verifications_total{model_type=\"BaseModel\",namespace=\"team\",name=\"inline\",result=\"success\"} 1",
+        "model_agent_download_duration_seconds_count{model_type=\"BaseModel\",namespace=\"team\",name=\"from-env\"} 1",
+        // At least once (a new failure may get one more attempt).
+        "model_agent_downloads_failed_total{model_type=\"BaseModel\",namespace=\"team\",name=\"wrong\"} ",
+        "modelfs_fetched_bytes_total{scheme=\"Hf\"}",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
+    }
+    let single_bytes: u64 = metrics
+        .lines()
+        .find(|l| l.starts_with("model_agent_download_bytes_total{model_type=\"ClusterBaseModel\",namespace=\"\",name=\"single\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap();
+    let repo_bytes: u64 = files_of(&repos["gpt2"])
+        .keys()
+        .map(|p| std::fs::metadata(repos["gpt2"].join(p)).unwrap().len())
+        .sum();
+    assert_eq!(single_bytes, repo_bytes);
+
+    // No token text anywhere: ConfigMap, labels, Events, status, metrics, log.
+    let (_, models) = daemon.get("/v1/models");
+    let places = [
+        (
+            "ConfigMap",
+            server.get(CM, "ome", NODE).unwrap().to_string(),
+        ),
+        ("Node", server.get(NODES, "", NODE).unwrap().to_string()),
+        ("Events", Value::from(server.list(EVENTS)).to_string()),
+        ("/v1/models", models),
+        ("/metrics", metrics),
+        ("daemon log", daemon.log_text()),
+    ];
+    for (place, text) in &places {
+        for token in [GATED_TOKEN, ENV_TOKEN, WRONG_TOKEN] {
+            assert!(!text.contains(token), "a token appears in the {place}");
+        }
+    }
+
+    // A downloaded model whose source becomes vendor:// leaves the mount and stays Ready.
+    assert!(mnt.join("single").exists());
+    server.merge(
+        CBM,
+        "",
+        "single",
+        &json!({"spec": {"storage": {"storageUri": "vendor://openai/gpt2"}}}),
+    );
+    wait_for("single served by its vendor", || {
+        let e = entries(&server).get("clusterbasemodel.single").cloned()?;
+        (e["status"] == "Ready"
+            && e["source"] == "vendor://openai/gpt2"
+            && e["config"]["artifact"]["sha"] == "")
+            .then_some(())
+    })
+    .await;
+    wait_for("single's path gone", || {
+        (!mnt.join("single").exists()).then_some(())
+    })
+    .await;
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn progress_is_written_with_omes_phases_at_the_configured_interval() {
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let dir = data.path().join("big");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), b"{\"model_type\":\"llama\"}").unwrap();
+    std::fs::write(dir.join("weights.bin"), common::bytes(5, 3 << 20)).unwrap();
+    let hub = modelfs::devhub::Hub::new(modelfs::devhub::HubConfig::default());
+    hub.add_commit("org/big", &["main"], files_from_dir(&dir, 1 << 10).unwrap());
+    // About six seconds of download.
+    hub.add_fault(modelfs::devhub::Fault {
+        kind: modelfs::devhub::FaultKind::Slow {
+            bytes_per_sec: 512 << 10,
+        },
+        count: 1000,
+        path: Some("weights".into()),
+        target: modelfs::devhub::FaultTarget::File,
+    });
+    let running = hub
+        .clone()
+        .serve("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    server.put(NODES, node());
+    server.put(
+        CBM,
+        cluster_model("big", json!({"storageUri": "hf://org/big"})),
+    );
+    // Record when each ConfigMap write happens, as OME's controller would be woken.
+    let writes: Arc<std::sync::Mutex<Vec<(Instant, Value)>>> = Arc::default();
+    let watcher = {
+        let writes = writes.clone();
+        let api: Api<k8s_openapi::api::core::v1::ConfigMap> =
+            Api::namespaced(server.client().await, "ome");
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            let stream = kube::runtime::watcher(api, kube::runtime::watcher::Config::default());
+            futures::pin_mut!(stream);
+            while let Some(event) = stream.next().await {
+                if let Ok(kube::runtime::watcher::Event::Apply(cm)) = event {
+                    if let Some(entry) =
+                        cm.data.as_ref().and_then(|d| d.get("clusterbasemodel.big"))
+                    {
+                        let entry: Value = serde_json::from_str(entry).unwrap();
+                        writes.lock().unwrap().push((Instant::now(), entry));
+                    }
+                }
+            }
+        })
+    };
+    let url = running.url();
+    let daemon = start_daemon(
+        &server,
+        &["--hf-endpoint", &url, "--progress-interval-secs", "2"],
+        &[],
+    );
+    wait_status(&server, "clusterbasemodel.big", "Ready").await;
+    watcher.abort();
+    let writes = writes.lock().unwrap().clone();
+    let progress: Vec<(Instant, Value)> = writes
+        .iter()
+        .filter(|(_, e)| e["status"] == "Updating" && e["progress"].is_object())
+        .cloned()
+        .collect();
+    assert!(
+        progress.len() >= 2,
+        "expected several progress writes during the download: {writes:?}"
+    );
+    for (_, entry) in &progress {
+        let phase = entry["progress"]["phase"].as_str().unwrap();
+        assert!(
+            ["scanning", "downloading", "finalizing"].contains(&phase),
+            "{entry}"
+        );
+        if phase != "scanning" {
+            assert_eq!(entry["progress"]["totalBytes"], (3 << 20) + 22);
+        }
+    }
+    assert!(progress
+        .iter()
+        .any(|(_, e)| e["progress"]["phase"] == "downloading"));
+    // Progress-only writes (same state, new numbers) are at least the interval apart.
+    for pair in progress.windows(2) {
+        let gap = pair[1].0 - pair[0].0;
+        assert!(
+            gap >= Duration::from_millis(1900),
+            "two progress writes {gap:?} apart: {} then {}",
+            pair[0].1,
+            pair[1].1
+        );
+    }
+    let ready = wait_status(&server, "clusterbasemodel.big", "Ready").await;
+    assert!(ready.get("progress").is_none(), "{ready}");
+    drop(daemon);
+}

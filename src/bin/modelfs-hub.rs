@@ -3,17 +3,27 @@
 //!
 //! ```text
 //! modelfs-hub --repo org/name[@ref1,ref2]=DIR [--repo ...] [--gated org/name] [--page-size N]
-//!             [--cdn 127.0.0.2:0] [--listen 127.0.0.1:0]
+//!             [--cdn 127.0.0.2:0] [--listen 127.0.0.1:0] [--fault JSON ...]
 //! ```
 //! Prints `listening http://ADDR` on stdout once it serves. The token of a gated repository is
 //! read from env `MODELFS_HUB_TOKEN`.
+//!
+//! Hostile mode: each `--fault` installs a fault rule at start (the JSON of
+//! `modelfs::devhub::Fault`, as `POST /_hub/faults` takes), for example a listing whose
+//! pagination never ends, a revision request that never answers, or a server ignoring Range:
+//!
+//! ```text
+//! --fault '{"kind":"endless_pages","count":1000000,"target":"api","path":"/tree/"}'
+//! --fault '{"kind":"stall_headers","secs":3600,"count":1000000,"target":"api","path":"org/slow/"}'
+//! --fault '{"kind":"ignore_range","count":1000000}'
+//! ```
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use modelfs::devhub::{files_from_dir, Hub, HubConfig};
+use modelfs::devhub::{files_from_dir, Fault, Hub, HubConfig};
 
 #[derive(Parser)]
 #[command(
@@ -40,6 +50,9 @@ struct Args {
     /// Files at least this large are LFS files (weights extensions always are).
     #[arg(long, default_value_t = 1 << 20)]
     lfs_threshold: u64,
+    /// A fault rule (JSON, as `POST /_hub/faults` takes one): hostile mode. Repeatable.
+    #[arg(long = "fault")]
+    faults: Vec<String>,
 }
 
 fn main() -> Result<()> {
@@ -70,6 +83,10 @@ fn main() -> Result<()> {
         for repo in &args.gated {
             hub.set_gated(repo, &token);
         }
+    }
+    for f in &args.faults {
+        let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
+        hub.add_fault(fault);
     }
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {

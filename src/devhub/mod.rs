@@ -16,11 +16,17 @@
 //! * Errors with `X-Error-Code`: `RepoNotFound`, `RevisionNotFound`, `EntryNotFound`, and
 //!   `GatedRepo` (401 without a token, 403 with a wrong one) for repositories given a token.
 //!
-//! Fault injection ([`Fault`]) applies to requests that serve file bytes: status codes (500,
-//! 429 with `Retry-After`...), truncated bodies, wrong bytes, slow or stalled streams. Counters
-//! ([`HubStats`]) report requests and bytes served. Everything is reachable in-process (tests)
-//! and over HTTP under `/_hub/` (the binary: `POST /_hub/faults`, `DELETE /_hub/faults`,
-//! `GET /_hub/stats`).
+//! Fault injection ([`Fault`]) applies to requests that serve file bytes, or to `/api/`
+//! requests: status codes (500, 429 with `Retry-After`...), truncated bodies, wrong bytes, slow
+//! streams. Its **hostile mode** covers what a broken or malicious hub does to a client that
+//! trusts it: headers that never come, a body that never comes or stops midway, a 5xx whose
+//! body never arrives, a `Content-Length` larger than the body, `rel="next"` pagination that
+//! never ends, and a server that ignores `Range` (answers `200` with the whole file). A fault
+//! can be limited to the requests whose path contains a string (for `/api/` requests the path
+//! is `{org}/{name}/revision/{rev}` or `{org}/{name}/tree/{rev}`). Counters ([`HubStats`])
+//! report requests and bytes served. Everything is reachable in-process (tests) and over HTTP
+//! under `/_hub/` (the binary: `--fault JSON` at start, `POST /_hub/faults`,
+//! `DELETE /_hub/faults`, `GET /_hub/stats`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
@@ -170,8 +176,22 @@ pub enum FaultKind {
     Corrupt,
     /// Send at most this many bytes per second.
     Slow { bytes_per_sec: u64 },
-    /// Send the first chunk, then nothing for `secs` seconds.
+    /// Send the first chunk, then nothing for `secs` seconds (the body stops midway).
     Stall { secs: u64 },
+    /// Send nothing at all, not even the response headers, for `secs` seconds.
+    StallHeaders { secs: u64 },
+    /// Send the headers, then no body byte for `secs` seconds.
+    StallBody { secs: u64 },
+    /// Answer with this status and a `Content-Length`, but send no body byte for `secs`
+    /// seconds (then close the connection).
+    StatusStalledBody { status: u16, secs: u64 },
+    /// Declare a `Content-Length` `extra` bytes larger than the body, send the body, close.
+    LyingLength { extra: u64 },
+    /// Ignore `Range`: answer `200` with the whole file (file requests).
+    IgnoreRange,
+    /// Always add a `rel="next"` link to a tree listing, to a page further on, so that the
+    /// pagination never ends (tree requests).
+    EndlessPages,
 }
 
 /// One fault rule: the next `count` matching requests get `kind`.
@@ -423,8 +443,15 @@ impl Hub {
             .with_state(self.clone())
     }
 
-    /// The common start of an `/api/` request: count it, apply an API fault, check access and
-    /// find the commit. Returns the repository name and the commit, or the response to send.
+    /// The common start of an `/api/` request: count it and take the fault that applies to it
+    /// (`what` is `{org}/{name}/{revision|tree}/{rev}`).
+    fn api_start(&self, what: &str) -> Option<FaultKind> {
+        self.counters.api_requests.fetch_add(1, Ordering::Relaxed);
+        self.take_fault(FaultTarget::Api, what)
+    }
+
+    /// Checks access and finds the commit of an `/api/` request. Returns the repository name
+    /// and the commit, or the response to send.
     fn api_commit(
         self: &Arc<Self>,
         org: &str,
@@ -432,10 +459,6 @@ impl Hub {
         rev: &str,
         headers: &HeaderMap,
     ) -> Result<(String, Arc<Commit>), Box<Response>> {
-        self.counters.api_requests.fetch_add(1, Ordering::Relaxed);
-        if let Some(r) = api_fault(self) {
-            return Err(Box::new(r));
-        }
         let repo = format!("{org}/{name}");
         let commit = self.lookup(&repo, rev, headers)?;
         Ok((repo, commit))
@@ -518,7 +541,19 @@ async fn revision(
     UrlPath((org, name, rev)): UrlPath<(String, String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    let (repo, commit) = match hub.api_commit(&org, &name, &rev, &headers) {
+    let fault = hub.api_start(&format!("{org}/{name}/revision/{rev}"));
+    let resp = revision_answer(&hub, &org, &name, &rev, &headers);
+    apply_api_fault(resp, fault).await
+}
+
+fn revision_answer(
+    hub: &Arc<Hub>,
+    org: &str,
+    name: &str,
+    rev: &str,
+    headers: &HeaderMap,
+) -> Response {
+    let (repo, commit) = match hub.api_commit(org, name, rev, headers) {
         Ok(found) => found,
         Err(r) => return *r,
     };
@@ -541,14 +576,77 @@ async fn revision(
     .into_response()
 }
 
-fn api_fault(hub: &Hub) -> Option<Response> {
-    match hub.take_fault(FaultTarget::Api, "")? {
+/// Reshapes an `/api/` answer by a fault (faults that do not apply to `/api/` leave it as is).
+async fn apply_api_fault(resp: Response, fault: Option<FaultKind>) -> Response {
+    let Some(fault) = fault else {
+        return resp;
+    };
+    match fault {
         FaultKind::Status {
             status,
             retry_after,
-        } => Some(status_fault(status, retry_after)),
-        _ => None,
+        } => return status_fault(status, retry_after),
+        FaultKind::StatusStalledBody { status, secs } => return status_stalled_body(status, secs),
+        FaultKind::StallHeaders { secs } => {
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            return resp;
+        }
+        FaultKind::Slow { .. } | FaultKind::IgnoreRange | FaultKind::EndlessPages => return resp,
+        _ => {}
     }
+    let (mut parts, body) = resp.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let len = bytes.len() as u64;
+    let (first, rest, pause, declared) = match fault {
+        FaultKind::Stall { secs } => {
+            let half = bytes.len() / 2;
+            (bytes.slice(..half), bytes.slice(half..), secs, len)
+        }
+        FaultKind::StallBody { secs } => (Bytes::new(), bytes, secs, len),
+        FaultKind::LyingLength { extra } => (bytes, Bytes::new(), 0, len + extra),
+        FaultKind::Truncate { after } => {
+            let cut = (after as usize).min(bytes.len());
+            (bytes.slice(..cut), Bytes::new(), 0, len)
+        }
+        FaultKind::Corrupt => {
+            let mut v = bytes.to_vec();
+            if let Some(b) = v.first_mut() {
+                *b ^= 0xff;
+            }
+            (Bytes::from(v), Bytes::new(), 0, len)
+        }
+        _ => unreachable!("handled above"),
+    };
+    parts
+        .headers
+        .insert(header::CONTENT_LENGTH, HeaderValue::from(declared));
+    use futures_util::StreamExt;
+    let body = futures_util::stream::iter([first])
+        .chain(futures_util::stream::once(async move {
+            if pause > 0 {
+                tokio::time::sleep(Duration::from_secs(pause)).await;
+            }
+            rest
+        }))
+        .filter(|b| std::future::ready(!b.is_empty()))
+        .map(Ok::<_, std::io::Error>);
+    Response::from_parts(parts, Body::from_stream(body))
+}
+
+/// A status answer whose declared body never comes within `secs` seconds.
+fn status_stalled_body(status: u16, secs: u64) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body = futures_util::stream::once(async move {
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        Err::<Bytes, _>(std::io::Error::other("injected stalled error body"))
+    });
+    let mut resp = Response::new(Body::from_stream(body));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(header::CONTENT_LENGTH, HeaderValue::from(100u64));
+    resp
 }
 
 fn status_fault(status: u16, retry_after: Option<u64>) -> Response {
@@ -575,7 +673,19 @@ async fn tree_root(
     query: Query<TreeQuery>,
     headers: HeaderMap,
 ) -> Response {
-    tree(state, org, name, rev, String::new(), query, headers)
+    let fault = state.0.api_start(&format!("{org}/{name}/tree/{rev}"));
+    let endless = fault == Some(FaultKind::EndlessPages);
+    let resp = tree(
+        state,
+        org,
+        name,
+        rev,
+        String::new(),
+        query,
+        headers,
+        endless,
+    );
+    apply_api_fault(resp, fault).await
 }
 
 async fn tree_path(
@@ -584,9 +694,15 @@ async fn tree_path(
     query: Query<TreeQuery>,
     headers: HeaderMap,
 ) -> Response {
-    tree(state, org, name, rev, path, query, headers)
+    let fault = state.0.api_start(&format!("{org}/{name}/tree/{rev}"));
+    let endless = fault == Some(FaultKind::EndlessPages);
+    let resp = tree(state, org, name, rev, path, query, headers, endless);
+    apply_api_fault(resp, fault).await
 }
 
+/// One page of a tree listing; with `endless`, a `rel="next"` link to a later page is added
+/// whatever the listing holds.
+#[allow(clippy::too_many_arguments)]
 fn tree(
     State(hub): HubState,
     org: String,
@@ -595,6 +711,7 @@ fn tree(
     prefix: String,
     Query(q): Query<TreeQuery>,
     headers: HeaderMap,
+    endless: bool,
 ) -> Response {
     let (repo, commit) = match hub.api_commit(&org, &name, &rev, &headers) {
         Ok(found) => found,
@@ -672,7 +789,8 @@ fn tree(
         })
         .collect();
     let mut resp = Json(page).into_response();
-    if end < listed.len() {
+    if end < listed.len() || endless {
+        let end = end.max(start + 1);
         let host = headers
             .get(header::HOST)
             .and_then(|h| h.to_str().ok())
@@ -720,7 +838,7 @@ async fn resolve(
         add_file_headers(h, &commit.sha, &file);
         return resp;
     }
-    serve_file(&hub, &method, &headers, &path, file, Some(&commit.sha))
+    serve_file(&hub, &method, &headers, &path, file, Some(&commit.sha)).await
 }
 
 async fn cdn(
@@ -741,7 +859,7 @@ async fn cdn(
     let Some((file, path)) = hub.by_sha256.lock().unwrap().get(&key).cloned() else {
         return StatusCode::NOT_FOUND.into_response();
     };
-    serve_file(&hub, &method, &headers, &path, file, None)
+    serve_file(&hub, &method, &headers, &path, file, None).await
 }
 
 fn add_file_headers(h: &mut HeaderMap, commit: &str, file: &HubFile) {
@@ -785,7 +903,7 @@ fn parse_range(v: &str, size: u64) -> Option<Result<(u64, u64), ()>> {
     Some(Ok(r))
 }
 
-fn serve_file(
+async fn serve_file(
     hub: &Arc<Hub>,
     method: &Method,
     headers: &HeaderMap,
@@ -793,10 +911,29 @@ fn serve_file(
     file: Arc<HubFile>,
     commit: Option<&str>,
 ) -> Response {
+    let mut fault = None;
+    if *method == Method::GET {
+        hub.counters.file_requests.fetch_add(1, Ordering::Relaxed);
+        fault = hub.take_fault(FaultTarget::File, path);
+        match fault {
+            Some(FaultKind::Status {
+                status,
+                retry_after,
+            }) => return status_fault(status, retry_after),
+            Some(FaultKind::StatusStalledBody { status, secs }) => {
+                return status_stalled_body(status, secs)
+            }
+            Some(FaultKind::StallHeaders { secs }) => {
+                tokio::time::sleep(Duration::from_secs(secs)).await
+            }
+            _ => {}
+        }
+    }
     let range = headers
         .get(header::RANGE)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| parse_range(v, file.size));
+        .and_then(|v| parse_range(v, file.size))
+        .filter(|_| fault != Some(FaultKind::IgnoreRange));
     let (status, start, end) = match range {
         None => (StatusCode::OK, 0, file.size),
         Some(Ok((s, e))) => (StatusCode::PARTIAL_CONTENT, s, e),
@@ -809,18 +946,10 @@ fn serve_file(
             return r;
         }
     };
-    let mut fault = None;
-    if *method == Method::GET {
-        hub.counters.file_requests.fetch_add(1, Ordering::Relaxed);
-        fault = hub.take_fault(FaultTarget::File, path);
-        if let Some(FaultKind::Status {
-            status,
-            retry_after,
-        }) = fault
-        {
-            return status_fault(status, retry_after);
-        }
-    }
+    let declared = match fault {
+        Some(FaultKind::LyingLength { extra }) => end - start + extra,
+        _ => end - start,
+    };
     let mut h = HeaderMap::new();
     if let Some(c) = commit {
         add_file_headers(&mut h, c, &file);
@@ -828,7 +957,7 @@ fn serve_file(
         h.insert(header::ETAG, HeaderValue::from_str(&file.etag()).unwrap());
     }
     h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
-    h.insert(header::CONTENT_LENGTH, HeaderValue::from(end - start));
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(declared));
     h.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
@@ -895,6 +1024,10 @@ fn body_stream(
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Some(FaultKind::Stall { secs }) if st.sent > 0 => {
+                tokio::time::sleep(Duration::from_secs(*secs)).await;
+                st.fault = None;
+            }
+            Some(FaultKind::StallBody { secs }) => {
                 tokio::time::sleep(Duration::from_secs(*secs)).await;
                 st.fault = None;
             }

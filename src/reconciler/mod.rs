@@ -18,6 +18,14 @@
 //! path implements placement on create, source/revision changes and the four policy changes
 //! T-01..T-04 of SPEC section 3.2.
 //!
+//! # Cancellation
+//! Each piece of work carries a [`WorkCancel`]. Deleting or changing a model cancels it: the
+//! task running its resolve or fetch ends at once (its future is dropped with everything it
+//! holds: the node-wide fetch slot, HTTP connections, transfer slots), whatever it was waiting
+//! for, so a hung source can never keep a slot from other models. Blocking workers (`local://`
+//! copies) see the same cancellation as a flag and stop at their next check. A worker that
+//! panics is a bug: the model is `Failed` with the panic message, not retried.
+//!
 //! # Durability
 //! Records are saved after every event that changed them, always after the data they point at
 //! is durable (blobs synced, artifact file written): a SIGKILL leaves a state that start-up turns
@@ -34,8 +42,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
+use futures_util::FutureExt;
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 use crate::artifact::{ArtifactId, Manifest, Sha256Digest, StoredArtifact};
 use crate::fs::{FsCore, Invalidation, MountEntry};
@@ -140,7 +150,42 @@ struct Work {
     spec: ModelSpec,
     source: Source,
     stage: Stage,
-    cancel: Arc<AtomicBool>,
+    cancel: WorkCancel,
+}
+
+/// Cancellation of one piece of work: the token ends its task at once; the flag is what
+/// blocking workers and the sources' loops poll.
+#[derive(Clone, Default)]
+struct WorkCancel {
+    token: CancellationToken,
+    flag: Arc<AtomicBool>,
+}
+
+impl WorkCancel {
+    fn cancel(&self) {
+        self.flag.store(true, Ordering::Relaxed);
+        self.token.cancel();
+    }
+
+    /// Runs `work` in a task that ends as soon as the work is cancelled (dropping the work's
+    /// future and all it holds) and hands its result, or `Cancelled`, or a panic turned into a
+    /// permanent error, to `report`.
+    fn spawn<T: Send + 'static>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, SourceError>> + Send + 'static,
+        report: impl FnOnce(Result<T, SourceError>) + Send + 'static,
+    ) {
+        let token = self.token.clone();
+        tokio::spawn(async move {
+            let work = std::panic::AssertUnwindSafe(work).catch_unwind();
+            let result = tokio::select! {
+                biased;
+                _ = token.cancelled() => Err(SourceError::Cancelled),
+                r = work => r.unwrap_or_else(|panic| Err(SourceError::from_panic(panic))),
+            };
+            report(result);
+        });
+    }
 }
 
 struct Retry {
@@ -318,9 +363,10 @@ impl Reconciler {
             match event {
                 Event::Shutdown(done) => {
                     for w in self.works.values() {
-                        w.cancel.store(true, Ordering::Relaxed);
+                        w.cancel.cancel();
                     }
-                    // Let fetch tasks reach a chunk boundary so partial files are consistent.
+                    // Fetch tasks end at once; wait (bounded) until all have let go of their
+                    // slots. Partial files are a verified-on-resume prefix whatever the point.
                     let _ = tokio::time::timeout(
                         Duration::from_secs(10),
                         self.fetch_slots
@@ -519,7 +565,7 @@ impl Reconciler {
             }
         };
         self.records.models.get_mut(key).expect("record").phase = ModelPhase::Updating;
-        let cancel = Arc::new(AtomicBool::new(false));
+        let cancel = WorkCancel::default();
         let rec = &self.records.models[key];
         // Same source as the served artifact: only policy, path or label changed. No resolve.
         let known = match (rec.artifact.clone(), rec.served_source.clone()) {
@@ -542,8 +588,8 @@ impl Reconciler {
         }
         let tx = self.tx.clone();
         let key2 = key.clone();
-        tokio::spawn(async move {
-            let result = source.resolve(cancel).await;
+        let flag = cancel.flag.clone();
+        cancel.spawn(async move { source.resolve(flag).await }, move |result| {
             let _ = tx.send(Event::Resolved {
                 key: key2,
                 fingerprint: fp,
@@ -633,20 +679,27 @@ impl Reconciler {
                 let ctx = FetchContext {
                     store: handle,
                     progress,
-                    cancel: w.cancel.clone(),
+                    cancel: w.cancel.flag.clone(),
                     metrics: self.metrics.clone(),
                     existing,
                 };
                 let source = w.source.clone();
+                let cancel = w.cancel.clone();
                 let tx = self.tx.clone();
                 let slots = self.fetch_slots.clone();
                 let key2 = key.clone();
                 tracing::info!(model = %key, %store, bytes = manifest.total_size(), files = manifest.entries().len(), "fetching");
-                tokio::spawn(async move {
-                    let result = match slots.acquire_owned().await {
-                        Ok(_permit) => source.fetch(manifest.clone(), ctx).await,
-                        Err(_) => Err(SourceError::Cancelled),
-                    };
+                let fetched = manifest.clone();
+                // The slot is taken inside the cancellable work: a cancelled fetch stops waiting
+                // for one, and one that holds a slot drops it when its future is dropped.
+                let work = async move {
+                    let _slot = slots
+                        .acquire_owned()
+                        .await
+                        .map_err(|_| SourceError::Cancelled)?;
+                    source.fetch(fetched, ctx).await
+                };
+                cancel.spawn(work, move |result| {
                     let _ = tx.send(Event::Fetched {
                         key: key2,
                         fingerprint: fp,
@@ -978,7 +1031,7 @@ impl Reconciler {
 
     fn cancel_work(&mut self, key: &ModelKey) {
         if let Some(w) = self.works.remove(key) {
-            w.cancel.store(true, Ordering::Relaxed);
+            w.cancel.cancel();
         }
     }
 

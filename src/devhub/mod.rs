@@ -602,20 +602,34 @@ async fn apply_api_fault(resp: Response, fault: Option<FaultKind>) -> Response {
     let (first, rest, pause, declared) = match fault {
         FaultKind::Stall { secs } => {
             let half = bytes.len() / 2;
-            (bytes.slice(..half), bytes.slice(half..), secs, len)
+            (
+                bytes.slice(..half),
+                bytes.slice(half..),
+                Duration::from_secs(secs),
+                len,
+            )
         }
-        FaultKind::StallBody { secs } => (Bytes::new(), bytes, secs, len),
-        FaultKind::LyingLength { extra } => (bytes, Bytes::new(), 0, len + extra),
+        FaultKind::StallBody { secs } => (Bytes::new(), bytes, Duration::from_secs(secs), len),
+        // The body goes out (with the headers) before it ends short of its length, as from a
+        // real server; ending at once would close the connection before the headers are sent.
+        FaultKind::LyingLength { extra } => {
+            (bytes, Bytes::new(), Duration::from_millis(100), len + extra)
+        }
         FaultKind::Truncate { after } => {
             let cut = (after as usize).min(bytes.len());
-            (bytes.slice(..cut), Bytes::new(), 0, len)
+            (
+                bytes.slice(..cut),
+                Bytes::new(),
+                Duration::from_millis(100),
+                len,
+            )
         }
         FaultKind::Corrupt => {
             let mut v = bytes.to_vec();
             if let Some(b) = v.first_mut() {
                 *b ^= 0xff;
             }
-            (Bytes::from(v), Bytes::new(), 0, len)
+            (Bytes::from(v), Bytes::new(), Duration::ZERO, len)
         }
         _ => unreachable!("handled above"),
     };
@@ -625,9 +639,7 @@ async fn apply_api_fault(resp: Response, fault: Option<FaultKind>) -> Response {
     use futures_util::StreamExt;
     let body = futures_util::stream::iter([first])
         .chain(futures_util::stream::once(async move {
-            if pause > 0 {
-                tokio::time::sleep(Duration::from_secs(pause)).await;
-            }
+            tokio::time::sleep(pause).await;
             rest
         }))
         .filter(|b| std::future::ready(!b.is_empty()))
@@ -790,7 +802,12 @@ fn tree(
         .collect();
     let mut resp = Json(page).into_response();
     if end < listed.len() || endless {
-        let end = end.max(start + 1);
+        // Endless: always a page further on than the one asked for, so no URL repeats.
+        let end = if end < listed.len() {
+            end
+        } else {
+            end.max(q.cursor.unwrap_or(0) + 1)
+        };
         let host = headers
             .get(header::HOST)
             .and_then(|h| h.to_str().ok())

@@ -370,12 +370,13 @@ pub(crate) fn network(what: &str, e: reqwest::Error) -> HfError {
 }
 
 /// Whether a body read failed because the connection closed before the body reached its
-/// `Content-Length` (as opposed to a reset or a timeout).
+/// `Content-Length` (hyper reports that as `UnexpectedEof`; a reset is `ConnectionReset`, a
+/// timeout never gets here).
 fn is_incomplete_body(e: &reqwest::Error) -> bool {
     let mut src = std::error::Error::source(e);
     while let Some(s) = src {
-        if s.downcast_ref::<hyper::Error>()
-            .is_some_and(|h| h.is_incomplete_message())
+        if s.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::UnexpectedEof)
         {
             return true;
         }

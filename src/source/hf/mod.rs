@@ -548,5 +548,29 @@ mod tests {
             detail: "d".into(),
         };
         assert!(!corrupt.is_transient());
+        let exhausted = |last| HfError::Exhausted {
+            attempts: 8,
+            last: Box::new(last),
+        };
+        let stalled = HfError::Stalled {
+            what: "w".into(),
+            secs: 30,
+        };
+        assert!(stalled.is_retryable() && exhausted(stalled).is_transient());
+        let lying = HfError::Truncated {
+            what: "w".into(),
+            got: 10,
+            want: 20,
+        };
+        assert!(lying.is_retryable(), "one short body can be a glitch");
+        assert!(
+            !exhausted(lying).is_transient(),
+            "short on every attempt is a lie that will not stop"
+        );
+        let limit = HfError::Limit {
+            what: "w".into(),
+            detail: "d".into(),
+        };
+        assert!(!limit.is_retryable() && !limit.is_transient());
     }
 }

@@ -233,7 +233,7 @@ fn a_server_ignoring_range_serves_each_file_about_once() {
         ),
     ];
     hub.hub().add_commit("org/norange", &["main"], files);
-    hub.fault(FaultKind::IgnoreRange, 1_000_000, None);
+    hub.hub().set_ignore_range(true);
     let env = TestEnv::new();
     let d = start_daemon(&env, &hub);
     env.write_models(
@@ -253,4 +253,77 @@ fn a_server_ignoring_range_serves_each_file_about_once() {
     assert!(d
         .log_text()
         .contains("the server ignores Range; reading the whole file from one answer"));
+}
+
+#[test]
+fn file_requests_that_hang_are_retried_until_the_model_is_ready() {
+    let hub = TestHub::start(1000);
+    let large = 3 << 20;
+    let files = vec![
+        (
+            "model.safetensors".to_string(),
+            HubFile::memory(bytes(9, large), true),
+        ),
+        (
+            "config.json".to_string(),
+            HubFile::memory(bytes(10, 700), false),
+        ),
+    ];
+    hub.hub().add_commit("org/hangs", &["main"], files);
+    // One of each, in turn: no headers, no body, a 503 whose body never comes.
+    hub.fault(FaultKind::StallHeaders { secs: FOREVER }, 1, None);
+    hub.fault(FaultKind::StallBody { secs: FOREVER }, 1, None);
+    hub.fault(
+        FaultKind::StatusStalledBody {
+            status: 503,
+            secs: FOREVER,
+        },
+        1,
+        None,
+    );
+    let env = TestEnv::new();
+    let d = start_daemon(&env, &hub);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("hangs", "hf://org/hangs", "AlwaysDownload", None),
+    );
+    d.wait_model("clusterbasemodel.hangs", "Ready");
+    assert_eq!(hub.hub().stats().faults_applied, 3);
+    let got = std::fs::read(env.mount.join("hangs/model.safetensors")).unwrap();
+    assert!(got == bytes(9, large), "the served bytes differ");
+
+    // A server ignoring Range whose whole-file answer stops midway: the rest comes from a new
+    // whole-file answer, from the offset reached.
+    hub.hub().add_commit(
+        "org/hangs-whole",
+        &["main"],
+        vec![(
+            "model.safetensors".to_string(),
+            HubFile::memory(bytes(11, 8 << 20), true),
+        )],
+    );
+    hub.hub().set_ignore_range(true);
+    hub.fault(FaultKind::Stall { secs: FOREVER }, 1, None);
+    hub.fault(FaultKind::Truncate { after: 1 << 20 }, 1, None);
+    let before = hub.hub().stats();
+    env.write_models(
+        "w.yaml",
+        &cluster_model("whole", "hf://org/hangs-whole", "AlwaysDownload", None),
+    );
+    d.wait_model("clusterbasemodel.whole", "Ready");
+    let got = std::fs::read(env.mount.join("whole/model.safetensors")).unwrap();
+    assert!(got == bytes(11, 8 << 20), "the served bytes differ");
+    let after = hub.hub().stats();
+    assert_eq!(after.faults_applied - before.faults_applied, 2);
+    // 8 ranges of 1 MiB; three attempts (stalled, cut, complete) of one answer each.
+    assert!(
+        after.file_requests - before.file_requests <= 4,
+        "one answer per attempt, not one per range: {} requests",
+        after.file_requests - before.file_requests
+    );
+    assert!(
+        after.bytes_served - before.bytes_served < 2 * (8 << 20),
+        "served {} bytes for an 8 MiB file",
+        after.bytes_served - before.bytes_served
+    );
 }

@@ -3,19 +3,20 @@
 //!
 //! ```text
 //! modelfs-hub --repo org/name[@ref1,ref2]=DIR [--repo ...] [--gated org/name] [--page-size N]
-//!             [--cdn 127.0.0.2:0] [--listen 127.0.0.1:0] [--fault JSON ...]
+//!             [--cdn 127.0.0.2:0] [--listen 127.0.0.1:0] [--fault JSON ...] [--ignore-range]
 //! ```
 //! Prints `listening http://ADDR` on stdout once it serves. The token of a gated repository is
 //! read from env `MODELFS_HUB_TOKEN`.
 //!
 //! Hostile mode: each `--fault` installs a fault rule at start (the JSON of
 //! `modelfs::devhub::Fault`, as `POST /_hub/faults` takes), for example a listing whose
-//! pagination never ends, a revision request that never answers, or a server ignoring Range:
+//! pagination never ends, a revision request that never answers, or a 5xx whose body never
+//! comes; `--ignore-range` makes it a server that ignores `Range`:
 //!
 //! ```text
 //! --fault '{"kind":"endless_pages","count":1000000,"target":"api","path":"/tree/"}'
 //! --fault '{"kind":"stall_headers","secs":3600,"count":1000000,"target":"api","path":"org/slow/"}'
-//! --fault '{"kind":"ignore_range","count":1000000}'
+//! --fault '{"kind":"status_stalled_body","status":503,"secs":3600,"count":5}'
 //! ```
 
 use std::net::SocketAddr;
@@ -53,6 +54,9 @@ struct Args {
     /// A fault rule (JSON, as `POST /_hub/faults` takes one): hostile mode. Repeatable.
     #[arg(long = "fault")]
     faults: Vec<String>,
+    /// Ignore `Range` headers: every file request gets the whole file (hostile mode).
+    #[arg(long)]
+    ignore_range: bool,
 }
 
 fn main() -> Result<()> {
@@ -88,6 +92,7 @@ fn main() -> Result<()> {
         let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
         hub.add_fault(fault);
     }
+    hub.set_ignore_range(args.ignore_range);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let running = hub.serve(args.listen, args.cdn).await?;

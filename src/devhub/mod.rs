@@ -21,7 +21,8 @@
 //! streams. Its **hostile mode** covers what a broken or malicious hub does to a client that
 //! trusts it: headers that never come, a body that never comes or stops midway, a 5xx whose
 //! body never arrives, a `Content-Length` larger than the body, `rel="next"` pagination that
-//! never ends, and a server that ignores `Range` (answers `200` with the whole file). A fault
+//! never ends; and [`Hub::set_ignore_range`] makes it a server that ignores `Range` (answers
+//! `200` with the whole file), which composes with the faults. A fault
 //! can be limited to the requests whose path contains a string (for `/api/` requests the path
 //! is `{org}/{name}/revision/{rev}` or `{org}/{name}/tree/{rev}`). Counters ([`HubStats`])
 //! report requests and bytes served. Everything is reachable in-process (tests) and over HTTP
@@ -187,8 +188,6 @@ pub enum FaultKind {
     StatusStalledBody { status: u16, secs: u64 },
     /// Declare a `Content-Length` `extra` bytes larger than the body, send the body, close.
     LyingLength { extra: u64 },
-    /// Ignore `Range`: answer `200` with the whole file (file requests).
-    IgnoreRange,
     /// Always add a `rel="next"` link to a tree listing, to a page further on, so that the
     /// pagination never ends (tree requests).
     EndlessPages,
@@ -265,6 +264,8 @@ pub struct Hub {
     counters: Counters,
     /// `http://host:port` of the CDN listener, when there is one.
     cdn: Mutex<Option<String>>,
+    /// Answer every file request with the whole file, whatever its `Range`.
+    ignore_range: std::sync::atomic::AtomicBool,
 }
 
 /// A running hub.
@@ -310,7 +311,14 @@ impl Hub {
             faults: Mutex::default(),
             counters: Counters::default(),
             cdn: Mutex::default(),
+            ignore_range: Default::default(),
         })
+    }
+
+    /// Hostile mode: ignore `Range` headers (answer `200` with the whole file), as some
+    /// servers and proxies do.
+    pub fn set_ignore_range(&self, ignore: bool) {
+        self.ignore_range.store(ignore, Ordering::Relaxed);
     }
 
     /// Adds a commit to `repo` and points `refs` (branches or tags) at it. Returns the commit.
@@ -591,7 +599,7 @@ async fn apply_api_fault(resp: Response, fault: Option<FaultKind>) -> Response {
             tokio::time::sleep(Duration::from_secs(secs)).await;
             return resp;
         }
-        FaultKind::Slow { .. } | FaultKind::IgnoreRange | FaultKind::EndlessPages => return resp,
+        FaultKind::Slow { .. } | FaultKind::EndlessPages => return resp,
         _ => {}
     }
     let (mut parts, body) = resp.into_parts();
@@ -950,7 +958,7 @@ async fn serve_file(
         .get(header::RANGE)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| parse_range(v, file.size))
-        .filter(|_| fault != Some(FaultKind::IgnoreRange));
+        .filter(|_| !hub.ignore_range.load(Ordering::Relaxed));
     let (status, start, end) = match range {
         None => (StatusCode::OK, 0, file.size),
         Some(Ok((s, e))) => (StatusCode::PARTIAL_CONTENT, s, e),

@@ -221,7 +221,7 @@ async fn download_file(
         let (digest, size) = (entry.digest, entry.size);
         let writer = tokio::task::spawn_blocking(move || store.resume_writer(digest, size))
             .await
-            .map_err(|_| HfError::Cancelled)?
+            .map_err(joined)?
             .map_err(store_err(&entry.path))?;
         let resumed = writer.written();
         let mut file_counted = Counted {
@@ -293,7 +293,7 @@ async fn download_file(
         }
         .await;
         drop(tx);
-        let written = writer_task.await.map_err(|_| HfError::Cancelled)?;
+        let written = writer_task.await.map_err(joined)?;
         match (produced, written) {
             (_, Err(e @ (StoreError::Io { .. } | StoreError::DiskFull { .. }))) => {
                 return Err(store_err(&entry.path)(e))
@@ -321,6 +321,16 @@ async fn download_file(
         attempts,
         detail: last_mismatch,
     })
+}
+
+/// A blocking worker that did not finish: cancelled at shutdown, or panicked. A panic is
+/// carried on to the task that runs the model's work, which reports it as a permanent failure
+/// with its message instead of a cancellation that would be retried forever.
+fn joined(e: tokio::task::JoinError) -> HfError {
+    match e.try_into_panic() {
+        Ok(panic) => std::panic::resume_unwind(panic),
+        Err(_) => HfError::Cancelled,
+    }
 }
 
 /// What a range request brought.

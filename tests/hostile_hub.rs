@@ -35,6 +35,19 @@ fn small_repo(hub: &TestHub, repo: &str, files: usize) {
     hub.hub().add_commit(repo, &["main"], files);
 }
 
+/// A daemon with the test hub's flags, one of them set to `value`, and `extra` flags.
+fn daemon_with(env: &TestEnv, hub: &TestHub, flag: &str, value: &str, extra: &[&str]) -> Daemon {
+    let mut flags = hf_flags(hub);
+    let i = flags
+        .iter()
+        .position(|f| f == flag)
+        .expect("a test hub flag");
+    flags[i + 1] = value.to_string();
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    Daemon::start(env, &flags)
+}
+
 fn reason(entry: &serde_json::Value) -> String {
     entry["reason"].as_str().unwrap_or_default().to_string()
 }
@@ -166,15 +179,13 @@ fn deleting_hung_downloads_frees_their_fetch_slots_at_once() {
     // test's life: a hang no deadline catches, such as a hub trickling bytes.
     hub.fault(FaultKind::StallHeaders { secs: FOREVER }, 1_000_000, None);
     let env = TestEnv::new();
-    let mut flags = hf_flags(&hub);
-    let i = flags
-        .iter()
-        .position(|f| f == "--hf-stall-timeout-secs")
-        .unwrap();
-    flags[i + 1] = FOREVER.to_string();
-    flags.extend(["--max-concurrent-fetches", "2"].map(String::from));
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let d = Daemon::start(&env, &flags);
+    let d = daemon_with(
+        &env,
+        &hub,
+        "--hf-stall-timeout-secs",
+        &FOREVER.to_string(),
+        &["--max-concurrent-fetches", "2"],
+    );
     env.write_models(
         "hung.yaml",
         &[
@@ -235,7 +246,9 @@ fn a_server_ignoring_range_serves_each_file_about_once() {
     hub.hub().add_commit("org/norange", &["main"], files);
     hub.hub().set_ignore_range(true);
     let env = TestEnv::new();
-    let d = start_daemon(&env, &hub);
+    // No stalls here: a generous watchdog, so that a loaded machine cannot cause a retry
+    // (which would rightly download the file once more).
+    let d = daemon_with(&env, &hub, "--hf-stall-timeout-secs", "30", &[]);
     env.write_models(
         "m.yaml",
         &cluster_model("norange", "hf://org/norange", "AlwaysDownload", None),

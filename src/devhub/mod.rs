@@ -1179,5 +1179,21 @@ mod tests {
         );
         assert_eq!(f[1].path.as_deref(), Some("model"));
         assert_eq!(f[1].target, FaultTarget::File);
+        let hostile: Vec<Fault> = serde_json::from_str(
+            r#"[{"kind":"endless_pages","count":9,"target":"api","path":"/tree/"},
+                {"kind":"status_stalled_body","status":503,"secs":60,"count":1},
+                {"kind":"lying_length","extra":10,"count":1,"target":"api"}]"#,
+        )
+        .unwrap();
+        assert_eq!(hostile[0].kind, FaultKind::EndlessPages);
+        assert_eq!(hostile[0].target, FaultTarget::Api);
+        assert_eq!(
+            hostile[1].kind,
+            FaultKind::StatusStalledBody {
+                status: 503,
+                secs: 60
+            }
+        );
+        assert_eq!(hostile[2].kind, FaultKind::LyingLength { extra: 10 });
     }
 }

@@ -5,7 +5,9 @@
 //! revision is already a commit and skips that call. The file list comes from
 //! `GET /api/models/{repo}/tree/{commit}?recursive=true`, following `Link: <..>; rel="next"`
 //! pages. Only pages on the endpoint's own origin are followed (a hostile `Link` must not receive
-//! the token), and the listing goes through [`Manifest::new`], which rejects absolute paths,
+//! the token), at most `max_listing_pages` of them with at most `max_listing_entries` entries in
+//! all (a `rel="next"` that never ends fails the model with a reason naming the flag, instead of
+//! keeping it `Updating` forever), and the listing goes through [`Manifest::new`], which rejects absolute paths,
 //! `..`, NUL, duplicates, file/directory clashes and absurd sizes; negative sizes and LFS sizes
 //! that disagree with the entry are rejected here. The manifest's revision is the commit, so the
 //! artifact is identified by repo + commit and by the manifest digest; two revisions with

@@ -3,17 +3,28 @@
 //!
 //! ```text
 //! modelfs-hub --repo org/name[@ref1,ref2]=DIR [--repo ...] [--gated org/name] [--page-size N]
-//!             [--cdn 127.0.0.2:0] [--listen 127.0.0.1:0]
+//!             [--cdn 127.0.0.2:0] [--listen 127.0.0.1:0] [--fault JSON ...] [--ignore-range]
 //! ```
 //! Prints `listening http://ADDR` on stdout once it serves. The token of a gated repository is
 //! read from env `MODELFS_HUB_TOKEN`.
+//!
+//! Hostile mode: each `--fault` installs a fault rule at start (the JSON of
+//! `modelfs::devhub::Fault`, as `POST /_hub/faults` takes), for example a listing whose
+//! pagination never ends, a revision request that never answers, or a 5xx whose body never
+//! comes; `--ignore-range` makes it a server that ignores `Range`:
+//!
+//! ```text
+//! --fault '{"kind":"endless_pages","count":1000000,"target":"api","path":"/tree/"}'
+//! --fault '{"kind":"stall_headers","secs":3600,"count":1000000,"target":"api","path":"org/slow/"}'
+//! --fault '{"kind":"status_stalled_body","status":503,"secs":3600,"count":5}'
+//! ```
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use modelfs::devhub::{files_from_dir, Hub, HubConfig};
+use modelfs::devhub::{files_from_dir, Fault, Hub, HubConfig};
 
 #[derive(Parser)]
 #[command(
@@ -40,6 +51,12 @@ struct Args {
     /// Files at least this large are LFS files (weights extensions always are).
     #[arg(long, default_value_t = 1 << 20)]
     lfs_threshold: u64,
+    /// A fault rule (JSON, as `POST /_hub/faults` takes one): hostile mode. Repeatable.
+    #[arg(long = "fault")]
+    faults: Vec<String>,
+    /// Ignore `Range` headers: every file request gets the whole file (hostile mode).
+    #[arg(long)]
+    ignore_range: bool,
 }
 
 fn main() -> Result<()> {
@@ -71,6 +88,11 @@ fn main() -> Result<()> {
             hub.set_gated(repo, &token);
         }
     }
+    for f in &args.faults {
+        let fault: Fault = serde_json::from_str(f).with_context(|| format!("--fault {f}"))?;
+        hub.add_fault(fault);
+    }
+    hub.set_ignore_range(args.ignore_range);
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
         let running = hub.serve(args.listen, args.cdn).await?;

@@ -132,9 +132,22 @@ struct HfArgs {
     /// Node-wide limit on concurrent HTTP transfers.
     #[arg(long, default_value_t = DownloadTuning::default().max_transfers)]
     hf_max_transfers: usize,
-    /// Seconds without a byte before a transfer is aborted and retried.
+    /// Seconds without response headers or without a body byte before any request to the hub
+    /// is aborted and retried.
     #[arg(long, default_value_t = DownloadTuning::default().stall_timeout.as_secs())]
     hf_stall_timeout_secs: u64,
+    /// Seconds to establish a connection to the hub.
+    #[arg(long, default_value_t = DownloadTuning::default().connect_timeout.as_secs())]
+    hf_connect_timeout_secs: u64,
+    /// Seconds one metadata request (revision, one listing page) may take altogether.
+    #[arg(long, default_value_t = DownloadTuning::default().request_timeout.as_secs())]
+    hf_request_timeout_secs: u64,
+    /// Pages of one file listing followed before the model fails.
+    #[arg(long, default_value_t = DownloadTuning::default().max_listing_pages)]
+    hf_max_listing_pages: usize,
+    /// Entries (files and directories) of one file listing before the model fails.
+    #[arg(long, default_value_t = DownloadTuning::default().max_listing_entries)]
+    hf_max_listing_entries: usize,
     /// Attempts per request before the download fails (and is retried later).
     #[arg(long, default_value_t = DownloadTuning::default().max_attempts)]
     hf_max_attempts: u32,
@@ -161,6 +174,10 @@ impl HfArgs {
                 chunk_size: self.hf_chunk_mib.max(1) << 20,
                 max_transfers: self.hf_max_transfers.max(1),
                 stall_timeout: Duration::from_secs(self.hf_stall_timeout_secs.max(1)),
+                connect_timeout: Duration::from_secs(self.hf_connect_timeout_secs.max(1)),
+                request_timeout: Duration::from_secs(self.hf_request_timeout_secs.max(1)),
+                max_listing_pages: self.hf_max_listing_pages.max(1),
+                max_listing_entries: self.hf_max_listing_entries.max(1),
                 max_attempts: self.hf_max_attempts.max(1),
                 retry_base: Duration::from_millis(self.hf_retry_base_ms),
                 progress_log_interval: Duration::from_secs(self.hf_progress_log_secs.max(1)),

@@ -18,11 +18,18 @@
 //! * Errors with `X-Error-Code`: `RepoNotFound`, `RevisionNotFound`, `EntryNotFound`, and
 //!   `GatedRepo` (401 without a token, 403 with a wrong one) for repositories given a token.
 //!
-//! Fault injection ([`Fault`]) applies to requests that serve file bytes: status codes (500,
-//! 429 with `Retry-After`...), truncated bodies, wrong bytes, slow or stalled streams. Counters
-//! ([`HubStats`]) report requests and bytes served. Everything is reachable in-process (tests)
-//! and over HTTP under `/_hub/` (the binary: `POST /_hub/faults`, `DELETE /_hub/faults`,
-//! `GET /_hub/stats`).
+//! Fault injection ([`Fault`]) applies to requests that serve file bytes, or to `/api/`
+//! requests: status codes (500, 429 with `Retry-After`...), truncated bodies, wrong bytes, slow
+//! streams. Its **hostile mode** covers what a broken or malicious hub does to a client that
+//! trusts it: headers that never come, a body that never comes or stops midway, a 5xx whose
+//! body never arrives, a `Content-Length` larger than the body, `rel="next"` pagination that
+//! never ends; and [`Hub::set_ignore_range`] makes it a server that ignores `Range` (answers
+//! `200` with the whole file), which composes with the faults. A fault
+//! can be limited to the requests whose path contains a string (for `/api/` requests the path
+//! is `{org}/{name}/revision/{rev}` or `{org}/{name}/tree/{rev}`). Counters ([`HubStats`])
+//! report requests and bytes served. Everything is reachable in-process (tests) and over HTTP
+//! under `/_hub/` (the binary: `--fault JSON` at start, `POST /_hub/faults`,
+//! `DELETE /_hub/faults`, `GET /_hub/stats`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
@@ -172,8 +179,20 @@ pub enum FaultKind {
     Corrupt,
     /// Send at most this many bytes per second.
     Slow { bytes_per_sec: u64 },
-    /// Send the first chunk, then nothing for `secs` seconds.
+    /// Send the first chunk, then nothing for `secs` seconds (the body stops midway).
     Stall { secs: u64 },
+    /// Send nothing at all, not even the response headers, for `secs` seconds.
+    StallHeaders { secs: u64 },
+    /// Send the headers, then no body byte for `secs` seconds.
+    StallBody { secs: u64 },
+    /// Answer with this status and a `Content-Length`, but send no body byte for `secs`
+    /// seconds (then close the connection).
+    StatusStalledBody { status: u16, secs: u64 },
+    /// Declare a `Content-Length` `extra` bytes larger than the body, send the body, close.
+    LyingLength { extra: u64 },
+    /// Always add a `rel="next"` link to a tree listing, to a page further on, so that the
+    /// pagination never ends (tree requests).
+    EndlessPages,
 }
 
 /// One fault rule: the next `count` matching requests get `kind`.
@@ -247,6 +266,8 @@ pub struct Hub {
     counters: Counters,
     /// `http://host:port` of the CDN listener, when there is one.
     cdn: Mutex<Option<String>>,
+    /// Answer every file request with the whole file, whatever its `Range`.
+    ignore_range: std::sync::atomic::AtomicBool,
 }
 
 /// A running hub.
@@ -292,7 +313,14 @@ impl Hub {
             faults: Mutex::default(),
             counters: Counters::default(),
             cdn: Mutex::default(),
+            ignore_range: Default::default(),
         })
+    }
+
+    /// Hostile mode: ignore `Range` headers (answer `200` with the whole file), as some
+    /// servers and proxies do.
+    pub fn set_ignore_range(&self, ignore: bool) {
+        self.ignore_range.store(ignore, Ordering::Relaxed);
     }
 
     /// Adds a commit to `repo` and points `refs` (branches or tags) at it. Returns the commit.
@@ -435,8 +463,15 @@ impl Hub {
             .with_state(self.clone())
     }
 
-    /// The common start of an `/api/` request: count it, apply an API fault, check access and
-    /// find the commit. Returns the repository name and the commit, or the response to send.
+    /// The common start of an `/api/` request: count it and take the fault that applies to it
+    /// (`what` is `{org}/{name}/{revision|tree}/{rev}`).
+    fn api_start(&self, what: &str) -> Option<FaultKind> {
+        self.counters.api_requests.fetch_add(1, Ordering::Relaxed);
+        self.take_fault(FaultTarget::Api, what)
+    }
+
+    /// Checks access and finds the commit of an `/api/` request. Returns the repository name
+    /// and the commit, or the response to send.
     fn api_commit(
         self: &Arc<Self>,
         org: &str,
@@ -444,10 +479,6 @@ impl Hub {
         rev: &str,
         headers: &HeaderMap,
     ) -> Result<(String, Arc<Commit>), Box<Response>> {
-        self.counters.api_requests.fetch_add(1, Ordering::Relaxed);
-        if let Some(r) = api_fault(self) {
-            return Err(Box::new(r));
-        }
         let repo = repo_id(org, name);
         let commit = self.lookup(&repo, rev, headers)?;
         Ok((repo, commit))
@@ -548,15 +579,7 @@ async fn single_tree_root(
     query: Query<TreeQuery>,
     headers: HeaderMap,
 ) -> Response {
-    tree(
-        state,
-        String::new(),
-        name,
-        rev,
-        String::new(),
-        query,
-        headers,
-    )
+    tree_root(state, UrlPath((String::new(), name, rev)), query, headers).await
 }
 
 async fn single_tree_path(
@@ -565,7 +588,7 @@ async fn single_tree_path(
     query: Query<TreeQuery>,
     headers: HeaderMap,
 ) -> Response {
-    tree(state, String::new(), name, rev, path, query, headers)
+    tree_path(state, UrlPath((String::new(), name, rev, path)), query, headers).await
 }
 
 async fn single_resolve(
@@ -588,7 +611,19 @@ async fn revision(
     UrlPath((org, name, rev)): UrlPath<(String, String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    let (repo, commit) = match hub.api_commit(&org, &name, &rev, &headers) {
+    let fault = hub.api_start(&format!("{org}/{name}/revision/{rev}"));
+    let resp = revision_answer(&hub, &org, &name, &rev, &headers);
+    apply_api_fault(resp, fault).await
+}
+
+fn revision_answer(
+    hub: &Arc<Hub>,
+    org: &str,
+    name: &str,
+    rev: &str,
+    headers: &HeaderMap,
+) -> Response {
+    let (repo, commit) = match hub.api_commit(org, name, rev, headers) {
         Ok(found) => found,
         Err(r) => return *r,
     };
@@ -611,14 +646,89 @@ async fn revision(
     .into_response()
 }
 
-fn api_fault(hub: &Hub) -> Option<Response> {
-    match hub.take_fault(FaultTarget::Api, "")? {
+/// Reshapes an `/api/` answer by a fault (faults that do not apply to `/api/` leave it as is).
+async fn apply_api_fault(resp: Response, fault: Option<FaultKind>) -> Response {
+    let Some(fault) = fault else {
+        return resp;
+    };
+    match fault {
         FaultKind::Status {
             status,
             retry_after,
-        } => Some(status_fault(status, retry_after)),
-        _ => None,
+        } => return status_fault(status, retry_after),
+        FaultKind::StatusStalledBody { status, secs } => return status_stalled_body(status, secs),
+        FaultKind::StallHeaders { secs } => {
+            tokio::time::sleep(Duration::from_secs(secs)).await;
+            return resp;
+        }
+        FaultKind::Slow { .. } | FaultKind::EndlessPages => return resp,
+        _ => {}
     }
+    let (mut parts, body) = resp.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let len = bytes.len() as u64;
+    let (first, rest, pause, declared) = match fault {
+        FaultKind::Stall { secs } => {
+            let half = bytes.len() / 2;
+            (
+                bytes.slice(..half),
+                bytes.slice(half..),
+                Duration::from_secs(secs),
+                len,
+            )
+        }
+        FaultKind::StallBody { secs } => (Bytes::new(), bytes, Duration::from_secs(secs), len),
+        // The body goes out (with the headers) before it ends short of its length, as from a
+        // real server; ending at once would close the connection before the headers are sent.
+        FaultKind::LyingLength { extra } => {
+            (bytes, Bytes::new(), Duration::from_millis(100), len + extra)
+        }
+        FaultKind::Truncate { after } => {
+            let cut = (after as usize).min(bytes.len());
+            (
+                bytes.slice(..cut),
+                Bytes::new(),
+                Duration::from_millis(100),
+                len,
+            )
+        }
+        FaultKind::Corrupt => {
+            let mut v = bytes.to_vec();
+            if let Some(b) = v.first_mut() {
+                *b ^= 0xff;
+            }
+            (Bytes::from(v), Bytes::new(), Duration::ZERO, len)
+        }
+        _ => unreachable!("handled above"),
+    };
+    parts
+        .headers
+        .insert(header::CONTENT_LENGTH, HeaderValue::from(declared));
+    use futures_util::StreamExt;
+    let body = futures_util::stream::iter([first])
+        .chain(futures_util::stream::once(async move {
+            tokio::time::sleep(pause).await;
+            rest
+        }))
+        .filter(|b| std::future::ready(!b.is_empty()))
+        .map(Ok::<_, std::io::Error>);
+    Response::from_parts(parts, Body::from_stream(body))
+}
+
+/// A status answer whose declared body never comes within `secs` seconds.
+fn status_stalled_body(status: u16, secs: u64) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body = futures_util::stream::once(async move {
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        Err::<Bytes, _>(std::io::Error::other("injected stalled error body"))
+    });
+    let mut resp = Response::new(Body::from_stream(body));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(header::CONTENT_LENGTH, HeaderValue::from(100u64));
+    resp
 }
 
 fn status_fault(status: u16, retry_after: Option<u64>) -> Response {
@@ -645,7 +755,19 @@ async fn tree_root(
     query: Query<TreeQuery>,
     headers: HeaderMap,
 ) -> Response {
-    tree(state, org, name, rev, String::new(), query, headers)
+    let fault = state.0.api_start(&format!("{org}/{name}/tree/{rev}"));
+    let endless = fault == Some(FaultKind::EndlessPages);
+    let resp = tree(
+        state,
+        org,
+        name,
+        rev,
+        String::new(),
+        query,
+        headers,
+        endless,
+    );
+    apply_api_fault(resp, fault).await
 }
 
 async fn tree_path(
@@ -654,9 +776,15 @@ async fn tree_path(
     query: Query<TreeQuery>,
     headers: HeaderMap,
 ) -> Response {
-    tree(state, org, name, rev, path, query, headers)
+    let fault = state.0.api_start(&format!("{org}/{name}/tree/{rev}"));
+    let endless = fault == Some(FaultKind::EndlessPages);
+    let resp = tree(state, org, name, rev, path, query, headers, endless);
+    apply_api_fault(resp, fault).await
 }
 
+/// One page of a tree listing; with `endless`, a `rel="next"` link to a later page is added
+/// whatever the listing holds.
+#[allow(clippy::too_many_arguments)]
 fn tree(
     State(hub): HubState,
     org: String,
@@ -665,6 +793,7 @@ fn tree(
     prefix: String,
     Query(q): Query<TreeQuery>,
     headers: HeaderMap,
+    endless: bool,
 ) -> Response {
     let (repo, commit) = match hub.api_commit(&org, &name, &rev, &headers) {
         Ok(found) => found,
@@ -742,7 +871,13 @@ fn tree(
         })
         .collect();
     let mut resp = Json(page).into_response();
-    if end < listed.len() {
+    if end < listed.len() || endless {
+        // Endless: always a page further on than the one asked for, so no URL repeats.
+        let end = if end < listed.len() {
+            end
+        } else {
+            end.max(q.cursor.unwrap_or(0) + 1)
+        };
         let host = headers
             .get(header::HOST)
             .and_then(|h| h.to_str().ok())
@@ -790,7 +925,7 @@ async fn resolve(
         add_file_headers(h, &commit.sha, &file);
         return resp;
     }
-    serve_file(&hub, &method, &headers, &path, file, Some(&commit.sha))
+    serve_file(&hub, &method, &headers, &path, file, Some(&commit.sha)).await
 }
 
 async fn cdn(
@@ -811,7 +946,7 @@ async fn cdn(
     let Some((file, path)) = hub.by_sha256.lock().unwrap().get(&key).cloned() else {
         return StatusCode::NOT_FOUND.into_response();
     };
-    serve_file(&hub, &method, &headers, &path, file, None)
+    serve_file(&hub, &method, &headers, &path, file, None).await
 }
 
 fn add_file_headers(h: &mut HeaderMap, commit: &str, file: &HubFile) {
@@ -855,7 +990,7 @@ fn parse_range(v: &str, size: u64) -> Option<Result<(u64, u64), ()>> {
     Some(Ok(r))
 }
 
-fn serve_file(
+async fn serve_file(
     hub: &Arc<Hub>,
     method: &Method,
     headers: &HeaderMap,
@@ -863,10 +998,29 @@ fn serve_file(
     file: Arc<HubFile>,
     commit: Option<&str>,
 ) -> Response {
+    let mut fault = None;
+    if *method == Method::GET {
+        hub.counters.file_requests.fetch_add(1, Ordering::Relaxed);
+        fault = hub.take_fault(FaultTarget::File, path);
+        match fault {
+            Some(FaultKind::Status {
+                status,
+                retry_after,
+            }) => return status_fault(status, retry_after),
+            Some(FaultKind::StatusStalledBody { status, secs }) => {
+                return status_stalled_body(status, secs)
+            }
+            Some(FaultKind::StallHeaders { secs }) => {
+                tokio::time::sleep(Duration::from_secs(secs)).await
+            }
+            _ => {}
+        }
+    }
     let range = headers
         .get(header::RANGE)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| parse_range(v, file.size));
+        .and_then(|v| parse_range(v, file.size))
+        .filter(|_| !hub.ignore_range.load(Ordering::Relaxed));
     let (status, start, end) = match range {
         None => (StatusCode::OK, 0, file.size),
         Some(Ok((s, e))) => (StatusCode::PARTIAL_CONTENT, s, e),
@@ -879,18 +1033,10 @@ fn serve_file(
             return r;
         }
     };
-    let mut fault = None;
-    if *method == Method::GET {
-        hub.counters.file_requests.fetch_add(1, Ordering::Relaxed);
-        fault = hub.take_fault(FaultTarget::File, path);
-        if let Some(FaultKind::Status {
-            status,
-            retry_after,
-        }) = fault
-        {
-            return status_fault(status, retry_after);
-        }
-    }
+    let declared = match fault {
+        Some(FaultKind::LyingLength { extra }) => end - start + extra,
+        _ => end - start,
+    };
     let mut h = HeaderMap::new();
     if let Some(c) = commit {
         add_file_headers(&mut h, c, &file);
@@ -898,7 +1044,7 @@ fn serve_file(
         h.insert(header::ETAG, HeaderValue::from_str(&file.etag()).unwrap());
     }
     h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
-    h.insert(header::CONTENT_LENGTH, HeaderValue::from(end - start));
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(declared));
     h.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
@@ -965,6 +1111,10 @@ fn body_stream(
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             Some(FaultKind::Stall { secs }) if st.sent > 0 => {
+                tokio::time::sleep(Duration::from_secs(*secs)).await;
+                st.fault = None;
+            }
+            Some(FaultKind::StallBody { secs }) => {
                 tokio::time::sleep(Duration::from_secs(*secs)).await;
                 st.fault = None;
             }
@@ -1091,5 +1241,21 @@ mod tests {
         );
         assert_eq!(f[1].path.as_deref(), Some("model"));
         assert_eq!(f[1].target, FaultTarget::File);
+        let hostile: Vec<Fault> = serde_json::from_str(
+            r#"[{"kind":"endless_pages","count":9,"target":"api","path":"/tree/"},
+                {"kind":"status_stalled_body","status":503,"secs":60,"count":1},
+                {"kind":"lying_length","extra":10,"count":1,"target":"api"}]"#,
+        )
+        .unwrap();
+        assert_eq!(hostile[0].kind, FaultKind::EndlessPages);
+        assert_eq!(hostile[0].target, FaultTarget::Api);
+        assert_eq!(
+            hostile[1].kind,
+            FaultKind::StatusStalledBody {
+                status: 503,
+                secs: 60
+            }
+        );
+        assert_eq!(hostile[2].kind, FaultKind::LyingLength { extra: 10 });
     }
 }

@@ -18,6 +18,14 @@
 //! path implements placement on create, source/revision changes and the four policy changes
 //! T-01..T-04 of SPEC section 3.2.
 //!
+//! # Cancellation
+//! Each piece of work carries a [`WorkCancel`]. Deleting or changing a model cancels it: the
+//! task running its resolve or fetch ends at once (its future is dropped with everything it
+//! holds: the node-wide fetch slot, HTTP connections, transfer slots), whatever it was waiting
+//! for, so a hung source can never keep a slot from other models. Blocking workers (`local://`
+//! copies) see the same cancellation as a flag and stop at their next check. A worker that
+//! panics is a bug: the model is `Failed` with the panic message, not retried.
+//!
 //! # Durability
 //! Records are saved after every event that changed them, always after the data they point at
 //! is durable (blobs synced, artifact file written): a SIGKILL leaves a state that start-up turns
@@ -40,8 +48,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
+use futures_util::FutureExt;
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, Semaphore};
+use tokio_util::sync::CancellationToken;
 
 use crate::artifact::{ArtifactId, Manifest, Sha256Digest, StoredArtifact};
 use crate::fs::hf_cache::{HfCacheView, HfServed};
@@ -154,7 +164,95 @@ struct Work {
     spec: ModelSpec,
     source: Source,
     stage: Stage,
-    cancel: Arc<AtomicBool>,
+    cancel: WorkCancel,
+}
+
+/// Cancellation of one piece of work: the token ends its task at once; the flag is what
+/// blocking workers and the sources' loops poll.
+#[derive(Clone, Default)]
+struct WorkCancel {
+    token: CancellationToken,
+    flag: Arc<AtomicBool>,
+}
+
+impl WorkCancel {
+    fn cancel(&self) {
+        self.flag.store(true, Ordering::Relaxed);
+        self.token.cancel();
+    }
+
+    /// Runs `work` in a task that ends as soon as the work is cancelled (dropping the work's
+    /// future and all it holds) and hands its result, or `Cancelled`, or a panic turned into a
+    /// permanent error, to `report`.
+    fn spawn<T: Send + 'static>(
+        &self,
+        work: impl std::future::Future<Output = Result<T, SourceError>> + Send + 'static,
+        report: impl FnOnce(Result<T, SourceError>) + Send + 'static,
+    ) {
+        let token = self.token.clone();
+        tokio::spawn(async move {
+            let work = std::panic::AssertUnwindSafe(work).catch_unwind();
+            let result = tokio::select! {
+                biased;
+                _ = token.cancelled() => Err(SourceError::Cancelled),
+                r = work => r.unwrap_or_else(|panic| Err(SourceError::from_panic(panic))),
+            };
+            report(result);
+        });
+    }
+}
+
+#[cfg(test)]
+mod work_cancel_tests {
+    use super::*;
+
+    /// Runs `work` under `cancel` and returns the receiver of its report.
+    fn spawn_reporting<T: Send + 'static>(
+        cancel: &WorkCancel,
+        work: impl std::future::Future<Output = Result<T, SourceError>> + Send + 'static,
+    ) -> tokio::sync::oneshot::Receiver<Result<T, SourceError>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        cancel.spawn(work, move |r| {
+            let _ = tx.send(r);
+        });
+        rx
+    }
+
+    #[tokio::test]
+    async fn cancelling_ends_a_hung_task_and_frees_its_slot() {
+        let slots = Arc::new(Semaphore::new(1));
+        let cancel = WorkCancel::default();
+        let held = slots.clone();
+        let (started_tx, started) = tokio::sync::oneshot::channel();
+        let done = spawn_reporting(&cancel, async move {
+            let _slot = held.acquire_owned().await.unwrap();
+            let _ = started_tx.send(());
+            std::future::pending::<Result<(), SourceError>>().await
+        });
+        started.await.unwrap();
+        assert_eq!(slots.available_permits(), 0);
+        cancel.cancel();
+        assert!(matches!(done.await.unwrap(), Err(SourceError::Cancelled)));
+        assert!(
+            cancel.flag.load(Ordering::Relaxed),
+            "blocking workers see it too"
+        );
+        // The hung future was dropped with its slot: another model gets it.
+        let _again = slots.try_acquire().expect("the slot is free");
+    }
+
+    #[tokio::test]
+    async fn a_panicking_worker_is_a_permanent_failure_with_its_message() {
+        let done = spawn_reporting(&WorkCancel::default(), async {
+            if true {
+                panic!("listing parser broke");
+            }
+            Ok::<(), SourceError>(())
+        });
+        let err = done.await.unwrap().unwrap_err();
+        assert!(!err.is_transient(), "{err}");
+        assert!(err.to_string().contains("listing parser broke"), "{err}");
+    }
 }
 
 struct Retry {
@@ -339,9 +437,10 @@ impl Reconciler {
             match event {
                 Event::Shutdown(done) => {
                     for w in self.works.values() {
-                        w.cancel.store(true, Ordering::Relaxed);
+                        w.cancel.cancel();
                     }
-                    // Let fetch tasks reach a chunk boundary so partial files are consistent.
+                    // Fetch tasks end at once; wait (bounded) until all have let go of their
+                    // slots. Partial files are a verified-on-resume prefix whatever the point.
                     let _ = tokio::time::timeout(
                         Duration::from_secs(10),
                         self.fetch_slots
@@ -554,7 +653,7 @@ impl Reconciler {
             }
         };
         self.records.models.get_mut(key).expect("record").phase = ModelPhase::Updating;
-        let cancel = Arc::new(AtomicBool::new(false));
+        let cancel = WorkCancel::default();
         let rec = &self.records.models[key];
         // Same source as the served artifact: only policy, path or label changed. No resolve.
         let known = match (rec.artifact.clone(), rec.served_source.clone()) {
@@ -577,8 +676,8 @@ impl Reconciler {
         }
         let tx = self.tx.clone();
         let key2 = key.clone();
-        tokio::spawn(async move {
-            let result = source.resolve(cancel).await;
+        let flag = cancel.flag.clone();
+        cancel.spawn(async move { source.resolve(flag).await }, move |result| {
             let _ = tx.send(Event::Resolved {
                 key: key2,
                 fingerprint: fp,
@@ -668,24 +767,29 @@ impl Reconciler {
                 let ctx = FetchContext {
                     store: handle,
                     progress,
-                    cancel: w.cancel.clone(),
+                    cancel: w.cancel.flag.clone(),
                     metrics: self.metrics.clone(),
                     existing,
                 };
                 let source = w.source.clone();
+                let cancel = w.cancel.clone();
                 let tx = self.tx.clone();
                 let slots = self.fetch_slots.clone();
                 let key2 = key.clone();
                 let adopt = self.adopt_from(&spec);
                 tracing::info!(model = %key, %store, bytes = manifest.total_size(), files = manifest.entries().len(), "fetching");
-                tokio::spawn(async move {
-                    let result = match slots.acquire_owned().await {
-                        Ok(_permit) => {
-                            crate::adopt::fetch_adopting(&key2, &source, adopt, &manifest, ctx)
-                                .await
-                        }
-                        Err(_) => Err(SourceError::Cancelled),
-                    };
+                let fetched = manifest.clone();
+                let adopt_key = key2.clone();
+                // The slot is taken inside the cancellable work: a cancelled fetch stops waiting
+                // for one, and one that holds a slot drops it when its future is dropped.
+                let work = async move {
+                    let _slot = slots
+                        .acquire_owned()
+                        .await
+                        .map_err(|_| SourceError::Cancelled)?;
+                    crate::adopt::fetch_adopting(&adopt_key, &source, adopt, &fetched, ctx).await
+                };
+                cancel.spawn(work, move |result| {
                     let _ = tx.send(Event::Fetched {
                         key: key2,
                         fingerprint: fp,
@@ -1062,7 +1166,7 @@ impl Reconciler {
 
     fn cancel_work(&mut self, key: &ModelKey) {
         if let Some(w) = self.works.remove(key) {
-            w.cancel.store(true, Ordering::Relaxed);
+            w.cancel.cancel();
         }
     }
 

@@ -74,6 +74,31 @@ pub enum SourceError {
     Hf(hf::HfError),
     #[error("cancelled")]
     Cancelled,
+    /// A worker panicked: a bug, reported with its message rather than retried forever.
+    #[error("internal error (a bug, please report it): {detail}")]
+    Panicked { detail: String },
+}
+
+impl SourceError {
+    /// The error for a worker that panicked with `payload`.
+    pub fn from_panic(payload: Box<dyn std::any::Any + Send>) -> Self {
+        let detail = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a worker panicked".into());
+        SourceError::Panicked {
+            detail: format!("a worker panicked: {detail}"),
+        }
+    }
+
+    /// The result of a blocking worker that did not finish: panicked, or cancelled at shutdown.
+    fn from_join(e: tokio::task::JoinError) -> Self {
+        match e.try_into_panic() {
+            Ok(payload) => Self::from_panic(payload),
+            Err(_) => SourceError::Cancelled,
+        }
+    }
 }
 
 impl SourceError {
@@ -94,7 +119,8 @@ impl SourceError {
             | SourceError::LocalBadName { .. }
             | SourceError::LocalLoop { .. }
             | SourceError::Listing(_)
-            | SourceError::Unsupported { .. } => false,
+            | SourceError::Unsupported { .. }
+            | SourceError::Panicked { .. } => false,
         }
     }
 }
@@ -383,7 +409,7 @@ impl Source {
                 let s = s.clone();
                 tokio::task::spawn_blocking(move || s.resolve(&cancel))
                     .await
-                    .unwrap_or(Err(SourceError::Cancelled))
+                    .unwrap_or_else(|e| Err(SourceError::from_join(e)))
             }
             Source::Hf(s) => s.resolve(cancel).await,
         }
@@ -400,7 +426,7 @@ impl Source {
                 let s = s.clone();
                 tokio::task::spawn_blocking(move || s.fetch(&manifest, &ctx))
                     .await
-                    .unwrap_or(Err(SourceError::Cancelled))
+                    .unwrap_or_else(|e| Err(SourceError::from_join(e)))
             }
             Source::Hf(s) => s.fetch(manifest, ctx).await,
         }

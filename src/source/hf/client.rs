@@ -6,7 +6,16 @@
 //! uniformly from 50-100% of the step so that many clients do not retry in lockstep); 429 and
 //! 503 wait for `Retry-After` when the hub sends one; 401/403/404 and malformed answers fail at
 //! once. After `max_attempts` the error is returned as [`HfError::Exhausted`], which the
-//! reconciler treats as transient (it retries the model with its own, longer backoff).
+//! reconciler treats as transient (it retries the model with its own, longer backoff), except
+//! when every attempt ended in a body shorter than its own `Content-Length`: a hub that lies
+//! about its answer that consistently will not stop by itself, so the model is `Failed`.
+//!
+//! Deadlines: no request waits for the hub without a bound. Connecting has `connect_timeout`;
+//! the response headers, and every read of a body (JSON, error pages, file bytes), must arrive
+//! within `stall_timeout` of the previous byte ([`HubClient::send`], [`HubClient::next_chunk`]);
+//! a metadata request (revision, one listing page) must complete within `request_timeout`
+//! altogether, so that a hub that trickles a byte now and then cannot hold it either. An error
+//! page gets `stall_timeout` in total: its text is a courtesy, the status code is what counts.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -93,6 +102,137 @@ impl HubClient {
         step.mul_f64(0.5 + 0.5 * fastrand::f64())
     }
 
+    fn stalled(&self, what: &str) -> HfError {
+        HfError::Stalled {
+            what: what.into(),
+            secs: self.config.tuning.stall_timeout.as_secs(),
+        }
+    }
+
+    /// Sends `req` and waits for the response headers, at most `stall_timeout`.
+    pub async fn send(
+        &self,
+        what: &str,
+        req: reqwest::RequestBuilder,
+    ) -> Result<Response, HfError> {
+        tokio::time::timeout(self.config.tuning.stall_timeout, req.send())
+            .await
+            .map_err(|_| self.stalled(what))?
+            .map_err(|e| network(what, e))
+    }
+
+    /// The next piece of a body, at most `stall_timeout` after the previous one. `Ok(None)` at
+    /// the end of the body.
+    pub async fn next_chunk(
+        &self,
+        what: &str,
+        resp: &mut Response,
+    ) -> Result<Option<bytes::Bytes>, HfError> {
+        tokio::time::timeout(self.config.tuning.stall_timeout, resp.chunk())
+            .await
+            .map_err(|_| self.stalled(what))?
+            .map_err(|e| network(what, e))
+    }
+
+    /// A whole body of at most `limit` bytes, each read within `stall_timeout`. A body that
+    /// ends before its `Content-Length` is [`HfError::Truncated`].
+    async fn read_limited(
+        &self,
+        what: &str,
+        mut resp: Response,
+        limit: usize,
+    ) -> Result<Vec<u8>, HfError> {
+        let want = resp.content_length();
+        let mut out = Vec::new();
+        loop {
+            let chunk = tokio::time::timeout(self.config.tuning.stall_timeout, resp.chunk())
+                .await
+                .map_err(|_| self.stalled(what))?;
+            let chunk = match chunk {
+                Ok(Some(c)) => c,
+                Ok(None) => break,
+                Err(e) if is_incomplete_body(&e) => {
+                    return Err(HfError::Truncated {
+                        what: what.into(),
+                        got: out.len() as u64,
+                        want: want.unwrap_or(0),
+                    })
+                }
+                Err(e) => return Err(network(what, e)),
+            };
+            out.extend_from_slice(&chunk);
+            if out.len() > limit {
+                return Err(HfError::Protocol {
+                    what: what.into(),
+                    detail: "answer too large".into(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Passes 2xx answers; turns the others into [`HfError::Status`] with the hub's error code
+    /// (`X-Error-Code`) and message (`X-Error-Message`, else the JSON `error` field). The error
+    /// body gets `stall_timeout` in total: a 5xx whose body never comes is still a 5xx.
+    pub(crate) async fn check_status(
+        &self,
+        what: &str,
+        resp: Response,
+    ) -> Result<Response, HfError> {
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(resp);
+        }
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(|s| s.chars().take(300).collect::<String>())
+        };
+        let code = header("x-error-code");
+        let mut message = header("x-error-message");
+        let retry_after = resp
+            .headers()
+            .get(RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map(Duration::from_secs);
+        if message.is_none() {
+            let body = tokio::time::timeout(
+                self.config.tuning.stall_timeout,
+                self.read_limited(what, resp, 64 << 10),
+            )
+            .await;
+            if let Ok(Ok(body)) = body {
+                message = serde_json::from_slice::<serde_json::Value>(&body)
+                    .ok()
+                    .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+                    .or_else(|| {
+                        let s = String::from_utf8_lossy(&body).trim().to_string();
+                        (!s.is_empty()).then_some(s)
+                    })
+                    .map(|s| s.chars().take(300).collect());
+            }
+        }
+        let mut message = message.unwrap_or_else(|| {
+            status
+                .canonical_reason()
+                .unwrap_or("unexpected status")
+                .to_string()
+        });
+        if matches!(status.as_u16(), 401 | 403) {
+            message
+                .push_str(" (check the model's token: parameters.token, its Secret, or HF_TOKEN)");
+        }
+        Err(HfError::Status {
+            what: what.into(),
+            status: status.as_u16(),
+            code,
+            message,
+            retry_after,
+        })
+    }
+
     /// Runs `op` until it succeeds, fails for good, or runs out of attempts.
     pub async fn retrying<T, F, Fut>(
         &self,
@@ -129,7 +269,8 @@ impl HubClient {
         }
     }
 
-    /// GETs a JSON document (with retries) and the `rel="next"` page URL, if any.
+    /// GETs a JSON document (with retries) and the `rel="next"` page URL, if any. Each attempt
+    /// must complete within `request_timeout`.
     pub async fn get_json<T: DeserializeOwned>(
         &self,
         what: &str,
@@ -137,30 +278,41 @@ impl HubClient {
         token: Option<&Token>,
         cancel: &AtomicBool,
     ) -> Result<(T, Option<String>), HfError> {
+        let deadline = self.config.tuning.request_timeout;
         self.retrying(what, cancel, || async {
-            let resp = self
-                .request(url, token)
-                .send()
+            tokio::time::timeout(deadline, self.json_attempt(what, url, token))
                 .await
-                .map_err(|e| network(what, e))?;
-            let resp = check_status(what, resp).await?;
-            let next = next_link(resp.headers(), url)
-                .map(|n| self.same_origin(what, &n).map(|_| n))
-                .transpose()?;
-            if resp.content_length().unwrap_or(0) > MAX_JSON_BYTES as u64 {
-                return Err(HfError::Protocol {
+                .map_err(|_| HfError::TimedOut {
                     what: what.into(),
-                    detail: "answer too large".into(),
-                });
-            }
-            let body = read_limited(what, resp, MAX_JSON_BYTES).await?;
-            let value = serde_json::from_slice(&body).map_err(|e| HfError::Protocol {
-                what: what.into(),
-                detail: format!("malformed JSON: {e}"),
-            })?;
-            Ok((value, next))
+                    secs: deadline.as_secs(),
+                })?
         })
         .await
+    }
+
+    async fn json_attempt<T: DeserializeOwned>(
+        &self,
+        what: &str,
+        url: &str,
+        token: Option<&Token>,
+    ) -> Result<(T, Option<String>), HfError> {
+        let resp = self.send(what, self.request(url, token)).await?;
+        let resp = self.check_status(what, resp).await?;
+        let next = next_link(resp.headers(), url)
+            .map(|n| self.same_origin(what, &n).map(|_| n))
+            .transpose()?;
+        if resp.content_length().unwrap_or(0) > MAX_JSON_BYTES as u64 {
+            return Err(HfError::Protocol {
+                what: what.into(),
+                detail: "answer too large".into(),
+            });
+        }
+        let body = self.read_limited(what, resp, MAX_JSON_BYTES).await?;
+        let value = serde_json::from_slice(&body).map_err(|e| HfError::Protocol {
+            what: what.into(),
+            detail: format!("malformed JSON: {e}"),
+        })?;
+        Ok((value, next))
     }
 
     /// Pagination links must stay on the endpoint's origin: the token goes with them.
@@ -217,69 +369,20 @@ pub(crate) fn network(what: &str, e: reqwest::Error) -> HfError {
     }
 }
 
-async fn read_limited(what: &str, mut resp: Response, limit: usize) -> Result<Vec<u8>, HfError> {
-    let mut out = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(|e| network(what, e))? {
-        out.extend_from_slice(&chunk);
-        if out.len() > limit {
-            return Err(HfError::Protocol {
-                what: what.into(),
-                detail: "answer too large".into(),
-            });
+/// Whether a body read failed because the connection closed before the body reached its
+/// `Content-Length` (hyper reports that as `UnexpectedEof`; a reset is `ConnectionReset`, a
+/// timeout never gets here).
+fn is_incomplete_body(e: &reqwest::Error) -> bool {
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        if s.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::UnexpectedEof)
+        {
+            return true;
         }
+        src = s.source();
     }
-    Ok(out)
-}
-
-/// Passes 2xx answers; turns the others into [`HfError::Status`] with the hub's error code
-/// (`X-Error-Code`) and message (`X-Error-Message`, else the JSON `error` field).
-pub(crate) async fn check_status(what: &str, resp: Response) -> Result<Response, HfError> {
-    let status = resp.status();
-    if status.is_success() {
-        return Ok(resp);
-    }
-    let header = |name: &str| {
-        resp.headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(|s| s.chars().take(300).collect::<String>())
-    };
-    let code = header("x-error-code");
-    let mut message = header("x-error-message");
-    let retry_after = resp
-        .headers()
-        .get(RETRY_AFTER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|s| s.trim().parse::<u64>().ok())
-        .map(Duration::from_secs);
-    if message.is_none() {
-        if let Ok(body) = read_limited(what, resp, 64 << 10).await {
-            message = serde_json::from_slice::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
-                .or_else(|| {
-                    let s = String::from_utf8_lossy(&body).trim().to_string();
-                    (!s.is_empty()).then_some(s)
-                })
-                .map(|s| s.chars().take(300).collect());
-        }
-    }
-    let mut message = message.unwrap_or_else(|| {
-        status
-            .canonical_reason()
-            .unwrap_or("unexpected status")
-            .to_string()
-    });
-    if matches!(status.as_u16(), 401 | 403) {
-        message.push_str(" (check the model's token: parameters.token, its Secret, or HF_TOKEN)");
-    }
-    Err(HfError::Status {
-        what: what.into(),
-        status: status.as_u16(),
-        code,
-        message,
-        retry_after,
-    })
+    false
 }
 
 /// The `rel="next"` target of a `Link` header, resolved against the request URL.

@@ -13,9 +13,14 @@
 //!   `tmp/<digest>.part`; `commit` checks size and digest (sha256 for LFS, git blob sha1 for the
 //!   rest) and renames into `blobs/` only on a match. A mismatch deletes the partial file and the
 //!   file is downloaded again, up to `verify_attempts` times; then the model is `Failed`.
-//! * **Every transfer is watched**: no byte for `stall_timeout` aborts and retries it; a body
-//!   shorter than its range is retried; each request holds a slot of the node-wide transfer
-//!   limit while it runs.
+//! * **Every transfer is watched**: no response headers or no byte for `stall_timeout` aborts
+//!   and retries it; a body shorter than its range is retried; each request holds a slot of the
+//!   node-wide transfer limit while it runs.
+//! * **A server that ignores `Range`** answers `200` with the whole file. The first range of a
+//!   file is therefore requested alone; only after a `206` do the other ranges go out in
+//!   parallel. After a `200` the rest of the file is read from that one answer (and on a
+//!   failure, from one new whole-file answer), so such a server costs one download of the file
+//!   per attempt, never one per range (which is quadratic in the file size).
 
 use std::cmp::Reverse;
 use std::sync::atomic::Ordering;
@@ -25,9 +30,10 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use futures_util::{stream, StreamExt};
 use reqwest::header::{CONTENT_RANGE, RANGE};
-use reqwest::StatusCode;
+use reqwest::{Response, StatusCode};
+use tokio::sync::OwnedSemaphorePermit;
 
-use super::client::{check_status, network};
+use super::client::HubClient;
 use super::{HfError, HfSource};
 use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
 use crate::metrics::SourceScheme;
@@ -215,7 +221,7 @@ async fn download_file(
         let (digest, size) = (entry.digest, entry.size);
         let writer = tokio::task::spawn_blocking(move || store.resume_writer(digest, size))
             .await
-            .map_err(|_| HfError::Cancelled)?
+            .map_err(joined)?
             .map_err(store_err(&entry.path))?;
         let resumed = writer.written();
         let mut file_counted = Counted {
@@ -242,17 +248,42 @@ async fn download_file(
         });
 
         let chunks = ranges(resumed, size, tuning.chunk_size);
-        let streams = if chunks.len() > 1 {
-            tuning.range_streams.max(1)
-        } else {
-            1
-        };
         let produced = async {
+            let mut chunks = chunks.into_iter();
+            // The first range alone: it tells whether the server honours Range at all.
+            if let Some((at, len)) = chunks.next() {
+                match fetch_range(src, &url, &entry.path, at, len, true, ctx).await? {
+                    RangeAnswer::Part(bytes, counted) => {
+                        file_counted.n += counted;
+                        if tx.send(Some(bytes)).await.is_err() {
+                            return Ok(false);
+                        }
+                    }
+                    RangeAnswer::WholeFile(resp, slot) => {
+                        let whole = WholeFile {
+                            src,
+                            url: &url,
+                            path: &entry.path,
+                            size,
+                            ctx,
+                        };
+                        if !whole.stream(resp, slot, at, &tx, &mut file_counted).await? {
+                            return Ok(false);
+                        }
+                        return Ok::<_, HfError>(tx.send(None).await.is_ok());
+                    }
+                }
+            }
             let mut parts = stream::iter(chunks)
-                .map(|(at, len)| fetch_range(src, &url, &entry.path, at, len, ctx))
-                .buffered(streams);
+                .map(|(at, len)| fetch_range(src, &url, &entry.path, at, len, false, ctx))
+                .buffered(tuning.range_streams.max(1));
             while let Some(part) = parts.next().await {
-                let (bytes, counted) = part?;
+                let (bytes, counted) = match part? {
+                    RangeAnswer::Part(bytes, counted) => (bytes, counted),
+                    RangeAnswer::WholeFile(..) => {
+                        unreachable!("only the first range may take the whole file")
+                    }
+                };
                 file_counted.n += counted;
                 if tx.send(Some(bytes)).await.is_err() {
                     return Ok(false);
@@ -262,7 +293,7 @@ async fn download_file(
         }
         .await;
         drop(tx);
-        let written = writer_task.await.map_err(|_| HfError::Cancelled)?;
+        let written = writer_task.await.map_err(joined)?;
         match (produced, written) {
             (_, Err(e @ (StoreError::Io { .. } | StoreError::DiskFull { .. }))) => {
                 return Err(store_err(&entry.path)(e))
@@ -292,21 +323,41 @@ async fn download_file(
     })
 }
 
-/// Downloads `[at, at + len)` of one file, with retries. Returns the bytes and how many were
-/// counted into progress.
+/// A blocking worker that did not finish: cancelled at shutdown, or panicked. A panic is
+/// carried on to the task that runs the model's work, which reports it as a permanent failure
+/// with its message instead of a cancellation that would be retried forever.
+fn joined(e: tokio::task::JoinError) -> HfError {
+    match e.try_into_panic() {
+        Ok(panic) => std::panic::resume_unwind(panic),
+        Err(_) => HfError::Cancelled,
+    }
+}
+
+/// What a range request brought.
+enum RangeAnswer {
+    /// The bytes of the range, and how many were counted into progress.
+    Part(Bytes, u64),
+    /// The server ignored `Range` and answers with the whole file (only when the caller
+    /// accepts that), with the transfer slot the answer holds.
+    WholeFile(Response, OwnedSemaphorePermit),
+}
+
+/// Downloads `[at, at + len)` of one file, with retries. With `accept_whole`, a `200` answer
+/// is handed back unread instead of being read up to the range.
 async fn fetch_range(
     src: &HfSource,
     url: &str,
     path: &str,
     at: u64,
     len: u64,
+    accept_whole: bool,
     ctx: &FetchContext,
-) -> Result<(Bytes, u64), HfError> {
+) -> Result<RangeAnswer, HfError> {
     let what = format!("downloading {path} (bytes {at}-{})", at + len - 1);
     let client = src.client();
     client
         .retrying(&what, &ctx.cancel, || {
-            range_attempt(src, url, &what, at, len, ctx)
+            range_attempt(src, url, &what, at, len, accept_whole, ctx)
         })
         .await
 }
@@ -327,15 +378,11 @@ async fn range_attempt(
     what: &str,
     at: u64,
     len: u64,
+    accept_whole: bool,
     ctx: &FetchContext,
-) -> Result<(Bytes, u64), HfError> {
+) -> Result<RangeAnswer, HfError> {
     let client = src.client();
-    let stall = client.config().tuning.stall_timeout;
-    let stalled = || HfError::Stalled {
-        what: what.into(),
-        secs: stall.as_secs(),
-    };
-    let _slot = client.transfer_slot().await;
+    let slot = client.transfer_slot().await;
     let mut counted = Counted {
         progress: &ctx.progress,
         n: 0,
@@ -343,13 +390,9 @@ async fn range_attempt(
     let req = client
         .request(url, src.token())
         .header(RANGE, format!("bytes={at}-{}", at + len - 1));
-    let resp = tokio::time::timeout(stall, req.send())
-        .await
-        .map_err(|_| stalled())?
-        .map_err(|e| network(what, e))?;
-    let mut resp = check_status(what, resp).await?;
-    // A server that ignores Range answers 200 with the whole file: skip to our offset.
-    let mut skip = match resp.status() {
+    let resp = client.send(what, req).await?;
+    let mut resp = client.check_status(what, resp).await?;
+    match resp.status() {
         StatusCode::PARTIAL_CONTENT => {
             let start = resp
                 .headers()
@@ -364,35 +407,36 @@ async fn range_attempt(
                     ),
                 });
             }
-            0
         }
-        StatusCode::OK => at,
+        StatusCode::OK if accept_whole => return Ok(RangeAnswer::WholeFile(resp, slot)),
+        // It honoured Range for the first range of this file: a hiccup (another server behind
+        // the same name?). Retried; each attempt reads at most up to the end of the range.
+        StatusCode::OK => {
+            return Err(HfError::Network {
+                what: what.into(),
+                detail: "the server ignored Range after honouring it".into(),
+            })
+        }
         other => {
             return Err(HfError::Protocol {
                 what: what.into(),
                 detail: format!("unexpected status {other} for a file download"),
             })
         }
-    };
+    }
     let mut buf = BytesMut::with_capacity(len as usize);
     while (buf.len() as u64) < len {
-        let chunk = tokio::time::timeout(stall, resp.chunk())
-            .await
-            .map_err(|_| stalled())?
-            .map_err(|e| network(what, e))?;
-        let Some(mut chunk) = chunk else { break };
+        let Some(chunk) = client.next_chunk(what, &mut resp).await? else {
+            break;
+        };
         if ctx.cancel.load(Ordering::Relaxed) {
             return Err(HfError::Cancelled);
-        }
-        if skip > 0 {
-            let n = skip.min(chunk.len() as u64);
-            let _ = chunk.split_to(n as usize);
-            skip -= n;
         }
         let take = (len - buf.len() as u64).min(chunk.len() as u64) as usize;
         buf.extend_from_slice(&chunk[..take]);
         counted.add(take as u64);
     }
+    drop(slot);
     if (buf.len() as u64) < len {
         return Err(HfError::Truncated {
             what: what.into(),
@@ -400,7 +444,153 @@ async fn range_attempt(
             want: len,
         });
     }
-    Ok((buf.freeze(), counted.keep()))
+    Ok(RangeAnswer::Part(buf.freeze(), counted.keep()))
+}
+
+/// The rest of one file from a server that ignores `Range`: whole-file answers, read from the
+/// start, the bytes before the current offset skipped.
+struct WholeFile<'a> {
+    src: &'a HfSource,
+    url: &'a str,
+    path: &'a str,
+    size: u64,
+    ctx: &'a FetchContext,
+}
+
+impl WholeFile<'_> {
+    /// Sends `[from, size)` to the writer, starting with the answer `first`; a failed answer
+    /// is replaced by a new request (with retries and backoff) that continues where it broke
+    /// off. Returns `false` if the writer went away.
+    async fn stream(
+        &self,
+        first: Response,
+        first_slot: OwnedSemaphorePermit,
+        mut from: u64,
+        tx: &tokio::sync::mpsc::Sender<Option<Bytes>>,
+        file_counted: &mut Counted<'_>,
+    ) -> Result<bool, HfError> {
+        let client: &HubClient = self.src.client();
+        let max = client.config().tuning.max_attempts.max(1);
+        tracing::info!(path = %self.path, "the server ignores Range; reading the whole file from one answer");
+        let mut answer = Some((first, first_slot));
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let what = format!(
+                "downloading {} (bytes {from}- of a whole-file answer)",
+                self.path
+            );
+            let result = match answer.take() {
+                Some((resp, slot)) => {
+                    self.read(resp, slot, &what, &mut from, tx, file_counted)
+                        .await
+                }
+                None => {
+                    self.request_and_read(&what, &mut from, tx, file_counted)
+                        .await
+                }
+            };
+            match result {
+                Ok(sent) => return Ok(sent),
+                Err(e) if e.is_retryable() && attempt < max => {
+                    let delay = client.backoff(attempt, &e);
+                    tracing::warn!(%what, attempt, error = %e, delay_ms = delay.as_millis() as u64, "retrying");
+                    super::client::sleep_unless_cancelled(delay, &self.ctx.cancel).await?;
+                }
+                Err(e) if e.is_retryable() => {
+                    return Err(HfError::Exhausted {
+                        attempts: attempt,
+                        last: Box::new(e),
+                    })
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn request_and_read(
+        &self,
+        what: &str,
+        from: &mut u64,
+        tx: &tokio::sync::mpsc::Sender<Option<Bytes>>,
+        file_counted: &mut Counted<'_>,
+    ) -> Result<bool, HfError> {
+        let client = self.src.client();
+        let slot = client.transfer_slot().await;
+        // Asked from the offset, in case it honours Range this time.
+        let req = client
+            .request(self.url, self.src.token())
+            .header(RANGE, format!("bytes={from}-"));
+        let resp = client.send(what, req).await?;
+        let resp = client.check_status(what, resp).await?;
+        self.read(resp, slot, what, from, tx, file_counted).await
+    }
+
+    async fn read(
+        &self,
+        mut resp: Response,
+        slot: OwnedSemaphorePermit,
+        what: &str,
+        from: &mut u64,
+        tx: &tokio::sync::mpsc::Sender<Option<Bytes>>,
+        file_counted: &mut Counted<'_>,
+    ) -> Result<bool, HfError> {
+        let client = self.src.client();
+        let mut skip = match resp.status() {
+            StatusCode::OK => *from,
+            StatusCode::PARTIAL_CONTENT => {
+                let start = resp
+                    .headers()
+                    .get(CONTENT_RANGE)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(parse_content_range_start);
+                if start != Some(*from) {
+                    return Err(HfError::Protocol {
+                        what: what.into(),
+                        detail: format!(
+                            "asked for bytes from {from}, got Content-Range starting at {start:?}"
+                        ),
+                    });
+                }
+                0
+            }
+            other => {
+                return Err(HfError::Protocol {
+                    what: what.into(),
+                    detail: format!("unexpected status {other} for a file download"),
+                })
+            }
+        };
+        while *from < self.size {
+            let Some(mut chunk) = client.next_chunk(what, &mut resp).await? else {
+                return Err(HfError::Truncated {
+                    what: what.into(),
+                    got: *from,
+                    want: self.size,
+                });
+            };
+            if self.ctx.cancel.load(Ordering::Relaxed) {
+                return Err(HfError::Cancelled);
+            }
+            if skip > 0 {
+                let n = skip.min(chunk.len() as u64);
+                let _ = chunk.split_to(n as usize);
+                skip -= n;
+            }
+            let take = (self.size - *from).min(chunk.len() as u64) as usize;
+            if take == 0 {
+                continue;
+            }
+            let part = chunk.split_to(take);
+            *from += take as u64;
+            file_counted.add(take as u64);
+            if tx.send(Some(part)).await.is_err() {
+                return Ok(false);
+            }
+        }
+        drop(slot);
+        Ok(true)
+    }
 }
 
 #[cfg(test)]

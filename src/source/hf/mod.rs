@@ -5,7 +5,9 @@
 //! revision is already a commit and skips that call. The file list comes from
 //! `GET /api/models/{repo}/tree/{commit}?recursive=true`, following `Link: <..>; rel="next"`
 //! pages. Only pages on the endpoint's own origin are followed (a hostile `Link` must not receive
-//! the token), and the listing goes through [`Manifest::new`], which rejects absolute paths,
+//! the token), at most `max_listing_pages` of them with at most `max_listing_entries` entries in
+//! all (a `rel="next"` that never ends fails the model with a reason naming the flag, instead of
+//! keeping it `Updating` forever), and the listing goes through [`Manifest::new`], which rejects absolute paths,
 //! `..`, NUL, duplicates, file/directory clashes and absurd sizes; negative sizes and LFS sizes
 //! that disagree with the entry are rejected here. The manifest's revision is the commit, so the
 //! artifact is identified by repo + commit and by the manifest digest; two revisions with
@@ -73,8 +75,18 @@ pub struct DownloadTuning {
     /// Node-wide limit on HTTP transfers in flight (all models together), so a node with many
     /// models does not open hundreds of connections to the hub.
     pub max_transfers: usize,
-    /// A transfer that receives no byte for this long is aborted and retried (stall watchdog).
+    /// Stall watchdog of every request: no response headers, or no body byte, for this long
+    /// aborts the request and retries it.
     pub stall_timeout: Duration,
+    /// Deadline of one metadata request (revision, one listing page) from sending to the last
+    /// body byte, so that a hub trickling bytes cannot hold a resolve either.
+    pub request_timeout: Duration,
+    /// Bounds of one file listing: pages followed and entries (files and directories) listed.
+    /// The real hub sends 1,000 entries a page, so the defaults admit repositories of
+    /// hundreds of thousands of files while a listing whose `rel="next"` never ends fails
+    /// with a reason after a few minutes at most.
+    pub max_listing_pages: usize,
+    pub max_listing_entries: usize,
     /// Attempts per request before the fetch fails (transiently: the reconciler retries later).
     pub max_attempts: u32,
     /// First backoff after a transient error; doubles per attempt, with jitter, up to
@@ -98,6 +110,9 @@ impl Default for DownloadTuning {
             chunk_size: 8 << 20,
             max_transfers: 32,
             stall_timeout: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(120),
+            max_listing_pages: 2_000,
+            max_listing_entries: 500_000,
             max_attempts: 8,
             retry_base: Duration::from_millis(500),
             retry_max: Duration::from_secs(60),
@@ -145,6 +160,11 @@ pub enum HfError {
     Truncated { what: String, got: u64, want: u64 },
     #[error("{what}: no data received for {secs}s")]
     Stalled { what: String, secs: u64 },
+    #[error("{what}: no complete answer within {secs}s")]
+    TimedOut { what: String, secs: u64 },
+    /// A bound of the client was exceeded (listing pages or entries); the detail names the flag.
+    #[error("{what}: {detail}")]
+    Limit { what: String, detail: String },
     #[error("{what}: invalid answer from the hub: {detail}")]
     Protocol { what: String, detail: String },
     #[error("{path}: downloaded bytes failed verification {attempts} times ({detail})")]
@@ -170,8 +190,12 @@ impl HfError {
     pub fn is_retryable(&self) -> bool {
         match self {
             HfError::Status { status, .. } => *status == 408 || *status == 429 || *status >= 500,
-            HfError::Network { .. } | HfError::Truncated { .. } | HfError::Stalled { .. } => true,
+            HfError::Network { .. }
+            | HfError::Truncated { .. }
+            | HfError::Stalled { .. }
+            | HfError::TimedOut { .. } => true,
             HfError::Protocol { .. }
+            | HfError::Limit { .. }
             | HfError::Corrupt { .. }
             | HfError::Exhausted { .. }
             | HfError::Store { .. }
@@ -182,7 +206,10 @@ impl HfError {
     /// Worth retrying the whole model later (the reconciler's backoff).
     pub fn is_transient(&self) -> bool {
         match self {
-            HfError::Exhausted { .. } | HfError::Cancelled => true,
+            // A body shorter than its own Content-Length on every attempt is a hub that lies
+            // about its answer, not a glitch: retrying the model later will not help.
+            HfError::Exhausted { last, .. } => !matches!(**last, HfError::Truncated { .. }),
+            HfError::Cancelled => true,
             HfError::Store { source, .. } => {
                 matches!(source, StoreError::DiskFull { .. } | StoreError::Io { .. })
             }
@@ -346,7 +373,10 @@ impl HfSource {
             self.repo,
             commit
         );
+        let tuning = &self.client.config().tuning;
         let mut entries = Vec::new();
+        let mut listed = 0usize;
+        let mut pages = 0usize;
         let mut seen_pages = std::collections::HashSet::new();
         loop {
             if !seen_pages.insert(url.clone()) {
@@ -356,10 +386,31 @@ impl HfSource {
                 }
                 .into());
             }
+            if pages >= tuning.max_listing_pages {
+                return Err(HfError::Limit {
+                    what,
+                    detail: format!(
+                        "the listing did not end after {pages} pages ({listed} entries): the hub's pagination may never end; if the repository really is that large, raise --hf-max-listing-pages"
+                    ),
+                }
+                .into());
+            }
+            pages += 1;
             let (page, next): (Vec<TreeEntry>, _) = self
                 .client
                 .get_json(&what, &url, self.token.as_ref(), &cancel)
                 .await?;
+            listed += page.len();
+            if listed > tuning.max_listing_entries {
+                return Err(HfError::Limit {
+                    what,
+                    detail: format!(
+                        "the listing has more than {} entries (after {pages} pages); if the repository really is that large, raise --hf-max-listing-entries",
+                        tuning.max_listing_entries
+                    ),
+                }
+                .into());
+            }
             for e in page {
                 if e.kind == "file" {
                     entries.push(e.into_manifest_entry(&what)?);
@@ -499,5 +550,29 @@ mod tests {
             detail: "d".into(),
         };
         assert!(!corrupt.is_transient());
+        let exhausted = |last| HfError::Exhausted {
+            attempts: 8,
+            last: Box::new(last),
+        };
+        let stalled = HfError::Stalled {
+            what: "w".into(),
+            secs: 30,
+        };
+        assert!(stalled.is_retryable() && exhausted(stalled).is_transient());
+        let lying = HfError::Truncated {
+            what: "w".into(),
+            got: 10,
+            want: 20,
+        };
+        assert!(lying.is_retryable(), "one short body can be a glitch");
+        assert!(
+            !exhausted(lying).is_transient(),
+            "short on every attempt is a lie that will not stop"
+        );
+        let limit = HfError::Limit {
+            what: "w".into(),
+            detail: "d".into(),
+        };
+        assert!(!limit.is_retryable() && !limit.is_transient());
     }
 }

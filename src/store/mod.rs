@@ -168,3 +168,41 @@ impl StateDir {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+
+    #[test]
+    fn removing_an_artifact_removes_its_parsed_config_and_ids_ignore_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        let manifest = Manifest::new(
+            "r".into(),
+            vec![ManifestEntry {
+                path: "config.json".into(),
+                size: 2,
+                digest: FileDigest::Sha256([1; 32]),
+            }],
+        )
+        .unwrap();
+        let artifact = StoredArtifact::new(manifest, vec![Sha256Digest([1; 32])], 0).unwrap();
+        state.save_artifact(&artifact).unwrap();
+        state.save_model_config(&artifact.id, b"{}").unwrap();
+        assert_eq!(
+            state.load_model_config(&artifact.id).as_deref(),
+            Some(&b"{}"[..])
+        );
+        assert_eq!(state.artifact_ids().unwrap(), vec![artifact.id.clone()]);
+        state.remove_artifact(&artifact.id).unwrap();
+        assert_eq!(state.load_model_config(&artifact.id), None);
+        assert!(state.artifact_ids().unwrap().is_empty());
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("artifacts"))
+                .unwrap()
+                .count(),
+            0
+        );
+    }
+}

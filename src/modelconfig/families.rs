@@ -104,18 +104,20 @@ impl<'a> Obj<'a> {
 /// Turns Python's `Infinity`, `-Infinity` and `NaN` into JSON, as OME does before reading
 /// `model_type` and for the generic parser (its family parsers do not, and fail on them).
 pub fn sanitize_json(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
+    // Works on bytes: every character it looks at or writes is ASCII, so multi-byte UTF-8 is
+    // copied through unchanged and the output stays valid UTF-8.
     let bytes = text.as_bytes();
+    let mut out: Vec<u8> = Vec::with_capacity(bytes.len());
     let mut i = 0;
     let mut in_string = false;
-    // The last significant character before a bare word: OME only replaces after `:`, `,`, `[`.
+    // The last significant byte before a bare word: OME only replaces after `:`, `,`, `[`.
     let mut prev_sig: u8 = 0;
     while i < bytes.len() {
         let c = bytes[i];
         if in_string {
-            out.push(c as char);
+            out.push(c);
             if c == b'\\' && i + 1 < bytes.len() {
-                out.push(bytes[i + 1] as char);
+                out.push(bytes[i + 1]);
                 i += 2;
                 continue;
             }
@@ -128,20 +130,20 @@ pub fn sanitize_json(text: &str) -> String {
         }
         if c == b'"' {
             in_string = true;
-            out.push('"');
+            out.push(c);
             i += 1;
             continue;
         }
         if matches!(prev_sig, b':' | b',' | b'[') {
-            let rest = &text[i..];
+            let rest = &bytes[i..];
             let mut replaced = None;
             for (word, with) in [
-                ("-Infinity", "-1e308"),
-                ("Infinity", "1e308"),
-                ("NaN", "null"),
+                (&b"-Infinity"[..], &b"-1e308"[..]),
+                (b"Infinity", b"1e308"),
+                (b"NaN", b"null"),
             ] {
                 if let Some(after) = rest.strip_prefix(word) {
-                    let next = after.trim_start().bytes().next();
+                    let next = after.iter().find(|b| !b.is_ascii_whitespace());
                     if matches!(next, Some(b',' | b']' | b'}')) {
                         replaced = Some((word.len(), with));
                         break;
@@ -149,30 +151,19 @@ pub fn sanitize_json(text: &str) -> String {
                 }
             }
             if let Some((len, with)) = replaced {
-                out.push_str(with);
+                out.extend_from_slice(with);
                 i += len;
                 prev_sig = b'0';
                 continue;
             }
         }
-        // Multi-byte UTF-8 is copied through unchanged.
-        let ch_len = utf8_len(c);
-        out.push_str(&text[i..i + ch_len]);
+        out.push(c);
         if !c.is_ascii_whitespace() {
             prev_sig = c;
         }
-        i += ch_len;
+        i += 1;
     }
-    out
-}
-
-fn utf8_len(first: u8) -> usize {
-    match first {
-        0x00..=0x7f => 1,
-        0xc0..=0xdf => 2,
-        0xe0..=0xef => 3,
-        _ => 4,
-    }
+    String::from_utf8(out).unwrap_or_else(|_| text.to_string())
 }
 
 fn parse_object(bytes: &[u8], sanitize: bool) -> R<Map<String, Value>> {

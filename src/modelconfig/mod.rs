@@ -225,8 +225,8 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// What an operator is told when no fields could be derived (`None` for an empty
-    /// artifact, where there was nothing to parse).
+    /// What an operator is told when no fields could be derived (`None` when they were).
+    /// An artifact with no files at all is not parsed, so it gets no warning either.
     pub fn warning(&self) -> Option<String> {
         match self {
             Outcome::Derived(_) => None,

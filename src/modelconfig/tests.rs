@@ -669,3 +669,69 @@ fn parameter_counts_format_as_ome_prints_them() {
         assert_eq!(format_param_count(n), want, "{n}");
     }
 }
+
+#[test]
+fn sanitizing_keeps_strings_and_unicode() {
+    use super::families::sanitize_json;
+    let text = concat!(
+        r#"{"n":"caf\u00e9 \"NaN\", Infinity]","e":""#,
+        "\u{e9}\u{1f600}",
+        r#"","a":[Infinity, -Infinity ,NaN],"b": NaN}"#
+    );
+    let out = sanitize_json(text);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["n"], "caf\u{e9} \"NaN\", Infinity]");
+    assert_eq!(v["e"], "\u{e9}\u{1f600}");
+    assert_eq!(v["a"], json!([1e308, -1e308, null]));
+    assert_eq!(v["b"], serde_json::Value::Null);
+    // A bare word elsewhere is left for the JSON parser to reject.
+    assert_eq!(sanitize_json(r#"{"a": NaNx}"#), r#"{"a": NaNx}"#);
+}
+
+proptest::proptest! {
+    /// Outside input never panics the parser: arbitrary bytes, and JSON objects of every
+    /// family with arbitrary values in the fields it reads.
+    #[test]
+    fn derive_never_panics(
+        bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..300),
+        family in proptest::sample::select(vec![
+            "llama", "bert", "chatglm", "dbrx", "deepseek_vl_v2", "gemma3", "gpt_oss", "llama4",
+            "llava", "mistral", "mixtral", "mllama", "phi3_v", "qwen2_vl", "qwen3_5_moe",
+            "qwen3", "unknown_type",
+        ]),
+        numbers in proptest::collection::vec(proptest::num::i64::ANY, 12),
+        index in proptest::bool::ANY,
+    ) {
+        let _ = derive(&MemFiles::default().with("config.json", bytes.clone()));
+        let _ = derive(&MemFiles::default().with("model_index.json", bytes.clone()));
+        let _ = safetensors::count_header(&bytes);
+        let n = |i: usize| numbers[i % numbers.len()];
+        let sub = json!({"hidden_size": n(0), "num_hidden_layers": n(1),
+            "intermediate_size": n(2), "vocab_size": n(3), "max_position_embeddings": n(4),
+            "num_experts": n(5), "moe_intermediate_size": n(6), "patch_size": n(7),
+            "image_size": n(8), "depth": n(9), "embed_dim": n(10), "width": n(11),
+            "layers": n(1), "sliding_window": n(4), "n_routed_experts": n(5),
+            "model_type": "llama", "rope_scaling": {"factor": n(2) as f64}});
+        let mut config = sub.clone();
+        config["model_type"] = json!(family);
+        config["num_attention_heads"] = json!(n(5));
+        config["num_key_value_heads"] = json!(n(6));
+        config["num_local_experts"] = json!(n(7));
+        config["num_experts_per_tok"] = json!(n(8));
+        config["d_model"] = json!(n(0));
+        config["n_layers"] = json!(n(1));
+        config["num_layers"] = json!(n(1));
+        config["ffn_config"] = json!({"moe_num_experts": n(9), "ffn_hidden_size": n(10)});
+        for key in ["text_config", "vision_config", "language_config", "projector_config"] {
+            config[key] = sub.clone();
+        }
+        let mut files = MemFiles::default().with("config.json", config.to_string());
+        if index {
+            files = files
+                .with("model.safetensors.index.json", r#"{"weight_map":{"a":"x.safetensors"}}"#)
+                .with("x.safetensors", bytes.clone());
+        }
+        let outcome = derive(&files);
+        proptest::prop_assert!(matches!(outcome, Outcome::Derived(_) | Outcome::Broken(_)));
+    }
+}

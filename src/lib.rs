@@ -27,6 +27,7 @@ pub mod http;
 pub mod kube;
 pub mod manifest;
 pub mod metrics;
+pub mod modelconfig;
 pub mod reconciler;
 pub mod source;
 pub mod standalone;

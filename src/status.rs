@@ -17,9 +17,63 @@ pub struct ArtifactStatus {
     pub children_paths: Vec<String>,
 }
 
+/// `name` and `version` of `modelFramework` / `modelFormat`, as OME writes them.
+pub use crate::modelconfig::{DiffusionPipeline, NameVersion};
+
+/// The entry's `config`: OME's `ModelConfig` (the fields its agent derives from the model's
+/// `config.json`, each omitted when empty, as OME does) and the artifact.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
 pub struct ModelConfigStatus {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model_type: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model_architecture: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_framework: Option<NameVersion>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_format: Option<NameVersion>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model_parameter_size: String,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub max_tokens: i32,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub model_capabilities: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decoded_model_configuration: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub quantization: String,
+    /// Beyond OME's ConfigMap layout: the pipeline of a diffusers model, which OME writes only
+    /// into the spec (the spec back-fill reads it from here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diffusion_pipeline: Option<DiffusionPipeline>,
     pub artifact: ArtifactStatus,
+}
+
+fn is_zero(n: &i32) -> bool {
+    *n == 0
+}
+
+impl ModelConfigStatus {
+    /// Copies the derived fields in (`modelFormat` is always set by a derivation, so its
+    /// presence marks an entry that has them).
+    pub fn set_derived(&mut self, d: &crate::modelconfig::DerivedConfig) {
+        self.model_type = d.model_type.clone();
+        self.model_architecture = d.model_architecture.clone();
+        self.model_framework = Some(d.model_framework.clone());
+        self.model_format = Some(d.model_format.clone());
+        self.model_parameter_size = d.model_parameter_size.clone();
+        self.max_tokens = d.max_tokens;
+        self.model_capabilities = d.model_capabilities.clone();
+        self.decoded_model_configuration = Some(d.model_configuration.clone());
+        self.quantization = d.quantization.clone().unwrap_or_default();
+        self.diffusion_pipeline = d.diffusion_pipeline.clone();
+    }
+
+    /// True when the fields derived from the model's config are present.
+    pub fn has_derived(&self) -> bool {
+        self.model_format.is_some()
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -52,6 +106,10 @@ pub struct ModelStatus {
     pub path: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// Why no fields could be derived from the model's config (missing or unparseable
+    /// `config.json`): a warning, the model is still served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_warning: Option<String>,
     #[serde(default)]
     pub source: String,
     /// Manifest digest (artifact identity).

@@ -69,13 +69,16 @@ pub fn human_bytes(n: u64) -> String {
     }
 }
 
-/// The table: key, status (with percent and ETA while downloading), policy, parent, path, size.
+/// The table: key, status (with percent and ETA while downloading), policy, parent, the model
+/// as its config describes it (architecture and parameter count, `config?` when the config was
+/// missing or unparseable), path, size.
 pub fn table(doc: &StatusDoc) -> String {
     let mut rows = vec![[
         "KEY".to_string(),
         "STATUS".into(),
         "POLICY".into(),
         "PARENT".into(),
+        "MODEL".into(),
         "PATH".into(),
         "SIZE ON DISK".into(),
     ]];
@@ -111,6 +114,7 @@ pub fn table(doc: &StatusDoc) -> String {
                 e.policy.clone()
             },
             parent,
+            model_column(e),
             if e.path.is_empty() {
                 "-".into()
             } else {
@@ -119,7 +123,7 @@ pub fn table(doc: &StatusDoc) -> String {
             human_bytes(e.bytes_on_disk),
         ]);
     }
-    let widths: Vec<usize> = (0..6)
+    let widths: Vec<usize> = (0..7)
         .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
         .collect();
     let mut out = String::new();
@@ -128,7 +132,7 @@ pub fn table(doc: &StatusDoc) -> String {
             .iter()
             .enumerate()
             .map(|(i, cell)| {
-                if i == 5 {
+                if i == 6 {
                     cell.clone()
                 } else {
                     format!("{cell:<w$}", w = widths[i])
@@ -139,4 +143,22 @@ pub fn table(doc: &StatusDoc) -> String {
         out.push('\n');
     }
     out
+}
+
+fn model_column(e: &crate::status::ModelStatus) -> String {
+    let c = &e.config;
+    if c.has_derived() {
+        let arch = if c.model_architecture.is_empty() {
+            c.model_type.as_str()
+        } else {
+            c.model_architecture.as_str()
+        };
+        format!("{arch} {}", c.model_parameter_size)
+            .trim()
+            .to_string()
+    } else if e.config_warning.is_some() {
+        "config?".into()
+    } else {
+        "-".into()
+    }
 }

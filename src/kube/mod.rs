@@ -9,6 +9,9 @@
 //! * [`status_sink`] mirrors the reconciler's status document into the node ConfigMap and the
 //!   node labels, with OME's names ([`names`]), and publishes Events on the model objects.
 //!
+//! * [`spec_backfill`] writes the fields derived from each model's config into its spec where
+//!   OME's agent does.
+//!
 //! The two halves share only the object references used for Events. Everything either half
 //! writes is derived from the current state (never from a log of changes), so a restart, a
 //! missed watch event or a lost write is repaired by the next pass.
@@ -16,6 +19,7 @@
 pub mod desired;
 pub mod names;
 pub mod producer;
+pub mod spec_backfill;
 pub mod status_sink;
 pub mod targeting;
 
@@ -72,6 +76,7 @@ pub fn start(client: kube::Client, config: KubeConfig, reconciler: ReconcilerHan
                 reconciler.clone(),
                 references.clone(),
             ),
+            spec_backfill::spawn(client.clone(), reconciler.clone()),
             status_sink::spawn(client, sink_config, reconciler, references),
         ],
     }

@@ -28,8 +28,8 @@
 //!
 //! # Size
 //! A ConfigMap holds at most 1 MiB. If the full entries do not fit, they are written in OME's
-//! minimal layout (name, status, config; no progress or local extras), which is what OME's
-//! controllers read.
+//! minimal layout (name, status, config without `decodedModelConfiguration`; no progress or
+//! local extras), which is what OME's controllers read.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -144,10 +144,15 @@ fn wanted(doc: &StatusDoc, max_data_bytes: usize) -> Result<Wanted, serde_json::
         };
         let data_key = configmap_key(kind, namespace, name);
         data.insert(data_key.clone(), serde_json::to_string(entry)?);
+        // The minimal layout also leaves out the bulky config-derived objects (OME's
+        // controllers read the artifact and the short fields).
+        let mut config = entry.config.clone();
+        config.decoded_model_configuration = None;
+        config.diffusion_pipeline = None;
         minimal.insert(
             data_key,
             serde_json::to_string(&json!({
-                "name": entry.name, "status": entry.status, "config": entry.config
+                "name": entry.name, "status": entry.status, "config": config
             }))?,
         );
         labels.insert(node_label_key(kind, namespace, name), entry.status.clone());
@@ -573,10 +578,10 @@ mod tests {
     #[test]
     fn wanted_maps_keys_and_skips_non_models() {
         let mut doc = StatusDoc::new();
-        doc.insert(
-            "team.basemodel.m".into(),
-            entry("Ready", "", "AlwaysDownload"),
-        );
+        let mut ready = entry("Ready", "", "AlwaysDownload");
+        ready.config.model_type = "llama".into();
+        ready.config.decoded_model_configuration = Some(json!({"model_type": "llama"}));
+        doc.insert("team.basemodel.m".into(), ready);
         doc.insert("file:broken.yaml".into(), entry("Failed", "", ""));
         let long = format!("clusterbasemodel.{}", "x".repeat(60));
         doc.insert(long.clone(), entry("Updating", "", "AlwaysDownload"));
@@ -597,5 +602,7 @@ mod tests {
             value.as_object().unwrap().keys().collect::<Vec<_>>(),
             vec!["config", "name", "status"]
         );
+        assert_eq!(value["config"]["modelType"], "llama");
+        assert!(value["config"].get("decodedModelConfiguration").is_none());
     }
 }

@@ -33,6 +33,10 @@ pub struct ModelSpec {
     pub path: MountPath,
     /// Label [`RESERVE_ARTIFACT_LABEL`] is `true` (any case): keep the store after deletion.
     pub reserve_artifact: bool,
+    /// Annotation [`crate::modelconfig::SKIP_CONFIG_PARSING_ANNOTATION`] is `true` (any case):
+    /// no config-derived fields in the status and no spec back-fill, as in OME.
+    #[serde(default)]
+    pub skip_config_parsing: bool,
     /// `spec.storage.key`: name of the Secret holding the source token.
     pub token_secret: Option<String>,
     /// `spec.storage.parameters`.
@@ -154,6 +158,11 @@ impl ModelObject {
             .labels
             .get(RESERVE_ARTIFACT_LABEL)
             .is_some_and(|value| value.eq_ignore_ascii_case("true"));
+        let skip_config_parsing = self
+            .metadata
+            .annotations
+            .get(crate::modelconfig::SKIP_CONFIG_PARSING_ANNOTATION)
+            .is_some_and(|value| value.eq_ignore_ascii_case("true"));
         Ok(ModelSpec {
             key,
             kind: self.kind,
@@ -163,6 +172,7 @@ impl ModelObject {
             policy: storage.effective_download_policy(),
             path,
             reserve_artifact,
+            skip_config_parsing,
             token_secret: storage.key.clone().filter(|secret| !secret.is_empty()),
             parameters: storage.parameters.clone(),
             labels: self.metadata.labels.clone(),
@@ -431,6 +441,20 @@ spec:
                 .insert(RESERVE_ARTIFACT_LABEL.to_owned(), value.to_owned());
             let spec = cluster.to_spec(Path::new(ROOT)).expect("valid");
             assert_eq!(spec.reserve_artifact, reserved, "{value:?}");
+        }
+        assert!(!spec.skip_config_parsing);
+        for (value, skip) in [
+            ("true", true),
+            ("TRUE", true),
+            ("false", false),
+            ("1", false),
+        ] {
+            cluster.metadata.annotations.insert(
+                crate::modelconfig::SKIP_CONFIG_PARSING_ANNOTATION.to_owned(),
+                value.to_owned(),
+            );
+            let spec = cluster.to_spec(Path::new(ROOT)).expect("valid");
+            assert_eq!(spec.skip_config_parsing, skip, "{value:?}");
         }
         let mut with_empty_key = storage("hf://a/b");
         with_empty_key.key = Some(String::new());

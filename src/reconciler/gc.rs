@@ -283,6 +283,7 @@ impl Reconciler {
         }
         for a in &ripe.artifacts {
             self.artifacts.remove(a);
+            self.model_configs.remove(a);
         }
         let touched: BTreeSet<StoreId> = ripe.blobs.iter().map(|(s, _)| s.clone()).collect();
         for s in &touched {

@@ -38,6 +38,7 @@
 //! path conflicts); lingering snapshots that expire trigger a `remap` on the tick.
 
 pub mod gc;
+mod model_config;
 pub mod placement;
 mod status_doc;
 
@@ -144,6 +145,11 @@ enum Event {
         result: Result<Vec<Sha256Digest>, SourceError>,
     },
     Tick,
+    /// The config files of a complete artifact were parsed.
+    ConfigParsed {
+        artifact: ArtifactId,
+        outcome: crate::modelconfig::Outcome,
+    },
     Shutdown(tokio::sync::oneshot::Sender<()>),
 }
 
@@ -346,6 +352,9 @@ pub struct Reconciler {
     /// Models that failed before this start and were given their one fresh attempt.
     attempted_since_start: std::collections::HashSet<ModelKey>,
     artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
+    /// What each served artifact's config files give (see [`model_config`]).
+    model_configs: HashMap<ArtifactId, Arc<crate::modelconfig::Outcome>>,
+    model_configs_pending: std::collections::HashSet<ArtifactId>,
     gc_candidates: gc::Candidates,
     store_bytes: BTreeMap<StoreId, u64>,
     fetch_slots: Arc<Semaphore>,
@@ -389,6 +398,8 @@ impl Reconciler {
             retries: HashMap::new(),
             attempted_since_start: std::collections::HashSet::new(),
             artifacts: HashMap::new(),
+            model_configs: HashMap::new(),
+            model_configs_pending: std::collections::HashSet::new(),
             gc_candidates: gc::Candidates::default(),
             store_bytes: BTreeMap::new(),
             tx: tx.clone(),
@@ -503,6 +514,7 @@ impl Reconciler {
                     self.gc();
                 }
             }
+            Event::ConfigParsed { artifact, outcome } => self.on_config_parsed(artifact, outcome),
             Event::Shutdown(_) => unreachable!("handled in run"),
         }
     }
@@ -1501,6 +1513,9 @@ impl Reconciler {
     }
 
     fn publish(&mut self) {
+        // Every served artifact gets its config parsed once; the result arrives as an event
+        // and is published then.
+        self.request_model_configs();
         let doc = self.status_doc();
         let bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
         if bytes == self.status_bytes {

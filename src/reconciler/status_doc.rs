@@ -102,6 +102,7 @@ impl Reconciler {
                     Stage::Waiting { .. } => {}
                 }
             }
+            self.fill_model_config(key, &mut e);
             if rec.phase == ModelPhase::Failed && e.reason.is_none() {
                 e.reason = Some("failed".into());
             }

@@ -6,6 +6,7 @@
 //! records.json                 durable records (models, stores), replaced atomically
 //! status.json                  the status document of GET /v1/models, replaced atomically
 //! artifacts/<id>.json          complete artifacts (manifest + blob per entry), immutable
+//! artifacts/<id>.modelconfig.json  fields derived from the artifact's config.json (cache)
 //! stores/<store-id>/blobs/<sha256>
 //! stores/<store-id>/tmp/<digest>.part
 //! stores/<store-id>/aliases/gitsha1-<hex>   sha256 of the verified blob with that git digest
@@ -124,7 +125,28 @@ impl StateDir {
         Ok(artifact)
     }
 
+    fn model_config_path(&self, id: &ArtifactId) -> PathBuf {
+        self.root
+            .join("artifacts")
+            .join(format!("{id}.modelconfig.json"))
+    }
+
+    /// Saves what was derived from an artifact's config files, so a restart does not parse
+    /// them again. A cache: losing it only costs a new parse.
+    pub fn save_model_config(&self, id: &ArtifactId, bytes: &[u8]) -> io::Result<()> {
+        fsutil::atomic_write(&self.model_config_path(id), bytes)
+    }
+
+    pub fn load_model_config(&self, id: &ArtifactId) -> Option<Vec<u8>> {
+        std::fs::read(self.model_config_path(id)).ok()
+    }
+
+    /// Removes an artifact file and what was derived from it.
     pub fn remove_artifact(&self, id: &ArtifactId) -> io::Result<()> {
+        match std::fs::remove_file(self.model_config_path(id)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         match std::fs::remove_file(self.artifact_path(id)) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             other => other,
@@ -144,5 +166,43 @@ impl StateDir {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+
+    #[test]
+    fn removing_an_artifact_removes_its_parsed_config_and_ids_ignore_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        let manifest = Manifest::new(
+            "r".into(),
+            vec![ManifestEntry {
+                path: "config.json".into(),
+                size: 2,
+                digest: FileDigest::Sha256([1; 32]),
+            }],
+        )
+        .unwrap();
+        let artifact = StoredArtifact::new(manifest, vec![Sha256Digest([1; 32])], 0).unwrap();
+        state.save_artifact(&artifact).unwrap();
+        state.save_model_config(&artifact.id, b"{}").unwrap();
+        assert_eq!(
+            state.load_model_config(&artifact.id).as_deref(),
+            Some(&b"{}"[..])
+        );
+        assert_eq!(state.artifact_ids().unwrap(), vec![artifact.id.clone()]);
+        state.remove_artifact(&artifact.id).unwrap();
+        assert_eq!(state.load_model_config(&artifact.id), None);
+        assert!(state.artifact_ids().unwrap().is_empty());
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("artifacts"))
+                .unwrap()
+                .count(),
+            0
+        );
     }
 }

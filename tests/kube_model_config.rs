@@ -1,0 +1,316 @@
+//! Config back-fill in Kubernetes mode, end to end: the real `modelfs` binary with a real
+//! FUSE mount against the in-process fake API server. The node ConfigMap entry carries the
+//! derived fields in `config`, the model objects get them in their spec where OME's agent puts
+//! them (never over a user's value), and `ome.oracle.com/skip-config-parsing` prevents both.
+
+mod fake_apiserver;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use fake_apiserver::FakeApiServer;
+use serde_json::{json, Value};
+
+const NODE: &str = "node-a";
+const CM: &str = "api/v1/configmaps";
+const NODES: &str = "api/v1/nodes";
+const BM: &str = "apis/ome.io/v1beta1/basemodels";
+const CBM: &str = "apis/ome.io/v1beta1/clusterbasemodels";
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+struct Daemon {
+    child: Child,
+    mount: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child process by its pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+    }
+}
+
+fn start_daemon(server: &FakeApiServer) -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
+    let mount = dir.path().join("mnt");
+    std::fs::create_dir_all(&mount).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_modelfs"))
+        .args(["serve", "--kube", "--node-name", NODE, "--namespace", "ome"])
+        .arg("--mount")
+        .arg(&mount)
+        .arg("--state")
+        .arg(dir.path().join("state"))
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--allow-local-sources",
+        ])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "info,modelfs=debug")
+        .stderr(log)
+        .spawn()
+        .expect("spawn modelfs");
+    Daemon { child, mount, dir }
+}
+
+fn entry(server: &FakeApiServer, key: &str) -> Option<Value> {
+    let cm = server.get(CM, "ome", NODE)?;
+    serde_json::from_str(cm["data"][key].as_str()?).ok()
+}
+
+async fn wait_for<T>(what: &str, daemon: &Daemon, mut check: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        if let Some(value) = check() {
+            return value;
+        }
+        if Instant::now() > deadline {
+            let log = std::fs::read_to_string(daemon.dir.path().join("daemon.log"));
+            panic!(
+                "timed out waiting for {what}; log:\n{}",
+                log.unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// OME's Llama 3.2 1B config beside one real safetensors file of 64_064 parameters.
+fn llama_dir(root: &Path) -> PathBuf {
+    let fixtures = std::env::var_os("MODELFS_FIXTURES_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
+    let dir = root.join("llama");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        fixtures.join("hf-configs/llama3_2_1b.json"),
+        dir.join("config.json"),
+    )
+    .expect("hf-configs fixture (set MODELFS_FIXTURES_DIR)");
+    let header = json!({
+        "embed.weight": {"dtype": "F32", "shape": [1000, 64], "data_offsets": [0, 256000]},
+        "norm.weight": {"dtype": "F32", "shape": [64], "data_offsets": [256000, 256256]},
+    })
+    .to_string();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header.as_bytes());
+    file.resize(file.len() + 256_256, 0);
+    std::fs::write(dir.join("model.safetensors"), file).unwrap();
+    dir
+}
+
+fn model(
+    kind_path: &str,
+    namespace: Option<&str>,
+    name: &str,
+    uri: &str,
+    extra: Value,
+) -> (String, Value) {
+    let mut metadata = json!({"name": name});
+    if let Some(ns) = namespace {
+        metadata["namespace"] = json!(ns);
+    }
+    let mut object = json!({"metadata": metadata, "spec": {"storage": {"storageUri": uri}}});
+    json_patch::merge(&mut object, &extra);
+    (kind_path.to_string(), object)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn configmap_entry_and_spec_backfill_with_skip_and_broken_configs() {
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let llama = llama_dir(data.path());
+    let uri = format!("local://{}", llama.display());
+    let broken = data.path().join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(broken.join("config.json"), b"{\"model_type\": 12}").unwrap();
+    std::fs::write(broken.join("weights.bin"), vec![7u8; 1000]).unwrap();
+    let broken_uri = format!("local://{}", broken.display());
+    server.put(NODES, json!({"metadata": {"name": NODE, "labels": {}}}));
+    let skip = json!({"metadata": {"annotations": {"ome.oracle.com/skip-config-parsing": "true"}}});
+    for (resource, object) in [
+        // Nothing set by the user: everything OME derives is filled in.
+        model(CBM, None, "llama", &uri, json!({})),
+        // Values the user set stay; the rest is filled.
+        model(
+            BM,
+            Some("team"),
+            "custom",
+            &uri,
+            json!({"spec": {"modelArchitecture": "MyLlama", "modelFormat": {"name": "gguf"},
+                "modelCapabilities": ["EMBEDDING"], "maxTokens": 4096}}),
+        ),
+        // Same artifact, but the annotation asks for no parsing.
+        model(BM, Some("team"), "skipped", &uri, skip.clone()),
+        // Same artifact, after "skipped" in key order (see below).
+        model(BM, Some("team"), "zzz", &uri, json!({})),
+        model(CBM, None, "broken", &broken_uri, json!({})),
+    ] {
+        server.put(resource.as_str(), object);
+    }
+    let daemon = start_daemon(&server);
+
+    // The ConfigMap entry carries OME's ModelConfig fields.
+    let llama_entry = wait_for("llama entry with config", &daemon, || {
+        entry(&server, "clusterbasemodel.llama").filter(|e| e["config"]["modelType"] == "llama")
+    })
+    .await;
+    assert_eq!(llama_entry["status"], "Ready");
+    let c = &llama_entry["config"];
+    assert_eq!(c["modelArchitecture"], "LlamaForCausalLM");
+    assert_eq!(
+        c["modelParameterSize"], "64.06K",
+        "from the safetensors header"
+    );
+    assert_eq!(c["maxTokens"], 131072);
+    assert_eq!(c["modelCapabilities"], json!(["TEXT_TO_TEXT"]));
+    assert_eq!(
+        c["modelFramework"],
+        json!({"name": "transformers", "version": "4.45.0.dev0"})
+    );
+    assert_eq!(
+        c["modelFormat"],
+        json!({"name": "safetensors", "version": "1.0.0"})
+    );
+    assert_eq!(c["decodedModelConfiguration"]["context_length"], 131072);
+    assert!(!c["artifact"]["sha"].as_str().unwrap().is_empty());
+
+    // The object's spec is back-filled.
+    let spec = wait_for("llama spec back-filled", &daemon, || {
+        let object = server.get(CBM, "", "llama")?;
+        (object["spec"]["modelArchitecture"] == "LlamaForCausalLM").then(|| object["spec"].clone())
+    })
+    .await;
+    assert_eq!(spec["modelType"], "llama");
+    assert_eq!(spec["modelParameterSize"], "64.06K");
+    assert_eq!(
+        spec["modelFormat"],
+        json!({"name": "safetensors", "version": "1.0.0"})
+    );
+    assert_eq!(
+        spec["modelFramework"],
+        json!({"name": "transformers", "version": "4.45.0.dev0"})
+    );
+    assert_eq!(spec["modelCapabilities"], json!(["TEXT_TO_TEXT"]));
+    assert_eq!(
+        spec["modelConfiguration"]["architecture"],
+        "LlamaForCausalLM"
+    );
+    assert_eq!(spec["modelConfiguration"]["model_size_bytes"], 64_064 * 2);
+    assert!(
+        spec.get("maxTokens").is_none(),
+        "OME never writes spec.maxTokens"
+    );
+    assert!(spec.get("quantization").is_none());
+    assert_eq!(spec["storage"]["storageUri"], uri.as_str());
+
+    // User values are kept.
+    let custom = wait_for("custom spec back-filled", &daemon, || {
+        let object = server.get(BM, "team", "custom")?;
+        (object["spec"]["modelType"] == "llama").then(|| object["spec"].clone())
+    })
+    .await;
+    assert_eq!(custom["modelArchitecture"], "MyLlama");
+    assert_eq!(custom["modelFormat"], json!({"name": "gguf"}));
+    assert_eq!(custom["modelCapabilities"], json!(["EMBEDDING"]));
+    assert_eq!(custom["maxTokens"], 4096);
+    assert_eq!(custom["modelParameterSize"], "64.06K");
+
+    // skip-config-parsing: "zzz" serves the same artifact and comes after "skipped" in the key
+    // order the back-fill walks, so once zzz is patched, skipped would have been too.
+    wait_for("zzz spec back-filled", &daemon, || {
+        let object = server.get(BM, "team", "zzz")?;
+        (object["spec"]["modelType"] == "llama").then_some(())
+    })
+    .await;
+    let skipped = server.get(BM, "team", "skipped").unwrap();
+    assert_eq!(
+        skipped["spec"],
+        json!({"storage": {"storageUri": uri}}),
+        "the skipped model's spec is untouched"
+    );
+    let skipped_path = "PATCH /apis/ome.io/v1beta1/namespaces/team/basemodels/skipped";
+    assert!(
+        !server
+            .requests()
+            .iter()
+            .any(|r| r.starts_with(skipped_path)),
+        "no patch of the skipped model"
+    );
+    let skipped_entry = entry(&server, "team.basemodel.skipped").unwrap();
+    assert_eq!(skipped_entry["status"], "Ready");
+    assert!(
+        skipped_entry["config"].get("modelType").is_none(),
+        "{skipped_entry}"
+    );
+    assert_eq!(
+        skipped_entry["config"]["artifact"]["sha"],
+        c["artifact"]["sha"]
+    );
+
+    // A broken config: Ready (entry and node label) with a warning, spec untouched.
+    let broken_entry = wait_for("broken entry with warning", &daemon, || {
+        entry(&server, "clusterbasemodel.broken").filter(|e| e["configWarning"].is_string())
+    })
+    .await;
+    assert_eq!(broken_entry["status"], "Ready");
+    assert!(
+        broken_entry["configWarning"]
+            .as_str()
+            .unwrap()
+            .contains("model_type"),
+        "{broken_entry}"
+    );
+    assert!(broken_entry["config"].get("modelType").is_none());
+    let labels = server.get(NODES, "", NODE).unwrap()["metadata"]["labels"].clone();
+    assert_eq!(labels["models.ome.io/clusterbasemodel.broken"], "Ready");
+    assert_eq!(
+        server.get(CBM, "", "broken").unwrap()["spec"],
+        json!({"storage": {"storageUri": broken_uri}})
+    );
+    assert_eq!(
+        std::fs::read(daemon.mount.join("broken/weights.bin")).unwrap(),
+        vec![7u8; 1000]
+    );
+
+    // Removing the annotation lets the next pass fill the spec, as OME's next parse would.
+    server.merge(
+        BM,
+        "team",
+        "skipped",
+        &json!({"metadata": {"annotations": {"ome.oracle.com/skip-config-parsing": null}}}),
+    );
+    wait_for(
+        "skipped spec back-filled after the annotation went",
+        &daemon,
+        || {
+            let object = server.get(BM, "team", "skipped")?;
+            (object["spec"]["modelArchitecture"] == "LlamaForCausalLM").then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        entry(&server, "team.basemodel.skipped").unwrap()["config"]["modelType"],
+        "llama"
+    );
+}

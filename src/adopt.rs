@@ -40,8 +40,9 @@
 //! after the mount no path below the models root leads to the old files any more (they are
 //! covered), so only a process that opened one before the mount, or a second mount of the same
 //! filesystem, could write to them; the migration stops OME's agent first
-//! (`deploy/MIGRATION.md`). Writes *during* verification are detected (size, mtime and ctime of
-//! the inode compared before and after hashing) and reject the file. A store on another
+//! (`deploy/MIGRATION.md`). Writes *during* verification are detected (size and mtime of the
+//! inode compared before and after hashing; not ctime, which concurrent adopters of the same
+//! old file move by linking it) and reject the file. A store on another
 //! filesystem than the models root gets independent copies, with no shared inode at all.
 
 use std::collections::HashSet;

@@ -588,7 +588,13 @@ async fn single_tree_path(
     query: Query<TreeQuery>,
     headers: HeaderMap,
 ) -> Response {
-    tree_path(state, UrlPath((String::new(), name, rev, path)), query, headers).await
+    tree_path(
+        state,
+        UrlPath((String::new(), name, rev, path)),
+        query,
+        headers,
+    )
+    .await
 }
 
 async fn single_resolve(

@@ -75,12 +75,11 @@ enum Kind {
 
 /// The opened source tree: what every entry is resolved and opened against.
 struct Tree {
-    /// The directory named by the URI, with the symlinks of its own path resolved.
-    root: PathBuf,
     /// What symlinks may lead into: `root`, or a Hugging Face cache repository directory.
     boundary: PathBuf,
     boundary_fd: OwnedFd,
-    /// `root` relative to `boundary` (empty when they are the same).
+    /// The directory named by the URI (the symlinks of its own path resolved) relative to
+    /// `boundary` (empty when they are the same).
     root_inside: PathBuf,
 }
 
@@ -142,12 +141,131 @@ fn check_entry(listed: &Path, stat: &Stat) -> Result<Kind, SourceError> {
     Ok(kind)
 }
 
+/// Paths through which a directory is named by an open descriptor: the models root under the
+/// mount is reached as `/proc/self/fd/N/...` (see [`crate::adopt`]). Such a path must not be
+/// resolved as a string (`realpath` would turn it back into the mounted path): the kernel opens
+/// it, and everything below is resolved relative to that descriptor.
+const DESCRIPTOR_PATHS: &str = "/proc/self/fd";
+
+/// Why an entry could not be resolved inside its tree.
+#[derive(Debug)]
+enum Unresolved {
+    /// A symlink leads out of the tree (to this target).
+    Escape(PathBuf),
+    /// Too many symlinks (a loop).
+    Loop,
+    Io(Errno),
+}
+
+/// Symlink hops allowed while resolving one entry, as the kernel's `MAXSYMLINKS`.
+const MAX_SYMLINK_HOPS: u32 = 40;
+
+/// Resolves `rel` (relative to the directory `boundary_fd`, whose path is `boundary`) the way
+/// `realpath` would, but relative to the descriptor: every component is looked up with
+/// `*at` calls on `boundary_fd`, symlinks are followed by reading them, `..` never climbs above
+/// the boundary, and an absolute symlink target counts only when it names a path below
+/// `boundary`. Returns the symlink-free path of the entry relative to the boundary.
+fn resolve_beneath(
+    boundary_fd: &OwnedFd,
+    boundary: &Path,
+    rel: &Path,
+) -> Result<PathBuf, Unresolved> {
+    use std::collections::VecDeque;
+    use std::ffi::OsString;
+    use std::path::Component;
+
+    fn push_components(pending: &mut VecDeque<OsString>, path: &Path) {
+        for component in path.components().rev() {
+            match component {
+                Component::Normal(name) => pending.push_front(name.to_owned()),
+                Component::ParentDir => pending.push_front(OsString::from("..")),
+                Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
+            }
+        }
+    }
+
+    let mut pending = VecDeque::new();
+    push_components(&mut pending, rel);
+    let mut resolved = PathBuf::new();
+    let mut hops = 0;
+    while let Some(name) = pending.pop_front() {
+        if name == ".." {
+            // `resolved` holds no symlink, so its parent is its lexical parent.
+            if !resolved.pop() {
+                // Name where the link leads, lexically: the boundary's parent and what is left.
+                let mut target = boundary.parent().unwrap_or(boundary).to_path_buf();
+                for rest in pending {
+                    if rest == ".." {
+                        target.pop();
+                    } else {
+                        target.push(rest);
+                    }
+                }
+                return Err(Unresolved::Escape(target));
+            }
+            continue;
+        }
+        resolved.push(&name);
+        let stat = rustix::fs::statat(boundary_fd, &resolved, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(Unresolved::Io)?;
+        if FileType::from_raw_mode(stat.st_mode) != FileType::Symlink {
+            continue;
+        }
+        hops += 1;
+        if hops > MAX_SYMLINK_HOPS {
+            return Err(Unresolved::Loop);
+        }
+        let target =
+            rustix::fs::readlinkat(boundary_fd, &resolved, Vec::new()).map_err(Unresolved::Io)?;
+        let target = PathBuf::from(OsStr::from_bytes(target.as_bytes()));
+        resolved.pop();
+        if target.is_absolute() {
+            let Ok(below) = target.strip_prefix(boundary) else {
+                return Err(Unresolved::Escape(target));
+            };
+            resolved = PathBuf::new();
+            push_components(&mut pending, below);
+        } else {
+            push_components(&mut pending, &target);
+        }
+    }
+    Ok(resolved)
+}
+
 impl LocalSource {
     pub fn new(root: PathBuf) -> Self {
         Self { root }
     }
 
+    /// [`Self::open_tree`] for a root named through a descriptor (see [`DESCRIPTOR_PATHS`]):
+    /// the kernel resolves the path, and the opened directory is the tree.
+    fn open_tree_through_descriptor(&self) -> Result<Tree, SourceError> {
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC | OFlags::NONBLOCK;
+        let boundary_fd = match rustix::fs::open(&self.root, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => {
+                return Err(SourceError::LocalMissing {
+                    path: self.root.display().to_string(),
+                })
+            }
+            Err(Errno::NOTDIR) => {
+                return Err(SourceError::LocalNotDirectory {
+                    path: self.root.display().to_string(),
+                })
+            }
+            Err(e) => return Err(io_err(&self.root, e)),
+        };
+        Ok(Tree {
+            boundary: self.root.clone(),
+            boundary_fd,
+            root_inside: PathBuf::new(),
+        })
+    }
+
     fn open_tree(&self) -> Result<Tree, SourceError> {
+        if self.root.starts_with(DESCRIPTOR_PATHS) {
+            return self.open_tree_through_descriptor();
+        }
         let root = match std::fs::canonicalize(&self.root) {
             Ok(root) => root,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -181,7 +299,6 @@ impl LocalSource {
             .expect("the boundary is the root or one of its ancestors")
             .to_path_buf();
         Ok(Tree {
-            root,
             boundary,
             boundary_fd,
             root_inside,
@@ -193,22 +310,27 @@ impl LocalSource {
     /// refused here.
     fn inspect(&self, tree: &Tree, rel: &str) -> Result<(PathBuf, Kind), SourceError> {
         let listed = self.root.join(rel);
-        let real = match std::fs::canonicalize(tree.root.join(rel)) {
-            Ok(real) => real,
-            Err(e) if e.raw_os_error() == Some(Errno::LOOP.raw_os_error()) => {
+        let inside = match resolve_beneath(
+            &tree.boundary_fd,
+            &tree.boundary,
+            &tree.root_inside.join(rel),
+        ) {
+            Ok(inside) => inside,
+            Err(Unresolved::Loop) => {
                 return Err(SourceError::LocalLoop {
                     path: listed.display().to_string(),
                 })
             }
-            Err(e) => return Err(io_err(&listed, e)),
+            Err(Unresolved::Escape(target)) => {
+                return Err(SourceError::LocalSymlinkEscape {
+                    path: listed.display().to_string(),
+                    target: target.display().to_string(),
+                    tree: tree.boundary.display().to_string(),
+                })
+            }
+            Err(Unresolved::Io(e)) => return Err(io_err(&listed, e)),
         };
-        let Ok(inside) = real.strip_prefix(&tree.boundary) else {
-            return Err(SourceError::LocalSymlinkEscape {
-                path: listed.display().to_string(),
-                target: real.display().to_string(),
-                tree: tree.boundary.display().to_string(),
-            });
-        };
+        let inside = inside.as_path();
         let stat = rustix::fs::statat(
             &tree.boundary_fd,
             at_path(inside),

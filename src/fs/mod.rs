@@ -71,6 +71,10 @@ pub enum FsError {
     BadHandle,
     #[error("too many models mounted over the daemon's lifetime")]
     OutOfInodes,
+    /// A mapping with an empty, duplicate or nesting path: the reconciler's path rule
+    /// guarantees none, so this is a bug upstream; the mapping is left unchanged.
+    #[error("mapping refused: {0}")]
+    Conflict(String),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -89,6 +93,7 @@ impl FsError {
             FsError::ReadOnly => libc::EROFS,
             FsError::BadHandle => libc::EBADF,
             FsError::OutOfInodes => libc::ENOSPC,
+            FsError::Conflict(_) => libc::EINVAL,
             FsError::Io { .. } => libc::EIO,
         }
     }
@@ -317,21 +322,20 @@ impl FsCore {
         self.mapping.load().generation
     }
 
-    /// Replaces the set of mounted models. Entries must have distinct, non-nesting paths (the
-    /// reconciler guarantees it); an entry violating that is skipped, never half-applied.
-    /// Returns the kernel cache entries to invalidate, to be sent after this call returns.
+    /// Replaces the set of mounted models. Entries must have distinct, non-empty, non-nesting
+    /// paths (the reconciler's path rule guarantees it); otherwise the whole call fails with
+    /// [`FsError::Conflict`] and the mapping stays as it was: never half-applied, nothing
+    /// silently dropped. Returns the kernel cache entries to invalidate, to be sent after this
+    /// call returns.
     pub fn apply(&self, entries: &[MountEntry]) -> Result<Vec<Invalidation>, FsError> {
+        check_paths(entries)?;
         let _serial = self.apply_lock.lock().expect("apply lock");
         let old = self.mapping.load_full();
         let mut reg = self.registries.lock().expect("registries lock");
 
         // Slots first: they are the only O(files) part, and only for new (path, artifact) pairs.
         let mut planned: Vec<(Vec<String>, u32, &MountEntry)> = Vec::with_capacity(entries.len());
-        let mut taken: HashSet<&[String]> = HashSet::new();
         for e in entries {
-            if e.path.is_empty() || !taken.insert(&e.path) {
-                continue;
-            }
             let key = (e.path.clone(), e.artifact.id.clone());
             let slot = match reg.slot_ids.get(&key) {
                 Some(s) => *s,
@@ -347,16 +351,6 @@ impl FsCore {
             };
             planned.push((e.path.clone(), slot, e));
         }
-        // Drop entries that nest inside another (defence in depth, see above).
-        let all_paths: Vec<Vec<String>> = planned.iter().map(|p| p.0.clone()).collect();
-        planned.retain(|(path, _, _)| {
-            !all_paths
-                .iter()
-                .any(|other| other.len() < path.len() && path.starts_with(other))
-                && !all_paths
-                    .iter()
-                    .any(|other| other.len() > path.len() && other.starts_with(path))
-        });
 
         let mut new = Mapping {
             generation: old.generation + 1,
@@ -722,6 +716,38 @@ impl FsCore {
     pub fn release(&self, fh: u64) {
         self.handles.remove(&fh);
     }
+}
+
+/// Refuses entries with an empty path, or two entries whose paths are equal or nest.
+/// O(entries x depth).
+fn check_paths(entries: &[MountEntry]) -> Result<(), FsError> {
+    let mut exact: HashSet<&[String]> = HashSet::new();
+    let mut prefixes: HashSet<&[String]> = HashSet::new();
+    for e in entries {
+        if e.path.is_empty() {
+            return Err(FsError::Conflict("an entry has an empty path".into()));
+        }
+        if !exact.insert(&e.path) {
+            return Err(FsError::Conflict(format!(
+                "path {} appears twice",
+                e.path.join("/")
+            )));
+        }
+        for n in 1..e.path.len() {
+            prefixes.insert(&e.path[..n]);
+        }
+    }
+    for e in entries {
+        if prefixes.contains(e.path.as_slice())
+            || (1..e.path.len()).any(|n| exact.contains(&e.path[..n]))
+        {
+            return Err(FsError::Conflict(format!(
+                "path {} nests with another entry",
+                e.path.join("/")
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl SynthDir {

@@ -300,23 +300,52 @@ fn removal_invalidates_entries_and_prunes_synthesized_dirs() {
 }
 
 #[test]
-fn nesting_or_duplicate_paths_are_never_half_applied() {
+fn nesting_or_duplicate_paths_are_refused_whole_and_loudly() {
     let f = fixture();
     let a = artifact(&f.store_a.store, &[("x", b"1")]);
+    f.core.apply(&[entry("r", &a, &f.store_a)]).unwrap();
+    let generation = f.core.generation();
+    let cases: [(&str, Vec<MountEntry>); 4] = [
+        (
+            "deeper",
+            vec![entry("p", &a, &f.store_a), entry("p/q", &a, &f.store_a)],
+        ),
+        (
+            "shallower",
+            vec![entry("p/q/s", &a, &f.store_a), entry("p", &a, &f.store_a)],
+        ),
+        (
+            "duplicate",
+            vec![entry("r", &a, &f.store_a), entry("r", &a, &f.store_b)],
+        ),
+        (
+            "empty",
+            vec![MountEntry {
+                path: Vec::new(),
+                artifact: a.clone(),
+                store: f.store_a.clone(),
+            }],
+        ),
+    ];
+    for (what, entries) in cases {
+        let err = f.core.apply(&entries).unwrap_err();
+        assert!(matches!(err, FsError::Conflict(_)), "{what}: {err}");
+        assert_eq!(f.core.generation(), generation, "{what}: mapping changed");
+        assert!(
+            matches!(resolve(&f.core, "p"), Err(FsError::NotFound)),
+            "{what}: nothing of a refused mapping is mounted"
+        );
+        let (_, blob) = f.core.open(resolve(&f.core, "r/x").unwrap().ino).unwrap();
+        assert_eq!(
+            blob.store.id,
+            StoreId::from_seq(1),
+            "{what}: old mapping kept"
+        );
+    }
+    // Segment-wise: "p" and "pq" do not nest.
     f.core
-        .apply(&[
-            entry("p", &a, &f.store_a),
-            entry("p/q", &a, &f.store_a),
-            entry("r", &a, &f.store_a),
-            entry("r", &a, &f.store_b),
-        ])
+        .apply(&[entry("p", &a, &f.store_a), entry("pq", &a, &f.store_a)])
         .unwrap();
-    assert!(
-        matches!(resolve(&f.core, "p"), Err(FsError::NotFound)),
-        "nesting paths: neither mounted"
-    );
-    let (_, blob) = f.core.open(resolve(&f.core, "r/x").unwrap().ino).unwrap();
-    assert_eq!(blob.store.id, StoreId::from_seq(1), "first duplicate wins");
 }
 
 /// Reference model: the mount shows exactly the files of the mounted entries at their paths.

@@ -131,3 +131,74 @@ fn records_with_two_served_models_on_one_path_are_repaired_at_restart() {
     d.wait_until("a wins again", Duration::from_secs(60), a_wins);
     assert_eq!(contents(&env.mount.join("x")), contents(&src_a));
 }
+
+#[test]
+fn deleting_a_model_whose_file_is_open_frees_its_store_after_close_without_drop_caches() {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 5, 4 << 20);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", None),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    let stores = env.stores_with_blobs();
+    assert_eq!(stores.len(), 1);
+    let store = stores[0].clone();
+
+    let model = env.mount.join("m");
+    let rel = "weights/model-00001-of-00002.safetensors";
+    let want = std::fs::read(src.join(rel)).unwrap();
+    let mut file = std::fs::File::open(model.join(rel)).unwrap();
+    let mut got = vec![0u8; want.len()];
+    let half = want.len() / 2;
+    file.read_exact(&mut got[..half]).unwrap();
+    // Inodes the kernel can still reach without any open blob: a directory handle (like a
+    // process's working directory) and an O_PATH handle of a file.
+    let dir = std::fs::File::open(model.join("tokenizer")).unwrap();
+    let path_only = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(model.join("config.json"))
+        .unwrap();
+
+    env.remove_models("m.yaml");
+    d.wait_gone("clusterbasemodel.m");
+    assert!(!model.exists(), "the deleted model is gone from the mount");
+    // The open file keeps reading the bytes it opened.
+    file.read_exact(&mut got[half..]).unwrap();
+    assert!(got == want, "bytes of the open file changed after deletion");
+    drop(file);
+
+    // Closed: garbage collection removes the store (1 s grace) although the kernel still
+    // references inodes of the model, and without any cache pressure.
+    d.wait_until("store removed", Duration::from_secs(60), |_| {
+        !store.exists()
+    });
+    assert!(env.stores_with_blobs().is_empty());
+
+    // Those inodes, used after the store is gone: an error, never bytes.
+    let name = std::ffi::CString::new("tokenizer.json").unwrap();
+    // SAFETY: a valid directory descriptor and a NUL-terminated name.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), libc::O_RDONLY) };
+    let err = std::io::Error::last_os_error();
+    assert_eq!(fd, -1, "opened a file of a deleted model");
+    assert!(
+        matches!(err.raw_os_error(), Some(libc::ESTALE | libc::ENOENT)),
+        "{err}"
+    );
+    let reopened = std::fs::read(format!("/proc/self/fd/{}", path_only.as_raw_fd()));
+    match reopened {
+        Ok(bytes) => panic!("read {} bytes through a deleted inode", bytes.len()),
+        Err(e) => assert!(
+            matches!(e.raw_os_error(), Some(libc::ESTALE | libc::ENOENT)),
+            "{e}"
+        ),
+    }
+    assert_eq!(d.get("/healthz").0, 200);
+}

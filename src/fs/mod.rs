@@ -69,6 +69,10 @@ pub enum FsError {
     ReadOnly,
     #[error("stale file handle")]
     BadHandle,
+    /// An inode of a model that left the mount after the kernel was told so: it can never
+    /// be read again (the kernel retries a path walk that meets it, with revalidation).
+    #[error("stale inode of a removed model")]
+    Stale,
     #[error("too many models mounted over the daemon's lifetime")]
     OutOfInodes,
     /// A mapping with an empty, duplicate or nesting path: the reconciler's path rule
@@ -92,6 +96,7 @@ impl FsError {
             FsError::IsDir => libc::EISDIR,
             FsError::ReadOnly => libc::EROFS,
             FsError::BadHandle => libc::EBADF,
+            FsError::Stale => libc::ESTALE,
             FsError::OutOfInodes => libc::ENOSPC,
             FsError::Conflict(_) => libc::EINVAL,
             FsError::Io { .. } => libc::EIO,
@@ -130,13 +135,25 @@ pub struct DirEntry {
     pub name: String,
 }
 
-/// A kernel cache entry to drop after a mapping change.
+/// A kernel cache entry to drop after a mapping change, in the order to send them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Invalidation {
+    /// The inode `child`, named `name` in directory `parent`, is gone for good
+    /// (`FUSE_NOTIFY_DELETE`): the kernel unhashes the entry and drops the inode's link count,
+    /// so it forgets the inode as soon as its last user (an open file, a working directory)
+    /// lets go, instead of keeping it cached until memory runs short.
+    Delete {
+        parent: u64,
+        child: u64,
+        name: String,
+    },
     /// The dentry `name` in directory `parent`.
     Entry { parent: u64, name: String },
     /// The attributes and cached contents of an inode.
     Inode { ino: u64 },
+    /// Not a kernel message: every notification before it has been delivered, so the retired
+    /// slot stops pinning its store ([`FsCore::detach`]).
+    Detach { slot: u32 },
 }
 
 /// A store as the filesystem sees it: where its blobs are. Liveness of this handle is what makes
@@ -170,12 +187,45 @@ pub struct MountEntry {
 #[derive(Debug)]
 struct Slot {
     id: u32,
+    artifact: ArtifactId,
     tree: Arc<ModelTree>,
     mtime: SystemTime,
     /// Lookup count the kernel holds on this slot's inodes (FUSE `lookup` minus `forget`).
     kernel_refs: AtomicU64,
-    /// The store this slot was served from when it left the mapping.
-    retired_store: Mutex<Option<Arc<StoreHandle>>>,
+    state: Mutex<SlotState>,
+}
+
+/// Life of a slot once it leaves the mapping. A slot never comes back: the same (path,
+/// artifact) mounted again gets a new slot, so the kernel never sees a deleted inode number
+/// live again.
+#[derive(Debug)]
+enum SlotState {
+    /// In the current mapping (its store is the mapping's).
+    Live,
+    /// Left the mapping; the kernel has not been told yet, so a path walk may still reach its
+    /// inodes through cached entries: opens keep working on the store it was served from.
+    Retired(Arc<StoreHandle>),
+    /// The kernel was told its entries are gone. It pins no store (open files hold their own):
+    /// lookups and opens of its inodes fail with `ESTALE`, so nothing can read a blob that
+    /// garbage collection may remove. Metadata (`getattr`) still answers for open files.
+    Detached,
+}
+
+impl Slot {
+    fn retired_store(&self) -> Option<Arc<StoreHandle>> {
+        match &*self.state.lock().expect("slot lock") {
+            SlotState::Retired(s) => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    fn is_live(&self) -> bool {
+        matches!(*self.state.lock().expect("slot lock"), SlotState::Live)
+    }
+
+    fn is_detached(&self) -> bool {
+        matches!(*self.state.lock().expect("slot lock"), SlotState::Detached)
+    }
 }
 
 #[derive(Debug)]
@@ -300,7 +350,7 @@ impl FsCore {
         for slot in slots.values() {
             let store = match mapping.models.get(&slot.id) {
                 Some(m) => m.store.id.clone(),
-                None => match slot.retired_store.lock().expect("slot lock").as_ref() {
+                None => match slot.retired_store() {
                     Some(s) => s.id.clone(),
                     None => continue,
                 },
@@ -352,6 +402,8 @@ impl FsCore {
             planned.push((e.path.clone(), slot, e));
         }
 
+        let mut deletes = Vec::new();
+        let mut detaches = Vec::new();
         let mut new = Mapping {
             generation: old.generation + 1,
             synth: HashMap::new(),
@@ -367,10 +419,11 @@ impl FsCore {
                     .or_insert_with(|| {
                         Arc::new(Slot {
                             id: *slot_id,
+                            artifact: entry.artifact.id.clone(),
                             tree: Arc::new(ModelTree::from_artifact(&entry.artifact)),
                             mtime: UNIX_EPOCH + Duration::from_secs(entry.artifact.completed_at),
                             kernel_refs: AtomicU64::new(0),
-                            retired_store: Mutex::new(None),
+                            state: Mutex::new(SlotState::Live),
                         })
                     })
                     .clone();
@@ -413,26 +466,81 @@ impl FsCore {
                 );
             }
 
-            // Retire slots that left the mapping; forget the ones the kernel no longer holds.
+            // Retire slots that left the mapping (forgetting the ones the kernel no longer
+            // holds) and tell the kernel their entries are gone, deepest first so that every
+            // entry is still findable when its turn comes; then detach them.
             for (id, m) in &old.models {
                 if !new.models.contains_key(id) {
-                    *m.slot.retired_store.lock().expect("slot lock") = Some(m.store.clone());
+                    *m.slot.state.lock().expect("slot lock") = SlotState::Retired(m.store.clone());
+                    reg.slot_ids
+                        .remove(&(m.path.clone(), m.slot.artifact.clone()));
                     if m.slot.kernel_refs.load(Ordering::Acquire) == 0 {
                         slots.remove(id);
                     }
+                    let parent = reg
+                        .synth_ids
+                        .get(&m.path[..m.path.len() - 1])
+                        .copied()
+                        .unwrap_or(ROOT_INO);
+                    deletes.extend(delete_tree(&m.slot, parent, &m.path[m.path.len() - 1]));
+                    detaches.push(Invalidation::Detach { slot: *id });
                 }
-            }
-            for (id, m) in &new.models {
-                // A slot that came back is live again.
-                *m.slot.retired_store.lock().expect("slot lock") = None;
-                debug_assert_eq!(*id, m.slot.id);
             }
         }
         drop(reg);
 
-        let invalidations = diff(&old, &new);
+        let mut invalidations = deletes;
+        invalidations.extend(diff(&old, &new));
+        invalidations.extend(detaches);
         self.mapping.store(Arc::new(new));
         Ok(invalidations)
+    }
+
+    /// The kernel has been told that a retired slot's entries are gone (every notification
+    /// queued before its [`Invalidation::Detach`] was delivered): the slot stops pinning its
+    /// store, so garbage collection depends on open files and the mapping only, never on when
+    /// the kernel gets round to `FORGET`. A slot still in the mapping is left alone.
+    pub fn detach(&self, slot_id: u32) {
+        let mut slots = self.slots.write().expect("slots lock");
+        let Some(slot) = slots.get(&slot_id) else {
+            return;
+        };
+        {
+            let mut state = slot.state.lock().expect("slot lock");
+            if matches!(*state, SlotState::Live) {
+                return;
+            }
+            *state = SlotState::Detached;
+        }
+        if slot.kernel_refs.load(Ordering::Acquire) == 0 {
+            slots.remove(&slot_id);
+        }
+    }
+
+    /// Detaches every slot named in `list` at once (no kernel to tell: unit tests, or a
+    /// daemon without a mount).
+    pub fn detach_all(&self, list: &[Invalidation]) {
+        for inv in list {
+            if let Invalidation::Detach { slot } = inv {
+                self.detach(*slot);
+            }
+        }
+    }
+
+    /// Retired slots still known (the kernel holds some of their inodes), and how many of
+    /// them still pin a store.
+    pub fn retired_slots(&self) -> (usize, usize) {
+        let mapping = self.mapping.load();
+        let slots = self.slots.read().expect("slots lock");
+        let retired = slots
+            .keys()
+            .filter(|id| !mapping.models.contains_key(id))
+            .count();
+        let pinning = slots
+            .values()
+            .filter(|s| s.retired_store().is_some())
+            .count();
+        (retired, pinning)
     }
 
     fn slot(&self, id: u32) -> Option<Arc<Slot>> {
@@ -495,6 +603,9 @@ impl FsCore {
             return Self::node_attr(&m.slot, ModelTree::ROOT);
         }
         let slot = self.slot(slot_id).ok_or(FsError::NotFound)?;
+        if slot.is_detached() {
+            return Err(FsError::Stale);
+        }
         let children_of = slot.tree.node(node).ok_or(FsError::NotFound)?;
         if !matches!(children_of.kind, NodeKind::Dir { .. }) {
             return Err(FsError::NotDir);
@@ -525,16 +636,14 @@ impl FsCore {
                     }) {
                     Ok(before) | Err(before) => before.saturating_sub(n),
                 };
-            left == 0 && slot.retired_store.lock().expect("slot lock").is_some()
+            left == 0 && !slot.is_live()
         };
         if drop_it {
             let mut slots = self.slots.write().expect("slots lock");
             // Re-check under the write lock: a lookup may have raced in, or the slot may have
             // come back into the mapping.
             if let Some(slot) = slots.get(&slot_id) {
-                if slot.kernel_refs.load(Ordering::Acquire) == 0
-                    && slot.retired_store.lock().expect("slot lock").is_some()
-                {
+                if slot.kernel_refs.load(Ordering::Acquire) == 0 && !slot.is_live() {
                     slots.remove(&slot_id);
                 }
             }
@@ -654,13 +763,10 @@ impl FsCore {
             match mapping.models.get(&slot_id) {
                 Some(m) => (m.slot.clone(), m.store.clone()),
                 None => {
-                    let slot = self.slot(slot_id).ok_or(FsError::NotFound)?;
-                    let store = slot
-                        .retired_store
-                        .lock()
-                        .expect("slot lock")
-                        .clone()
-                        .ok_or(FsError::NotFound)?;
+                    // A retired slot the kernel can still reach through cached entries: its
+                    // store until the kernel has been told, then nothing.
+                    let slot = self.slot(slot_id).ok_or(FsError::Stale)?;
+                    let store = slot.retired_store().ok_or(FsError::Stale)?;
                     (slot, store)
                 }
             }
@@ -767,6 +873,29 @@ impl SynthDir {
     }
 }
 
+/// `FUSE_NOTIFY_DELETE` for every entry of a retired slot, children before their directory
+/// (the kernel deletes a directory entry only once it has no children cached), ending with the
+/// model root in its synthesized parent `parent`. Entries the kernel never cached cost one
+/// `ENOENT` answer each.
+fn delete_tree(slot: &Slot, parent: u64, root_name: &str) -> Vec<Invalidation> {
+    let mut out = Vec::with_capacity(slot.tree.len());
+    for idx in (1..slot.tree.len() as u32).rev() {
+        if let Some(n) = slot.tree.node(idx) {
+            out.push(Invalidation::Delete {
+                parent: model_ino(slot.id, n.parent),
+                child: model_ino(slot.id, idx),
+                name: n.name.to_string(),
+            });
+        }
+    }
+    out.push(Invalidation::Delete {
+        parent,
+        child: model_ino(slot.id, ModelTree::ROOT),
+        name: root_name.to_string(),
+    });
+    out
+}
+
 /// What the kernel must forget when `old` becomes `new`: entries whose target changed or went
 /// away, and directories whose listing changed.
 fn diff(old: &Mapping, new: &Mapping) -> Vec<Invalidation> {
@@ -799,7 +928,7 @@ fn diff(old: &Mapping, new: &Mapping) -> Vec<Invalidation> {
     // Removed synthesized directories were reported above; entries inside them go with them.
     out.sort_by_key(|i| match i {
         Invalidation::Entry { .. } => 0,
-        Invalidation::Inode { .. } => 1,
+        _ => 1,
     });
     out.dedup();
     out

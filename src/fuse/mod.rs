@@ -634,6 +634,7 @@ pub fn mount(
 ) -> Result<MountHandle, MountError> {
     mountpoint::prepare(mountpoint)?;
     let passthrough = Arc::new(AtomicBool::new(false));
+    let core_for_notifier = core.clone();
     let fs = ModelFs {
         core,
         metrics: metrics.clone(),
@@ -682,22 +683,37 @@ pub fn mount(
     }
     let (tx, rx) = mpsc::channel::<Vec<Invalidation>>();
     let thread_metrics = metrics;
+    let notify_core = core_for_notifier;
     let notifier_thread = Some(
         std::thread::Builder::new()
             .name("fuse-notify".into())
             .spawn(move || {
                 for batch in rx {
                     for inv in batch {
-                        thread_metrics.kernel_invalidations.inc();
                         let result = match &inv {
+                            Invalidation::Delete {
+                                parent,
+                                child,
+                                name,
+                            } => {
+                                notifier.delete(INodeNo(*parent), INodeNo(*child), OsStr::new(name))
+                            }
                             Invalidation::Entry { parent, name } => {
                                 notifier.inval_entry(INodeNo(*parent), OsStr::new(name))
                             }
                             Invalidation::Inode { ino } => {
                                 notifier.inval_inode(INodeNo(*ino), 0, 0)
                             }
+                            // Everything before it has been delivered.
+                            Invalidation::Detach { slot } => {
+                                notify_core.detach(*slot);
+                                continue;
+                            }
                         };
-                        // ENOENT: the kernel never cached it. Anything else is worth a line.
+                        thread_metrics.kernel_invalidations.inc();
+                        // ENOENT: the kernel never cached it (ENOTEMPTY: a directory whose
+                        // children were looked up again meanwhile; its slot is detached anyway).
+                        // Anything else is worth a line.
                         if let Err(e) = result {
                             if e.raw_os_error() != Some(libc::ENOENT) {
                                 tracing::debug!(error = %e, ?inv, "kernel invalidation failed");

@@ -1348,8 +1348,10 @@ impl Reconciler {
         match self.fs.apply(&entries) {
             Ok(inv) => {
                 self.metrics.mapping_changes.inc();
-                if let Some(m) = &self.mount {
-                    m.invalidate(inv);
+                match &self.mount {
+                    Some(m) => m.invalidate(inv),
+                    // No kernel to tell: retired slots stop pinning their stores now.
+                    None => self.fs.detach_all(&inv),
                 }
             }
             Err(e) => tracing::error!(error = %e, "mapping update refused"),

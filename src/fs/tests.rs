@@ -421,7 +421,7 @@ fn a_retired_inode_never_reads_once_the_kernel_was_told() {
     assert!(core.store_in_use(&id_a));
     core.release(fh);
     assert!(!core.store_in_use(&id_a), "closed: nothing uses store A");
-    assert!(core.blobs_in_use().get(&id_a).is_none());
+    assert!(!core.blobs_in_use().contains_key(&id_a));
 
     // Garbage collection removes the blob; even if other bytes appeared under its name, the
     // retired inode never reads them.

@@ -15,13 +15,26 @@
 //! * re-pointing a model to another store with the same artifact keeps every inode and attribute:
 //!   nothing in the kernel needs invalidating, open files keep reading;
 //! * a model whose artifact changes gets a new slot, so stale kernel entries can never show new
-//!   sizes under old inode numbers; the old slot stays answerable until the kernel forgets it;
+//!   sizes under old inode numbers;
+//! * a slot never comes back: a (path, artifact) mounted again after it left gets a new slot, so
+//!   an inode number the kernel was told is deleted never turns live again;
 //! * lookups by inode are two array/hash indexings, no global per-file table.
+//!
+//! # Retired slots
+//! A slot that leaves the mapping is *retired*: [`FsCore::apply`] returns a `notify_delete` for
+//! each of its entries (deepest first, so the kernel drops the inodes' link counts and sends
+//! `FORGET` when their last user goes, instead of keeping them cached until memory runs short),
+//! then an [`Invalidation::Detach`]. Until the detach, opens through entries the kernel cached
+//! still work on the store the slot was served from (a path walk that raced the change). After
+//! it the slot pins no store: lookups and opens of its inodes answer `ESTALE` (the kernel retries
+//! a path walk that meets one, with revalidation), so garbage collection depends only on the
+//! mapping and open files, never on when the kernel forgets an inode, and no later access can
+//! read a removed blob. The slot itself (metadata only) lives until the kernel forgets it.
 //!
 //! # Open files and stores
 //! An open file holds an [`OpenBlob`], which holds the [`StoreHandle`] of the store it was opened
 //! on. Stores are interned by id as weak references: a store is in use exactly while some mapping,
-//! retained slot or open file holds its handle. Garbage collection asks [`FsCore::store_in_use`].
+//! retired slot not yet detached, or open file holds its handle. Garbage collection asks [`FsCore::store_in_use`].
 
 pub mod tree;
 

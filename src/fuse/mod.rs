@@ -17,7 +17,9 @@
 //! # Invalidation
 //! Mapping changes return kernel entries to invalidate. They are sent by a dedicated thread,
 //! never from a request handler (a notification written while the kernel waits on the same
-//! daemon for a reply could deadlock).
+//! daemon for a reply could deadlock). Entries of removed models go as `notify_delete` (so the
+//! kernel forgets their inodes once unused); when a batch reaches a slot's `Detach`, everything
+//! before it has been delivered and the thread detaches the slot in the core.
 
 mod mountpoint;
 

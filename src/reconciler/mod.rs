@@ -373,6 +373,7 @@ impl Reconciler {
         let received = Instant::now();
         let generation = self.fs.generation();
         let desired = matches!(event, Event::Desired(_));
+        let tick = matches!(event, Event::Tick);
         match event {
             Event::Desired(d) => {
                 self.desired = Some(d);
@@ -402,7 +403,10 @@ impl Reconciler {
             }
             Event::Shutdown(_) => unreachable!("handled in run"),
         }
-        self.settle_paths();
+        // A tick that changed nothing (the idle case) changed no claim either.
+        if !tick || self.remap_needed {
+            self.settle_paths();
+        }
         if std::mem::take(&mut self.remap_needed) {
             self.remap();
         }

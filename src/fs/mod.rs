@@ -15,13 +15,26 @@
 //! * re-pointing a model to another store with the same artifact keeps every inode and attribute:
 //!   nothing in the kernel needs invalidating, open files keep reading;
 //! * a model whose artifact changes gets a new slot, so stale kernel entries can never show new
-//!   sizes under old inode numbers; the old slot stays answerable until the kernel forgets it;
+//!   sizes under old inode numbers;
+//! * a slot never comes back: a (path, artifact) mounted again after it left gets a new slot, so
+//!   an inode number the kernel was told is deleted never turns live again;
 //! * lookups by inode are two array/hash indexings, no global per-file table.
+//!
+//! # Retired slots
+//! A slot that leaves the mapping is *retired*: [`FsCore::apply`] returns a `notify_delete` for
+//! each of its entries (deepest first, so the kernel drops the inodes' link counts and sends
+//! `FORGET` when their last user goes, instead of keeping them cached until memory runs short),
+//! then an [`Invalidation::Detach`]. Until the detach, opens through entries the kernel cached
+//! still work on the store the slot was served from (a path walk that raced the change). After
+//! it the slot pins no store: lookups and opens of its inodes answer `ESTALE` (the kernel retries
+//! a path walk that meets one, with revalidation), so garbage collection depends only on the
+//! mapping and open files, never on when the kernel forgets an inode, and no later access can
+//! read a removed blob. The slot itself (metadata only) lives until the kernel forgets it.
 //!
 //! # Open files and stores
 //! An open file holds an [`OpenBlob`], which holds the [`StoreHandle`] of the store it was opened
 //! on. Stores are interned by id as weak references: a store is in use exactly while some mapping,
-//! retained slot or open file holds its handle. Garbage collection asks [`FsCore::store_in_use`].
+//! retired slot not yet detached, or open file holds its handle. Garbage collection asks [`FsCore::store_in_use`].
 //!
 //! # Inline files
 //! Besides model trees, a mapping can hold small files whose bytes live in the mapping itself
@@ -81,8 +94,16 @@ pub enum FsError {
     ReadOnly,
     #[error("stale file handle")]
     BadHandle,
+    /// An inode of a model that left the mount after the kernel was told so: it can never
+    /// be read again (the kernel retries a path walk that meets it, with revalidation).
+    #[error("stale inode of a removed model")]
+    Stale,
     #[error("too many models mounted over the daemon's lifetime")]
     OutOfInodes,
+    /// A mapping with an empty, duplicate or nesting path: the reconciler's path rule
+    /// guarantees none, so this is a bug upstream; the mapping is left unchanged.
+    #[error("mapping refused: {0}")]
+    Conflict(String),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -100,7 +121,9 @@ impl FsError {
             FsError::IsDir => libc::EISDIR,
             FsError::ReadOnly => libc::EROFS,
             FsError::BadHandle => libc::EBADF,
+            FsError::Stale => libc::ESTALE,
             FsError::OutOfInodes => libc::ENOSPC,
+            FsError::Conflict(_) => libc::EINVAL,
             FsError::Io { .. } => libc::EIO,
         }
     }
@@ -137,13 +160,25 @@ pub struct DirEntry {
     pub name: String,
 }
 
-/// A kernel cache entry to drop after a mapping change.
+/// A kernel cache entry to drop after a mapping change, in the order to send them.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Invalidation {
+    /// The inode `child`, named `name` in directory `parent`, is gone for good
+    /// (`FUSE_NOTIFY_DELETE`): the kernel unhashes the entry and drops the inode's link count,
+    /// so it forgets the inode as soon as its last user (an open file, a working directory)
+    /// lets go, instead of keeping it cached until memory runs short.
+    Delete {
+        parent: u64,
+        child: u64,
+        name: String,
+    },
     /// The dentry `name` in directory `parent`.
     Entry { parent: u64, name: String },
     /// The attributes and cached contents of an inode.
     Inode { ino: u64 },
+    /// Not a kernel message: every notification before it has been delivered, so the retired
+    /// slot stops pinning its store ([`FsCore::detach`]).
+    Detach { slot: u32 },
 }
 
 /// A store as the filesystem sees it: where its blobs are. Liveness of this handle is what makes
@@ -187,12 +222,45 @@ pub struct InlineFile {
 #[derive(Debug)]
 struct Slot {
     id: u32,
+    artifact: ArtifactId,
     tree: Arc<ModelTree>,
     mtime: SystemTime,
     /// Lookup count the kernel holds on this slot's inodes (FUSE `lookup` minus `forget`).
     kernel_refs: AtomicU64,
-    /// The store this slot was served from when it left the mapping.
-    retired_store: Mutex<Option<Arc<StoreHandle>>>,
+    state: Mutex<SlotState>,
+}
+
+/// Life of a slot once it leaves the mapping. A slot never comes back: the same (path,
+/// artifact) mounted again gets a new slot, so the kernel never sees a deleted inode number
+/// live again.
+#[derive(Debug)]
+enum SlotState {
+    /// In the current mapping (its store is the mapping's).
+    Live,
+    /// Left the mapping; the kernel has not been told yet, so a path walk may still reach its
+    /// inodes through cached entries: opens keep working on the store it was served from.
+    Retired(Arc<StoreHandle>),
+    /// The kernel was told its entries are gone. It pins no store (open files hold their own):
+    /// lookups and opens of its inodes fail with `ESTALE`, so nothing can read a blob that
+    /// garbage collection may remove. Metadata (`getattr`) still answers for open files.
+    Detached,
+}
+
+impl Slot {
+    fn retired_store(&self) -> Option<Arc<StoreHandle>> {
+        match &*self.state.lock().expect("slot lock") {
+            SlotState::Retired(s) => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    fn is_live(&self) -> bool {
+        matches!(*self.state.lock().expect("slot lock"), SlotState::Live)
+    }
+
+    fn is_detached(&self) -> bool {
+        matches!(*self.state.lock().expect("slot lock"), SlotState::Detached)
+    }
 }
 
 #[derive(Debug)]
@@ -322,7 +390,7 @@ impl FsCore {
         for slot in slots.values() {
             let store = match mapping.models.get(&slot.id) {
                 Some(m) => m.store.id.clone(),
-                None => match slot.retired_store.lock().expect("slot lock").as_ref() {
+                None => match slot.retired_store() {
                     Some(s) => s.id.clone(),
                     None => continue,
                 },
@@ -346,9 +414,11 @@ impl FsCore {
         self.mapping.load().generation
     }
 
-    /// Replaces the set of mounted models. Entries must have distinct, non-nesting paths (the
-    /// reconciler guarantees it); an entry violating that is skipped, never half-applied.
-    /// Returns the kernel cache entries to invalidate, to be sent after this call returns.
+    /// Replaces the set of mounted models. Entries must have distinct, non-empty, non-nesting
+    /// paths (the reconciler's path rule guarantees it); otherwise the whole call fails with
+    /// [`FsError::Conflict`] and the mapping stays as it was: never half-applied, nothing
+    /// silently dropped. Returns the kernel cache entries to invalidate, to be sent after this
+    /// call returns.
     pub fn apply(&self, entries: &[MountEntry]) -> Result<Vec<Invalidation>, FsError> {
         self.apply_with_files(entries, &[])
     }
@@ -360,17 +430,14 @@ impl FsCore {
         entries: &[MountEntry],
         files: &[InlineFile],
     ) -> Result<Vec<Invalidation>, FsError> {
+        check_paths(entries)?;
         let _serial = self.apply_lock.lock().expect("apply lock");
         let old = self.mapping.load_full();
         let mut reg = self.registries.lock().expect("registries lock");
 
         // Slots first: they are the only O(files) part, and only for new (path, artifact) pairs.
         let mut planned: Vec<(Vec<String>, u32, &MountEntry)> = Vec::with_capacity(entries.len());
-        let mut taken: HashSet<&[String]> = HashSet::new();
         for e in entries {
-            if e.path.is_empty() || !taken.insert(&e.path) {
-                continue;
-            }
             let key = (e.path.clone(), e.artifact.id.clone());
             let slot = match reg.slot_ids.get(&key) {
                 Some(s) => *s,
@@ -386,31 +453,9 @@ impl FsCore {
             };
             planned.push((e.path.clone(), slot, e));
         }
-        // Drop entries that nest inside another (defence in depth, see above). Hash sets of
-        // paths and of their proper prefixes: O(total segments), not O(entries^2), because the
-        // Hugging Face cache view doubles the entries of a large node.
-        let nested: HashSet<usize> = {
-            let paths: HashSet<&[String]> = planned.iter().map(|p| p.0.as_slice()).collect();
-            let prefixes: HashSet<&[String]> = planned
-                .iter()
-                .flat_map(|p| (1..p.0.len()).map(move |depth| &p.0[..depth]))
-                .collect();
-            planned
-                .iter()
-                .enumerate()
-                .filter(|(_, (path, _, _))| {
-                    prefixes.contains(path.as_slice())
-                        || (1..path.len()).any(|depth| paths.contains(&path[..depth]))
-                })
-                .map(|(i, _)| i)
-                .collect()
-        };
-        let mut index = 0;
-        planned.retain(|_| {
-            index += 1;
-            !nested.contains(&(index - 1))
-        });
 
+        let mut deletes = Vec::new();
+        let mut detaches = Vec::new();
         let mut new = Mapping {
             generation: old.generation + 1,
             synth: HashMap::new(),
@@ -426,10 +471,11 @@ impl FsCore {
                     .or_insert_with(|| {
                         Arc::new(Slot {
                             id: *slot_id,
+                            artifact: entry.artifact.id.clone(),
                             tree: Arc::new(ModelTree::from_artifact(&entry.artifact)),
                             mtime: UNIX_EPOCH + Duration::from_secs(entry.artifact.completed_at),
                             kernel_refs: AtomicU64::new(0),
-                            retired_store: Mutex::new(None),
+                            state: Mutex::new(SlotState::Live),
                         })
                     })
                     .clone();
@@ -472,25 +518,33 @@ impl FsCore {
                 );
             }
 
-            // Retire slots that left the mapping; forget the ones the kernel no longer holds.
+            // Retire slots that left the mapping (forgetting the ones the kernel no longer
+            // holds) and tell the kernel their entries are gone, deepest first so that every
+            // entry is still findable when its turn comes; then detach them.
             for (id, m) in &old.models {
                 if !new.models.contains_key(id) {
-                    *m.slot.retired_store.lock().expect("slot lock") = Some(m.store.clone());
+                    *m.slot.state.lock().expect("slot lock") = SlotState::Retired(m.store.clone());
+                    reg.slot_ids
+                        .remove(&(m.path.clone(), m.slot.artifact.clone()));
                     if m.slot.kernel_refs.load(Ordering::Acquire) == 0 {
                         slots.remove(id);
                     }
+                    let parent = reg
+                        .synth_ids
+                        .get(&m.path[..m.path.len() - 1])
+                        .copied()
+                        .unwrap_or(ROOT_INO);
+                    deletes.extend(delete_tree(&m.slot, parent, &m.path[m.path.len() - 1]));
+                    detaches.push(Invalidation::Detach { slot: *id });
                 }
-            }
-            for (id, m) in &new.models {
-                // A slot that came back is live again.
-                *m.slot.retired_store.lock().expect("slot lock") = None;
-                debug_assert_eq!(*id, m.slot.id);
             }
         }
         self.place_inline_files(&mut reg, &mut new, &planned, files);
         drop(reg);
 
-        let invalidations = diff(&old, &new);
+        let mut invalidations = deletes;
+        invalidations.extend(diff(&old, &new));
+        invalidations.extend(detaches);
         self.mapping.store(Arc::new(new));
         Ok(invalidations)
     }
@@ -592,6 +646,53 @@ impl FsCore {
         })
     }
 
+    /// The kernel has been told that a retired slot's entries are gone (every notification
+    /// queued before its [`Invalidation::Detach`] was delivered): the slot stops pinning its
+    /// store, so garbage collection depends on open files and the mapping only, never on when
+    /// the kernel gets round to `FORGET`. A slot still in the mapping is left alone.
+    pub fn detach(&self, slot_id: u32) {
+        let mut slots = self.slots.write().expect("slots lock");
+        let Some(slot) = slots.get(&slot_id) else {
+            return;
+        };
+        {
+            let mut state = slot.state.lock().expect("slot lock");
+            if matches!(*state, SlotState::Live) {
+                return;
+            }
+            *state = SlotState::Detached;
+        }
+        if slot.kernel_refs.load(Ordering::Acquire) == 0 {
+            slots.remove(&slot_id);
+        }
+    }
+
+    /// Detaches every slot named in `list` at once (no kernel to tell: unit tests, or a
+    /// daemon without a mount).
+    pub fn detach_all(&self, list: &[Invalidation]) {
+        for inv in list {
+            if let Invalidation::Detach { slot } = inv {
+                self.detach(*slot);
+            }
+        }
+    }
+
+    /// Retired slots still known (the kernel holds some of their inodes), and how many of
+    /// them still pin a store.
+    pub fn retired_slots(&self) -> (usize, usize) {
+        let mapping = self.mapping.load();
+        let slots = self.slots.read().expect("slots lock");
+        let retired = slots
+            .keys()
+            .filter(|id| !mapping.models.contains_key(id))
+            .count();
+        let pinning = slots
+            .values()
+            .filter(|s| s.retired_store().is_some())
+            .count();
+        (retired, pinning)
+    }
+
     fn slot(&self, id: u32) -> Option<Arc<Slot>> {
         self.slots.read().expect("slots lock").get(&id).cloned()
     }
@@ -653,6 +754,9 @@ impl FsCore {
             return Self::node_attr(&m.slot, ModelTree::ROOT);
         }
         let slot = self.slot(slot_id).ok_or(FsError::NotFound)?;
+        if slot.is_detached() {
+            return Err(FsError::Stale);
+        }
         let children_of = slot.tree.node(node).ok_or(FsError::NotFound)?;
         if !matches!(children_of.kind, NodeKind::Dir { .. }) {
             return Err(FsError::NotDir);
@@ -683,16 +787,14 @@ impl FsCore {
                     }) {
                     Ok(before) | Err(before) => before.saturating_sub(n),
                 };
-            left == 0 && slot.retired_store.lock().expect("slot lock").is_some()
+            left == 0 && !slot.is_live()
         };
         if drop_it {
             let mut slots = self.slots.write().expect("slots lock");
             // Re-check under the write lock: a lookup may have raced in, or the slot may have
             // come back into the mapping.
             if let Some(slot) = slots.get(&slot_id) {
-                if slot.kernel_refs.load(Ordering::Acquire) == 0
-                    && slot.retired_store.lock().expect("slot lock").is_some()
-                {
+                if slot.kernel_refs.load(Ordering::Acquire) == 0 && !slot.is_live() {
                     slots.remove(&slot_id);
                 }
             }
@@ -820,13 +922,10 @@ impl FsCore {
             match mapping.models.get(&slot_id) {
                 Some(m) => (m.slot.clone(), m.store.clone()),
                 None => {
-                    let slot = self.slot(slot_id).ok_or(FsError::NotFound)?;
-                    let store = slot
-                        .retired_store
-                        .lock()
-                        .expect("slot lock")
-                        .clone()
-                        .ok_or(FsError::NotFound)?;
+                    // A retired slot the kernel can still reach through cached entries: its
+                    // store until the kernel has been told, then nothing.
+                    let slot = self.slot(slot_id).ok_or(FsError::Stale)?;
+                    let store = slot.retired_store().ok_or(FsError::Stale)?;
                     (slot, store)
                 }
             }
@@ -910,6 +1009,38 @@ impl FsCore {
     }
 }
 
+/// Refuses entries with an empty path, or two entries whose paths are equal or nest.
+/// O(entries x depth).
+fn check_paths(entries: &[MountEntry]) -> Result<(), FsError> {
+    let mut exact: HashSet<&[String]> = HashSet::new();
+    let mut prefixes: HashSet<&[String]> = HashSet::new();
+    for e in entries {
+        if e.path.is_empty() {
+            return Err(FsError::Conflict("an entry has an empty path".into()));
+        }
+        if !exact.insert(&e.path) {
+            return Err(FsError::Conflict(format!(
+                "path {} appears twice",
+                e.path.join("/")
+            )));
+        }
+        for n in 1..e.path.len() {
+            prefixes.insert(&e.path[..n]);
+        }
+    }
+    for e in entries {
+        if prefixes.contains(e.path.as_slice())
+            || (1..e.path.len()).any(|n| exact.contains(&e.path[..n]))
+        {
+            return Err(FsError::Conflict(format!(
+                "path {} nests with another entry",
+                e.path.join("/")
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl SynthDir {
     fn new(parent: u64, name: String) -> Self {
         Self {
@@ -962,6 +1093,29 @@ fn sealed_memfd(content: &[u8]) -> io::Result<File> {
     Ok(file)
 }
 
+/// `FUSE_NOTIFY_DELETE` for every entry of a retired slot, children before their directory
+/// (the kernel deletes a directory entry only once it has no children cached), ending with the
+/// model root in its synthesized parent `parent`. Entries the kernel never cached cost one
+/// `ENOENT` answer each.
+fn delete_tree(slot: &Slot, parent: u64, root_name: &str) -> Vec<Invalidation> {
+    let mut out = Vec::with_capacity(slot.tree.len());
+    for idx in (1..slot.tree.len() as u32).rev() {
+        if let Some(n) = slot.tree.node(idx) {
+            out.push(Invalidation::Delete {
+                parent: model_ino(slot.id, n.parent),
+                child: model_ino(slot.id, idx),
+                name: n.name.to_string(),
+            });
+        }
+    }
+    out.push(Invalidation::Delete {
+        parent,
+        child: model_ino(slot.id, ModelTree::ROOT),
+        name: root_name.to_string(),
+    });
+    out
+}
+
 /// What the kernel must forget when `old` becomes `new`: entries whose target changed or went
 /// away, and directories whose listing changed.
 fn diff(old: &Mapping, new: &Mapping) -> Vec<Invalidation> {
@@ -994,7 +1148,7 @@ fn diff(old: &Mapping, new: &Mapping) -> Vec<Invalidation> {
     // Removed synthesized directories were reported above; entries inside them go with them.
     out.sort_by_key(|i| match i {
         Invalidation::Entry { .. } => 0,
-        Invalidation::Inode { .. } => 1,
+        _ => 1,
     });
     out.dedup();
     out

@@ -300,27 +300,148 @@ fn removal_invalidates_entries_and_prunes_synthesized_dirs() {
 }
 
 #[test]
-fn nesting_or_duplicate_paths_are_never_half_applied() {
+fn nesting_or_duplicate_paths_are_refused_whole_and_loudly() {
     let f = fixture();
     let a = artifact(&f.store_a.store, &[("x", b"1")]);
+    f.core.apply(&[entry("r", &a, &f.store_a)]).unwrap();
+    let generation = f.core.generation();
+    let cases: [(&str, Vec<MountEntry>); 4] = [
+        (
+            "deeper",
+            vec![entry("p", &a, &f.store_a), entry("p/q", &a, &f.store_a)],
+        ),
+        (
+            "shallower",
+            vec![entry("p/q/s", &a, &f.store_a), entry("p", &a, &f.store_a)],
+        ),
+        (
+            "duplicate",
+            vec![entry("r", &a, &f.store_a), entry("r", &a, &f.store_b)],
+        ),
+        (
+            "empty",
+            vec![MountEntry {
+                path: Vec::new(),
+                artifact: a.clone(),
+                store: f.store_a.clone(),
+            }],
+        ),
+    ];
+    for (what, entries) in cases {
+        let err = f.core.apply(&entries).unwrap_err();
+        assert!(matches!(err, FsError::Conflict(_)), "{what}: {err}");
+        assert_eq!(f.core.generation(), generation, "{what}: mapping changed");
+        assert!(
+            matches!(resolve(&f.core, "p"), Err(FsError::NotFound)),
+            "{what}: nothing of a refused mapping is mounted"
+        );
+        let (_, blob) = f.core.open(resolve(&f.core, "r/x").unwrap().ino).unwrap();
+        assert_eq!(
+            blob.store.as_ref().unwrap().id,
+            StoreId::from_seq(1),
+            "{what}: old mapping kept"
+        );
+    }
+    // Segment-wise: "p" and "pq" do not nest.
     f.core
-        .apply(&[
-            entry("p", &a, &f.store_a),
-            entry("p/q", &a, &f.store_a),
-            entry("r", &a, &f.store_a),
-            entry("r", &a, &f.store_b),
-        ])
+        .apply(&[entry("p", &a, &f.store_a), entry("pq", &a, &f.store_a)])
         .unwrap();
+}
+
+#[test]
+fn a_retired_inode_never_reads_once_the_kernel_was_told() {
+    let f = fixture();
+    let a = artifact(&f.store_a.store, &[("w.bin", b"weights"), ("d/x", b"x")]);
+    f.core.apply(&[entry("org/m", &a, &f.store_a)]).unwrap();
+    let org = resolve(&f.core, "org").unwrap().ino;
+    let root = resolve(&f.core, "org/m").unwrap();
+    let file = resolve(&f.core, "org/m/w.bin").unwrap();
+    let dir = resolve(&f.core, "org/m/d").unwrap();
+    let inner = resolve(&f.core, "org/m/d/x").unwrap();
+    let (fh, _) = f.core.open(file.ino).unwrap();
+
+    let inv = f.core.apply(&[]).unwrap();
+    let pos = |want: &Invalidation| {
+        inv.iter()
+            .position(|i| i == want)
+            .unwrap_or_else(|| panic!("{want:?} missing from {inv:?}"))
+    };
+    let delete = |parent: u64, child: u64, name: &str| Invalidation::Delete {
+        parent,
+        child,
+        name: name.into(),
+    };
+    // Every entry is deleted, children before their directory, the root last; the slot is
+    // detached only after all of that.
+    let inner_at = pos(&delete(dir.ino, inner.ino, "x"));
+    let dir_at = pos(&delete(root.ino, dir.ino, "d"));
+    let file_at = pos(&delete(root.ino, file.ino, "w.bin"));
+    let root_at = pos(&delete(org, root.ino, "m"));
     assert!(
-        matches!(resolve(&f.core, "p"), Err(FsError::NotFound)),
-        "nesting paths: neither mounted"
+        inner_at < dir_at && dir_at < root_at && file_at < root_at,
+        "{inv:?}"
     );
-    let (_, blob) = f.core.open(resolve(&f.core, "r/x").unwrap().ino).unwrap();
+    assert!(
+        matches!(inv.last(), Some(Invalidation::Detach { .. })),
+        "{inv:?}"
+    );
+
+    // Until the kernel has been told, a path walk that raced the change still opens.
+    let (raced, _) = f.core.open(file.ino).unwrap();
+    f.core.release(raced);
+    f.core.detach_all(&inv);
+
+    // The open file keeps reading its bytes; new lookups and opens are stale; metadata (fstat
+    // of the open file) still answers.
+    assert_eq!(f.core.read(fh, 0, 100).unwrap(), b"weights");
+    assert!(matches!(f.core.open(file.ino), Err(FsError::Stale)));
+    assert!(matches!(
+        f.core.lookup(dir.ino, OsStr::new("x")),
+        Err(FsError::Stale)
+    ));
+    assert_eq!(f.core.getattr(file.ino).unwrap().size, 7);
+    assert_eq!(FsError::Stale.errno(), libc::ESTALE);
+
+    // The slot pins nothing: the store is in use exactly while the file is open, whatever the
+    // kernel still references.
+    let id_a = StoreId::from_seq(1);
+    let blob_path = f.store_a.store.blob_path(&Sha256Digest::of(b"weights"));
+    let Fixture {
+        core,
+        store_a,
+        store_b,
+        _dir,
+    } = f;
+    drop((store_a, a));
     assert_eq!(
-        blob.store.as_ref().unwrap().id,
-        StoreId::from_seq(1),
-        "first duplicate wins"
+        core.retired_slots(),
+        (1, 0),
+        "kernel refs keep the slot, not its store"
     );
+    assert!(core.store_in_use(&id_a));
+    core.release(fh);
+    assert!(!core.store_in_use(&id_a), "closed: nothing uses store A");
+    assert!(!core.blobs_in_use().contains_key(&id_a));
+
+    // Garbage collection removes the blob; even if other bytes appeared under its name, the
+    // retired inode never reads them.
+    std::fs::write(&blob_path, b"WRONG!!").unwrap();
+    assert!(matches!(core.open(file.ino), Err(FsError::Stale)));
+    std::fs::remove_file(&blob_path).unwrap();
+    assert!(matches!(core.open(file.ino), Err(FsError::Stale)));
+
+    // The same model mounted again gets new inode numbers: the kernel never sees a deleted
+    // inode come back to life.
+    let again = artifact(&store_b.store, &[("w.bin", b"weights"), ("d/x", b"x")]);
+    core.apply(&[entry("org/m", &again, &store_b)]).unwrap();
+    let fresh = resolve(&core, "org/m/w.bin").unwrap();
+    assert_ne!(fresh.ino, file.ino);
+    let (fh, _) = core.open(fresh.ino).unwrap();
+    assert_eq!(core.read(fh, 0, 100).unwrap(), b"weights");
+    core.release(fh);
+    // Forgetting the old inodes drops the old slot.
+    core.forget(root.ino, 100);
+    assert_eq!(core.retired_slots(), (0, 0));
 }
 
 /// Reference model: the mount shows exactly the files of the mounted entries at their paths.

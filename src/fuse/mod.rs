@@ -17,7 +17,9 @@
 //! # Invalidation
 //! Mapping changes return kernel entries to invalidate. They are sent by a dedicated thread,
 //! never from a request handler (a notification written while the kernel waits on the same
-//! daemon for a reply could deadlock).
+//! daemon for a reply could deadlock). Entries of removed models go as `notify_delete` (so the
+//! kernel forgets their inodes once unused); when a batch reaches a slot's `Detach`, everything
+//! before it has been delivered and the thread detaches the slot in the core.
 
 mod mountpoint;
 
@@ -662,6 +664,7 @@ pub fn mount(
 ) -> Result<MountHandle, MountError> {
     mountpoint::prepare(mountpoint)?;
     let passthrough = Arc::new(AtomicBool::new(false));
+    let core_for_notifier = core.clone();
     let fs = ModelFs {
         core,
         metrics: metrics.clone(),
@@ -710,22 +713,37 @@ pub fn mount(
     }
     let (tx, rx) = mpsc::channel::<Vec<Invalidation>>();
     let thread_metrics = metrics;
+    let notify_core = core_for_notifier;
     let notifier_thread = Some(
         std::thread::Builder::new()
             .name("fuse-notify".into())
             .spawn(move || {
                 for batch in rx {
                     for inv in batch {
-                        thread_metrics.kernel_invalidations.inc();
                         let result = match &inv {
+                            Invalidation::Delete {
+                                parent,
+                                child,
+                                name,
+                            } => {
+                                notifier.delete(INodeNo(*parent), INodeNo(*child), OsStr::new(name))
+                            }
                             Invalidation::Entry { parent, name } => {
                                 notifier.inval_entry(INodeNo(*parent), OsStr::new(name))
                             }
                             Invalidation::Inode { ino } => {
                                 notifier.inval_inode(INodeNo(*ino), 0, 0)
                             }
+                            // Everything before it has been delivered.
+                            Invalidation::Detach { slot } => {
+                                notify_core.detach(*slot);
+                                continue;
+                            }
                         };
-                        // ENOENT: the kernel never cached it. Anything else is worth a line.
+                        thread_metrics.kernel_invalidations.inc();
+                        // ENOENT: the kernel never cached it (ENOTEMPTY: a directory whose
+                        // children were looked up again meanwhile; its slot is detached anyway).
+                        // Anything else is worth a line.
                         if let Err(e) = result {
                             if e.raw_os_error() != Some(libc::ENOENT) {
                                 tracing::debug!(error = %e, ?inv, "kernel invalidation failed");

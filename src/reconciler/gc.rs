@@ -1,8 +1,9 @@
 //! Garbage collection: mark and sweep over stores, blobs, partial files and artifact records.
 //!
 //! *Mark*: a store is live while it has an owner, is reserved, serves a model, receives a fetch,
-//! or the filesystem core reports a use (mapping, retained kernel slot, open file: see
-//! `FsCore::store_in_use`). Inside a live store, a blob is live while an artifact the store
+//! or the filesystem core reports a use (mapping, a retired slot the kernel has not been told
+//! about yet, open file: see `FsCore::store_in_use`). Inodes the kernel still caches do not
+//! count: once told, the core answers them `ESTALE`. Inside a live store, a blob is live while an artifact the store
 //! holds lists it, or the core may still read it (`FsCore::blobs_in_use`: an old revision that
 //! an open file or a process's working directory still references).
 //!

@@ -25,6 +25,14 @@
 //! for, so a hung source can never keep a slot from other models. Blocking workers (`local://`
 //! copies) see the same cancellation as a flag and stop at their next check. A worker that
 //! panics is a bug: the model is `Failed` with the panic message, not retried.
+//! # Paths
+//! One rule decides path conflicts ([`placement::path_verdicts`]): nesting paths, or equal paths
+//! with different artifacts, and the later model (creation order, then key) loses. It is
+//! applied where placement happens (before work starts, when the artifact is known, when a
+//! fetch completes, right before the flip) and to the whole state after every event and at
+//! start-up, so whatever the order in which resolves and fetches finish, and whatever older
+//! records say, the mapping never holds two conflicting models and a loser is never `Ready`.
+//! A loser waits without retries until the rule clears it, then gets its turn.
 //!
 //! # Durability
 //! Records are saved after every event that changed them, always after the data they point at
@@ -63,7 +71,16 @@ use crate::source::{FetchContext, Progress, Source, SourceConfig, SourceError};
 use crate::status::StatusDoc;
 use crate::store::{ModelPhase, ModelRecord, Records, StateDir, StoreId};
 
-use placement::Placement;
+use placement::{ClaimArtifact, ClaimKind, PathClaim, PathVerdict, Placement};
+
+/// A model that lost a path conflict: it stays `Failed` until the rule clears it (the model it
+/// lost to goes away or moves), then it gets its turn. Not durable: after a restart the model
+/// resolves once and meets the same rule.
+struct PathLoser {
+    fingerprint: String,
+    /// What it would serve, when known: it keeps competing for the path with this artifact.
+    artifact: Option<ArtifactId>,
+}
 
 /// Where mapping changes are announced to the kernel (the FUSE mount; nothing in unit tests).
 pub trait MountSink: Send + Sync {
@@ -155,6 +172,8 @@ enum Event {
 
 enum Stage {
     Resolving,
+    /// Artifact known; waiting for another model's fetch of it (single flight) or for an
+    /// earlier model on the same path to resolve (path rule).
     Waiting {
         manifest: Arc<Manifest>,
     },
@@ -351,6 +370,10 @@ pub struct Reconciler {
     retries: HashMap<ModelKey, Retry>,
     /// Models that failed before this start and were given their one fresh attempt.
     attempted_since_start: std::collections::HashSet<ModelKey>,
+    path_losers: BTreeMap<ModelKey, PathLoser>,
+    /// The records changed what is served; the mapping is rebuilt at the end of the event,
+    /// after the path rule has been applied (so it never sees a conflict).
+    remap_needed: bool,
     artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
     /// What each served artifact's config files give (see [`model_config`]).
     model_configs: HashMap<ArtifactId, Arc<crate::modelconfig::Outcome>>,
@@ -397,6 +420,8 @@ impl Reconciler {
             works: BTreeMap::new(),
             retries: HashMap::new(),
             attempted_since_start: std::collections::HashSet::new(),
+            path_losers: BTreeMap::new(),
+            remap_needed: false,
             artifacts: HashMap::new(),
             model_configs: HashMap::new(),
             model_configs_pending: std::collections::HashSet::new(),
@@ -418,6 +443,9 @@ impl Reconciler {
             .map(|d| HfCacheView::new(d.segments().to_vec(), r.config.hf_cache_linger));
         r.saved = serde_json::to_vec_pretty(&r.records).unwrap_or_default();
         r.recover();
+        // Records written before the path rule was atomic may hold two served models that
+        // conflict: the later one is unmapped and failed before anything is mounted.
+        r.settle_paths();
         r.remap();
         r.refresh_store_bytes();
         r.save();
@@ -472,18 +500,14 @@ impl Reconciler {
     }
 
     fn handle(&mut self, event: Event) {
+        let received = Instant::now();
+        let generation = self.fs.generation();
+        let desired = matches!(event, Event::Desired(_));
+        let tick = matches!(event, Event::Tick);
         match event {
             Event::Desired(d) => {
-                let received = Instant::now();
-                let generation = self.fs.generation();
                 self.desired = Some(d);
                 self.reconcile_all();
-                if self.fs.generation() != generation {
-                    self.metrics
-                        .mapping_update_seconds
-                        .observe(received.elapsed().as_secs_f64());
-                }
-                self.ready.store(true, Ordering::Relaxed);
             }
             Event::Resolved {
                 key,
@@ -517,6 +541,21 @@ impl Reconciler {
             Event::ConfigParsed { artifact, outcome } => self.on_config_parsed(artifact, outcome),
             Event::Shutdown(_) => unreachable!("handled in run"),
         }
+        // A tick that changed nothing (the idle case) changed no claim either.
+        if !tick || self.remap_needed {
+            self.settle_paths();
+        }
+        if std::mem::take(&mut self.remap_needed) {
+            self.remap();
+        }
+        if desired {
+            if self.fs.generation() != generation {
+                self.metrics
+                    .mapping_update_seconds
+                    .observe(received.elapsed().as_secs_f64());
+            }
+            self.ready.store(true, Ordering::Relaxed);
+        }
     }
 
     // ----- desired state -------------------------------------------------------------------
@@ -544,7 +583,7 @@ impl Reconciler {
             };
         }
         if changed {
-            self.remap();
+            self.remap_needed = true;
         }
     }
 
@@ -563,6 +602,7 @@ impl Reconciler {
         }
         self.cancel_work(key);
         self.retries.remove(key);
+        self.path_losers.remove(key);
         let seq = match self.records.models.get(key) {
             Some(r) => r.seq,
             None => self.records.allocate_model_seq(),
@@ -604,6 +644,14 @@ impl Reconciler {
         }
         let now = Instant::now();
         let in_cache_view = self.hf_cache_conflict(&spec.path).is_some();
+        match self.path_losers.get(key) {
+            // Its turn comes from `settle_paths`, when the rule clears it.
+            Some(l) if l.fingerprint == fp => return false,
+            Some(_) => {
+                self.path_losers.remove(key);
+            }
+            None => {}
+        }
         match self.records.models.get_mut(key) {
             Some(rec) if rec.fingerprint == fp => match rec.phase {
                 ModelPhase::Ready if !in_cache_view => return false,
@@ -653,8 +701,17 @@ impl Reconciler {
             self.serve_without_files(key, spec);
             return true;
         }
-        if let Some(reason) = self.conflict_for(key, &spec.path, None) {
-            self.fail_conflict(key, &fp, reason);
+        // The cache view's directory is not a model path (a property of the flags, not of
+        // another model): failed for good until the spec or the flag changes.
+        if let Some(reason) = self.hf_cache_conflict(&spec.path) {
+            self.fail_in_cache_view(key, reason);
+            return true;
+        }
+        // Nesting needs no artifact: decided before any work. Equal paths wait for the resolve.
+        if let PathVerdict::Conflict { reason, .. } =
+            self.verdict_for(key, &spec.path, ClaimArtifact::Pending)
+        {
+            self.fail_conflict(key, &fp, reason, None);
             return true;
         }
         let source = match Source::for_uri(&spec.source, &self.config.sources, token) {
@@ -737,15 +794,25 @@ impl Reconciler {
         let fp = work.fingerprint.clone();
         let spec = work.spec.clone();
         let artifact = manifest.id();
-        if let Some(reason) = self.conflict_for(key, &spec.path, Some(&artifact)) {
-            self.fail_conflict(key, &fp, reason);
-            return;
+        match self.verdict_for(key, &spec.path, ClaimArtifact::Known(artifact.clone())) {
+            PathVerdict::Clear => {}
+            PathVerdict::Wait { on } => {
+                tracing::info!(model = %key, waits_for = %on, path = %spec.path, "an earlier model on the same path is resolving; waiting for it");
+                if let Some(w) = self.works.get_mut(key) {
+                    w.stage = Stage::Waiting { manifest };
+                }
+                return;
+            }
+            PathVerdict::Conflict { reason, .. } => {
+                self.fail_conflict(key, &fp, reason, Some(artifact));
+                return;
+            }
         }
         let in_flight = self.in_flight(&spec.source.to_string());
         match placement::place(&self.records, key, spec.policy, &artifact, &in_flight) {
             Placement::Serve(store) => {
                 self.serve(key, store, artifact, manifest.revision.clone(), &spec);
-                self.remap();
+                self.remap_needed = true;
             }
             Placement::Wait(other) => {
                 tracing::info!(model = %key, waits_for = %other, "same artifact is being fetched; waiting for it");
@@ -934,8 +1001,23 @@ impl Reconciler {
                         );
                     }
                     tracing::info!(model = %key, %store, "fetch complete and verified");
-                    self.serve(&key, store, id, manifest.revision.clone(), &spec);
-                    self.remap();
+                    // The path rule again, atomically with the flip: an earlier model may have
+                    // claimed the path while this one was fetching.
+                    match self.verdict_for(&key, &spec.path, ClaimArtifact::Known(id.clone())) {
+                        PathVerdict::Clear => {
+                            self.serve(&key, store, id, manifest.revision.clone(), &spec);
+                            self.remap_needed = true;
+                        }
+                        PathVerdict::Wait { on } => {
+                            tracing::info!(model = %key, waits_for = %on, "fetched; an earlier model on the same path is resolving");
+                            if let Some(w) = self.works.get_mut(&key) {
+                                w.stage = Stage::Waiting { manifest };
+                            }
+                        }
+                        PathVerdict::Conflict { reason, .. } => {
+                            self.fail_conflict(&key, &fp, reason, Some(id))
+                        }
+                    }
                 }
             }
             // A cancelled fetch of work that is still current was not cancelled by us (the task
@@ -1166,6 +1248,7 @@ impl Reconciler {
     fn delete(&mut self, key: &ModelKey) {
         self.cancel_work(key);
         self.retries.remove(key);
+        self.path_losers.remove(key);
         let own = self.records.owned_store(key).cloned();
         let reserve = self.records.models.get(key).is_some_and(|m| m.reserve);
         tracing::info!(model = %key, "model deleted");
@@ -1224,15 +1307,23 @@ impl Reconciler {
         }
     }
 
-    fn fail_conflict(&mut self, key: &ModelKey, fp: &str, reason: String) {
+    /// `key` lost the path rule: it is `Failed` with the reason (naming the model it lost to)
+    /// and waits, without retries, until `settle_paths` finds the rule clear for it. What it
+    /// served before (an old path or revision that did not conflict) stays served.
+    fn fail_conflict(
+        &mut self,
+        key: &ModelKey,
+        fp: &str,
+        reason: String,
+        artifact: Option<ArtifactId>,
+    ) {
         self.cancel_work(key);
-        // Re-checked every tick: the conflict ends when the other model goes away or moves.
-        self.retries.insert(
+        self.retries.remove(key);
+        self.path_losers.insert(
             key.clone(),
-            Retry {
+            PathLoser {
                 fingerprint: fp.to_string(),
-                attempts: 0,
-                at: Instant::now() + self.config.tick,
+                artifact,
             },
         );
         if let Some(rec) = self.records.models.get_mut(key) {
@@ -1250,55 +1341,178 @@ impl Reconciler {
         crate::fs::hf_cache::path_conflict(path.segments(), dir.segments())
     }
 
-    /// Whether placing `key` at `path` (serving `artifact`, if known) would conflict with a model
-    /// already served or an earlier model still being placed (SPEC section 4).
-    fn conflict_for(
+    /// Fails `key` because its path lies in or around the cache view's directory. Not a path
+    /// loser: no other model's change clears it, so it waits for its own spec (or a restart
+    /// with other flags), like any permanent failure.
+    fn fail_in_cache_view(&mut self, key: &ModelKey, reason: String) {
+        self.cancel_work(key);
+        self.retries.remove(key);
+        if let Some(rec) = self.records.models.get_mut(key) {
+            if rec.reason.as_deref() != Some(reason.as_str()) {
+                tracing::warn!(model = %key, reason, "path conflict with the cache view");
+            }
+            rec.phase = ModelPhase::Failed;
+            rec.reason = Some(reason);
+        }
+    }
+
+    /// Every model's claims on paths below the mount, for [`placement::path_verdicts`]: where
+    /// it is served (with the served artifact) and, if different, where its spec wants it (with
+    /// the artifact of its work: pending while resolving, known once resolved; a loser keeps
+    /// the artifact it lost with). Invalid models claim nothing.
+    fn claims(&self) -> Vec<PathClaim> {
+        let mut out = Vec::with_capacity(self.records.models.len());
+        for (key, rec) in &self.records.models {
+            if rec.fingerprint.starts_with("invalid:") {
+                continue;
+            }
+            let served = match (&rec.artifact, &rec.store, &rec.served_path) {
+                (Some(a), Some(_), Some(p)) => MountPath::from_relative(p)
+                    .ok()
+                    .map(|path| (path, a.clone())),
+                _ => None,
+            };
+            let wanted_artifact = match self.works.get(key).map(|w| &w.stage) {
+                Some(Stage::Resolving) => Some(ClaimArtifact::Pending),
+                Some(Stage::Waiting { manifest }) => Some(ClaimArtifact::Known(manifest.id())),
+                Some(Stage::Fetching { artifact, .. }) => {
+                    Some(ClaimArtifact::Known(artifact.clone()))
+                }
+                None => None,
+            };
+            let wanted_artifact = wanted_artifact.unwrap_or_else(|| {
+                match self.path_losers.get(key).and_then(|l| l.artifact.clone()) {
+                    Some(a) => ClaimArtifact::Known(a),
+                    None => ClaimArtifact::Unknown,
+                }
+            });
+            let wanted = MountPath::from_relative(&rec.path).ok();
+            let settled =
+                !self.works.contains_key(key) && served.as_ref().map(|s| &s.0) == wanted.as_ref();
+            if let Some((path, artifact)) = served {
+                out.push(PathClaim {
+                    key: key.clone(),
+                    seq: rec.seq,
+                    kind: ClaimKind::Served,
+                    path,
+                    artifact: ClaimArtifact::Known(artifact),
+                });
+            }
+            if let Some(path) = wanted.filter(|_| !settled) {
+                out.push(PathClaim {
+                    key: key.clone(),
+                    seq: rec.seq,
+                    kind: ClaimKind::Wanted,
+                    path,
+                    artifact: wanted_artifact,
+                });
+            }
+        }
+        out
+    }
+
+    /// The rule's verdict on `key` serving `artifact` at `path` (its wanted claim), against
+    /// every other model's claims.
+    fn verdict_for(
         &self,
         key: &ModelKey,
         path: &MountPath,
-        artifact: Option<&ArtifactId>,
-    ) -> Option<String> {
-        if let Some(reason) = self.hf_cache_conflict(path) {
-            return Some(reason);
-        }
-        let my_seq = self
-            .records
-            .models
-            .get(key)
-            .map(|r| r.seq)
-            .unwrap_or(u64::MAX);
-        for (other, rec) in &self.records.models {
-            if other == key {
-                continue;
-            }
-            if let Some(sp) = rec
-                .served_path
-                .as_deref()
-                .and_then(|p| MountPath::from_relative(p).ok())
-            {
-                if sp.nests_with(path) {
-                    if sp != *path {
-                        return Some(format!("path {path} nests with path {sp} of {other}"));
+        artifact: ClaimArtifact,
+    ) -> PathVerdict {
+        let mut claims = self.claims();
+        claims.retain(|c| !(c.key == *key && c.kind == ClaimKind::Wanted));
+        let seq = self.records.models.get(key).map_or(u64::MAX, |r| r.seq);
+        claims.push(PathClaim {
+            key: key.clone(),
+            seq,
+            kind: ClaimKind::Wanted,
+            path: path.clone(),
+            artifact,
+        });
+        path_verdicts_last(&claims)
+    }
+
+    /// Applies the path rule to the whole state after an event (and at start-up): a served
+    /// model that now loses (an earlier model resolved to another artifact on its path, or
+    /// records from before this rule hold two) is unmapped and `Failed`; a model whose work
+    /// now loses stops; a loser the rule clears (the model it lost to went away, moved or
+    /// changed) gets its turn.
+    fn settle_paths(&mut self) {
+        let claims = self.claims();
+        let verdicts = placement::path_verdicts(&claims);
+        let mut turns = Vec::new();
+        for (c, v) in claims.iter().zip(verdicts) {
+            match (c.kind, v) {
+                (ClaimKind::Served, PathVerdict::Conflict { reason, .. }) => {
+                    let Some(rec) = self.records.models.get_mut(&c.key) else {
+                        continue;
+                    };
+                    let fp = rec.fingerprint.clone();
+                    let artifact = rec.artifact.take();
+                    // Unmapped; its own store (and any child on it) is kept, as for an invalid
+                    // object: getting its turn back costs no download.
+                    rec.store = None;
+                    rec.sha = None;
+                    rec.served_path = None;
+                    rec.served_source = None;
+                    tracing::warn!(model = %c.key, reason, "served model loses a path conflict; unmapped");
+                    if self.works.contains_key(&c.key) {
+                        // A change in progress decides again (through the rule) when resolved.
+                        rec.reason = Some(reason);
+                    } else {
+                        self.fail_conflict(&c.key, &fp, reason, artifact);
                     }
-                    if let (Some(a), Some(b)) = (artifact, rec.artifact.as_ref()) {
-                        if a != b {
-                            return Some(format!(
-                                "path {path} is already used by {other} with a different artifact"
-                            ));
+                    self.remap_needed = true;
+                }
+                (ClaimKind::Wanted, PathVerdict::Conflict { reason, .. }) => {
+                    if let Some(w) = self.works.get(&c.key) {
+                        let fp = w.fingerprint.clone();
+                        let artifact = match &c.artifact {
+                            ClaimArtifact::Known(a) => Some(a.clone()),
+                            _ => None,
+                        };
+                        self.fail_conflict(&c.key, &fp, reason, artifact);
+                    } else if self.path_losers.contains_key(&c.key) {
+                        // Still losing, maybe to another model now: keep the reason current.
+                        if let Some(rec) = self.records.models.get_mut(&c.key) {
+                            rec.reason = Some(reason);
                         }
                     }
                 }
-                continue;
-            }
-            if rec.seq < my_seq && rec.phase == ModelPhase::Updating {
-                if let Ok(p) = MountPath::from_relative(&rec.path) {
-                    if p.nests_with(path) && p != *path {
-                        return Some(format!("path {path} nests with path {p} of {other}"));
-                    }
+                (ClaimKind::Wanted, PathVerdict::Clear)
+                    if self.path_losers.contains_key(&c.key) =>
+                {
+                    turns.push(c.key.clone());
                 }
+                _ => {}
             }
         }
-        None
+        for key in turns {
+            let Some(loser) = self.path_losers.remove(&key) else {
+                continue;
+            };
+            let spec = self
+                .desired
+                .as_ref()
+                .and_then(|d| d.models.get(&key))
+                .and_then(|m| m.as_ref().ok())
+                .cloned();
+            let Some(spec) = spec else {
+                continue;
+            };
+            tracing::info!(model = %key, "path conflict resolved; the model gets its turn");
+            self.retries.insert(
+                key.clone(),
+                Retry {
+                    fingerprint: loser.fingerprint,
+                    attempts: 0,
+                    at: Instant::now(),
+                },
+            );
+            if self.ensure(&key, &spec) {
+                self.remap_needed = true;
+            }
+        }
     }
 
     // ----- mapping -------------------------------------------------------------------------
@@ -1320,7 +1534,9 @@ impl Reconciler {
         }
     }
 
-    /// Builds the mount entries from the records and swaps the mapping.
+    /// Builds the mount entries from the records and swaps the mapping. The path rule has run
+    /// (`settle_paths`), so served paths never nest; models sharing a path serve the same
+    /// artifact, and the earliest of them (by creation order, then key) supplies the store.
     fn remap(&mut self) {
         let mut served: Vec<(u64, ModelKey, MountPath, ArtifactId, StoreId)> = Vec::new();
         for (key, rec) in &self.records.models {
@@ -1332,18 +1548,24 @@ impl Reconciler {
             };
             served.push((rec.seq, key.clone(), path, a.clone(), s.clone()));
         }
-        served.sort_by_key(|s| s.0);
-        let claims: Vec<_> = served
-            .iter()
-            .map(|s| (s.1.clone(), s.0, s.2.clone(), Some(s.3.clone())))
-            .collect();
-        let conflicts = placement::path_conflicts(&claims);
-        let mut entries = Vec::with_capacity(served.len());
+        served.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        let mut entries: Vec<MountEntry> = Vec::with_capacity(served.len());
+        let mut at: HashMap<MountPath, (ModelKey, ArtifactId)> = HashMap::new();
         let mut hf_served = Vec::new();
         for (_, key, path, artifact, store) in served {
-            if conflicts.contains_key(&key) || self.hf_cache_conflict(&path).is_some() {
+            if self.hf_cache_conflict(&path).is_some() {
                 continue;
             }
+            if let Some((first, a)) = at.get(&path) {
+                if *a != artifact {
+                    // The rule guarantees this never happens; the fs layer would refuse the
+                    // whole mapping, so say which models broke it.
+                    tracing::error!(model = %key, other = %first, %path, "two served models with different artifacts on one path");
+                } else {
+                    continue;
+                }
+            }
+            at.insert(path.clone(), (key.clone(), artifact.clone()));
             let Some(stored) = self.artifact(&artifact) else {
                 continue;
             };
@@ -1384,8 +1606,10 @@ impl Reconciler {
         match self.fs.apply_with_files(&entries, &files) {
             Ok(inv) => {
                 self.metrics.mapping_changes.inc();
-                if let Some(m) = &self.mount {
-                    m.invalidate(inv);
+                match &self.mount {
+                    Some(m) => m.invalidate(inv),
+                    // No kernel to tell: retired slots stop pinning their stores now.
+                    None => self.fs.detach_all(&inv),
                 }
             }
             Err(e) => tracing::error!(error = %e, "mapping update refused"),
@@ -1563,6 +1787,13 @@ fn split_key(key: &ModelKey) -> (Option<String>, String) {
         Some((ns, name)) => (Some(ns.to_string()), name.to_string()),
         None => (None, s.to_string()),
     }
+}
+
+/// The verdict of the last claim.
+fn path_verdicts_last(claims: &[PathClaim]) -> PathVerdict {
+    placement::path_verdicts(claims)
+        .pop()
+        .unwrap_or(PathVerdict::Clear)
 }
 
 fn now_nanos_fraction() -> f64 {

@@ -53,7 +53,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
-use std::os::fd::FromRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -1065,31 +1064,17 @@ impl SynthDir {
 /// An anonymous memory file holding `content`, sealed against any change (a passthrough
 /// backing file must not change under the kernel).
 fn sealed_memfd(content: &[u8]) -> io::Result<File> {
-    // SAFETY: the name is a valid C string; the flags are plain bits.
-    let fd = unsafe {
-        libc::memfd_create(
-            c"modelfs-inline".as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just created and is owned by nothing else.
-    let file = unsafe { File::from_raw_fd(fd) };
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let fd = rustix::fs::memfd_create(
+        "modelfs-inline",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )?;
+    let file = File::from(fd);
     file.write_all_at(content, 0)?;
-    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
-    // SAFETY: fcntl on a descriptor `file` owns, with integer arguments.
-    if unsafe {
-        libc::fcntl(
-            std::os::fd::AsRawFd::as_raw_fd(&file),
-            libc::F_ADD_SEALS,
-            seals,
-        )
-    } < 0
-    {
-        return Err(io::Error::last_os_error());
-    }
+    rustix::fs::fcntl_add_seals(
+        &file,
+        SealFlags::SEAL | SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE,
+    )?;
     Ok(file)
 }
 

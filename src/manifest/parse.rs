@@ -272,8 +272,46 @@ fn classify_document(
 /// not check `apiVersion` or `kind` beyond what deserialization needs; `to_spec` checks the
 /// former.
 pub fn deserialize_model_object(value: &Value) -> Result<ModelObject, String> {
+    check_parameters(value)?;
     serde_json::from_value::<ModelObject>(value.clone())
         .map_err(|error| locate_failing_field(value, &error.to_string()))
+}
+
+/// What serde would say about a wrong `spec.storage.parameters`, without the value: serde's
+/// messages echo scalars ("invalid type: integer `12345`"), and a parameter may be a token
+/// (`parameters.token`), which must never reach a reason, the records or a log.
+fn check_parameters(object: &Value) -> Result<(), String> {
+    const NOT_SHOWN: &str = "(the value is not shown: parameters may hold secrets)";
+    let Some(parameters) = object.pointer("/spec/storage/parameters") else {
+        return Ok(());
+    };
+    let entries = match parameters {
+        Value::Object(entries) => entries,
+        // serde's default for a missing map; `parameters: ~` means "none".
+        Value::Null => return Ok(()),
+        other => {
+            return Err(format!(
+                "spec.storage.parameters: must be a mapping of strings, found {} {NOT_SHOWN}",
+                describe_json_type(other)
+            ))
+        }
+    };
+    for (name, value) in entries {
+        if !value.is_string() {
+            let path = [
+                PathStep::Key("spec".to_owned()),
+                PathStep::Key("storage".to_owned()),
+                PathStep::Key("parameters".to_owned()),
+                PathStep::Key(name.clone()),
+            ];
+            return Err(format!(
+                "{}: must be a string, found {} {NOT_SHOWN}",
+                render_path(&path),
+                describe_json_type(value)
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn invalid_object(
@@ -749,7 +787,8 @@ items:
         assert_eq!(
             deserialize_model_object(&object),
             Err(
-                "spec.storage.parameters.secretKey: invalid type: integer `1`, expected a string"
+                "spec.storage.parameters.secretKey: must be a string, found a number (the value \
+                 is not shown: parameters may hold secrets)"
                     .to_owned()
             )
         );
@@ -757,6 +796,58 @@ items:
         fixed["spec"]["storage"]["parameters"]["secretKey"] = Value::from("token");
         let parsed = deserialize_model_object(&fixed).expect("valid");
         assert_eq!(serde_json::to_value(&parsed).expect("serialize"), fixed);
+    }
+
+    /// `parameters` may hold a token: whatever its type, a wrong value is described by its
+    /// type only, never echoed into a reason (which reaches status, records and logs).
+    #[test]
+    fn non_string_parameters_are_never_echoed() {
+        for (value, found) in [
+            ("987654321", "a number"),
+            ("9876.54321", "a number"),
+            ("true", "a boolean"),
+            ("{secret: hf_supersecret987}", "a mapping"),
+            ("[hf_supersecret987]", "a list"),
+            ("~", "null"),
+        ] {
+            let text = GOOD_MODEL.replace(
+                "    storageUri: hf://org/repo\n",
+                &format!("    storageUri: hf://org/repo\n    parameters:\n      token: {value}\n"),
+            );
+            let error = single_model_error(&text);
+            let reason = reason_of(&error);
+            assert_eq!(
+                reason,
+                format!(
+                    "spec.storage.parameters.token: must be a string, found {found} (the value \
+                     is not shown: parameters may hold secrets)"
+                ),
+                "{value}"
+            );
+            let rendered = error.to_string();
+            for secret in ["987654321", "9876.54321", "supersecret"] {
+                assert!(!rendered.contains(secret), "{rendered}");
+            }
+        }
+        // Parameters that are not a mapping at all.
+        let text = GOOD_MODEL.replace(
+            "    storageUri: hf://org/repo\n",
+            "    storageUri: hf://org/repo\n    parameters: hf_supersecret987\n",
+        );
+        let error = single_model_error(&text);
+        assert_eq!(
+            reason_of(&error),
+            "spec.storage.parameters: must be a mapping of strings, found a string (the value \
+             is not shown: parameters may hold secrets)"
+        );
+        // The same rule for objects from the Kubernetes API.
+        let object = serde_json::json!({
+            "apiVersion": "ome.io/v1beta1", "kind": "ClusterBaseModel",
+            "metadata": {"name": "m"},
+            "spec": {"storage": {"storageUri": "hf://a/b", "parameters": {"token": 987654321}}},
+        });
+        let reason = deserialize_model_object(&object).expect_err("a number is no token");
+        assert!(!reason.contains("987654321"), "{reason}");
     }
 
     #[test]

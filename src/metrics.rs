@@ -55,6 +55,10 @@ pub struct Metrics {
     /// From a desired-state change reaching the reconciler to the new mapping being live, for
     /// changes that need no fetch (policy flips, deletions, re-points).
     pub mapping_update_seconds: Histogram,
+    /// Standalone mode: rescans of the models directory, and manifest files read and parsed
+    /// (only new or changed files are).
+    pub manifest_rescans: Counter,
+    pub manifest_parses: Counter,
 }
 
 impl Default for Metrics {
@@ -82,6 +86,8 @@ impl Metrics {
             open_files: Gauge::default(),
             // 10 us .. ~5 s.
             mapping_update_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
+            manifest_rescans: Counter::default(),
+            manifest_parses: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -149,6 +155,16 @@ impl Metrics {
             "mapping_update_seconds",
             "Desired-state change received to new mapping live (changes needing no fetch)",
             m.mapping_update_seconds.clone(),
+        );
+        registry.register(
+            "manifest_rescans",
+            "Standalone mode: rescans of the models directory",
+            m.manifest_rescans.clone(),
+        );
+        registry.register(
+            "manifest_parses",
+            "Standalone mode: manifest files read and parsed (new or changed files only)",
+            m.manifest_parses.clone(),
         );
         Self { registry, ..m }
     }

@@ -22,6 +22,14 @@ use super::ome::{ModelKind, ModelObject, OME_API_VERSION};
 /// Document kinds that wrap a list of objects in `items` (what `kubectl get -o yaml` prints).
 const LIST_KINDS: [&str; 3] = ["List", "BaseModelList", "ClusterBaseModelList"];
 
+/// Documents of one file that are used; each further document is refused on its own with a
+/// reason (its model `Failed` under its key), so a long file never loses the models it starts
+/// with. The YAML layer's own document budget is lifted (see [`parse_documents`]): the file
+/// size cap of the caller and the parser's node budget bound the work instead. 4,096 is far
+/// above what one file of hand-written or generated OME objects holds (a few hundred at most)
+/// and keeps one file's worst case (validation, status entries) small.
+pub const MAX_DOCUMENTS_PER_FILE: usize = 4096;
+
 /// Upper bound on trial deserializations spent locating one error.
 const MAX_LOCATE_ATTEMPTS: usize = 512;
 
@@ -118,6 +126,12 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, ManifestError> {
     // YAML 1.2 booleans only: `yes`/`on` stay strings, so a label value like `on` is not turned
     // into a boolean that then fails to deserialize as a string.
     options.strict_booleans = true;
+    // Documents beyond MAX_DOCUMENTS_PER_FILE are refused one by one below, rather than the
+    // whole file by the parser's document budget (1,024 by default). The other budgets (nodes,
+    // events, aliases, depth) stay: they bound the work of any input, bombs included.
+    let mut budget = options.budget.clone().unwrap_or_default();
+    budget.max_documents = usize::MAX;
+    options.budget = Some(budget);
     let raw_documents: Vec<serde_saphyr::Spanned<Value>> =
         serde_saphyr::from_multiple_with_options(text, options).map_err(|error| {
             let location = error.location();
@@ -135,9 +149,50 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, ManifestError> {
             // Location::UNKNOWN has line 0.
             line: Some(raw.referenced.line()).filter(|line| *line > 0),
         };
+        let first_new = documents.len();
         classify_document(&raw.value, &position, None, &mut documents);
+        for document in documents.iter_mut().skip(first_new.max(MAX_DOCUMENTS_PER_FILE)) {
+            refuse_beyond_limit(document, &position);
+        }
     }
     Ok(documents)
+}
+
+/// Turns a document past [`MAX_DOCUMENTS_PER_FILE`] into an error that keeps what identifies
+/// it, so its model is reported `Failed` under its own key.
+fn refuse_beyond_limit(document: &mut Document, position: &DocumentPosition) {
+    let reason = format!(
+        "beyond the limit of {MAX_DOCUMENTS_PER_FILE} documents per manifest file; move it to \
+         another file"
+    );
+    let refused = match document {
+        Document::Model(Ok(object)) => ManifestError::InvalidObject {
+            document: position.document,
+            line: position.line,
+            kind: object.kind,
+            name: object.metadata.name.clone(),
+            namespace: object.metadata.namespace.clone(),
+            reason,
+        },
+        Document::Model(Err(ManifestError::InvalidObject {
+            document,
+            line,
+            kind,
+            name,
+            namespace,
+            ..
+        })) => ManifestError::InvalidObject {
+            document: *document,
+            line: *line,
+            kind: *kind,
+            name: name.take(),
+            namespace: namespace.take(),
+            reason,
+        },
+        // Objects of other kinds are skipped anyway; invalid documents keep their own reason.
+        Document::Model(Err(_)) | Document::Other { .. } | Document::Invalid(_) => return,
+    };
+    *document = Document::Model(Err(refused));
 }
 
 /// Where a document sits in its file, for error messages.
@@ -848,6 +903,39 @@ items:
         });
         let reason = deserialize_model_object(&object).expect_err("a number is no token");
         assert!(!reason.contains("987654321"), "{reason}");
+    }
+
+    /// Beyond [`MAX_DOCUMENTS_PER_FILE`], each further document is refused on its own (under
+    /// its model key when it has one); the earlier documents are still used.
+    #[test]
+    fn documents_beyond_the_limit_are_refused_one_by_one() {
+        let count = MAX_DOCUMENTS_PER_FILE + 3;
+        let text: String = (0..count)
+            .map(|i| GOOD_MODEL.replace("name: good", &format!("name: m{i}")))
+            .collect::<Vec<_>>()
+            .join("---\n");
+        let documents = parse_documents(&text).expect("a long file is not refused whole");
+        assert_eq!(documents.len(), count);
+        for (i, document) in documents.iter().enumerate() {
+            match document {
+                Document::Model(Ok(object)) if i < MAX_DOCUMENTS_PER_FILE => {
+                    assert_eq!(object.metadata.name, Some(format!("m{i}")));
+                }
+                Document::Model(Err(error)) if i >= MAX_DOCUMENTS_PER_FILE => {
+                    assert!(
+                        matches!(error, ManifestError::InvalidObject { name: Some(name), .. }
+                            if *name == format!("m{i}")),
+                        "{error:?}"
+                    );
+                    let reason = reason_of(error);
+                    assert!(
+                        reason.contains("beyond the limit of 4096 documents"),
+                        "{reason}"
+                    );
+                }
+                other => panic!("document {i}: {other:?}"),
+            }
+        }
     }
 
     #[test]

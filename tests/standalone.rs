@@ -420,3 +420,85 @@ fn quick_start_example_serves_both_policies() {
         assert_eq!(got, want, "{m}");
     }
 }
+
+/// Rescans of unchanged files parse nothing and log nothing: a broken file is reported once per
+/// version (not on every rescan), and a file over the size cap is unusable like a broken one
+/// (its previous models are kept).
+#[test]
+fn unchanged_manifest_files_are_not_parsed_or_reported_again() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 3, 10_000);
+    let d = Daemon::start(&env, &[]);
+    env.write_models(
+        "kept.yaml",
+        &cluster_model("kept", &uri(&src), "AlwaysDownload", None),
+    );
+    d.wait_model("clusterbasemodel.kept", "Ready");
+    env.write_models(
+        "broken.yaml",
+        "apiVersion: ome.io/v1beta1\nkind: [unclosed\n",
+    );
+    d.wait_until("broken file reported", Duration::from_secs(30), |s| {
+        s.get("file:broken.yaml").is_some()
+    });
+    let rescans = || d.metric("modelfs_manifest_rescans_total");
+    let parses = d.metric("modelfs_manifest_parses_total");
+    let warnings = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("WARN") && l.contains("broken.yaml"))
+            .count()
+    };
+    assert_eq!(warnings(&d.log_text()), 1, "{}", d.log_text());
+
+    // Five rescans, each triggered by a change elsewhere in the directory (not a manifest).
+    for i in 0..5 {
+        let before = rescans();
+        std::fs::write(env.models.join("notes.txt"), format!("{i}")).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while rescans() <= before {
+            assert!(std::time::Instant::now() < deadline, "no rescan");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    assert_eq!(
+        d.metric("modelfs_manifest_parses_total"),
+        parses,
+        "unchanged files were parsed again"
+    );
+    assert_eq!(
+        warnings(&d.log_text()),
+        1,
+        "a broken file is reported once per change:\n{}",
+        d.log_text()
+    );
+
+    // A changed version is parsed (and reported) again.
+    env.write_models(
+        "broken.yaml",
+        "apiVersion: ome.io/v1beta1\nkind: [still unclosed\n",
+    );
+    d.wait_until("second version parsed", Duration::from_secs(30), |_| {
+        d.metric("modelfs_manifest_parses_total") > parses
+    });
+    assert_eq!(warnings(&d.log_text()), 2, "{}", d.log_text());
+
+    // Over the size cap (4 MiB): unusable, with a reason; the models it defined stay.
+    let mut huge = cluster_model("kept", &uri(&src), "AlwaysDownload", None);
+    let padding = format!("# {}\n", "x".repeat(1000));
+    while huge.len() <= 4 << 20 {
+        huge.push_str(&padding);
+    }
+    env.write_models("kept.yaml", &huge);
+    let s = d.wait_until("size cap reported", Duration::from_secs(30), |s| {
+        s.get("file:kept.yaml").is_some()
+    });
+    let reason = s["file:kept.yaml"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("larger than the limit of 4194304 bytes"),
+        "{reason}"
+    );
+    assert!(reason.contains("defined before are kept"), "{reason}");
+    assert_eq!(s["clusterbasemodel.kept"]["status"], "Ready");
+    assert!(env.mount.join("kept/config.json").exists());
+}

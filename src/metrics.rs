@@ -37,6 +37,11 @@ pub enum SourceScheme {
     Hf,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FileLabel {
+    pub file: String,
+}
+
 pub struct Metrics {
     registry: Registry,
     pub fuse_requests: Family<OpLabel, Counter>,
@@ -59,6 +64,8 @@ pub struct Metrics {
     /// (only new or changed files are).
     pub manifest_rescans: Counter,
     pub manifest_parses: Counter,
+    /// Failed writes of the daemon's state files (`records.json`, `status.json`).
+    pub state_write_failures: Family<FileLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -88,6 +95,7 @@ impl Metrics {
             mapping_update_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
             manifest_rescans: Counter::default(),
             manifest_parses: Counter::default(),
+            state_write_failures: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -165,6 +173,11 @@ impl Metrics {
             "manifest_parses",
             "Standalone mode: manifest files read and parsed (new or changed files only)",
             m.manifest_parses.clone(),
+        );
+        registry.register(
+            "state_write_failures",
+            "Failed writes of the daemon's state files (retried with backoff)",
+            m.state_write_failures.clone(),
         );
         Self { registry, ..m }
     }

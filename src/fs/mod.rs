@@ -217,6 +217,9 @@ pub struct FsCore {
     started: SystemTime,
     /// Serialises `apply` calls (readers never take it).
     apply_lock: Mutex<()>,
+    /// Bumped whenever a use of stores or blobs may have ended (a mapping change, a released
+    /// file, a retired slot forgotten by the kernel): garbage collection runs when it moved.
+    usage_epoch: AtomicU64,
 }
 
 impl Default for FsCore {
@@ -254,7 +257,13 @@ impl FsCore {
             next_fh: AtomicU64::new(1),
             started,
             apply_lock: Mutex::new(()),
+            usage_epoch: AtomicU64::new(0),
         }
+    }
+
+    /// Changes whenever a use of a store or blob may have ended (see `usage_epoch`).
+    pub fn usage_epoch(&self) -> u64 {
+        self.usage_epoch.load(Ordering::Acquire)
     }
 
     /// The interned handle of a store. Every user of one store shares one handle, so its
@@ -438,6 +447,7 @@ impl FsCore {
 
         let invalidations = diff(&old, &new);
         self.mapping.store(Arc::new(new));
+        self.usage_epoch.fetch_add(1, Ordering::AcqRel);
         Ok(invalidations)
     }
 
@@ -542,6 +552,7 @@ impl FsCore {
                     && slot.retired_store.lock().expect("slot lock").is_some()
                 {
                     slots.remove(&slot_id);
+                    self.usage_epoch.fetch_add(1, Ordering::AcqRel);
                 }
             }
         }
@@ -721,6 +732,7 @@ impl FsCore {
 
     pub fn release(&self, fh: u64) {
         self.handles.remove(&fh);
+        self.usage_epoch.fetch_add(1, Ordering::AcqRel);
     }
 }
 

@@ -151,7 +151,10 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, ManifestError> {
         };
         let first_new = documents.len();
         classify_document(&raw.value, &position, None, &mut documents);
-        for document in documents.iter_mut().skip(first_new.max(MAX_DOCUMENTS_PER_FILE)) {
+        for document in documents
+            .iter_mut()
+            .skip(first_new.max(MAX_DOCUMENTS_PER_FILE))
+        {
             refuse_beyond_limit(document, &position);
         }
     }

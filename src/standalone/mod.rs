@@ -176,11 +176,7 @@ impl Scanner {
         self.files.retain(|p, _| listed.contains(p));
         let mut origin: BTreeMap<ModelKey, PathBuf> = BTreeMap::new();
         for (file, stamp) in &files {
-            let rel = file
-                .strip_prefix(dir)
-                .unwrap_or(file)
-                .display()
-                .to_string();
+            let rel = file.strip_prefix(dir).unwrap_or(file).display().to_string();
             let unchanged = self
                 .files
                 .get(file)
@@ -220,17 +216,11 @@ impl Scanner {
 
     /// Reads and parses one (new or changed) file, and logs what is wrong with it: once per
     /// version of the file, since unchanged files are not parsed again.
-    fn parse_file(
-        &mut self,
-        file: &Path,
-        stamp: FileStamp,
-        rel: &str,
-        models_root_dir: &Path,
-    ) {
+    fn parse_file(&mut self, file: &Path, stamp: FileStamp, rel: &str, models_root_dir: &Path) {
         self.parses += 1;
         let base = file.parent().unwrap_or(file).to_path_buf();
-        let parsed = read_manifest(file)
-            .and_then(|text| parse_documents(&text).map_err(|e| e.to_string()));
+        let parsed =
+            read_manifest(file).and_then(|text| parse_documents(&text).map_err(|e| e.to_string()));
         let known = self
             .files
             .entry(file.to_path_buf())

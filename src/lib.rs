@@ -25,6 +25,8 @@ pub mod http;
 pub mod kube;
 pub mod manifest;
 pub mod metrics;
+#[cfg(test)]
+pub(crate) mod proptest_support;
 pub mod reconciler;
 pub mod source;
 pub mod standalone;

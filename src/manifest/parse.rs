@@ -30,6 +30,10 @@ const LIST_KINDS: [&str; 3] = ["List", "BaseModelList", "ClusterBaseModelList"];
 /// and keeps one file's worst case (validation, status entries) small.
 pub const MAX_DOCUMENTS_PER_FILE: usize = 4096;
 
+/// YAML events replayed from aliases in one file. Manifests rarely use aliases; this allows a
+/// shared block of labels or affinity (tens of events) in every one of thousands of documents.
+const MAX_ALIAS_REPLAY: usize = 50_000;
+
 /// Upper bound on trial deserializations spent locating one error.
 const MAX_LOCATE_ATTEMPTS: usize = 512;
 
@@ -132,6 +136,9 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, ManifestError> {
     let mut budget = options.budget.clone().unwrap_or_default();
     budget.max_documents = usize::MAX;
     options.budget = Some(budget);
+    // Alias expansion ("billion laughs") stops at MAX_ALIAS_REPLAY events rather than at the
+    // node budget (250,000), which took seconds of CPU per change of such a file.
+    options.alias_limits.max_total_replayed_events = MAX_ALIAS_REPLAY;
     let raw_documents: Vec<serde_saphyr::Spanned<Value>> =
         serde_saphyr::from_multiple_with_options(text, options).map_err(|error| {
             let location = error.location();
@@ -594,6 +601,9 @@ fn render_path(path: &[PathStep]) -> String {
     }
     rendered
 }
+
+#[cfg(test)]
+mod proptests;
 
 #[cfg(test)]
 mod tests {

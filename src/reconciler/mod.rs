@@ -48,6 +48,9 @@ use crate::store::{ModelPhase, ModelRecord, Records, StateDir, StoreId};
 
 use placement::Placement;
 
+/// Most events handled before the records are saved and the status published.
+const MAX_BATCH: usize = 64;
+
 /// Longest time between two garbage collection passes when nothing changes.
 const GC_BACKSTOP: Duration = Duration::from_secs(600);
 
@@ -334,10 +337,12 @@ impl Reconciler {
 
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>) {
         while let Some(first) = rx.recv().await {
-            // Handle everything queued before saving and publishing once: a burst of events
-            // (a node's models arriving together) costs one records write, not one each.
+            // Handle what is queued (up to MAX_BATCH events) before saving and publishing once:
+            // a burst of events (a node's models arriving together) costs one records write,
+            // not one each, while a steady stream still publishes every MAX_BATCH events.
             let mut next = Some(first);
             let mut changed = false;
+            let mut handled = 0;
             while let Some(event) = next.take() {
                 match event {
                     Event::Shutdown(done) => {
@@ -347,7 +352,10 @@ impl Reconciler {
                     }
                     other => changed |= self.handle(other),
                 }
-                next = rx.try_recv().ok();
+                handled += 1;
+                if handled < MAX_BATCH {
+                    next = rx.try_recv().ok();
+                }
             }
             if changed {
                 // Records that failed to save wait for their backoff (the explicit saves that

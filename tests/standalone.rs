@@ -452,6 +452,7 @@ fn unchanged_manifest_files_are_not_parsed_or_reported_again() {
     assert_eq!(warnings(&d.log_text()), 1, "{}", d.log_text());
 
     // Five rescans, each triggered by a change elsewhere in the directory (not a manifest).
+    let first = rescans();
     for i in 0..5 {
         let before = rescans();
         std::fs::write(env.models.join("notes.txt"), format!("{i}")).unwrap();
@@ -461,6 +462,13 @@ fn unchanged_manifest_files_are_not_parsed_or_reported_again() {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+    // Exactly those (plus at most one periodic backstop rescan): a scan reads the directory,
+    // and reading must not count as a change that triggers the next scan.
+    assert!(
+        rescans() <= first + 6.0,
+        "rescans trigger themselves: {} after {first}",
+        rescans()
+    );
     assert_eq!(
         d.metric("modelfs_manifest_parses_total"),
         parses,

@@ -295,6 +295,13 @@ impl Scanner {
     }
 }
 
+/// Whether a watch event can change what a scan finds. Opening and reading files and
+/// directories cannot; and every scan opens the directory (inotify reports `IN_OPEN`), so
+/// reacting to it made each scan trigger the next one, four times a second, forever.
+fn is_change(event: &notify::Event) -> bool {
+    !matches!(event.kind, notify::EventKind::Access(_))
+}
+
 /// Watches the directory and feeds the reconciler until the returned guard is dropped.
 pub struct ModelsDirWatcher {
     _watcher: notify::RecommendedWatcher,
@@ -316,7 +323,7 @@ pub fn watch(
     let dir = std::fs::canonicalize(&config.dir).map_err(notify::Error::io)?;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
+        if event.is_ok_and(|event| is_change(&event)) {
             let _ = tx.send(());
         }
     })?;
@@ -352,4 +359,31 @@ pub fn watch(
         _watcher: watcher,
         task,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RemoveKind};
+    use notify::{Event, EventKind};
+
+    use super::is_change;
+
+    #[test]
+    fn reading_the_directory_is_no_change() {
+        for kind in [
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            EventKind::Access(AccessKind::Read),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+        ] {
+            assert!(!is_change(&Event::new(kind)), "{kind:?}");
+        }
+        for kind in [
+            EventKind::Create(CreateKind::File),
+            EventKind::Modify(ModifyKind::Any),
+            EventKind::Remove(RemoveKind::File),
+            EventKind::Any,
+        ] {
+            assert!(is_change(&Event::new(kind)), "{kind:?}");
+        }
+    }
 }

@@ -92,6 +92,9 @@ pub struct Scanner {
     files: BTreeMap<PathBuf, KnownFile>,
     /// Files read and parsed so far (a rescan of unchanged files parses none).
     pub parses: u64,
+    /// Whether the last scan can have a different result than the one before (a file was
+    /// parsed, added or removed, or the directory could not be read).
+    pub changed: bool,
 }
 
 fn yaml_files(dir: &Path, out: &mut Vec<(PathBuf, FileStamp)>) -> std::io::Result<()> {
@@ -153,6 +156,9 @@ fn read_manifest(path: &Path) -> Result<String, String> {
 
 impl Scanner {
     pub fn scan(&mut self, dir: &Path, models_root_dir: &Path) -> DesiredState {
+        let parses_before = self.parses;
+        let known_before = self.files.len();
+        self.changed = true;
         let mut desired = DesiredState::default();
         let mut files = Vec::new();
         if let Err(e) = yaml_files(dir, &mut files) {
@@ -174,6 +180,7 @@ impl Scanner {
         files.sort_by(|a, b| a.0.cmp(&b.0));
         let listed: std::collections::BTreeSet<&PathBuf> = files.iter().map(|f| &f.0).collect();
         self.files.retain(|p, _| listed.contains(p));
+        let removed = self.files.len() != known_before;
         let mut origin: BTreeMap<ModelKey, PathBuf> = BTreeMap::new();
         for (file, stamp) in &files {
             let rel = file.strip_prefix(dir).unwrap_or(file).display().to_string();
@@ -211,6 +218,8 @@ impl Scanner {
                 desired.models.insert(key.clone(), spec.clone());
             }
         }
+        // New files are parsed, so an unchanged count of parses and files means the same set.
+        self.changed = removed || self.parses != parses_before;
         desired
     }
 
@@ -331,6 +340,7 @@ pub fn watch(
     let task = tokio::spawn(async move {
         let mut scanner = Scanner::default();
         let mut reported_parses = 0;
+        let mut first = true;
         let mut scan = |scanner: &mut Scanner| {
             let desired = scanner.scan(&dir, &config.models_root_dir);
             // Counted before the desired state goes out: whoever sees the counter move knows
@@ -340,7 +350,12 @@ pub fn watch(
                 .inc_by(scanner.parses - reported_parses);
             reported_parses = scanner.parses;
             metrics.manifest_rescans.inc();
-            reconciler.set_desired(desired);
+            // The reconciler's work on a desired state is proportional to the number of
+            // models: an unchanged one is not sent again.
+            if scanner.changed || first {
+                reconciler.set_desired(desired);
+            }
+            first = false;
         };
         scan(&mut scanner);
         loop {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idle CPU with many models: N local:// models (default 2,000: 20 manifest files of 100, from 20
+# Idle CPU with many models: N local:// models (default 2,000 in 40 manifest files of 50, from 20
 # small source directories, half AlwaysDownload and half ReuseIfExists), all Ready, then the
 # daemon's user + system CPU ticks (/proc/<pid>/stat) over a quiet interval (default 30 s).
 # Needs root. Usage: scripts/bench-idle.sh [models] [seconds] [binary]
@@ -45,7 +45,7 @@ for start in range(0, n, per_file):
         docs.append((policy,
             "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\n"
             f"metadata: {{name: m{i:05}}}\n"
-            f"spec: {{storage: {{storageUri: 'local://{work}/src/s{i % 20:02}', "
+            f"spec: {{storage: {{storageUri: 'local://{work}/src/s{(i // 2) % 20:02}', "
             f"downloadPolicy: {policy}}}}}\n"
         ))
     for policy, sub in (("AlwaysDownload", "models"), ("ReuseIfExists", "reuse")):

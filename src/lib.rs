@@ -28,6 +28,8 @@ pub mod kube;
 pub mod manifest;
 pub mod metrics;
 pub mod modelconfig;
+#[cfg(test)]
+pub(crate) mod proptest_support;
 pub mod reconciler;
 pub mod source;
 pub mod standalone;

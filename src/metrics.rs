@@ -183,6 +183,11 @@ impl OmeMetrics {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FileLabel {
+    pub file: String,
+}
+
 pub struct Metrics {
     registry: Registry,
     /// OME's model-agent metrics, exported beside these.
@@ -203,6 +208,12 @@ pub struct Metrics {
     /// From a desired-state change reaching the reconciler to the new mapping being live, for
     /// changes that need no fetch (policy flips, deletions, re-points).
     pub mapping_update_seconds: Histogram,
+    /// Standalone mode: rescans of the models directory, and manifest files read and parsed
+    /// (only new or changed files are).
+    pub manifest_rescans: Counter,
+    pub manifest_parses: Counter,
+    /// Failed writes of the daemon's state files (`records.json`, `status.json`).
+    pub state_write_failures: Family<FileLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -230,6 +241,9 @@ impl Metrics {
             open_files: Gauge::default(),
             // 10 us .. ~5 s.
             mapping_update_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
+            manifest_rescans: Counter::default(),
+            manifest_parses: Counter::default(),
+            state_write_failures: Family::default(),
             registry: Registry::default(),
             ome: OmeMetrics::new(),
         };
@@ -298,6 +312,21 @@ impl Metrics {
             "mapping_update_seconds",
             "Desired-state change received to new mapping live (changes needing no fetch)",
             m.mapping_update_seconds.clone(),
+        );
+        registry.register(
+            "manifest_rescans",
+            "Standalone mode: rescans of the models directory",
+            m.manifest_rescans.clone(),
+        );
+        registry.register(
+            "manifest_parses",
+            "Standalone mode: manifest files read and parsed (new or changed files only)",
+            m.manifest_parses.clone(),
+        );
+        registry.register(
+            "state_write_failures",
+            "Failed writes of the daemon's state files (retried with backoff)",
+            m.state_write_failures.clone(),
         );
         Self { registry, ..m }
     }

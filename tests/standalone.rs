@@ -420,3 +420,179 @@ fn quick_start_example_serves_both_policies() {
         assert_eq!(got, want, "{m}");
     }
 }
+
+/// Rescans of unchanged files parse nothing and log nothing: a broken file is reported once per
+/// version (not on every rescan), and a file over the size cap is unusable like a broken one
+/// (its previous models are kept).
+#[test]
+fn unchanged_manifest_files_are_not_parsed_or_reported_again() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 3, 10_000);
+    let d = Daemon::start(&env, &[]);
+    env.write_models(
+        "kept.yaml",
+        &cluster_model("kept", &uri(&src), "AlwaysDownload", None),
+    );
+    d.wait_model("clusterbasemodel.kept", "Ready");
+    env.write_models(
+        "broken.yaml",
+        "apiVersion: ome.io/v1beta1\nkind: [unclosed\n",
+    );
+    d.wait_until("broken file reported", Duration::from_secs(30), |s| {
+        s.get("file:broken.yaml").is_some()
+    });
+    let rescans = || d.metric("modelfs_manifest_rescans_total");
+    let parses = d.metric("modelfs_manifest_parses_total");
+    let warnings = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("WARN") && l.contains("broken.yaml"))
+            .count()
+    };
+    assert_eq!(warnings(&d.log_text()), 1, "{}", d.log_text());
+
+    // Five rescans, each triggered by a change elsewhere in the directory (not a manifest).
+    let first = rescans();
+    for i in 0..5 {
+        let before = rescans();
+        std::fs::write(env.models.join("notes.txt"), format!("{i}")).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while rescans() <= before {
+            assert!(std::time::Instant::now() < deadline, "no rescan");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    // Exactly those (plus at most one periodic backstop rescan): a scan reads the directory,
+    // and reading must not count as a change that triggers the next scan.
+    assert!(
+        rescans() <= first + 6.0,
+        "rescans trigger themselves: {} after {first}",
+        rescans()
+    );
+    assert_eq!(
+        d.metric("modelfs_manifest_parses_total"),
+        parses,
+        "unchanged files were parsed again"
+    );
+    assert_eq!(
+        warnings(&d.log_text()),
+        1,
+        "a broken file is reported once per change:\n{}",
+        d.log_text()
+    );
+
+    // A changed version is parsed (and reported) again.
+    env.write_models(
+        "broken.yaml",
+        "apiVersion: ome.io/v1beta1\nkind: [still unclosed\n",
+    );
+    d.wait_until("second version parsed", Duration::from_secs(30), |_| {
+        d.metric("modelfs_manifest_parses_total") > parses
+    });
+    assert_eq!(warnings(&d.log_text()), 2, "{}", d.log_text());
+
+    // Over the size cap (4 MiB): unusable, with a reason; the models it defined stay.
+    let mut huge = cluster_model("kept", &uri(&src), "AlwaysDownload", None);
+    let padding = format!("# {}\n", "x".repeat(1000));
+    while huge.len() <= 4 << 20 {
+        huge.push_str(&padding);
+    }
+    env.write_models("kept.yaml", &huge);
+    let s = d.wait_until("size cap reported", Duration::from_secs(30), |s| {
+        s.get("file:kept.yaml").is_some()
+    });
+    let reason = s["file:kept.yaml"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("larger than the limit of 4194304 bytes"),
+        "{reason}"
+    );
+    assert!(reason.contains("defined before are kept"), "{reason}");
+    assert_eq!(s["clusterbasemodel.kept"]["status"], "Ready");
+    assert!(env.mount.join("kept/config.json").exists());
+}
+
+/// On a full disk the records and status files cannot be written: the daemon says so once,
+/// keeps its status current in memory, retries with backoff, and says so once more when the
+/// writes work again (then both files are current).
+#[test]
+fn state_writes_on_a_full_disk_back_off_and_recover() {
+    let env = TestEnv::new();
+    std::fs::create_dir_all(&env.state).unwrap();
+    sh(&format!(
+        "mount -t tmpfs -o size=4m modelfs-test-tmpfs '{}'",
+        env.state.display()
+    ));
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
+        }
+    }
+    let _tmpfs = Unmount(env.state.clone());
+    let src = env.dir("src");
+    make_model_dir(&src, 4, 10_000);
+    env.write_models(
+        "a.yaml",
+        &cluster_model("a", &uri(&src), "AlwaysDownload", None),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.a", "Ready");
+
+    // Fill the disk.
+    let filler = env.state.join("filler");
+    let _ = sh(&format!(
+        "dd if=/dev/zero of='{}' bs=64k 2>/dev/null || true",
+        filler.display()
+    ));
+    let failures = || d.metric("modelfs_state_write_failures_total");
+    // Changes the records: failed models with their reasons. Each one is visible at once.
+    for i in 0..3 {
+        env.write_models(
+            &format!("bad{i}.yaml"),
+            &cluster_model(
+                &format!("bad{i}"),
+                "ftp://nowhere/x",
+                "AlwaysDownload",
+                None,
+            ),
+        );
+        d.wait_model(&format!("clusterbasemodel.bad{i}"), "Failed");
+    }
+    // Several failed attempts (backoff 1 s, 2 s, ...).
+    d.wait_until("write retries", Duration::from_secs(60), |_| {
+        failures() >= 10.0
+    });
+    let log = d.log_text();
+    let lines = |log: &str, needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(
+        lines(&log, "writing failed;"),
+        2,
+        "one message per file (records.json, status.json):\n{log}"
+    );
+    let on_disk = std::fs::read_to_string(env.state.join("records.json")).unwrap();
+    assert!(!on_disk.contains("bad2"), "the disk was full");
+
+    // Space again: both files catch up without any further change.
+    std::fs::remove_file(&filler).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let records = std::fs::read_to_string(env.state.join("records.json")).unwrap();
+        let status = std::fs::read_to_string(env.state.join("status.json")).unwrap();
+        if records.contains("clusterbasemodel.bad2") && status.contains("clusterbasemodel.bad2") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "state files not caught up:\n{}",
+            d.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = d.log_text();
+    assert_eq!(lines(&log, "writing works again"), 2, "{log}");
+    assert_eq!(lines(&log, "writing failed;"), 2, "{log}");
+    assert_eq!(d.status()["clusterbasemodel.a"]["status"], "Ready");
+}

@@ -344,6 +344,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
                     rescan: Duration::from_secs(10),
                 },
                 reconciler.clone(),
+                metrics.clone(),
             )
             .with_context(|| format!("watching {}", models.display()))?,
         }

@@ -310,6 +310,9 @@ pub struct FsCore {
     started: SystemTime,
     /// Serialises `apply` calls (readers never take it).
     apply_lock: Mutex<()>,
+    /// Bumped whenever a use of stores or blobs may have ended (a mapping change, a released
+    /// file, a retired slot forgotten by the kernel): garbage collection runs when it moved.
+    usage_epoch: AtomicU64,
 }
 
 impl Default for FsCore {
@@ -348,7 +351,13 @@ impl FsCore {
             next_fh: AtomicU64::new(1),
             started,
             apply_lock: Mutex::new(()),
+            usage_epoch: AtomicU64::new(0),
         }
+    }
+
+    /// Changes whenever a use of a store or blob may have ended (see `usage_epoch`).
+    pub fn usage_epoch(&self) -> u64 {
+        self.usage_epoch.load(Ordering::Acquire)
     }
 
     /// The interned handle of a store. Every user of one store shares one handle, so its
@@ -545,6 +554,7 @@ impl FsCore {
         invalidations.extend(diff(&old, &new));
         invalidations.extend(detaches);
         self.mapping.store(Arc::new(new));
+        self.usage_epoch.fetch_add(1, Ordering::AcqRel);
         Ok(invalidations)
     }
 
@@ -795,6 +805,7 @@ impl FsCore {
             if let Some(slot) = slots.get(&slot_id) {
                 if slot.kernel_refs.load(Ordering::Acquire) == 0 && !slot.is_live() {
                     slots.remove(&slot_id);
+                    self.usage_epoch.fetch_add(1, Ordering::AcqRel);
                 }
             }
         }
@@ -1005,6 +1016,7 @@ impl FsCore {
 
     pub fn release(&self, fh: u64) {
         self.handles.remove(&fh);
+        self.usage_epoch.fetch_add(1, Ordering::AcqRel);
     }
 }
 

@@ -53,7 +53,9 @@ pub mod source;
 pub use key::{KeyError, ModelKey};
 pub use model::{ModelError, ModelSpec};
 pub use ome::{DownloadPolicy, ModelKind, ModelObject, OME_API_VERSION};
-pub use parse::{deserialize_model_object, parse_documents, Document, ManifestError};
+pub use parse::{
+    deserialize_model_object, parse_documents, Document, ManifestError, MAX_DOCUMENTS_PER_FILE,
+};
 pub use path::{resolve_model_path, MountPath, PathError};
 pub use source::{SourceUri, SourceUriError};
 

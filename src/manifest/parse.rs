@@ -22,6 +22,18 @@ use super::ome::{ModelKind, ModelObject, OME_API_VERSION};
 /// Document kinds that wrap a list of objects in `items` (what `kubectl get -o yaml` prints).
 const LIST_KINDS: [&str; 3] = ["List", "BaseModelList", "ClusterBaseModelList"];
 
+/// Documents of one file that are used; each further document is refused on its own with a
+/// reason (its model `Failed` under its key), so a long file never loses the models it starts
+/// with. The YAML layer's own document budget is lifted (see [`parse_documents`]): the file
+/// size cap of the caller and the parser's node budget bound the work instead. 4,096 is far
+/// above what one file of hand-written or generated OME objects holds (a few hundred at most)
+/// and keeps one file's worst case (validation, status entries) small.
+pub const MAX_DOCUMENTS_PER_FILE: usize = 4096;
+
+/// YAML events replayed from aliases in one file. Manifests rarely use aliases; this allows a
+/// shared block of labels or affinity (tens of events) in every one of thousands of documents.
+const MAX_ALIAS_REPLAY: usize = 50_000;
+
 /// Upper bound on trial deserializations spent locating one error.
 const MAX_LOCATE_ATTEMPTS: usize = 512;
 
@@ -118,6 +130,15 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, ManifestError> {
     // YAML 1.2 booleans only: `yes`/`on` stay strings, so a label value like `on` is not turned
     // into a boolean that then fails to deserialize as a string.
     options.strict_booleans = true;
+    // Documents beyond MAX_DOCUMENTS_PER_FILE are refused one by one below, rather than the
+    // whole file by the parser's document budget (1,024 by default). The other budgets (nodes,
+    // events, aliases, depth) stay: they bound the work of any input, bombs included.
+    let mut budget = options.budget.clone().unwrap_or_default();
+    budget.max_documents = usize::MAX;
+    options.budget = Some(budget);
+    // Alias expansion ("billion laughs") stops at MAX_ALIAS_REPLAY events rather than at the
+    // node budget (250,000), which took seconds of CPU per change of such a file.
+    options.alias_limits.max_total_replayed_events = MAX_ALIAS_REPLAY;
     let raw_documents: Vec<serde_saphyr::Spanned<Value>> =
         serde_saphyr::from_multiple_with_options(text, options).map_err(|error| {
             let location = error.location();
@@ -135,9 +156,53 @@ pub fn parse_documents(text: &str) -> Result<Vec<Document>, ManifestError> {
             // Location::UNKNOWN has line 0.
             line: Some(raw.referenced.line()).filter(|line| *line > 0),
         };
+        let first_new = documents.len();
         classify_document(&raw.value, &position, None, &mut documents);
+        for document in documents
+            .iter_mut()
+            .skip(first_new.max(MAX_DOCUMENTS_PER_FILE))
+        {
+            refuse_beyond_limit(document, &position);
+        }
     }
     Ok(documents)
+}
+
+/// Turns a document past [`MAX_DOCUMENTS_PER_FILE`] into an error that keeps what identifies
+/// it, so its model is reported `Failed` under its own key.
+fn refuse_beyond_limit(document: &mut Document, position: &DocumentPosition) {
+    let reason = format!(
+        "beyond the limit of {MAX_DOCUMENTS_PER_FILE} documents per manifest file; move it to \
+         another file"
+    );
+    let refused = match document {
+        Document::Model(Ok(object)) => ManifestError::InvalidObject {
+            document: position.document,
+            line: position.line,
+            kind: object.kind,
+            name: object.metadata.name.clone(),
+            namespace: object.metadata.namespace.clone(),
+            reason,
+        },
+        Document::Model(Err(ManifestError::InvalidObject {
+            document,
+            line,
+            kind,
+            name,
+            namespace,
+            ..
+        })) => ManifestError::InvalidObject {
+            document: *document,
+            line: *line,
+            kind: *kind,
+            name: name.take(),
+            namespace: namespace.take(),
+            reason,
+        },
+        // Objects of other kinds are skipped anyway; invalid documents keep their own reason.
+        Document::Model(Err(_)) | Document::Other { .. } | Document::Invalid(_) => return,
+    };
+    *document = Document::Model(Err(refused));
 }
 
 /// Where a document sits in its file, for error messages.
@@ -272,8 +337,46 @@ fn classify_document(
 /// not check `apiVersion` or `kind` beyond what deserialization needs; `to_spec` checks the
 /// former.
 pub fn deserialize_model_object(value: &Value) -> Result<ModelObject, String> {
+    check_parameters(value)?;
     serde_json::from_value::<ModelObject>(value.clone())
         .map_err(|error| locate_failing_field(value, &error.to_string()))
+}
+
+/// What serde would say about a wrong `spec.storage.parameters`, without the value: serde's
+/// messages echo scalars ("invalid type: integer `12345`"), and a parameter may be a token
+/// (`parameters.token`), which must never reach a reason, the records or a log.
+fn check_parameters(object: &Value) -> Result<(), String> {
+    const NOT_SHOWN: &str = "(the value is not shown: parameters may hold secrets)";
+    let Some(parameters) = object.pointer("/spec/storage/parameters") else {
+        return Ok(());
+    };
+    let entries = match parameters {
+        Value::Object(entries) => entries,
+        // serde's default for a missing map; `parameters: ~` means "none".
+        Value::Null => return Ok(()),
+        other => {
+            return Err(format!(
+                "spec.storage.parameters: must be a mapping of strings, found {} {NOT_SHOWN}",
+                describe_json_type(other)
+            ))
+        }
+    };
+    for (name, value) in entries {
+        if !value.is_string() {
+            let path = [
+                PathStep::Key("spec".to_owned()),
+                PathStep::Key("storage".to_owned()),
+                PathStep::Key("parameters".to_owned()),
+                PathStep::Key(name.clone()),
+            ];
+            return Err(format!(
+                "{}: must be a string, found {} {NOT_SHOWN}",
+                render_path(&path),
+                describe_json_type(value)
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn invalid_object(
@@ -498,6 +601,9 @@ fn render_path(path: &[PathStep]) -> String {
     }
     rendered
 }
+
+#[cfg(test)]
+mod proptests;
 
 #[cfg(test)]
 mod tests {
@@ -749,7 +855,8 @@ items:
         assert_eq!(
             deserialize_model_object(&object),
             Err(
-                "spec.storage.parameters.secretKey: invalid type: integer `1`, expected a string"
+                "spec.storage.parameters.secretKey: must be a string, found a number (the value \
+                 is not shown: parameters may hold secrets)"
                     .to_owned()
             )
         );
@@ -757,6 +864,91 @@ items:
         fixed["spec"]["storage"]["parameters"]["secretKey"] = Value::from("token");
         let parsed = deserialize_model_object(&fixed).expect("valid");
         assert_eq!(serde_json::to_value(&parsed).expect("serialize"), fixed);
+    }
+
+    /// `parameters` may hold a token: whatever its type, a wrong value is described by its
+    /// type only, never echoed into a reason (which reaches status, records and logs).
+    #[test]
+    fn non_string_parameters_are_never_echoed() {
+        for (value, found) in [
+            ("987654321", "a number"),
+            ("9876.54321", "a number"),
+            ("true", "a boolean"),
+            ("{secret: hf_supersecret987}", "a mapping"),
+            ("[hf_supersecret987]", "a list"),
+            ("~", "null"),
+        ] {
+            let text = GOOD_MODEL.replace(
+                "    storageUri: hf://org/repo\n",
+                &format!("    storageUri: hf://org/repo\n    parameters:\n      token: {value}\n"),
+            );
+            let error = single_model_error(&text);
+            let reason = reason_of(&error);
+            assert_eq!(
+                reason,
+                format!(
+                    "spec.storage.parameters.token: must be a string, found {found} (the value \
+                     is not shown: parameters may hold secrets)"
+                ),
+                "{value}"
+            );
+            let rendered = error.to_string();
+            for secret in ["987654321", "9876.54321", "supersecret"] {
+                assert!(!rendered.contains(secret), "{rendered}");
+            }
+        }
+        // Parameters that are not a mapping at all.
+        let text = GOOD_MODEL.replace(
+            "    storageUri: hf://org/repo\n",
+            "    storageUri: hf://org/repo\n    parameters: hf_supersecret987\n",
+        );
+        let error = single_model_error(&text);
+        assert_eq!(
+            reason_of(&error),
+            "spec.storage.parameters: must be a mapping of strings, found a string (the value \
+             is not shown: parameters may hold secrets)"
+        );
+        // The same rule for objects from the Kubernetes API.
+        let object = serde_json::json!({
+            "apiVersion": "ome.io/v1beta1", "kind": "ClusterBaseModel",
+            "metadata": {"name": "m"},
+            "spec": {"storage": {"storageUri": "hf://a/b", "parameters": {"token": 987654321}}},
+        });
+        let reason = deserialize_model_object(&object).expect_err("a number is no token");
+        assert!(!reason.contains("987654321"), "{reason}");
+    }
+
+    /// Beyond [`MAX_DOCUMENTS_PER_FILE`], each further document is refused on its own (under
+    /// its model key when it has one); the earlier documents are still used.
+    #[test]
+    fn documents_beyond_the_limit_are_refused_one_by_one() {
+        let count = MAX_DOCUMENTS_PER_FILE + 3;
+        let text: String = (0..count)
+            .map(|i| GOOD_MODEL.replace("name: good", &format!("name: m{i}")))
+            .collect::<Vec<_>>()
+            .join("---\n");
+        let documents = parse_documents(&text).expect("a long file is not refused whole");
+        assert_eq!(documents.len(), count);
+        for (i, document) in documents.iter().enumerate() {
+            match document {
+                Document::Model(Ok(object)) if i < MAX_DOCUMENTS_PER_FILE => {
+                    assert_eq!(object.metadata.name, Some(format!("m{i}")));
+                }
+                Document::Model(Err(error)) if i >= MAX_DOCUMENTS_PER_FILE => {
+                    assert!(
+                        matches!(error, ManifestError::InvalidObject { name: Some(name), .. }
+                            if *name == format!("m{i}")),
+                        "{error:?}"
+                    );
+                    let reason = reason_of(error);
+                    assert!(
+                        reason.contains("beyond the limit of 4096 documents"),
+                        "{reason}"
+                    );
+                }
+                other => panic!("document {i}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -219,8 +219,16 @@ pub(super) struct Candidates {
     first_seen: BTreeMap<String, Instant>,
 }
 
+impl Candidates {
+    /// No garbage is waiting for its grace period to end.
+    pub(super) fn is_empty(&self) -> bool {
+        self.first_seen.is_empty()
+    }
+}
+
 impl Reconciler {
-    pub(super) fn gc(&mut self) {
+    /// One pass; returns whether it removed anything.
+    pub(super) fn gc(&mut self) -> bool {
         let now = Instant::now();
         let partial_max_age = self.config.gc_grace.max(Duration::from_secs(3600));
         let usage = DaemonUsage {
@@ -266,7 +274,7 @@ impl Reconciler {
         };
         self.gc_candidates.first_seen = still;
         if ripe == GcPlan::default() {
-            return;
+            return false;
         }
         for id in &ripe.stores {
             self.records.stores.remove(id);
@@ -277,8 +285,11 @@ impl Reconciler {
                     store: id.to_string(),
                 });
         }
-        // Records first: a store directory is removed only after no record names it.
-        self.save();
+        // Records first: a store directory is removed only after no record names it. If they
+        // cannot be saved (a full disk), nothing is removed: the next pass tries again.
+        if !self.save() {
+            return false;
+        }
         for e in execute(&self.state, &ripe) {
             tracing::warn!(error = %e, "garbage collection could not remove an item");
         }
@@ -298,5 +309,6 @@ impl Reconciler {
             artifacts = ripe.artifacts.len(),
             "garbage collected"
         );
+        true
     }
 }

@@ -47,6 +47,7 @@
 
 pub mod gc;
 mod model_config;
+mod persist;
 pub mod placement;
 mod status_doc;
 
@@ -81,6 +82,12 @@ struct PathLoser {
     /// What it would serve, when known: it keeps competing for the path with this artifact.
     artifact: Option<ArtifactId>,
 }
+
+/// Most events handled before the records are saved and the status published.
+const MAX_BATCH: usize = 64;
+
+/// Longest time between two garbage collection passes when nothing changes.
+const GC_BACKSTOP: Duration = Duration::from_secs(600);
 
 /// Where mapping changes are announced to the kernel (the FUSE mount; nothing in unit tests).
 pub trait MountSink: Send + Sync {
@@ -389,6 +396,16 @@ pub struct Reconciler {
     alive: Arc<std::sync::atomic::AtomicU64>,
     last_gc: Instant,
     hf_cache: Option<HfCacheView>,
+    /// Something changed since the last garbage collection pass (records, mapping, fetches).
+    gc_due: bool,
+    /// `FsCore::usage_epoch` at the last pass: uses ended since then may have made garbage.
+    gc_usage_seen: u64,
+    /// Failing writes of `records.json` / `status.json` (a full disk): retried with backoff,
+    /// reported once when they start failing and once when they work again.
+    records_writes: persist::Backoff,
+    status_writes: persist::Backoff,
+    /// The latest status document could not be written to `status.json` yet.
+    status_file_stale: bool,
 }
 
 impl Reconciler {
@@ -435,6 +452,11 @@ impl Reconciler {
             alive: alive.clone(),
             last_gc: Instant::now(),
             hf_cache: None,
+            gc_due: true,
+            gc_usage_seen: 0,
+            records_writes: persist::Backoff::new("records.json"),
+            status_writes: persist::Backoff::new("status.json"),
+            status_file_stale: false,
         };
         r.hf_cache = r
             .config
@@ -472,81 +494,143 @@ impl Reconciler {
     }
 
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>) {
-        while let Some(event) = rx.recv().await {
-            match event {
-                Event::Shutdown(done) => {
-                    for w in self.works.values() {
-                        w.cancel.cancel();
+        while let Some(first) = rx.recv().await {
+            // Handle what is queued (up to MAX_BATCH events) before saving and publishing once:
+            // a burst of events (a node's models arriving together) costs one records write,
+            // not one each, while a steady stream still publishes every MAX_BATCH events.
+            let mut next = Some(first);
+            let mut changed = false;
+            let mut handled = 0;
+            while let Some(event) = next.take() {
+                match event {
+                    Event::Shutdown(done) => {
+                        self.shut_down().await;
+                        let _ = done.send(());
+                        return;
                     }
-                    // Fetch tasks end at once; wait (bounded) until all have let go of their
-                    // slots. Partial files are a verified-on-resume prefix whatever the point.
-                    let _ = tokio::time::timeout(
-                        Duration::from_secs(10),
-                        self.fetch_slots
-                            .acquire_many(self.config.max_concurrent_fetches.max(1) as u32),
-                    )
-                    .await;
-                    self.save();
-                    self.publish();
-                    let _ = done.send(());
-                    return;
+                    other => changed |= self.handle(other),
                 }
-                other => self.handle(other),
+                handled += 1;
+                if handled < MAX_BATCH {
+                    next = rx.try_recv().ok();
+                }
             }
-            self.save();
-            self.publish();
+            if changed {
+                // Records that failed to save wait for their backoff (the explicit saves that
+                // must precede a directory's creation do not).
+                if !self.records_writes.failing() || self.records_writes.due() {
+                    self.save();
+                }
+                self.publish();
+            } else {
+                // Only retries of writes that failed (a full disk), when their backoff is over.
+                self.retry_failed_writes();
+            }
             self.alive.store(now_secs(), Ordering::Relaxed);
         }
     }
 
-    fn handle(&mut self, event: Event) {
+    /// Stops all work at a safe point and saves.
+    async fn shut_down(&mut self) {
+        for w in self.works.values() {
+            w.cancel.cancel();
+        }
+        // Fetch tasks end at once; wait (bounded) until all have let go of their slots. Partial
+        // files are a verified-on-resume prefix whatever the point.
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            self.fetch_slots
+                .acquire_many(self.config.max_concurrent_fetches.max(1) as u32),
+        )
+        .await;
+        self.save();
+        self.publish();
+    }
+
+    /// Handles one event; returns whether the records or the status may have changed (then
+    /// they are saved and published). An idle tick changes nothing and costs next to nothing:
+    /// no work proportional to the number of models happens without a change.
+    fn handle(&mut self, event: Event) -> bool {
         let received = Instant::now();
         let generation = self.fs.generation();
         let desired = matches!(event, Event::Desired(_));
         let tick = matches!(event, Event::Tick);
-        match event {
+        let mut changed = match event {
             Event::Desired(d) => {
                 self.desired = Some(d);
                 self.reconcile_all();
+                self.gc_due = true;
+                true
             }
             Event::Resolved {
                 key,
                 fingerprint,
                 result,
-            } => self.on_resolved(key, fingerprint, result),
+            } => {
+                self.on_resolved(key, fingerprint, result);
+                self.gc_due = true;
+                true
+            }
             Event::Fetched {
                 key,
                 fingerprint,
                 store,
                 manifest,
                 result,
-            } => self.on_fetched(key, fingerprint, store, manifest, result),
+            } => {
+                self.on_fetched(key, fingerprint, store, manifest, result);
+                self.gc_due = true;
+                true
+            }
             Event::Tick => {
-                self.reconcile_all();
+                let mut changed = self.retry_due();
+                self.gc_due |= changed;
+                // Download progress moves without events.
+                changed |= self
+                    .works
+                    .values()
+                    .any(|w| matches!(w.stage, Stage::Fetching { .. }));
+                // Lingering cache-view snapshots that expired leave the mapping.
                 if self
                     .hf_cache
                     .as_ref()
                     .is_some_and(|v| v.expired(Instant::now()))
                 {
-                    self.remap();
+                    self.remap_needed = true;
+                    self.gc_due = true;
                 }
-                // A pass every 5 ticks, or more often when the grace period is shorter.
+                // A pass every 5 ticks, or more often when the grace period is shorter, when
+                // something may have become garbage (or garbage is waiting for its grace
+                // period to end); else only every GC_BACKSTOP, for what ages without any
+                // change (partial downloads abandoned by a crash).
                 let gc_every =
                     (self.config.tick * 5).min(self.config.gc_grace.max(self.config.tick));
-                if self.last_gc.elapsed() >= gc_every {
+                let usage = self.fs.usage_epoch();
+                let wanted = self.gc_due
+                    || usage != self.gc_usage_seen
+                    || !self.gc_candidates.is_empty()
+                    || self.last_gc.elapsed() >= GC_BACKSTOP;
+                if wanted && self.last_gc.elapsed() >= gc_every {
                     self.last_gc = Instant::now();
-                    self.gc();
+                    self.gc_due = false;
+                    self.gc_usage_seen = usage;
+                    changed |= self.gc();
                 }
+                changed
             }
-            Event::ConfigParsed { artifact, outcome } => self.on_config_parsed(artifact, outcome),
+            Event::ConfigParsed { artifact, outcome } => {
+                self.on_config_parsed(artifact, outcome);
+                true
+            }
             Event::Shutdown(_) => unreachable!("handled in run"),
-        }
+        };
         // A tick that changed nothing (the idle case) changed no claim either.
         if !tick || self.remap_needed {
             self.settle_paths();
         }
         if std::mem::take(&mut self.remap_needed) {
             self.remap();
+            changed = true;
         }
         if desired {
             if self.fs.generation() != generation {
@@ -556,6 +640,33 @@ impl Reconciler {
             }
             self.ready.store(true, Ordering::Relaxed);
         }
+        changed
+    }
+
+    /// Retries whose time has come (transient failures, path conflicts re-checked). Only these
+    /// models are looked at: the others cannot change without a new desired state.
+    fn retry_due(&mut self) -> bool {
+        let now = Instant::now();
+        let Some(desired) = self.desired.as_ref() else {
+            return false;
+        };
+        let due: Vec<(ModelKey, Result<ModelSpec, String>)> = self
+            .retries
+            .iter()
+            .filter(|(_, r)| r.at <= now)
+            .filter_map(|(k, _)| Some((k.clone(), desired.models.get(k)?.clone())))
+            .collect();
+        let mut changed = false;
+        for (key, wanted) in due {
+            changed |= match wanted {
+                Ok(spec) => self.ensure(&key, &spec),
+                Err(reason) => self.mark_invalid(&key, &reason),
+            };
+        }
+        if changed {
+            self.remap();
+        }
+        changed
     }
 
     // ----- desired state -------------------------------------------------------------------
@@ -1696,23 +1807,6 @@ impl Reconciler {
 
     // ----- persistence and status ----------------------------------------------------------
 
-    fn save(&mut self) {
-        let bytes = match serde_json::to_vec_pretty(&self.records) {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::error!(error = %e, "records do not serialize");
-                return;
-            }
-        };
-        if bytes == self.saved {
-            return;
-        }
-        match crate::store::fsutil::atomic_write(&self.state.records_path(), &bytes) {
-            Ok(()) => self.saved = bytes,
-            Err(e) => tracing::error!(error = %e, "saving records failed; will retry"),
-        }
-    }
-
     fn refresh_store_bytes(&mut self) {
         let ids: Vec<StoreId> = self.records.stores.keys().cloned().collect();
         self.store_bytes.clear();
@@ -1734,31 +1828,6 @@ impl Reconciler {
                 store: id.to_string(),
             })
             .set(bytes as i64);
-    }
-
-    fn publish(&mut self) {
-        // Every served artifact gets its config parsed once; the result arrives as an event
-        // and is published then.
-        self.request_model_configs();
-        let doc = self.status_doc();
-        let bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
-        if bytes == self.status_bytes {
-            return;
-        }
-        for status in ["Ready", "Updating", "Failed"] {
-            let n = doc.values().filter(|e| e.status == status).count();
-            self.metrics
-                .models
-                .get_or_create(&crate::metrics::StatusLabel { status })
-                .set(n as i64);
-        }
-        let doc = Arc::new(doc);
-        self.status.store(doc.clone());
-        self.status_changes.send_replace(doc);
-        if let Err(e) = crate::store::fsutil::atomic_write(&self.state.status_path(), &bytes) {
-            tracing::warn!(error = %e, "writing status.json failed");
-        }
-        self.status_bytes = bytes;
     }
 }
 

@@ -15,12 +15,17 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> io::Result<()> {
         .ok_or_else(|| io::Error::other("atomic_write needs a file name"))?
         .to_string_lossy();
     let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    {
+    let written = (|| {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        // A partial temporary file on a full disk would keep the space the retry needs.
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
-    std::fs::rename(&tmp, path)?;
     sync_dir(dir)
 }
 

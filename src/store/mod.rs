@@ -27,6 +27,9 @@ pub mod blob;
 pub mod fsutil;
 pub mod records;
 
+#[cfg(test)]
+mod proptests;
+
 use std::io;
 use std::path::{Path, PathBuf};
 

@@ -195,8 +195,13 @@ impl Records {
                 })
             }
         };
+        Self::from_bytes(&bytes, display)
+    }
+
+    /// Parses the content of a records file (`display` names it in errors).
+    pub fn from_bytes(bytes: &[u8], display: String) -> Result<Self, RecordsError> {
         let records: Records =
-            serde_json::from_slice(&bytes).map_err(|source| RecordsError::Corrupt {
+            serde_json::from_slice(bytes).map_err(|source| RecordsError::Corrupt {
                 path: display.clone(),
                 source,
             })?;

@@ -195,8 +195,7 @@ impl HubClient {
             .headers()
             .get(RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
+            .and_then(parse_retry_after);
         if message.is_none() {
             let body = tokio::time::timeout(
                 self.config.tuning.stall_timeout,
@@ -383,6 +382,16 @@ fn is_incomplete_body(e: &reqwest::Error) -> bool {
         src = s.source();
     }
     false
+}
+
+/// Longest `Retry-After` taken as given; a longer one is capped (the backoff caps it further).
+pub(crate) const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
+
+/// `Retry-After` in seconds (the HTTP-date form is not used by the hub and is ignored, as
+/// before: the normal backoff applies). Capped so no caller can overflow an `Instant`.
+pub(crate) fn parse_retry_after(value: &str) -> Option<Duration> {
+    let seconds = value.trim().parse::<u64>().ok()?;
+    Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER))
 }
 
 /// The `rel="next"` target of a `Link` header, resolved against the request URL.

@@ -362,7 +362,7 @@ async fn fetch_range(
         .await
 }
 
-fn parse_content_range_start(v: &str) -> Option<u64> {
+pub(crate) fn parse_content_range_start(v: &str) -> Option<u64> {
     v.trim()
         .strip_prefix("bytes ")?
         .split('-')

@@ -468,6 +468,9 @@ impl From<HfError> for SourceError {
 }
 
 #[cfg(test)]
+mod proptests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

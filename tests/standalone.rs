@@ -402,6 +402,18 @@ fn quick_start_example_serves_both_policies() {
             .unwrap()
     };
     assert_eq!(parent(&cluster), "clusterbasemodel.tiny-llm");
+    // The example's config.json is parsed as OME's agent does: the architecture, and the
+    // parameter count from the safetensors header (4x8 weight + 8 bias = 40).
+    // It is parsed after the model is Ready: wait for it.
+    let doc = d.wait_until("the example's config", Duration::from_secs(60), |doc| {
+        doc["clusterbasemodel.tiny-llm"]["config"]
+            .get("modelArchitecture")
+            .is_some()
+    });
+    let config = &doc["clusterbasemodel.tiny-llm"]["config"];
+    assert_eq!(config["modelArchitecture"], "LlamaForCausalLM", "{config}");
+    assert_eq!(config["modelParameterSize"], "40", "{config}");
+    assert_eq!(config["maxTokens"], 128, "{config}");
     assert_eq!(
         parent(&a),
         "clusterbasemodel.tiny-llm",

@@ -343,18 +343,12 @@ async fn adopt_before_fetch(
 mod tests {
     use std::os::unix::fs::{symlink, MetadataExt};
 
-    use sha1::Sha1;
     use sha2::{Digest, Sha256};
 
     use super::*;
     use crate::artifact::ManifestEntry;
 
-    fn git_sha1(bytes: &[u8]) -> [u8; 20] {
-        let mut h = Sha1::new();
-        h.update(format!("blob {}\0", bytes.len()).as_bytes());
-        h.update(bytes);
-        h.finalize().into()
-    }
+    use crate::artifact::git_blob_sha1 as git_sha1;
 
     /// A models root known under two names (as mounted, and the host path in model objects).
     fn root() -> (tempfile::TempDir, PathBuf, UnderMount) {

@@ -487,29 +487,7 @@ impl FsCore {
                         })
                     })
                     .clone();
-                // Synthesized parents.
-                let mut parent = ROOT_INO;
-                for depth in 1..path.len() {
-                    let prefix = path[..depth].to_vec();
-                    let name = prefix[depth - 1].clone();
-                    let ino = match reg.synth_ids.get(&prefix) {
-                        Some(i) => *i,
-                        None => {
-                            let i = reg.next_synth;
-                            reg.next_synth += 1;
-                            reg.synth_ids.insert(prefix, i);
-                            i
-                        }
-                    };
-                    new.synth
-                        .entry(ino)
-                        .or_insert_with(|| SynthDir::new(parent, name.clone()));
-                    new.synth
-                        .get_mut(&parent)
-                        .expect("parent synthesized first")
-                        .add(ino, name, Kind::Dir);
-                    parent = ino;
-                }
+                let parent = Self::synthesize_parents(&mut reg, &mut new, path);
                 let root = model_ino(*slot_id, ModelTree::ROOT);
                 new.synth.get_mut(&parent).expect("parent synthesized").add(
                     root,
@@ -593,17 +571,9 @@ impl FsCore {
             for depth in 1..path.len() {
                 dirs.insert(&path[..depth]);
             }
-            let parent = self.synthesize_parents(reg, new, path);
+            let parent = Self::synthesize_parents(reg, new, path);
             let key = (f.path.clone(), f.content.clone());
-            let ino = match reg.inline_ids.get(&key) {
-                Some(i) => *i,
-                None => {
-                    let i = reg.next_synth;
-                    reg.next_synth += 1;
-                    reg.inline_ids.insert(key, i);
-                    i
-                }
-            };
+            let ino = intern(&mut reg.inline_ids, &mut reg.next_synth, key);
             inline.entry(ino).or_insert_with(|| f.content.clone());
             new.synth.get_mut(&parent).expect("parent synthesized").add(
                 ino,
@@ -614,20 +584,12 @@ impl FsCore {
     }
 
     /// Synthesized directories for every proper prefix of `path`; returns the innermost.
-    fn synthesize_parents(&self, reg: &mut Registries, new: &mut Mapping, path: &[String]) -> u64 {
+    fn synthesize_parents(reg: &mut Registries, new: &mut Mapping, path: &[String]) -> u64 {
         let mut parent = ROOT_INO;
         for depth in 1..path.len() {
             let prefix = path[..depth].to_vec();
             let name = prefix[depth - 1].clone();
-            let ino = match reg.synth_ids.get(&prefix) {
-                Some(i) => *i,
-                None => {
-                    let i = reg.next_synth;
-                    reg.next_synth += 1;
-                    reg.synth_ids.insert(prefix, i);
-                    i
-                }
-            };
+            let ino = intern(&mut reg.synth_ids, &mut reg.next_synth, prefix);
             new.synth
                 .entry(ino)
                 .or_insert_with(|| SynthDir::new(parent, name.clone()));
@@ -1071,6 +1033,16 @@ impl SynthDir {
             }
         }
     }
+}
+
+/// The inode number `ids` gives `key`, numbering a new key with the next synthesized inode.
+/// Numbers are never reused while mounted, so the kernel never sees an inode change meaning.
+fn intern<K: std::hash::Hash + Eq>(ids: &mut HashMap<K, u64>, next: &mut u64, key: K) -> u64 {
+    *ids.entry(key).or_insert_with(|| {
+        let ino = *next;
+        *next += 1;
+        ino
+    })
 }
 
 /// An anonymous memory file holding `content`, sealed against any change (a passthrough

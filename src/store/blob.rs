@@ -521,12 +521,7 @@ impl BlobWriter {
 mod tests {
     use super::*;
 
-    fn git_sha1(bytes: &[u8]) -> [u8; 20] {
-        let mut h = Sha1::new();
-        h.update(format!("blob {}\0", bytes.len()).as_bytes());
-        h.update(bytes);
-        h.finalize().into()
-    }
+    use crate::artifact::git_blob_sha1 as git_sha1;
 
     #[test]
     fn verified_blob_is_published_and_wrong_bytes_are_not() {

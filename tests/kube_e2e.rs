@@ -2,87 +2,14 @@
 //! the in-process fake API server through a kubeconfig.
 
 mod fake_apiserver;
+mod kube_common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fake_apiserver::FakeApiServer;
+use kube_common::*;
 use serde_json::{json, Value};
-
-const NODE: &str = "node-a";
-const CM: &str = "api/v1/configmaps";
-const NODES: &str = "api/v1/nodes";
-const BM: &str = "apis/ome.io/v1beta1/basemodels";
-const CBM: &str = "apis/ome.io/v1beta1/clusterbasemodels";
-const TIMEOUT: Duration = Duration::from_secs(60);
-
-struct Daemon {
-    child: Child,
-    mount: PathBuf,
-    listen: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child process by its pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn start_daemon(server: &FakeApiServer) -> Daemon {
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
-    let mount = dir.path().join("mnt");
-    std::fs::create_dir_all(&mount).unwrap();
-    let listen = format!("127.0.0.1:{}", free_port());
-    let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_modelfs"))
-        .args(["serve", "--kube", "--node-name", NODE, "--namespace", "ome"])
-        .arg("--mount")
-        .arg(&mount)
-        .arg("--state")
-        .arg(dir.path().join("state"))
-        .args([
-            "--listen",
-            &listen,
-            "--allow-local-sources",
-            "--gc-grace-secs",
-            "1",
-        ])
-        .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "info,modelfs=debug")
-        .stderr(log)
-        .spawn()
-        .expect("spawn modelfs");
-    Daemon {
-        child,
-        mount,
-        listen,
-        _dir: dir,
-    }
-}
 
 fn source_dir(root: &Path, name: &str, files: &[(&str, Vec<u8>)]) -> PathBuf {
     let dir = root.join(name);
@@ -96,64 +23,6 @@ fn source_dir(root: &Path, name: &str, files: &[(&str, Vec<u8>)]) -> PathBuf {
 
 fn node(labels: Value) -> Value {
     json!({"metadata": {"name": NODE, "labels": labels}, "status": {"capacity": {"cpu": "2"}}})
-}
-
-fn cluster_model(name: &str, storage: Value) -> Value {
-    json!({"metadata": {"name": name}, "spec": {"modelFormat": {"name": "safetensors"},
-        "storage": storage}})
-}
-
-fn base_model(namespace: &str, name: &str, storage: Value) -> Value {
-    json!({"metadata": {"name": name, "namespace": namespace},
-        "spec": {"modelFormat": {"name": "safetensors"}, "storage": storage}})
-}
-
-/// The node ConfigMap's entries, parsed.
-fn entries(server: &FakeApiServer) -> BTreeMap<String, Value> {
-    server
-        .get(CM, "ome", NODE)
-        .and_then(|cm| cm["data"].as_object().cloned())
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(k, v)| {
-            let parsed = serde_json::from_str(v.as_str().unwrap_or("null")).unwrap_or(v);
-            (k, parsed)
-        })
-        .collect()
-}
-
-fn node_labels(server: &FakeApiServer) -> BTreeMap<String, String> {
-    server
-        .get(NODES, "", NODE)
-        .and_then(|n| serde_json::from_value(n["metadata"]["labels"].clone()).ok())
-        .unwrap_or_default()
-}
-
-async fn wait_for<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if let Some(value) = check() {
-            return value;
-        }
-        if Instant::now() > deadline {
-            panic!("timed out waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-fn status_of(server: &FakeApiServer, key: &str) -> Option<String> {
-    entries(server)
-        .get(key)
-        .and_then(|e| e["status"].as_str().map(str::to_owned))
-}
-
-async fn wait_status(server: &FakeApiServer, key: &str, status: &str) -> Value {
-    wait_for(&format!("{key} {status}"), || {
-        let entry = entries(server).get(key).cloned()?;
-        (entry["status"] == status).then_some(entry)
-    })
-    .await
 }
 
 async fn fetched_bytes(listen: &str) -> u64 {
@@ -202,7 +71,7 @@ async fn models_policy_flips_deletion_and_racing_writer() {
             json!({"storageUri": uri, "downloadPolicy": "ReuseIfExists"}),
         ),
     );
-    let daemon = start_daemon(&server);
+    let daemon = start_daemon(&server, &["--allow-local-sources"], &[]);
     let mnt = daemon.mount.clone();
     let parent_key = "clusterbasemodel.llama";
     let child_key = "team.basemodel.llama";
@@ -481,7 +350,7 @@ async fn targeting_malformed_objects_and_api_restarts() {
     for (_, object, _) in &malformed {
         server.put(BM, object.clone());
     }
-    let daemon = start_daemon(&server);
+    let daemon = start_daemon(&server, &["--allow-local-sources"], &[]);
 
     let check_targets = |after: bool| {
         let e = entries(&server);

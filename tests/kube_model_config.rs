@@ -4,74 +4,14 @@
 //! them (never over a user's value), and `ome.oracle.com/skip-config-parsing` prevents both.
 
 mod fake_apiserver;
+mod kube_common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use fake_apiserver::FakeApiServer;
+use kube_common::*;
 use serde_json::{json, Value};
-
-const NODE: &str = "node-a";
-const CM: &str = "api/v1/configmaps";
-const NODES: &str = "api/v1/nodes";
-const BM: &str = "apis/ome.io/v1beta1/basemodels";
-const CBM: &str = "apis/ome.io/v1beta1/clusterbasemodels";
-const TIMEOUT: Duration = Duration::from_secs(60);
-
-struct Daemon {
-    child: Child,
-    mount: PathBuf,
-    dir: tempfile::TempDir,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child process by its pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
-    }
-}
-
-fn start_daemon(server: &FakeApiServer) -> Daemon {
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
-    let mount = dir.path().join("mnt");
-    std::fs::create_dir_all(&mount).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_modelfs"))
-        .args(["serve", "--kube", "--node-name", NODE, "--namespace", "ome"])
-        .arg("--mount")
-        .arg(&mount)
-        .arg("--state")
-        .arg(dir.path().join("state"))
-        .args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--allow-local-sources",
-        ])
-        .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "info,modelfs=debug")
-        .stderr(log)
-        .spawn()
-        .expect("spawn modelfs");
-    Daemon { child, mount, dir }
-}
 
 fn entry(server: &FakeApiServer, key: &str) -> Option<Value> {
     let cm = server.get(CM, "ome", NODE)?;
@@ -85,11 +25,7 @@ async fn wait_for<T>(what: &str, daemon: &Daemon, mut check: impl FnMut() -> Opt
             return value;
         }
         if Instant::now() > deadline {
-            let log = std::fs::read_to_string(daemon.dir.path().join("daemon.log"));
-            panic!(
-                "timed out waiting for {what}; log:\n{}",
-                log.unwrap_or_default()
-            );
+            panic!("timed out waiting for {what}; log:\n{}", daemon.log_text());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -168,7 +104,7 @@ async fn configmap_entry_and_spec_backfill_with_skip_and_broken_configs() {
     ] {
         server.put(resource.as_str(), object);
     }
-    let daemon = start_daemon(&server);
+    let daemon = start_daemon(&server, &["--allow-local-sources"], &[]);
 
     // The ConfigMap entry carries OME's ModelConfig fields.
     let llama_entry = wait_for("llama entry with config", &daemon, || {

@@ -4,11 +4,11 @@
 
 mod common;
 mod fake_apiserver;
+mod kube_common;
 
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,144 +16,24 @@ use std::time::{Duration, Instant};
 use common::{files_of, make_model_dir, Readers};
 use fake_apiserver::FakeApiServer;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
+use kube_common::*;
 use modelfs::devhub::files_from_dir;
 use modelfs::manifest::ModelKind;
 use serde_json::{json, Value};
 
-const NODE: &str = "node-a";
-const CM: &str = "api/v1/configmaps";
-const NODES: &str = "api/v1/nodes";
 const EVENTS: &str = "apis/events.k8s.io/v1/events";
-const BM: &str = "apis/ome.io/v1beta1/basemodels";
-const CBM: &str = "apis/ome.io/v1beta1/clusterbasemodels";
-const TIMEOUT: Duration = Duration::from_secs(90);
 /// OME's finalizers (pkg/constants: BaseModelFinalizer, ClusterBaseModelFinalizer).
 const BASE_MODEL_FINALIZER: &str = "basemodels.ome.io/finalizer";
 const CLUSTER_BASE_MODEL_FINALIZER: &str = "clusterbasemodels.ome.io/finalizer";
 
-struct Daemon {
-    child: Child,
-    mount: PathBuf,
-    listen: String,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child process by its pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
-    }
-}
-
 impl Daemon {
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
     fn get(&self, path: &str) -> (u16, String) {
         common::http_get(&self.listen, path).expect("daemon answers")
     }
 }
 
-fn start_daemon(server: &FakeApiServer, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
-    let mount = dir.path().join("mnt");
-    std::fs::create_dir_all(&mount).unwrap();
-    let listen = format!("127.0.0.1:{}", common::free_port());
-    let log = dir.path().join("daemon.log");
-    let mut command = Command::new(env!("CARGO_BIN_EXE_modelfs"));
-    command
-        .args(["serve", "--kube", "--node-name", NODE, "--namespace", "ome"])
-        .arg("--mount")
-        .arg(&mount)
-        .arg("--state")
-        .arg(dir.path().join("state"))
-        .args(["--listen", &listen, "--gc-grace-secs", "1"])
-        .args(extra)
-        .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "info,modelfs=debug")
-        .env_remove("HF_TOKEN")
-        .stderr(std::fs::File::create(&log).unwrap());
-    for (name, value) in env {
-        command.env(name, value);
-    }
-    let child = command.spawn().expect("spawn modelfs");
-    Daemon {
-        child,
-        mount,
-        listen,
-        log,
-        _dir: dir,
-    }
-}
-
 fn node() -> Value {
     json!({"metadata": {"name": NODE, "labels": {"gpu": "h100"}}})
-}
-
-fn cluster_model(name: &str, storage: Value) -> Value {
-    json!({"metadata": {"name": name}, "spec": {"modelFormat": {"name": "safetensors"},
-        "storage": storage}})
-}
-
-fn base_model(namespace: &str, name: &str, storage: Value) -> Value {
-    json!({"metadata": {"name": name, "namespace": namespace},
-        "spec": {"modelFormat": {"name": "safetensors"}, "storage": storage}})
-}
-
-/// The node ConfigMap's entries, parsed.
-fn entries(server: &FakeApiServer) -> BTreeMap<String, Value> {
-    server
-        .get(CM, "ome", NODE)
-        .and_then(|cm| cm["data"].as_object().cloned())
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(k, v)| {
-            let parsed = serde_json::from_str(v.as_str().unwrap_or("null")).unwrap_or(v);
-            (k, parsed)
-        })
-        .collect()
-}
-
-fn node_labels(server: &FakeApiServer) -> BTreeMap<String, String> {
-    server
-        .get(NODES, "", NODE)
-        .and_then(|n| serde_json::from_value(n["metadata"]["labels"].clone()).ok())
-        .unwrap_or_default()
-}
-
-async fn wait_for<T>(what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if let Some(value) = check() {
-            return value;
-        }
-        if Instant::now() > deadline {
-            panic!("timed out waiting for {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn wait_status(server: &FakeApiServer, key: &str, status: &str) -> Value {
-    wait_for(&format!("{key} {status}"), || {
-        let entry = entries(server).get(key).cloned()?;
-        (entry["status"] == status).then_some(entry)
-    })
-    .await
 }
 
 /// OME's BaseModel and ClusterBaseModel controllers, as far as deletion goes
@@ -473,12 +353,6 @@ async fn deletion_with_omes_finalizers_for_models_parents_and_children() {
     assert_eq!(finalizers_removed.load(Ordering::Relaxed), 7);
     controller.abort();
     drop(restarted);
-}
-
-fn status_of(server: &FakeApiServer, key: &str) -> Option<String> {
-    entries(server)
-        .get(key)
-        .and_then(|e| e["status"].as_str().map(str::to_owned))
 }
 
 async fn fetched_bytes(listen: &str) -> u64 {

@@ -36,6 +36,15 @@ impl<'a> Obj<'a> {
                 .ok_or_else(|| format!("{key}: cannot read {v} as an integer")),
         }
     }
+    /// `(hidden_size, num_hidden_layers, intermediate_size)`: the shape of one transformer
+    /// tower, as [`estimate_tower`] takes it.
+    fn tower(&self) -> R<(i64, i64, i64)> {
+        Ok((
+            self.int("hidden_size")?,
+            self.int("num_hidden_layers")?,
+            self.int("intermediate_size")?,
+        ))
+    }
     fn float(&self, key: &str) -> R<f64> {
         match self.get(key) {
             None => Ok(0.0),
@@ -686,16 +695,8 @@ fn family(key: &str, o: Obj, safetensors: &dyn Fn() -> Option<i64>) -> R<HfModel
             } else {
                 8192
             };
-            let (th, tl, ti) = (
-                tc.int("hidden_size")?,
-                tc.int("num_hidden_layers")?,
-                tc.int("intermediate_size")?,
-            );
-            let (vh, vl, vi) = (
-                vc.int("hidden_size")?,
-                vc.int("num_hidden_layers")?,
-                vc.int("intermediate_size")?,
-            );
+            let (th, tl, ti) = tc.tower()?;
+            let (vh, vl, vi) = vc.tower()?;
             fallback = Box::new(move || {
                 if th == 5376 && tl == 62 {
                     return Ok(32 * B);
@@ -909,16 +910,8 @@ fn family(key: &str, o: Obj, safetensors: &dyn Fn() -> Option<i64>) -> R<HfModel
             let tc = o.object_or_empty("text_config")?;
             let vc = o.object_or_empty("vision_config")?;
             m.context_length = tc.int("max_position_embeddings")?;
-            let (th, tl, ti) = (
-                tc.int("hidden_size")?,
-                tc.int("num_hidden_layers")?,
-                tc.int("intermediate_size")?,
-            );
-            let (vh, vl, vi) = (
-                vc.int("hidden_size")?,
-                vc.int("num_hidden_layers")?,
-                vc.int("intermediate_size")?,
-            );
+            let (th, tl, ti) = tc.tower()?;
+            let (vh, vl, vi) = vc.tower()?;
             fallback = Box::new(move || {
                 if tl == 40 && th == 4096 {
                     return Ok(11 * B);

@@ -7,8 +7,12 @@
 //! and fetch; a model served from another model's copy downloads nothing and counts nothing),
 //! its bytes are the bytes written into the store, a verification is the digest check of a
 //! completed fetch, and a checksum failure is a fetch that ended on bytes that never matched
-//! their digest (OME checks MD5s; modelfs sha256 / git sha1, same meaning). A rate limit is a
-//! download that failed on HTTP 429. OME's Go runtime gauges (`go_*`) have no equivalent.
+//! their digest (OME checks MD5s; modelfs sha256 / git sha1, same meaning). The verification
+//! duration times the final pass over a completed fetch (every blob present with its size; the
+//! digests were checked as the bytes were written). A rate limit is a download that failed on
+//! HTTP 429; the rate-limit wait histogram observes each back-off after a 429 as actually waited
+//! (OME observes a fixed 30 s estimate per rate-limited download). OME's Go runtime gauges
+//! (`go_*`) have no equivalent.
 //!
 //! Bytes read are counted only for read-through opens: with passthrough the kernel reads the blob
 //! directly and the daemon never sees the bytes (that is the point), so `passthrough_opens` is the
@@ -93,6 +97,16 @@ pub struct OmeMetrics {
     pub rate_limit: Family<OmeModelLabels, Counter>,
     pub download_duration: Family<OmeModelLabels, Histogram, fn() -> Histogram>,
     pub download_bytes: Family<OmeModelLabels, Counter>,
+    /// The final verification pass of each completed fetch (no labels, as OME).
+    pub verification_duration: Histogram,
+    /// Each wait spent backing off after HTTP 429 (OME observes a fixed 30 s estimate per
+    /// rate-limited download; modelfs observes the waits it actually took).
+    pub rate_limit_wait: Family<OmeModelLabels, Histogram, fn() -> Histogram>,
+}
+
+fn ome_rate_limit_wait_histogram() -> Histogram {
+    // As OME: 1 s doubling, 10 buckets.
+    Histogram::new(exponential_buckets(1.0, 2.0, 10))
 }
 
 impl OmeMetrics {
@@ -106,6 +120,8 @@ impl OmeMetrics {
             rate_limit: Family::default(),
             download_duration: Family::new_with_constructor(ome_duration_histogram),
             download_bytes: Family::default(),
+            verification_duration: ome_duration_histogram(),
+            rate_limit_wait: Family::new_with_constructor(ome_rate_limit_wait_histogram),
             registry: Registry::default(),
         };
         registry.register(
@@ -142,6 +158,16 @@ impl OmeMetrics {
             "model_agent_download_bytes",
             "The total bytes transferred while downloading models",
             m.download_bytes.clone(),
+        );
+        registry.register(
+            "model_agent_verification_duration_seconds",
+            "The duration of model verifications in seconds",
+            m.verification_duration.clone(),
+        );
+        registry.register(
+            "model_agent_rate_limit_wait_seconds",
+            "The duration waited due to rate limits in seconds",
+            m.rate_limit_wait.clone(),
         );
         Self { registry, ..m }
     }

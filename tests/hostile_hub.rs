@@ -340,3 +340,59 @@ fn file_requests_that_hang_are_retried_until_the_model_is_ready() {
         after.bytes_served - before.bytes_served
     );
 }
+
+#[test]
+fn throttling_waits_and_final_verification_are_in_omes_metrics() {
+    let hub = TestHub::start(1000);
+    small_repo(&hub, "org/throttled", 3);
+    // Two file downloads and one metadata request answered 429 with `Retry-After: 1`.
+    hub.fault(
+        FaultKind::Status {
+            status: 429,
+            retry_after: Some(1),
+        },
+        2,
+        None,
+    );
+    api_fault_n(
+        &hub,
+        FaultKind::Status {
+            status: 429,
+            retry_after: Some(1),
+        },
+        1,
+    );
+    let env = TestEnv::new();
+    let d = start_daemon(&env, &hub);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("throttled", "hf://org/throttled", "AlwaysDownload", None),
+    );
+    d.wait_model("clusterbasemodel.throttled", "Ready");
+    assert_eq!(hub.hub().stats().faults_applied, 3);
+    let labels = "{model_type=\"ClusterBaseModel\",namespace=\"\",name=\"throttled\"}";
+    // One observation per wait, each the second the server asked for (or a little more).
+    assert_eq!(
+        d.metric(&format!(
+            "model_agent_rate_limit_wait_seconds_count{labels}"
+        )),
+        3.0
+    );
+    let waited = d.metric(&format!("model_agent_rate_limit_wait_seconds_sum{labels}"));
+    assert!(waited >= 3.0, "waited {waited} s in all");
+    // The final verification pass ran for the completed fetch (OME's metric has no labels).
+    assert!(d.metric("model_agent_verification_duration_seconds_count ") >= 1.0);
+    let verified = d.metric(
+        "model_agent_verifications_total{model_type=\"ClusterBaseModel\",namespace=\"\",name=\"throttled\",result=\"success\"}",
+    );
+    assert_eq!(verified, 1.0);
+}
+
+fn api_fault_n(hub: &TestHub, kind: FaultKind, count: u64) {
+    hub.hub().add_fault(Fault {
+        kind,
+        count,
+        path: None,
+        target: FaultTarget::Api,
+    });
+}

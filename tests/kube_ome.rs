@@ -585,6 +585,7 @@ async fn schemes_tokens_and_ome_metrics() {
         // At least once (a new failure may get one more attempt).
         "model_agent_downloads_failed_total{model_type=\"BaseModel\",namespace=\"team\",name=\"wrong\"} ",
         "modelfs_fetched_bytes_total{scheme=\"Hf\"}",
+        "model_agent_verification_duration_seconds_count ",
     ] {
         assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
     }

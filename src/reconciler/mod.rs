@@ -826,7 +826,16 @@ impl Reconciler {
             return true;
         }
         let source = match Source::for_uri(&spec.source, &self.config.sources, token) {
-            Ok(s) => s,
+            Ok(s) => {
+                let (metrics, labels) = (self.metrics.clone(), ome_labels(key));
+                s.observe_throttling(crate::source::ThrottleObserver::new(move |waited| {
+                    metrics
+                        .ome
+                        .rate_limit_wait
+                        .get_or_create(&labels)
+                        .observe(waited.as_secs_f64())
+                }))
+            }
             Err(e) => {
                 self.fail(key, &fp, &e);
                 return true;

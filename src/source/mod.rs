@@ -316,6 +316,35 @@ impl FetchContext {
     }
 }
 
+/// Told how long a source waits each time a server throttles it (HTTP 429) before it retries:
+/// the agent feeds OME's `model_agent_rate_limit_wait_seconds` with the model's labels from it.
+/// Sources are built per model, so the observer travels with the source rather than through the
+/// shared HTTP client.
+#[derive(Clone, Default)]
+pub struct ThrottleObserver(Option<Arc<dyn Fn(std::time::Duration) + Send + Sync>>);
+
+impl ThrottleObserver {
+    pub fn new(f: impl Fn(std::time::Duration) + Send + Sync + 'static) -> Self {
+        Self(Some(Arc::new(f)))
+    }
+
+    pub fn observe(&self, waited: std::time::Duration) {
+        if let Some(f) = &self.0 {
+            f(waited)
+        }
+    }
+}
+
+impl std::fmt::Debug for ThrottleObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "ThrottleObserver(set)"
+        } else {
+            "ThrottleObserver(none)"
+        })
+    }
+}
+
 /// Daemon-wide settings of all sources, built once at start and shared by every model.
 #[derive(Clone, Debug)]
 pub struct SourceConfig {
@@ -403,6 +432,14 @@ impl Source {
         }
     }
 
+    /// The same source, reporting its throttling waits to `observer`.
+    pub fn observe_throttling(self, observer: ThrottleObserver) -> Self {
+        match self {
+            Source::Hf(s) => Source::Hf(s.with_throttle_observer(observer)),
+            local @ Source::Local(_) => local,
+        }
+    }
+
     pub async fn resolve(&self, cancel: Arc<AtomicBool>) -> Result<Manifest, SourceError> {
         match self {
             Source::Local(s) => {
@@ -415,23 +452,85 @@ impl Source {
         }
     }
 
-    /// Fetches every entry the store lacks; returns the sha256 blob name of every entry.
+    /// Fetches every entry the store lacks; returns the sha256 blob name of every entry, once
+    /// the final verification (below) has found every one of them in the store.
     pub async fn fetch(
         &self,
         manifest: Arc<Manifest>,
         ctx: FetchContext,
     ) -> Result<Vec<Sha256Digest>, SourceError> {
-        match self {
+        let digests = match self {
             Source::Local(s) => {
-                let s = s.clone();
+                let (s, manifest, ctx) = (s.clone(), manifest.clone(), ctx.clone());
                 tokio::task::spawn_blocking(move || s.fetch(&manifest, &ctx))
                     .await
-                    .unwrap_or_else(|e| Err(SourceError::from_join(e)))
+                    .unwrap_or_else(|e| Err(SourceError::from_join(e)))?
             }
-            Source::Hf(s) => s.fetch(manifest, ctx).await,
-        }
+            Source::Hf(s) => s.fetch(manifest.clone(), ctx.clone()).await?,
+        };
+        let metrics = ctx.metrics.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            let verified = verify_fetched(&manifest, &digests, &ctx.store);
+            metrics
+                .ome
+                .verification_duration
+                .observe(started.elapsed().as_secs_f64());
+            verified.map(|()| digests)
+        })
+        .await
+        .unwrap_or_else(|e| Err(SourceError::from_join(e)))
     }
 }
+
+/// The final verification of a completed fetch, OME's "final integrity verification" pass:
+/// every entry's blob is in the store with the manifest's size. Digests need no second read:
+/// a blob is named by the sha256 of the bytes written into it, checked against the source's
+/// digest as they were written. What this catches is a store changed underneath the fetch (a
+/// blob removed or truncated by hand or by a bug) before the artifact is recorded and served.
+fn verify_fetched(
+    manifest: &Manifest,
+    digests: &[Sha256Digest],
+    store: &Store,
+) -> Result<(), SourceError> {
+    if digests.len() != manifest.entries().len() {
+        return Err(SourceError::Panicked {
+            detail: format!(
+                "a fetch returned {} blobs for {} manifest entries",
+                digests.len(),
+                manifest.entries().len()
+            ),
+        });
+    }
+    for (entry, digest) in manifest.entries().iter().zip(digests) {
+        let path = store.blob_path(digest);
+        let actual = match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() => m.len(),
+            Ok(_) => 0,
+            Err(e) => {
+                return Err(SourceError::Store {
+                    path: entry.path.clone(),
+                    source: StoreError::io(
+                        format!("verifying {} after the fetch", path.display()),
+                        e,
+                    ),
+                })
+            }
+        };
+        if actual != entry.size {
+            return Err(SourceError::Store {
+                path: entry.path.clone(),
+                source: StoreError::SizeMismatch {
+                    expected: entry.size,
+                    actual,
+                },
+            });
+        }
+    }
+    Ok(())
+}
+
+impl Source {}
 
 #[cfg(test)]
 mod tests {
@@ -485,5 +584,55 @@ mod tests {
         for (error, expected) in cases {
             assert_eq!(error.ome_outcome(), expected, "{error}");
         }
+    }
+
+    /// The final verification catches a store changed under a completed fetch: a blob gone or
+    /// cut short is an error naming the file, and the intact store passes.
+    #[test]
+    fn final_verification_finds_missing_and_short_blobs() {
+        use sha2::Digest;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s")).unwrap();
+        let contents: [&[u8]; 2] = [b"first file", b"second, longer file"];
+        let mut entries = Vec::new();
+        let mut digests = Vec::new();
+        for (i, bytes) in contents.iter().enumerate() {
+            let sha: [u8; 32] = sha2::Sha256::digest(bytes).into();
+            std::fs::write(store.blob_path(&Sha256Digest(sha)), bytes).unwrap();
+            entries.push(ManifestEntry {
+                path: format!("f{i}"),
+                size: bytes.len() as u64,
+                digest: FileDigest::Sha256(sha),
+            });
+            digests.push(Sha256Digest(sha));
+        }
+        let manifest = Manifest::new("r".into(), entries).unwrap();
+        verify_fetched(&manifest, &digests, &store).unwrap();
+
+        std::fs::write(store.blob_path(&digests[1]), b"second").unwrap();
+        let short = verify_fetched(&manifest, &digests, &store).unwrap_err();
+        assert!(
+            matches!(
+                &short,
+                SourceError::Store { path, source: StoreError::SizeMismatch { expected: 19, actual: 6 } }
+                    if path == "f1"
+            ),
+            "{short}"
+        );
+        assert_eq!(
+            short.ome_outcome(),
+            Some(crate::metrics::DownloadOutcome::VerificationFailed)
+        );
+
+        std::fs::remove_file(store.blob_path(&digests[0])).unwrap();
+        let missing = verify_fetched(&manifest, &digests, &store).unwrap_err();
+        assert!(
+            matches!(&missing, SourceError::Store { path, .. } if path == "f0"),
+            "{missing}"
+        );
+        assert!(
+            missing.is_transient(),
+            "a vanished blob is fetched again: {missing}"
+        );
     }
 }

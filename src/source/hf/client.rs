@@ -237,6 +237,7 @@ impl HubClient {
         &self,
         what: &str,
         cancel: &AtomicBool,
+        throttle: &crate::source::ThrottleObserver,
         mut op: F,
     ) -> Result<T, HfError>
     where
@@ -255,7 +256,12 @@ impl HubClient {
                 Err(e) if e.is_retryable() && attempt < max => {
                     let delay = self.backoff(attempt, &e);
                     tracing::warn!(%what, attempt, error = %e, delay_ms = delay.as_millis() as u64, "retrying");
-                    sleep_unless_cancelled(delay, cancel).await?;
+                    let started = std::time::Instant::now();
+                    let slept = sleep_unless_cancelled(delay, cancel).await;
+                    if e.is_rate_limited() {
+                        throttle.observe(started.elapsed());
+                    }
+                    slept?;
                 }
                 Err(e) if e.is_retryable() => {
                     return Err(HfError::Exhausted {
@@ -276,9 +282,10 @@ impl HubClient {
         url: &str,
         token: Option<&Token>,
         cancel: &AtomicBool,
+        throttle: &crate::source::ThrottleObserver,
     ) -> Result<(T, Option<String>), HfError> {
         let deadline = self.config.tuning.request_timeout;
-        self.retrying(what, cancel, || async {
+        self.retrying(what, cancel, throttle, || async {
             tokio::time::timeout(deadline, self.json_attempt(what, url, token))
                 .await
                 .map_err(|_| HfError::TimedOut {

@@ -356,7 +356,7 @@ async fn fetch_range(
     let what = format!("downloading {path} (bytes {at}-{})", at + len - 1);
     let client = src.client();
     client
-        .retrying(&what, &ctx.cancel, || {
+        .retrying(&what, &ctx.cancel, src.throttle(), || {
             range_attempt(src, url, &what, at, len, accept_whole, ctx)
         })
         .await

@@ -217,6 +217,11 @@ impl HfError {
         }
     }
 
+    /// The server asked this client to slow down (HTTP 429).
+    pub fn is_rate_limited(&self) -> bool {
+        matches!(self, HfError::Status { status: 429, .. })
+    }
+
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             HfError::Status { retry_after, .. } => *retry_after,
@@ -245,6 +250,7 @@ pub struct HfSource {
     pub revision: String,
     token: Option<Token>,
     client: Arc<HubClient>,
+    throttle: crate::source::ThrottleObserver,
 }
 
 #[derive(Deserialize)]
@@ -331,7 +337,20 @@ impl HfSource {
             revision,
             token,
             client,
+            throttle: Default::default(),
         }
+    }
+
+    /// Reports every wait this source spends on HTTP 429 to `observer`.
+    pub fn with_throttle_observer(self, observer: crate::source::ThrottleObserver) -> Self {
+        Self {
+            throttle: observer,
+            ..self
+        }
+    }
+
+    pub(crate) fn throttle(&self) -> &crate::source::ThrottleObserver {
+        &self.throttle
     }
 
     fn label(&self) -> String {
@@ -352,7 +371,7 @@ impl HfSource {
             );
             let info: RevisionInfo = self
                 .client
-                .get_json(&what, &url, self.token.as_ref(), &cancel)
+                .get_json(&what, &url, self.token.as_ref(), &cancel, &self.throttle)
                 .await?
                 .0;
             match info.sha {
@@ -398,7 +417,7 @@ impl HfSource {
             pages += 1;
             let (page, next): (Vec<TreeEntry>, _) = self
                 .client
-                .get_json(&what, &url, self.token.as_ref(), &cancel)
+                .get_json(&what, &url, self.token.as_ref(), &cancel, &self.throttle)
                 .await?;
             listed += page.len();
             if listed > tuning.max_listing_entries {

@@ -34,15 +34,6 @@ pub const MAX_DOCUMENTS_PER_FILE: usize = 4096;
 /// shared block of labels or affinity (tens of events) in every one of thousands of documents.
 const MAX_ALIAS_REPLAY: usize = 50_000;
 
-/// Upper bound on trial deserializations spent locating one error.
-const MAX_LOCATE_ATTEMPTS: usize = 512;
-
-/// Upper bound on the total size (in JSON nodes, summed over trials) of the documents
-/// deserialized while locating one error, so that a huge document cannot make error reporting
-/// quadratic: a 1 MB document gets a couple dozen trials (a coarser path), a normal one all
-/// [`MAX_LOCATE_ATTEMPTS`].
-const MAX_LOCATE_WORK_NODES: usize = 2_000_000;
-
 /// One YAML document of a manifest file.
 // `Model` is much larger than the other variants; boxing it would buy nothing, since documents
 // are short-lived (one parse per file change) and few, and would make matching clumsier.
@@ -338,8 +329,28 @@ fn classify_document(
 /// former.
 pub fn deserialize_model_object(value: &Value) -> Result<ModelObject, String> {
     check_parameters(value)?;
-    serde_json::from_value::<ModelObject>(value.clone())
-        .map_err(|error| locate_failing_field(value, &error.to_string()))
+    serde_path_to_error::deserialize::<_, ModelObject>(value)
+        .map_err(|error| located_reason(error.path(), &error.inner().to_string()))
+}
+
+/// `"<path>: <message>"` for serde's error at `path` (just `message` at the root). A missing
+/// field is reported at the mapping that lacks it, as serde names the field in the message.
+fn located_reason(path: &serde_path_to_error::Path, message: &str) -> String {
+    use serde_path_to_error::Segment;
+    let steps: Vec<PathStep> = path
+        .iter()
+        .filter_map(|segment| match segment {
+            Segment::Seq { index } => Some(PathStep::Index(*index)),
+            Segment::Map { key } => Some(PathStep::Key(key.clone())),
+            Segment::Enum { variant } => Some(PathStep::Key(variant.clone())),
+            Segment::Unknown => None,
+        })
+        .collect();
+    if steps.is_empty() {
+        message.to_owned()
+    } else {
+        format!("{}: {message}", render_path(&steps))
+    }
 }
 
 /// What serde would say about a wrong `spec.storage.parameters`, without the value: serde's
@@ -433,147 +444,6 @@ fn describe_json_type(value: &Value) -> &'static str {
 enum PathStep {
     Key(String),
     Index(usize),
-}
-
-/// Finds the field that makes `document` fail to deserialize as a [`ModelObject`] and returns
-/// `"<path>: <message>"` (just `message` when no field can be singled out).
-///
-/// Method: descend from the root; at each level, remove one child at a time and deserialize
-/// again. A child is to blame when its removal makes the error go away or change. That works
-/// because serde reports a wrong-typed field while visiting it, before any missing-field check,
-/// so removing an innocent sibling leaves the message unchanged.
-///
-/// One case is ambiguous: when the original error is itself "missing field `x`", removing a
-/// required child `y` changes it to "missing field `y`" whether or not `y` contains the problem.
-/// Such children are explored only after the unambiguous ones, and kept only if something
-/// below them is to blame unambiguously.
-fn locate_failing_field(document: &Value, message: &str) -> String {
-    let mut search = BlameSearch {
-        document,
-        message,
-        original_is_missing_field: message.starts_with("missing field `"),
-        attempts_left: (MAX_LOCATE_WORK_NODES / count_nodes(document)).min(MAX_LOCATE_ATTEMPTS),
-    };
-    let mut path = Vec::new();
-    search.descend(&mut path);
-    if path.is_empty() {
-        message.to_owned()
-    } else {
-        format!("{}: {message}", render_path(&path))
-    }
-}
-
-struct BlameSearch<'a> {
-    document: &'a Value,
-    message: &'a str,
-    original_is_missing_field: bool,
-    attempts_left: usize,
-}
-
-enum Verdict {
-    Blamed,
-    Ambiguous,
-    Innocent,
-}
-
-impl BlameSearch<'_> {
-    /// Extends `path` as deep as blame can be established below it.
-    fn descend(&mut self, path: &mut Vec<PathStep>) {
-        'level: loop {
-            let children: Vec<PathStep> = match value_at(self.document, path) {
-                Some(Value::Object(map)) => map.keys().cloned().map(PathStep::Key).collect(),
-                Some(Value::Array(items)) => (0..items.len()).map(PathStep::Index).collect(),
-                _ => return,
-            };
-            let mut ambiguous = Vec::new();
-            for child in children {
-                match self.judge(path, &child) {
-                    Some(Verdict::Blamed) => {
-                        path.push(child);
-                        continue 'level;
-                    }
-                    Some(Verdict::Ambiguous) => ambiguous.push(child),
-                    Some(Verdict::Innocent) => {}
-                    None => return,
-                }
-            }
-            for child in ambiguous {
-                let depth = path.len() + 1;
-                path.push(child);
-                self.descend(path);
-                if path.len() > depth {
-                    return;
-                }
-                path.pop();
-            }
-            return;
-        }
-    }
-
-    /// What removing `child` of the value at `path` does to the error; `None` when the
-    /// attempt budget is spent.
-    fn judge(&mut self, path: &[PathStep], child: &PathStep) -> Option<Verdict> {
-        if self.attempts_left == 0 {
-            return None;
-        }
-        self.attempts_left -= 1;
-        let mut trial = self.document.clone();
-        remove_child(&mut trial, path, child);
-        let new_message = match serde_json::from_value::<ModelObject>(trial) {
-            Ok(_) => return Some(Verdict::Blamed),
-            Err(error) => error.to_string(),
-        };
-        if new_message == self.message {
-            return Some(Verdict::Innocent);
-        }
-        let only_lost_this_child = match child {
-            PathStep::Key(key) => new_message == format!("missing field `{key}`"),
-            PathStep::Index(_) => false,
-        };
-        if self.original_is_missing_field && only_lost_this_child {
-            Some(Verdict::Ambiguous)
-        } else {
-            Some(Verdict::Blamed)
-        }
-    }
-}
-
-/// Number of JSON values in `value`, itself included (so never zero).
-fn count_nodes(value: &Value) -> usize {
-    let mut count = 0;
-    let mut pending = vec![value];
-    while let Some(next) = pending.pop() {
-        count += 1;
-        match next {
-            Value::Object(map) => pending.extend(map.values()),
-            Value::Array(items) => pending.extend(items),
-            _ => {}
-        }
-    }
-    count
-}
-
-fn value_at<'a>(root: &'a Value, path: &[PathStep]) -> Option<&'a Value> {
-    path.iter().try_fold(root, |value, step| match step {
-        PathStep::Key(key) => value.get(key.as_str()),
-        PathStep::Index(index) => value.get(*index),
-    })
-}
-
-fn remove_child(root: &mut Value, path: &[PathStep], child: &PathStep) {
-    let parent = path.iter().try_fold(root, |value, step| match step {
-        PathStep::Key(key) => value.get_mut(key.as_str()),
-        PathStep::Index(index) => value.get_mut(*index),
-    });
-    match (parent, child) {
-        (Some(Value::Object(map)), PathStep::Key(key)) => {
-            map.remove(key);
-        }
-        (Some(Value::Array(items)), PathStep::Index(index)) if *index < items.len() => {
-            items.remove(*index);
-        }
-        _ => {}
-    }
 }
 
 /// `spec.storage.nodeAffinity.x.nodeSelectorTerms[0]`; keys that are not plain identifiers

@@ -16,6 +16,8 @@
 //!
 //! `devhub` is a loopback Hugging Face hub for tests and benchmarks, not part of the daemon.
 
+#![forbid(unsafe_code)]
+
 pub mod adopt;
 pub mod artifact;
 pub mod cli;

@@ -1,3 +1,5 @@
+#![forbid(unsafe_code)]
+
 fn main() -> anyhow::Result<()> {
     modelfs::cli::main()
 }

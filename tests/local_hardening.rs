@@ -146,18 +146,14 @@ impl HungMount {
             fuse.as_raw_fd()
         ))
         .unwrap();
-        let c_target = std::ffi::CString::new(target.as_os_str().as_bytes()).unwrap();
-        // SAFETY: valid NUL-terminated strings that outlive the call.
-        let rc = unsafe {
-            libc::mount(
-                c"modelfs-test-hung".as_ptr(),
-                c_target.as_ptr(),
-                c"fuse.modelfs-test-hung".as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV,
-                options.as_ptr().cast(),
-            )
-        };
-        assert_eq!(rc, 0, "mount: {}", std::io::Error::last_os_error());
+        rustix::mount::mount(
+            "modelfs-test-hung",
+            target,
+            "fuse.modelfs-test-hung",
+            rustix::mount::MountFlags::NOSUID | rustix::mount::MountFlags::NODEV,
+            options.as_c_str(),
+        )
+        .expect("mount");
         HungMount {
             fuse: Some(fuse),
             target: target.to_path_buf(),

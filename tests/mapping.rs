@@ -183,11 +183,13 @@ fn deleting_a_model_whose_file_is_open_frees_its_store_after_close_without_drop_
     assert!(env.stores_with_blobs().is_empty());
 
     // Those inodes, used after the store is gone: an error, never bytes.
-    let name = std::ffi::CString::new("tokenizer.json").unwrap();
-    // SAFETY: a valid directory descriptor and a NUL-terminated name.
-    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), libc::O_RDONLY) };
-    let err = std::io::Error::last_os_error();
-    assert_eq!(fd, -1, "opened a file of a deleted model");
+    let opened = rustix::fs::openat(
+        &dir,
+        "tokenizer.json",
+        rustix::fs::OFlags::RDONLY,
+        rustix::fs::Mode::empty(),
+    );
+    let err = std::io::Error::from(opened.expect_err("opened a file of a deleted model"));
     assert!(
         matches!(err.raw_os_error(), Some(libc::ESTALE | libc::ENOENT)),
         "{err}"

@@ -1,5 +1,8 @@
 //! The mount against a real directory: content, metadata, read paths, read-only semantics.
 
+// mmap of a mounted file is what loaders do; mapping memory has no safe API.
+#![allow(unsafe_code)]
+
 mod common;
 
 use std::fs::{File, OpenOptions};

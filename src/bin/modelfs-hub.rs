@@ -19,6 +19,8 @@
 //! --fault '{"kind":"status_stalled_body","status":503,"secs":3600,"count":5}'
 //! ```
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 

@@ -6,7 +6,6 @@ mod gc_cmd;
 mod status_cmd;
 
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -237,9 +236,11 @@ fn lock_state(state: &Path) -> Result<std::fs::File> {
         .write(true)
         .open(&path)
         .with_context(|| format!("opening {}", path.display()))?;
-    // SAFETY: flock on a valid, owned file descriptor.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
+    // An exclusive flock(2), held as long as the file stays open.
+    if let Err(e) = file.try_lock() {
+        if let std::fs::TryLockError::Error(e) = e {
+            return Err(e).with_context(|| format!("locking {}", path.display()));
+        }
         bail!(
             "another modelfs daemon is using the state directory {}",
             state.display()

@@ -1,8 +1,6 @@
 //! Mountpoint housekeeping: stale mounts of a crashed daemon, lazy detach, read-ahead.
 
-use std::ffi::CString;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -41,17 +39,7 @@ fn mount_info(path: &Path) -> Option<(String, String)> {
 /// `statfs` always reaches the FUSE daemon (no kernel cache answers it), so it tells a live
 /// mount from a dead one; `stat` of the root may be answered from cached attributes.
 fn statfs(path: &Path) -> io::Result<()> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
-    // SAFETY: `c` is a valid path and `buf` a properly sized, writable statfs struct.
-    let rc = unsafe {
-        let mut buf: libc::statfs = std::mem::zeroed();
-        libc::statfs(c.as_ptr(), &mut buf)
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    rustix::fs::statfs(path).map(drop).map_err(io::Error::from)
 }
 
 fn unescape_mountinfo(s: &str) -> String {
@@ -62,14 +50,7 @@ fn unescape_mountinfo(s: &str) -> String {
 }
 
 pub(crate) fn detach(path: &Path) -> io::Result<()> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
-    // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
-    let rc = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    rustix::mount::unmount(path, rustix::mount::UnmountFlags::DETACH).map_err(io::Error::from)
 }
 
 /// Detaches a mount left behind by a crashed daemon (its connection is dead: `ENOTCONN`).

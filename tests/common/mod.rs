@@ -242,8 +242,7 @@ impl Daemon {
         let Some(mut c) = self.child.take() else {
             return false;
         };
-        // SAFETY: sending a signal to our own child.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        terminate(c.id());
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = c.try_wait() {
@@ -469,4 +468,11 @@ pub fn files_of(src: &Path) -> BTreeMap<String, String> {
         .filter(|(_, v)| !v.0)
         .map(|(k, v)| (k, v.3))
         .collect()
+}
+
+/// SIGTERM to a child process of this test.
+pub fn terminate(pid: u32) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
 }

@@ -38,8 +38,9 @@ pub struct Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        // SAFETY: signalling our own child process by its pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {

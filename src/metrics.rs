@@ -238,6 +238,10 @@ pub struct Metrics {
     /// (only new or changed files are).
     pub manifest_rescans: Counter,
     pub manifest_parses: Counter,
+    /// Garbage-collection passes completed, and the garbage found waiting out its grace period
+    /// at the end of the last one: together they say when collection has settled.
+    pub gc_passes: Counter,
+    pub gc_pending: Gauge,
     /// Failed writes of the daemon's state files (`records.json`, `status.json`).
     pub state_write_failures: Family<FileLabel, Counter>,
 }
@@ -268,6 +272,8 @@ impl Metrics {
             // 10 us .. ~5 s.
             mapping_update_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
             manifest_rescans: Counter::default(),
+            gc_passes: Counter::default(),
+            gc_pending: Gauge::default(),
             manifest_parses: Counter::default(),
             state_write_failures: Family::default(),
             registry: Registry::default(),
@@ -343,6 +349,16 @@ impl Metrics {
             "manifest_rescans",
             "Standalone mode: rescans of the models directory",
             m.manifest_rescans.clone(),
+        );
+        registry.register(
+            "gc_passes",
+            "Garbage-collection passes completed",
+            m.gc_passes.clone(),
+        );
+        registry.register(
+            "gc_pending",
+            "Garbage waiting out its grace period after the last collection pass",
+            m.gc_pending.clone(),
         );
         registry.register(
             "manifest_parses",

@@ -289,8 +289,9 @@ fn open_handles_survive_flips_and_store_release_then_the_bytes_are_freed() {
     d.wait_until("flip", Duration::from_secs(30), |s| {
         parent(&s["ns.basemodel.m"]) == "clusterbasemodel.holder"
     });
-    // Far past the 1 s grace: the store must stay while the file is open.
-    std::thread::sleep(Duration::from_secs(3));
+    // Collection has run on the flipped state and settled: the store must stay while the file
+    // is open (if it were garbage, settling would include its removal after the 1 s grace).
+    d.wait_gc_settled(&env.mount.join("holder").join(rel));
     assert_eq!(
         env.stores_with_blobs(),
         stores_before,
@@ -355,7 +356,7 @@ fn deleting_a_parent_hands_its_store_to_a_child_and_deleting_all_empties_the_sta
         vec![env.mount.join("k2").display().to_string()]
     );
     assert_eq!(fetched(&d), before, "no bytes moved");
-    std::thread::sleep(Duration::from_secs(2));
+    d.wait_gc_settled(&env.mount.join("k1/config.json"));
     assert_eq!(
         env.stores_with_blobs().len(),
         1,
@@ -393,9 +394,12 @@ fn reserve_label_keeps_the_store_for_a_later_reuse_model() {
     let d = Daemon::start(&env, &[]);
     d.wait_model("clusterbasemodel.keep", "Ready");
     let imported = fetched(&d);
+    // Collection settled before the deletion, so the next pass is the one that sees it.
+    d.wait_gc_settled(&env.mount.join("keep/config.json"));
+    let passes = d.gc_passes();
     env.remove_models("keep.yaml");
     d.wait_gone("clusterbasemodel.keep");
-    std::thread::sleep(Duration::from_secs(3));
+    d.wait_gc_settled_since(passes);
     assert_eq!(
         env.stores_with_blobs().len(),
         1,

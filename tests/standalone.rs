@@ -132,7 +132,6 @@ fn manifest_files_add_change_and_delete_models() {
         s["clusterbasemodel.m"]["status"] == "Ready"
             && s["clusterbasemodel.m"]["config"]["artifact"]["sha"] != sha1
     });
-    let _ = second;
     assert_eq!(
         std::fs::read(env.mount.join("m/only-in-v2.txt")).unwrap(),
         b"new file"
@@ -141,10 +140,24 @@ fn manifest_files_add_change_and_delete_models() {
     let got: Vec<_> = contents(&env.mount.join("m"));
     assert_eq!(got, want);
 
-    // Rename the file: same model, nothing changes.
+    // Rename the file: same model, nothing changes (once the rescan that sees it is done).
+    let rescans = d.metric("modelfs_manifest_rescans_total");
+    let imported = d.metric("modelfs_fetched_bytes_total");
     std::fs::rename(env.models.join("m.yaml"), env.models.join("renamed.yaml")).unwrap();
-    std::thread::sleep(Duration::from_millis(800));
-    assert_eq!(d.status()["clusterbasemodel.m"]["status"], "Ready");
+    d.wait_until("a rescan after the rename", Duration::from_secs(30), |_| {
+        d.metric("modelfs_manifest_rescans_total") > rescans
+    });
+    let after = d.status();
+    assert_eq!(after["clusterbasemodel.m"]["status"], "Ready");
+    assert_eq!(
+        after["clusterbasemodel.m"]["config"]["artifact"]["sha"],
+        second["clusterbasemodel.m"]["config"]["artifact"]["sha"]
+    );
+    assert_eq!(
+        d.metric("modelfs_fetched_bytes_total"),
+        imported,
+        "nothing imported again"
+    );
 
     // Add a second model in another file, delete the first.
     env.write_models(

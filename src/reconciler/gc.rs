@@ -229,6 +229,15 @@ impl Candidates {
 impl Reconciler {
     /// One pass; returns whether it removed anything.
     pub(super) fn gc(&mut self) -> bool {
+        let removed = self.gc_pass();
+        self.metrics
+            .gc_pending
+            .set(self.gc_candidates.first_seen.len() as i64);
+        self.metrics.gc_passes.inc();
+        removed
+    }
+
+    fn gc_pass(&mut self) -> bool {
         let now = Instant::now();
         let partial_max_age = self.config.gc_grace.max(Duration::from_secs(3600));
         let usage = DaemonUsage {

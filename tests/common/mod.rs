@@ -208,6 +208,40 @@ impl Daemon {
         doc[key].clone()
     }
 
+    /// Waits until garbage collection has looked at the current state and settled: a pass that
+    /// started after this call has completed and nothing is waiting out its grace period (so
+    /// whatever collection would remove is gone). Opening and closing `touch` (a file in the
+    /// mount) ends a use of a store, which makes the daemon run a pass.
+    pub fn wait_gc_settled(&self, touch: &Path) {
+        let before = self.gc_passes();
+        drop(std::fs::File::open(touch).expect("opening a file in the mount"));
+        self.wait_gc_settled_since(before);
+    }
+
+    /// Garbage-collection passes completed so far.
+    pub fn gc_passes(&self) -> f64 {
+        self.metric("modelfs_gc_passes_total")
+    }
+
+    /// Waits until a pass after the first `before` passes has completed and nothing is waiting
+    /// out its grace period.
+    pub fn wait_gc_settled_since(&self, before: f64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if self.metric("modelfs_gc_passes_total") > before
+                && self.metric("modelfs_gc_pending ") == 0.0
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!(
+            "garbage collection did not settle\nmetrics:\n{}\nlog:\n{}",
+            self.metrics(),
+            self.log_text()
+        );
+    }
+
     pub fn wait_gone(&self, key: &str) {
         self.wait_until(&format!("{key} gone"), Duration::from_secs(30), |d| {
             d.get(key).is_none()

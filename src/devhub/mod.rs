@@ -1181,27 +1181,18 @@ async fn get_stats(State(hub): HubState) -> Json<HubStats> {
 /// Files of a directory tree as hub files: LFS when at least `lfs_threshold` bytes or a weights
 /// extension (as `.gitattributes` of model repositories do).
 pub fn files_from_dir(dir: &Path, lfs_threshold: u64) -> Result<Vec<(String, HubFile)>, HubError> {
-    fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, PathBuf)>) -> Result<(), HubError> {
-        let rd = std::fs::read_dir(dir).map_err(io_err(dir.display().to_string()))?;
-        for e in rd {
-            let e = e.map_err(io_err(dir.display().to_string()))?;
-            let name = e.file_name().to_string_lossy().into_owned();
-            let r = if rel.is_empty() {
-                name
-            } else {
-                format!("{rel}/{name}")
-            };
-            let p = e.path();
-            if p.is_dir() {
-                walk(&p, &r, out)?;
-            } else {
-                out.push((r, p));
-            }
-        }
-        Ok(())
-    }
     let mut paths = Vec::new();
-    walk(dir, "", &mut paths)?;
+    for e in walkdir::WalkDir::new(dir)
+        .follow_links(true)
+        .sort_by_file_name()
+    {
+        let e = e.map_err(|e| io_err(dir.display().to_string())(e.into()))?;
+        if e.file_type().is_dir() {
+            continue;
+        }
+        let rel = e.path().strip_prefix(dir).expect("below the root");
+        paths.push((rel.to_string_lossy().into_owned(), e.path().to_path_buf()));
+    }
     paths.sort();
     let mut out = Vec::new();
     for (rel, p) in paths {

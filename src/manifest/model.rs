@@ -189,17 +189,16 @@ mod tests {
     use crate::manifest::parse::{parse_documents, Document, ManifestError};
 
     fn yaml_files_below(dir: &Path, found: &mut Vec<PathBuf>) {
-        let entries = std::fs::read_dir(dir)
-            .unwrap_or_else(|error| panic!("cannot list {}: {error}", dir.display()));
-        for entry in entries {
-            let path = entry.expect("directory entry").path();
-            if path.is_dir() {
-                yaml_files_below(&path, found);
-            } else if path
-                .extension()
-                .is_some_and(|extension| extension == "yaml")
+        for entry in walkdir::WalkDir::new(dir) {
+            let entry =
+                entry.unwrap_or_else(|error| panic!("cannot list {}: {error}", dir.display()));
+            if entry.file_type().is_file()
+                && entry
+                    .path()
+                    .extension()
+                    .is_some_and(|extension| extension == "yaml")
             {
-                found.push(path);
+                found.push(entry.into_path());
             }
         }
     }

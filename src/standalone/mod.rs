@@ -98,20 +98,20 @@ pub struct Scanner {
 }
 
 fn yaml_files(dir: &Path, out: &mut Vec<(PathBuf, FileStamp)>) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
+    // Symlinks are followed (Kubernetes mounts a ConfigMap as links into `..data`); a symlink
+    // loop is an error for the scan, not an endless descent.
+    let walk = walkdir::WalkDir::new(dir)
+        .follow_links(true)
+        .min_depth(1)
+        .into_iter()
         // Hidden entries include Kubernetes' `..data` indirection of mounted ConfigMaps.
-        if name.starts_with('.') {
-            continue;
-        }
-        let path = entry.path();
-        let meta = std::fs::metadata(&path)?;
-        if meta.is_dir() {
-            yaml_files(&path, out)?;
-        } else if meta.is_file() && (name.ends_with(".yaml") || name.ends_with(".yml")) {
-            out.push((path, FileStamp::of(&meta)));
+        .filter_entry(|e| e.depth() == 0 || !e.file_name().to_string_lossy().starts_with('.'));
+    for entry in walk {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy();
+        let meta = entry.metadata()?;
+        if meta.is_file() && (name.ends_with(".yaml") || name.ends_with(".yml")) {
+            out.push((entry.path().to_path_buf(), FileStamp::of(&meta)));
         }
     }
     Ok(())

@@ -34,20 +34,14 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// Bytes allocated on disk under `path` (recursively), as `du` counts them.
+/// Bytes allocated on disk under `path` (recursively, symlinks not followed), as `du` counts
+/// them; what cannot be read counts nothing.
 pub fn disk_usage(path: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return 0;
-    };
-    if !meta.is_dir() {
-        return meta.blocks() * 512;
-    }
-    let mut total = meta.blocks() * 512;
-    if let Ok(entries) = std::fs::read_dir(path) {
-        for entry in entries.flatten() {
-            total += disk_usage(&entry.path());
-        }
-    }
-    total
+    walkdir::WalkDir::new(path)
+        .into_iter()
+        .filter_map(Result::ok)
+        .filter_map(|entry| entry.metadata().ok())
+        .map(|meta| meta.blocks() * 512)
+        .sum()
 }

@@ -381,7 +381,42 @@ mod tests {
     use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RemoveKind};
     use notify::{Event, EventKind};
 
-    use super::is_change;
+    use super::{is_change, yaml_files};
+
+    /// Linked directories are followed, hidden entries skipped, and a symlink loop is an error
+    /// for the scan rather than a descent until the path is too long.
+    #[test]
+    fn manifest_files_below_links_and_loops() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("real/deeper")).unwrap();
+        std::fs::create_dir_all(root.join(".hidden")).unwrap();
+        std::fs::write(root.join("real/deeper/a.yaml"), "x").unwrap();
+        std::fs::write(root.join("real/b.yml"), "x").unwrap();
+        std::fs::write(root.join("real/c.txt"), "x").unwrap();
+        std::fs::write(root.join(".hidden/d.yaml"), "x").unwrap();
+        std::os::unix::fs::symlink(root.join("real"), root.join("linked")).unwrap();
+        let mut found = Vec::new();
+        yaml_files(root, &mut found).unwrap();
+        let mut names: Vec<String> = found
+            .iter()
+            .map(|(p, _)| p.strip_prefix(root).unwrap().display().to_string())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "linked/b.yml",
+                "linked/deeper/a.yaml",
+                "real/b.yml",
+                "real/deeper/a.yaml"
+            ]
+        );
+
+        std::os::unix::fs::symlink(root.join("real"), root.join("real/deeper/loop")).unwrap();
+        let mut found = Vec::new();
+        assert!(yaml_files(root, &mut found).is_err());
+    }
 
     #[test]
     fn reading_the_directory_is_no_change() {

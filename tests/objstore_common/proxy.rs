@@ -126,6 +126,8 @@ pub struct RequestRecord {
     pub path: String,
     /// The `Range` header, if any.
     pub range: Option<String>,
+    /// The `Proxy-Authorization` header, if any (not passed on).
+    pub proxy_authorization: Option<String>,
     /// Status returned to the client (502 when upstream could not be reached).
     pub status: u16,
     /// Response body bytes handed to the client so far.
@@ -395,6 +397,11 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
                 range: parts
                     .headers
                     .get(header::RANGE)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string),
+                proxy_authorization: parts
+                    .headers
+                    .get(header::PROXY_AUTHORIZATION)
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_string),
                 status: 0,

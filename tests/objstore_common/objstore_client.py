@@ -13,6 +13,9 @@ Commands (bucket means container for Azure):
     upload-dir BUCKET PREFIX DIR     every file below DIR as PREFIX + relative path
     get BUCKET KEY OUT
     download-dir BUCKET PREFIX DIR   every object below PREFIX, as DIR + key without PREFIX
+    transfer-dir BUCKET PREFIX DIR   S3 only: the same through one boto3 transfer manager with
+                                     its default configuration (10 concurrent requests, 8 MiB
+                                     parts), which is what `aws s3 sync` does
     list BUCKET PREFIX               JSON list of {key, size, etag}
     delete BUCKET KEY
 
@@ -80,6 +83,20 @@ class S3:
 
     def delete(self, bucket, key):
         self.client.delete_object(Bucket=bucket, Key=key)
+
+    def transfer_dir(self, bucket, prefix, root):
+        from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
+        objects = self.list(bucket, prefix)
+        with create_transfer_manager(self.client, TransferConfig()) as manager:
+            futures = []
+            for o in objects:
+                out = os.path.join(root, o["key"][len(prefix):].lstrip("/"))
+                os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+                futures.append(manager.download(bucket, o["key"], out))
+            for f in futures:
+                f.result()
+        return len(objects)
 
 
 class Gcs:
@@ -152,6 +169,7 @@ def main():
     p.add_argument("--kind", required=True, choices=sorted(KINDS))
     p.add_argument("--endpoint", required=True)
     p.add_argument("--workers", type=int, default=8, help="parallel uploads/downloads of *-dir")
+    p.add_argument("--acl", help="S3 canned ACL for put and upload-dir (public-read)")
     p.add_argument("command")
     p.add_argument("args", nargs="*")
     a = p.parse_args()
@@ -161,6 +179,8 @@ def main():
     if cmd == "mkbucket":
         store.mkbucket(*args)
     elif cmd == "put":
+        if a.acl:
+            args = args[:3] + [a.acl]
         store.put(*args)
     elif cmd == "get":
         store.get(*args)
@@ -173,7 +193,8 @@ def main():
         bucket, prefix, root = args
         jobs = [(prefix + rel, path) for rel, path in files_below(root)]
         with ThreadPoolExecutor(a.workers) as pool:
-            list(pool.map(lambda j: store.put(bucket, j[0], j[1]), jobs))
+            extra = [a.acl] if a.acl else []
+            list(pool.map(lambda j: store.put(bucket, j[0], j[1], *extra), jobs))
         print(len(jobs))
     elif cmd == "download-dir":
         bucket, prefix, root = args
@@ -187,6 +208,8 @@ def main():
         with ThreadPoolExecutor(a.workers) as pool:
             list(pool.map(fetch, objects))
         print(len(objects))
+    elif cmd == "transfer-dir":
+        print(store.transfer_dir(*args))
     else:
         p.error(f"unknown command {cmd}")
 

@@ -223,3 +223,26 @@ fn status_command_talks_to_the_local_daemon_around_the_proxy() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn a_bad_proxy_flag_stops_the_daemon_with_a_reason_and_no_secret() {
+    let env = TestEnv::new();
+    let out = std::process::Command::new(BIN)
+        .args(["serve", "--mount"])
+        .arg(&env.mount)
+        .arg("--state")
+        .arg(&env.state)
+        .arg("--models")
+        .arg(&env.models)
+        .args(["--proxy-s3", "socks5://fleet:hunter2-secret@127.0.0.1:1080"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--proxy-s3") && err.contains("socks5"),
+        "{err}"
+    );
+    assert!(!err.contains("hunter2-secret"), "{err}");
+    assert!(!env.state.exists(), "nothing is created before the flags are checked");
+}

@@ -118,34 +118,56 @@ pub struct ServeArgs {
 
 /// Per-source proxies (see `source::proxy`): each replaces HTTP_PROXY / HTTPS_PROXY /
 /// ALL_PROXY for its source; NO_PROXY still applies. Credentials in the URL are never logged.
-#[derive(clap::Args, Debug)]
+/// The values are parsed after clap, not by a clap value parser: clap quotes a rejected value
+/// in its error, and these may hold a password.
+#[derive(clap::Args)]
 struct ProxyArgs {
     /// Proxy for hf:// downloads (for example a Dragonfly dfdaemon: http://127.0.0.1:4001).
-    #[arg(long, env = "MODELFS_PROXY_HF", hide_env_values = true, value_parser = ProxyUrl::parse)]
-    proxy_hf: Option<ProxyUrl>,
+    #[arg(long, env = "MODELFS_PROXY_HF", hide_env_values = true)]
+    proxy_hf: Option<String>,
     /// Proxy for s3:// downloads.
-    #[arg(long, env = "MODELFS_PROXY_S3", hide_env_values = true, value_parser = ProxyUrl::parse)]
-    proxy_s3: Option<ProxyUrl>,
+    #[arg(long, env = "MODELFS_PROXY_S3", hide_env_values = true)]
+    proxy_s3: Option<String>,
     /// Proxy for gs:// downloads.
-    #[arg(long, env = "MODELFS_PROXY_GS", hide_env_values = true, value_parser = ProxyUrl::parse)]
-    proxy_gs: Option<ProxyUrl>,
+    #[arg(long, env = "MODELFS_PROXY_GS", hide_env_values = true)]
+    proxy_gs: Option<String>,
     /// Proxy for az:// downloads.
-    #[arg(long, env = "MODELFS_PROXY_AZ", hide_env_values = true, value_parser = ProxyUrl::parse)]
-    proxy_az: Option<ProxyUrl>,
+    #[arg(long, env = "MODELFS_PROXY_AZ", hide_env_values = true)]
+    proxy_az: Option<String>,
     /// Proxy for oci:// downloads.
-    #[arg(long, env = "MODELFS_PROXY_OCI", hide_env_values = true, value_parser = ProxyUrl::parse)]
-    proxy_oci: Option<ProxyUrl>,
+    #[arg(long, env = "MODELFS_PROXY_OCI", hide_env_values = true)]
+    proxy_oci: Option<String>,
 }
 
 impl ProxyArgs {
-    fn proxies(&self) -> Proxies {
-        Proxies {
-            hf: self.proxy_hf.clone(),
-            s3: self.proxy_s3.clone(),
-            gs: self.proxy_gs.clone(),
-            az: self.proxy_az.clone(),
-            oci: self.proxy_oci.clone(),
-        }
+    fn proxies(&self) -> Result<Proxies> {
+        let parse = |flag: &str, value: &Option<String>| -> Result<Option<ProxyUrl>> {
+            value
+                .as_deref()
+                .map(|v| ProxyUrl::parse(v).map_err(|e| anyhow::anyhow!("--{flag}: {e}")))
+                .transpose()
+        };
+        Ok(Proxies {
+            hf: parse("proxy-hf", &self.proxy_hf)?,
+            s3: parse("proxy-s3", &self.proxy_s3)?,
+            gs: parse("proxy-gs", &self.proxy_gs)?,
+            az: parse("proxy-az", &self.proxy_az)?,
+            oci: parse("proxy-oci", &self.proxy_oci)?,
+        })
+    }
+}
+
+/// Says which flags are set, never their values (they may hold credentials).
+impl std::fmt::Debug for ProxyArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |v: &Option<String>| v.as_ref().map(|_| "<set>");
+        f.debug_struct("ProxyArgs")
+            .field("proxy_hf", &set(&self.proxy_hf))
+            .field("proxy_s3", &set(&self.proxy_s3))
+            .field("proxy_gs", &set(&self.proxy_gs))
+            .field("proxy_az", &set(&self.proxy_az))
+            .field("proxy_oci", &set(&self.proxy_oci))
+            .finish()
     }
 }
 
@@ -287,6 +309,20 @@ fn lock_state(state: &Path) -> Result<std::fs::File> {
 
 async fn serve(args: ServeArgs) -> Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
+    // Bad flags fail before anything is created or mounted.
+    let proxies = args.proxy.proxies()?;
+    if proxies != Proxies::default() {
+        // Display of a ProxyUrl hides its credentials.
+        let shown = |p: &Option<ProxyUrl>| p.as_ref().map(ToString::to_string);
+        tracing::info!(
+            hf = ?shown(&proxies.hf),
+            s3 = ?shown(&proxies.s3),
+            gs = ?shown(&proxies.gs),
+            az = ?shown(&proxies.az),
+            oci = ?shown(&proxies.oci),
+            "per-source proxies (NO_PROXY applies)"
+        );
+    }
     std::fs::create_dir_all(&args.state)
         .with_context(|| format!("creating state directory {}", args.state.display()))?;
     let _lock = lock_state(&args.state)?;
@@ -332,19 +368,6 @@ async fn serve(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("checking the mount at {}", mount_dir.display()))?,
     );
 
-    let proxies = args.proxy.proxies();
-    if proxies != Proxies::default() {
-        // Display of a ProxyUrl hides its credentials.
-        let shown = |p: &Option<ProxyUrl>| p.as_ref().map(ToString::to_string);
-        tracing::info!(
-            hf = ?shown(&proxies.hf),
-            s3 = ?shown(&proxies.s3),
-            gs = ?shown(&proxies.gs),
-            az = ?shown(&proxies.az),
-            oci = ?shown(&proxies.oci),
-            "per-source proxies (NO_PROXY applies)"
-        );
-    }
     let hf_config = HfConfig {
         proxy: proxies.hf.clone(),
         ..args.hf.config()

@@ -47,18 +47,26 @@ def files_below(root):
 
 
 class S3:
-    def __init__(self, endpoint):
+    def __init__(self, endpoint, part_mib=None):
         import boto3
+        from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
+        # A long read timeout: moto assembles a multipart upload in Python, which takes minutes
+        # for gigabytes on a busy machine, and a retried CompleteMultipartUpload fails.
         self.client = boto3.client(
             "s3",
             endpoint_url=endpoint,
             aws_access_key_id="test",
             aws_secret_access_key="test",
             region_name="us-east-1",
-            config=Config(proxies={}, retries={"max_attempts": 2}),
+            config=Config(proxies={}, retries={"max_attempts": 2}, read_timeout=1800),
         )
+        self.upload_config = TransferConfig()
+        if part_mib:
+            self.upload_config = TransferConfig(
+                multipart_threshold=part_mib << 20, multipart_chunksize=part_mib << 20
+            )
 
     def mkbucket(self, bucket):
         self.client.create_bucket(Bucket=bucket)
@@ -67,7 +75,7 @@ class S3:
         # The transfer manager: multipart above its threshold, as `aws s3 cp` would. A canned
         # ACL (public-read) lets tests read the object with plain, unsigned HTTP.
         extra = {"ACL": acl} if acl else None
-        self.client.upload_file(path, bucket, key, ExtraArgs=extra)
+        self.client.upload_file(path, bucket, key, ExtraArgs=extra, Config=self.upload_config)
 
     def get(self, bucket, key, out):
         self.client.download_file(bucket, key, out)
@@ -170,10 +178,11 @@ def main():
     p.add_argument("--endpoint", required=True)
     p.add_argument("--workers", type=int, default=8, help="parallel uploads/downloads of *-dir")
     p.add_argument("--acl", help="S3 canned ACL for put and upload-dir (public-read)")
+    p.add_argument("--part-mib", type=int, help="S3 multipart part size of uploads (boto3's default: 8)")
     p.add_argument("command")
     p.add_argument("args", nargs="*")
     a = p.parse_args()
-    store = KINDS[a.kind](a.endpoint)
+    store = S3(a.endpoint, a.part_mib) if a.kind == "s3" else KINDS[a.kind](a.endpoint)
     cmd, args = a.command, a.args
 
     if cmd == "mkbucket":

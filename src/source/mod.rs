@@ -7,7 +7,6 @@
 //! downloads zero bytes). `fetch` then writes only the blobs the target store lacks and verifies
 //! every one against the digest `resolve` obtained.
 
-// Proxy settings shared by every remote source.
 pub mod hf;
 pub mod local;
 pub mod proxy;

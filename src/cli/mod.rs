@@ -20,6 +20,7 @@ use crate::http::HttpState;
 use crate::metrics::Metrics;
 use crate::reconciler::{MountSink, Reconciler, ReconcilerConfig};
 use crate::source::hf::{DownloadTuning, HfConfig};
+use crate::source::proxy::{Proxies, ProxyUrl};
 use crate::source::{SourceConfig, Token};
 use crate::standalone::ModelsDirConfig;
 use crate::store::StateDir;
@@ -110,6 +111,63 @@ pub struct ServeArgs {
     log_json: bool,
     #[command(flatten)]
     hf: HfArgs,
+    #[command(flatten)]
+    proxy: ProxyArgs,
+}
+
+/// Per-source proxies (see `source::proxy`): each replaces HTTP_PROXY / HTTPS_PROXY /
+/// ALL_PROXY for its source; NO_PROXY still applies. Credentials in the URL are never logged.
+/// The values are parsed after clap, not by a clap value parser: clap quotes a rejected value
+/// in its error, and these may hold a password.
+#[derive(clap::Args)]
+struct ProxyArgs {
+    /// Proxy for hf:// downloads (for example a Dragonfly dfdaemon: http://127.0.0.1:4001).
+    #[arg(long, env = "MODELFS_PROXY_HF", hide_env_values = true)]
+    proxy_hf: Option<String>,
+    /// Proxy for s3:// downloads.
+    #[arg(long, env = "MODELFS_PROXY_S3", hide_env_values = true)]
+    proxy_s3: Option<String>,
+    /// Proxy for gs:// downloads.
+    #[arg(long, env = "MODELFS_PROXY_GS", hide_env_values = true)]
+    proxy_gs: Option<String>,
+    /// Proxy for az:// downloads.
+    #[arg(long, env = "MODELFS_PROXY_AZ", hide_env_values = true)]
+    proxy_az: Option<String>,
+    /// Proxy for oci:// downloads.
+    #[arg(long, env = "MODELFS_PROXY_OCI", hide_env_values = true)]
+    proxy_oci: Option<String>,
+}
+
+impl ProxyArgs {
+    fn proxies(&self) -> Result<Proxies> {
+        let parse = |flag: &str, value: &Option<String>| -> Result<Option<ProxyUrl>> {
+            value
+                .as_deref()
+                .map(|v| ProxyUrl::parse(v).map_err(|e| anyhow::anyhow!("--{flag}: {e}")))
+                .transpose()
+        };
+        Ok(Proxies {
+            hf: parse("proxy-hf", &self.proxy_hf)?,
+            s3: parse("proxy-s3", &self.proxy_s3)?,
+            gs: parse("proxy-gs", &self.proxy_gs)?,
+            az: parse("proxy-az", &self.proxy_az)?,
+            oci: parse("proxy-oci", &self.proxy_oci)?,
+        })
+    }
+}
+
+/// Says which flags are set, never their values (they may hold credentials).
+impl std::fmt::Debug for ProxyArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = |v: &Option<String>| v.as_ref().map(|_| "<set>");
+        f.debug_struct("ProxyArgs")
+            .field("proxy_hf", &set(&self.proxy_hf))
+            .field("proxy_s3", &set(&self.proxy_s3))
+            .field("proxy_gs", &set(&self.proxy_gs))
+            .field("proxy_az", &set(&self.proxy_az))
+            .field("proxy_oci", &set(&self.proxy_oci))
+            .finish()
+    }
 }
 
 /// Hugging Face source settings. The default token comes from the environment (`HF_TOKEN`)
@@ -182,6 +240,7 @@ impl HfArgs {
                 progress_log_interval: Duration::from_secs(self.hf_progress_log_secs.max(1)),
                 ..defaults
             },
+            proxy: None,
         }
     }
 }
@@ -251,6 +310,20 @@ fn lock_state(state: &Path) -> Result<std::fs::File> {
 
 async fn serve(args: ServeArgs) -> Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
+    // Bad flags fail before anything is created or mounted.
+    let proxies = args.proxy.proxies()?;
+    if proxies != Proxies::default() {
+        // Display of a ProxyUrl hides its credentials.
+        let shown = |p: &Option<ProxyUrl>| p.as_ref().map(ToString::to_string);
+        tracing::info!(
+            hf = ?shown(&proxies.hf),
+            s3 = ?shown(&proxies.s3),
+            gs = ?shown(&proxies.gs),
+            az = ?shown(&proxies.az),
+            oci = ?shown(&proxies.oci),
+            "per-source proxies (NO_PROXY applies)"
+        );
+    }
     std::fs::create_dir_all(&args.state)
         .with_context(|| format!("creating state directory {}", args.state.display()))?;
     let _lock = lock_state(&args.state)?;
@@ -296,13 +369,18 @@ async fn serve(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("checking the mount at {}", mount_dir.display()))?,
     );
 
+    let hf_config = HfConfig {
+        proxy: proxies.hf.clone(),
+        ..args.hf.config()
+    };
     let reconciler_config = ReconcilerConfig {
         models_root_dir: models_root_dir.clone(),
         gc_grace: Duration::from_secs(args.gc_grace_secs),
         max_concurrent_fetches: args.max_concurrent_fetches,
-        sources: SourceConfig::new(args.hf.config())
+        sources: SourceConfig::new(hf_config)
             .context("configuring sources")?
-            .with_under_mount(under_mount),
+            .with_under_mount(under_mount)
+            .with_proxies(proxies),
         hf_cache_dir: hf_cache_dir(&args.hf_cache_dir)?,
         hf_cache_linger: Duration::from_secs(args.hf_cache_linger_secs),
         ..ReconcilerConfig::default()

@@ -14,6 +14,14 @@
 //! a file's content never changes under its inode number (see `fs`), so the page cache can stay
 //! valid between opens. mmap works through the page cache in both modes.
 //!
+//! # Listings
+//! Directories are listed with `READDIRPLUS` (asked for at `init`, without the kernel's
+//! adaptive mode): each entry carries its attributes and entry/attribute TTLs as a `lookup`
+//! reply would, so a tree walk that stats every file (`ls -l`, `du`, `find -printf %s`, a
+//! loader listing a model) costs one request per directory buffer instead of one `LOOKUP` per
+//! entry. The kernel takes a lookup reference on every entry it links from such a reply; the
+//! core counts them so `forget` balances (see [`FsCore::readdirplus`]).
+//!
 //! # Invalidation
 //! Mapping changes return kernel entries to invalidate. They are sent by a dedicated thread,
 //! never from a request handler (a notification written while the kernel waits on the same

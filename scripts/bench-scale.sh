@@ -35,8 +35,18 @@ fi
 WORK=$(mktemp -d /var/tmp/modelfs-scale.XXXXXX)
 PORT=$((20000 + RANDOM % 20000))
 PID=
+stop_daemon() { # SIGTERM, then SIGKILL if the daemon has not exited after 30 s
+    kill "$PID" 2>/dev/null || true
+    for _ in $(seq 1 150); do kill -0 "$PID" 2>/dev/null || break; sleep 0.2; done
+    if kill -0 "$PID" 2>/dev/null; then
+        echo "daemon still running 30 s after SIGTERM; SIGKILL" >&2
+        kill -9 "$PID" 2>/dev/null || true
+    fi
+    wait "$PID" 2>/dev/null || true
+    PID=
+}
 cleanup() {
-    if [ -n "$PID" ]; then kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true; fi
+    if [ -n "$PID" ]; then stop_daemon; fi
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
 }
@@ -153,7 +163,8 @@ wait_ready() { # wait_ready <start time>: polls the Ready gauge (cheap for the d
         [ "${r:-0}" -gt "$peak" ] && peak=$r
         [ "$(ready_count)" -ge "$N" ] && break
         if [ "$(awk -v a="$1" -v b="$(now)" 'BEGIN { print (b - a > '"$IMPORT_TIMEOUT"') }')" = 1 ]; then
-            echo "timeout: $(ready_count) of $N Ready after ${IMPORT_TIMEOUT} s" >&2
+            echo "timeout: $(ready_count) of $N Ready after ${IMPORT_TIMEOUT} s; RSS $(rss_mib VmRSS) MiB;" \
+                "GET /v1/models $(curl -s -o /dev/null -w '%{size_download} bytes in %{time_total} s' "127.0.0.1:$PORT/v1/models")" >&2
             return 1
         fi
         sleep 0.2
@@ -199,7 +210,7 @@ RESTART=$(since "$t")
 echo "modelfs: SIGKILL, restart to all $N Ready in ${RESTART} s; RSS after restart $(rss_mib VmRSS) MiB"
 
 if [ -n "${BASE_BIN:-}" ]; then
-    kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
+    stop_daemon
     t=$(now); start "$BASE_BIN"
     wait_ready "$t" >/dev/null || exit 1
     rt_daemon

@@ -347,3 +347,53 @@ fn model_is_never_visible_half_imported() {
     let seen = watcher.join().expect("watcher saw a partial tree");
     assert!(seen > 0, "the watcher never saw the model");
 }
+
+/// A tree walk that needs every file's attributes (`find -printf %s`, `ls -l`, `du`) is
+/// answered by `READDIRPLUS` listings: no `LOOKUP` per entry, whatever the directory size (the
+/// big directory spans several replies, so the kernel's adaptive mode, which falls back to
+/// plain `READDIR` after the first reply, would fail this too). The sizes are the source's.
+#[test]
+fn tree_walks_need_no_lookup_per_file() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    let mut want = Vec::new();
+    for (dir, count) in [("", 1000usize), ("sub/", 200)] {
+        std::fs::create_dir_all(src.join(dir)).unwrap();
+        for i in 0..count {
+            let rel = format!("{dir}file-{i:04}.bin");
+            std::fs::write(src.join(&rel), bytes(i as u64, i % 97)).unwrap();
+            want.push(format!("{} {rel}", i % 97));
+        }
+    }
+    want.sort();
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    let model = env.mount.join("m");
+    let lookups = r#"modelfs_fuse_requests_total{op="lookup"}"#;
+    let before = d.metric(lookups);
+
+    let found = sh(&format!(
+        "find {} -type f -printf '%s %P\\n' | sort",
+        model.display()
+    ));
+    assert_eq!(found.lines().collect::<Vec<_>>(), want);
+    let listed = sh(&format!(
+        "ls -lR {} | grep -c '^-r--r--r--'",
+        model.display()
+    ));
+    assert_eq!(listed.trim(), "1200");
+    let du = sh(&format!("du -ab {} | wc -l", model.display()));
+    assert_eq!(du.trim(), "1202", "files, sub/ and the model root");
+
+    let walk_lookups = d.metric(lookups) - before;
+    assert!(
+        walk_lookups <= 5.0,
+        "{walk_lookups} lookups for a walk of 1,200 files: {}",
+        d.metrics()
+    );
+    assert!(d.metric(r#"modelfs_fuse_requests_total{op="readdirplus"}"#) >= 2.0);
+}

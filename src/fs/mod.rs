@@ -67,6 +67,17 @@ use crate::store::{Store, StoreId};
 
 pub use tree::{ModelTree, NodeKind};
 
+/// What a plain `readdir` passes where `readdirplus` passes attributes (never sent).
+const PLACEHOLDER_ATTR: Attr = Attr {
+    ino: 0,
+    kind: Kind::File,
+    size: 0,
+    perm: 0,
+    nlink: 0,
+    mtime: UNIX_EPOCH,
+    immutable: true,
+};
+
 /// Inode of the mount root (fixed by the FUSE protocol).
 pub const ROOT_INO: u64 = 1;
 const SLOT_SHIFT: u32 = 32;
@@ -786,7 +797,8 @@ impl FsCore {
         Self::node_attr(&slot, node)
     }
 
-    /// Calls `add` for each entry after `offset` until it returns `true` (buffer full).
+    /// Calls `add` for each entry after `offset` until it returns `true` (buffer full: that
+    /// entry was not taken).
     /// Offsets: `.` is 1, `..` is 2, any other entry `ino + 2`; entries come in inode order, so
     /// resuming after an offset is stable even while synthesized directories change.
     pub fn readdir(
@@ -795,25 +807,60 @@ impl FsCore {
         offset: u64,
         mut add: impl FnMut(DirEntry) -> bool,
     ) -> Result<(), FsError> {
+        self.list(ino, offset, false, |e, _| add(e))
+    }
+
+    /// `READDIRPLUS`: [`FsCore::readdir`] with each entry's attributes, so a tree walk needs
+    /// no `lookup` per entry. The kernel links every returned entry except `.` and `..` into
+    /// its cache and takes one lookup reference on it, exactly as for a `lookup`; so each
+    /// entry `add` takes (returns `false`) counts one kernel reference, balanced by `forget`.
+    /// Like a lookup, it answers `ESTALE` in a detached slot (the kernel must not gain new
+    /// references to inodes of a removed model).
+    pub fn readdirplus(
+        &self,
+        ino: u64,
+        offset: u64,
+        add: impl FnMut(DirEntry, &Attr) -> bool,
+    ) -> Result<(), FsError> {
+        self.list(ino, offset, true, add)
+    }
+
+    /// The one directory listing behind `readdir` and `readdirplus`. With `plus`, attributes
+    /// come from the same mapping snapshot and slot as the entries, and references are counted
+    /// only for entries taken. Without it, `add` gets a placeholder attribute.
+    fn list(
+        &self,
+        ino: u64,
+        offset: u64,
+        plus: bool,
+        mut add: impl FnMut(DirEntry, &Attr) -> bool,
+    ) -> Result<(), FsError> {
         let (slot_id, node) = split_ino(ino);
-        let dots = |parent: u64, add: &mut dyn FnMut(DirEntry) -> bool| -> bool {
+        // The kernel links no inode for the dots, so their attributes only fill the record.
+        let dots = |own: Attr, parent: u64, add: &mut dyn FnMut(DirEntry, &Attr) -> bool| -> bool {
             if offset < 1
-                && add(DirEntry {
-                    ino,
-                    offset: 1,
-                    kind: Kind::Dir,
-                    name: ".".into(),
-                })
+                && add(
+                    DirEntry {
+                        ino,
+                        offset: 1,
+                        kind: Kind::Dir,
+                        name: ".".into(),
+                    },
+                    &own,
+                )
             {
                 return true;
             }
             offset < 2
-                && add(DirEntry {
-                    ino: parent,
-                    offset: 2,
-                    kind: Kind::Dir,
-                    name: "..".into(),
-                })
+                && add(
+                    DirEntry {
+                        ino: parent,
+                        offset: 2,
+                        kind: Kind::Dir,
+                        name: "..".into(),
+                    },
+                    &Attr { ino: parent, ..own },
+                )
         };
         let after = offset.saturating_sub(2);
         if slot_id == 0 {
@@ -825,29 +872,51 @@ impl FsCore {
                     FsError::NotFound
                 });
             };
-            if dots(dir.parent, &mut add) {
+            if dots(self.synth_attr(ino, dir), dir.parent, &mut add) {
                 return Ok(());
             }
             for (child, (name, kind)) in dir.by_ino.range(after + 1..) {
-                if add(DirEntry {
+                let (child_slot, _) = split_ino(*child);
+                let (attr, model) = if !plus {
+                    (PLACEHOLDER_ATTR, None)
+                } else if child_slot != 0 {
+                    let Some(m) = mapping.models.get(&child_slot) else {
+                        continue;
+                    };
+                    (Self::node_attr(&m.slot, ModelTree::ROOT)?, Some(&m.slot))
+                } else if let Some(d) = mapping.synth.get(child) {
+                    (self.synth_attr(*child, d), None)
+                } else if let Some(a) = self.inline_attr(*child) {
+                    (a, None)
+                } else {
+                    continue;
+                };
+                let entry = DirEntry {
                     ino: *child,
                     offset: child + 2,
                     kind: *kind,
                     name: name.clone(),
-                }) {
+                };
+                if add(entry, &attr) {
                     break;
+                }
+                if let Some(slot) = model {
+                    slot.kernel_refs.fetch_add(1, Ordering::AcqRel);
                 }
             }
             return Ok(());
         }
         let slot = self.slot(slot_id).ok_or(FsError::NotFound)?;
+        if plus && slot.is_detached() {
+            return Err(FsError::Stale);
+        }
         let children = slot.tree.children(node).ok_or(FsError::NotDir)?;
         let parent = if node == ModelTree::ROOT {
             self.model_parent_dir(slot_id)
         } else {
             model_ino(slot_id, slot.tree.node(node).map(|n| n.parent).unwrap_or(0))
         };
-        if dots(parent, &mut add) {
+        if dots(Self::node_attr(&slot, node)?, parent, &mut add) {
             return Ok(());
         }
         let start = children.partition_point(|c| model_ino(slot_id, *c) <= after);
@@ -858,13 +927,22 @@ impl FsCore {
                 NodeKind::Dir { .. } => Kind::Dir,
                 NodeKind::File { .. } => Kind::File,
             };
-            if add(DirEntry {
+            let attr = if plus {
+                Self::node_attr(&slot, *child)?
+            } else {
+                PLACEHOLDER_ATTR
+            };
+            let entry = DirEntry {
                 ino: child_ino,
                 offset: child_ino + 2,
                 kind,
                 name: n.name.to_string(),
-            }) {
+            };
+            if add(entry, &attr) {
                 break;
+            }
+            if plus {
+                slot.kernel_refs.fetch_add(1, Ordering::AcqRel);
             }
         }
         Ok(())

@@ -124,6 +124,83 @@ fn tree_lookup_readdir_attrs() {
     assert!(matches!(f.core.open(ROOT_INO), Err(FsError::IsDir)));
 }
 
+/// `readdirplus` lists what `readdir` lists, with the attributes `lookup` gives, and counts one
+/// kernel reference per entry taken (never for the dots, never for an entry refused because
+/// the buffer was full), so `forget` balances exactly: an over-count would keep a retired slot
+/// for ever, an under-count would drop it while the kernel still holds its inodes.
+#[test]
+fn readdirplus_gives_lookup_attributes_and_balances_with_forget() {
+    let f = fixture();
+    let a = artifact(
+        &f.store_a.store,
+        &[
+            ("config.json", b"{}"),
+            ("w/a.bin", b"aaaa"),
+            ("z.bin", b"zz"),
+        ],
+    );
+    f.core.apply(&[entry("org/m", &a, &f.store_a)]).unwrap();
+    let org = resolve(&f.core, "org").unwrap();
+    let m = resolve(&f.core, "org/m").unwrap();
+    // `resolve` took one reference on the model root.
+    f.core.forget(m.ino, 1);
+
+    let plus = |ino: u64, take: usize| {
+        let mut out = Vec::new();
+        f.core
+            .readdirplus(ino, 0, |e, a| {
+                if out.len() == take {
+                    return true;
+                }
+                out.push((e, *a));
+                false
+            })
+            .unwrap();
+        out
+    };
+    let listed = plus(m.ino, usize::MAX);
+    let names: Vec<&str> = listed.iter().map(|(e, _)| e.name.as_str()).collect();
+    assert_eq!(names, [".", "..", "config.json", "w", "z.bin"]);
+    assert_eq!(
+        listed[1].0.ino, org.ino,
+        "`..` of a model root is its directory"
+    );
+    for (e, attr) in &listed[2..] {
+        assert_eq!(attr.ino, e.ino);
+        assert_eq!(*attr, f.core.getattr(e.ino).unwrap());
+    }
+    // The synthesized parent lists the model root with its attributes (one more reference).
+    let above = plus(org.ino, usize::MAX);
+    assert_eq!(above[2].1, m);
+    // A full buffer after `config.json`: `w` was not taken, so it is not counted.
+    let partial = plus(m.ino, 3);
+    assert_eq!(partial.len(), 3);
+    // References now: config.json, w, z.bin (first listing), the root (parent listing),
+    // config.json (partial listing) = 5.
+
+    let inv = f.core.apply(&[]).unwrap();
+    f.core.detach_all(&inv);
+    assert_eq!(
+        f.core.retired_slots(),
+        (1, 0),
+        "the kernel holds 5 references"
+    );
+    assert!(
+        matches!(
+            f.core.readdirplus(m.ino, 0, |_, _| false),
+            Err(FsError::Stale)
+        ),
+        "no new references to a detached slot"
+    );
+    let w = listed[3].0.ino;
+    f.core.forget(w, 1);
+    f.core.forget(m.ino, 1);
+    f.core.forget(listed[2].0.ino, 2);
+    assert_eq!(f.core.retired_slots(), (1, 0), "one reference left");
+    f.core.forget(listed[4].0.ino, 1);
+    assert_eq!(f.core.retired_slots(), (0, 0), "balanced: the slot is gone");
+}
+
 #[test]
 fn readdir_resumes_at_any_offset() {
     let f = fixture();

@@ -14,6 +14,14 @@
 //! a file's content never changes under its inode number (see `fs`), so the page cache can stay
 //! valid between opens. mmap works through the page cache in both modes.
 //!
+//! # Listings
+//! Directories are listed with `READDIRPLUS` (asked for at `init`, without the kernel's
+//! adaptive mode): each entry carries its attributes and entry/attribute TTLs as a `lookup`
+//! reply would, so a tree walk that stats every file (`ls -l`, `du`, `find -printf %s`, a
+//! loader listing a model) costs one request per directory buffer instead of one `LOOKUP` per
+//! entry. The kernel takes a lookup reference on every entry it links from such a reply; the
+//! core counts them so `forget` balances (see [`FsCore::readdirplus`]).
+//!
 //! # Invalidation
 //! Mapping changes return kernel entries to invalidate. They are sent by a dedicated thread,
 //! never from a request handler (a notification written while the kernel waits on the same
@@ -35,8 +43,8 @@ use std::time::Duration;
 use fuser::{
     BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     InitFlags, KernelConfig, LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request,
-    SessionACL,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
+    Request, SessionACL,
 };
 
 use crate::fs::{Attr, FsCore, FsError, Invalidation, Kind, OpenBlob};
@@ -232,6 +240,17 @@ impl Filesystem for ModelFs {
             }
         }
         let _ = config.set_max_readahead(self.config.read_ahead_kb.saturating_mul(1024));
+        // Every listing with attributes (`READDIRPLUS`), without the kernel's adaptive mode
+        // (`FUSE_READDIRPLUS_AUTO` would send plain `READDIR` after the first reply unless a
+        // lookup happened in between, so `ls -l` of a large directory would pay one `LOOKUP` per
+        // entry after the first buffer). Attributes here are answered from memory and are
+        // immutable, so the extra bytes per entry are cheaper than any round trip.
+        if config
+            .add_capabilities(InitFlags::FUSE_DO_READDIRPLUS)
+            .is_err()
+        {
+            tracing::warn!("kernel does not offer READDIRPLUS; tree walks look up every entry");
+        }
         Ok(())
     }
 
@@ -390,6 +409,34 @@ impl Filesystem for ModelFs {
         match result {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(self.fail("readdir", &e)),
+        }
+    }
+
+    /// Entries with their attributes: the kernel caches both, so `find`, `ls -l`, `du` and
+    /// loaders that list a model send no `LOOKUP` per entry. The core counts one kernel
+    /// reference per entry taken (balanced by `forget`).
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        self.metrics.request("readdirplus");
+        let result = self.core.readdirplus(ino.0, offset, |e, a| {
+            reply.add(
+                INodeNo(e.ino),
+                e.offset,
+                &e.name,
+                &self.ttl(a),
+                &to_file_attr(a),
+                Generation(0),
+            )
+        });
+        match result {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(self.fail("readdirplus", &e)),
         }
     }
 

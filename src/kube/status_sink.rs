@@ -27,9 +27,22 @@
 //! label are removed by the same read-modify-write as any other change.
 //!
 //! # Size
-//! A ConfigMap holds at most 1 MiB. If the full entries do not fit, they are written in OME's
-//! minimal layout (name, status, config without `decodedModelConfiguration`; no progress or
-//! local extras), which is what OME's controllers read.
+//! A ConfigMap's data holds at most 1 MiB (the API server refuses more with 422 `Invalid`).
+//! The budget for this daemon's entries is that limit (less some slack) minus what other
+//! writers keep in the same ConfigMap. Entries are written in the largest layout that fits,
+//! the same for all of them:
+//! 1. full: the whole status entry;
+//! 2. minimal: OME's layout (name, status, config without the bulky
+//!    `decodedModelConfiguration` / diffusion pipeline; no progress or local extras);
+//! 3. bare: name and status only (the optional `config` detail is dropped; OME's controllers
+//!    derive a model's per-node state from `status`);
+//! 4. bare entries in key order while they fit; the others are left out (a bare entry is
+//!    about 100 bytes even with long names, so some 10,000 models fit in bare form).
+//!
+//! Node labels (what OME schedules on) are written whatever happens to the ConfigMap. A change
+//! of layout is logged and published as an Event on the Node (`NodeStatusTruncated` /
+//! `NodeStatusComplete`), and each model whose entry is left out gets a Warning Event
+//! `StatusNotRecorded`, once per change. The full status stays in `GET /v1/models`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -66,8 +79,8 @@ pub struct StatusSinkConfig {
     /// First delay after a failed write; doubles up to `retry_max`.
     pub retry_base: Duration,
     pub retry_max: Duration,
-    /// Largest ConfigMap data (bytes) written in the full layout; Kubernetes' limit is 1 MiB
-    /// for the whole object, and this leaves room for metadata.
+    /// Largest ConfigMap data (keys and values of `data` and `binaryData`, this daemon's
+    /// entries and everyone else's): the API server's validation limit, 1 MiB.
     pub max_data_bytes: usize,
 }
 
@@ -80,7 +93,7 @@ impl StatusSinkConfig {
             resync: Duration::from_secs(60),
             retry_base: Duration::from_millis(200),
             retry_max: Duration::from_secs(30),
-            max_data_bytes: 1000 * 1024,
+            max_data_bytes: 1024 * 1024,
         }
     }
 }
@@ -128,44 +141,108 @@ fn significant_doc(doc: &StatusDoc) -> BTreeMap<&String, ModelStatus> {
         .collect()
 }
 
+/// How much of each owned entry the node ConfigMap holds (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Layout {
+    Full,
+    Minimal,
+    Bare,
+}
+
 /// The data entries and labels one status document asks for.
 struct Wanted {
-    data: BTreeMap<String, String>,
+    /// Per data key: the entry in the full, minimal and bare layouts.
+    entries: BTreeMap<String, [String; 3]>,
     labels: BTreeMap<String, String>,
 }
 
-fn wanted(doc: &StatusDoc, max_data_bytes: usize) -> Result<Wanted, serde_json::Error> {
-    let mut data = BTreeMap::new();
+/// The data this daemon writes, fitted to a byte budget.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Fitted {
+    data: BTreeMap<String, String>,
+    layout: Layout,
+    /// Data keys left out because not even their bare entries fit.
+    omitted: Vec<String>,
+}
+
+fn wanted(doc: &StatusDoc) -> Result<Wanted, serde_json::Error> {
+    let mut entries = BTreeMap::new();
     let mut labels = BTreeMap::new();
-    let mut minimal = BTreeMap::new();
     for (key, entry) in doc {
         let Some((kind, namespace, name)) = split_model_key(key) else {
             continue;
         };
         let data_key = configmap_key(kind, namespace, name);
-        data.insert(data_key.clone(), serde_json::to_string(entry)?);
         // The minimal layout also leaves out the bulky config-derived objects (OME's
         // controllers read the artifact and the short fields).
         let mut config = entry.config.clone();
         config.decoded_model_configuration = None;
         config.diffusion_pipeline = None;
-        minimal.insert(
-            data_key,
-            serde_json::to_string(&json!({
-                "name": entry.name, "status": entry.status, "config": config
-            }))?,
-        );
+        let full = serde_json::to_string(entry)?;
+        let minimal = serde_json::to_string(&json!({
+            "name": entry.name, "status": entry.status, "config": config
+        }))?;
+        let bare = serde_json::to_string(&json!({"name": entry.name, "status": entry.status}))?;
+        entries.insert(data_key, [full, minimal, bare]);
         labels.insert(node_label_key(kind, namespace, name), entry.status.clone());
     }
-    let size: usize = data.iter().map(|(k, v)| k.len() + v.len()).sum();
-    if size > max_data_bytes {
-        tracing::warn!(
-            bytes = size,
-            "status entries exceed the ConfigMap budget; writing the minimal layout"
-        );
-        data = minimal;
+    Ok(Wanted { entries, labels })
+}
+
+/// The largest layout whose entries all fit in `budget` bytes (keys plus values, as the API
+/// server counts); if not even the bare one does, bare entries in key order while they fit.
+fn fit(entries: &BTreeMap<String, [String; 3]>, budget: usize) -> Fitted {
+    for (index, layout) in [Layout::Full, Layout::Minimal, Layout::Bare]
+        .into_iter()
+        .enumerate()
+    {
+        let size: usize = entries.iter().map(|(k, v)| k.len() + v[index].len()).sum();
+        if size <= budget {
+            return Fitted {
+                data: entries
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v[index].clone()))
+                    .collect(),
+                layout,
+                omitted: Vec::new(),
+            };
+        }
     }
-    Ok(Wanted { data, labels })
+    let mut data = BTreeMap::new();
+    let mut omitted = Vec::new();
+    let mut used = 0;
+    for (key, layouts) in entries {
+        let size = key.len() + layouts[2].len();
+        if used + size <= budget {
+            used += size;
+            data.insert(key.clone(), layouts[2].clone());
+        } else {
+            omitted.push(key.clone());
+        }
+    }
+    Fitted {
+        data,
+        layout: Layout::Bare,
+        omitted,
+    }
+}
+
+/// Bytes of a ConfigMap's data that this daemon does not own (other writers' entries).
+fn foreign_bytes(configmap: &ConfigMap) -> usize {
+    let data: usize = configmap
+        .data
+        .iter()
+        .flatten()
+        .filter(|(key, _)| !is_model_key_shape(key))
+        .map(|(key, value)| key.len() + value.len())
+        .sum();
+    let binary: usize = configmap
+        .binary_data
+        .iter()
+        .flatten()
+        .map(|(key, value)| key.len() + value.0.len())
+        .sum();
+    data + binary
 }
 
 /// Runs the writer until the task is aborted.
@@ -215,6 +292,8 @@ async fn run(
     let mut written: Option<Arc<StatusDoc>> = None;
     let mut last_write = Instant::now() - config.progress_interval;
     let mut failures: u32 = 0;
+    // The layout and omitted keys last reported (Events go out when they change).
+    let mut reported: (Layout, Vec<String>) = (Layout::Full, Vec::new());
     loop {
         let doc = changes.borrow_and_update().clone();
         events.publish_transitions(&seen, &doc);
@@ -227,7 +306,9 @@ async fn run(
         let due = last_write + config.progress_interval;
         let wait_until = if state_changed || (anything_changed && Instant::now() >= due) {
             match writer.sync(&doc).await {
-                Ok(()) => {
+                Ok(fitted) => {
+                    events.publish_fit(&config.node_name, &reported, &fitted);
+                    reported = (fitted.layout, fitted.omitted);
                     written = Some(doc);
                     last_write = Instant::now();
                     failures = 0;
@@ -271,16 +352,31 @@ fn is_conflict(error: &kube::Error) -> bool {
 }
 
 impl Writer {
-    async fn sync(&self, doc: &StatusDoc) -> Result<(), StatusSinkError> {
-        let wanted = wanted(doc, self.config.max_data_bytes)?;
-        self.sync_configmap(&wanted.data).await?;
-        self.sync_labels(&wanted.labels).await
+    /// Writes both objects; the labels (what OME schedules on) also when the ConfigMap write
+    /// fails. Returns how the ConfigMap entries were fitted.
+    async fn sync(&self, doc: &StatusDoc) -> Result<Fitted, StatusSinkError> {
+        let wanted = wanted(doc)?;
+        let configmap = self.sync_configmap(&wanted.entries).await;
+        let labels = self.sync_labels(&wanted.labels).await;
+        let fitted = configmap?;
+        labels?;
+        Ok(fitted)
     }
 
-    async fn sync_configmap(&self, data: &BTreeMap<String, String>) -> Result<(), StatusSinkError> {
+    async fn sync_configmap(
+        &self,
+        entries: &BTreeMap<String, [String; 3]>,
+    ) -> Result<Fitted, StatusSinkError> {
         let name = &self.config.node_name;
         for _ in 0..MAX_CONFLICT_RETRIES {
-            let result = match self.configmaps.get_opt(name).await? {
+            let current = self.configmaps.get_opt(name).await?;
+            let budget = self
+                .config
+                .max_data_bytes
+                .saturating_sub(current.as_ref().map_or(0, foreign_bytes));
+            let fitted = fit(entries, budget);
+            let data = &fitted.data;
+            let result = match current {
                 None => {
                     let mut configmap = ConfigMap::default();
                     configmap.metadata.name = Some(name.clone());
@@ -334,7 +430,7 @@ impl Writer {
                         }
                     }
                     if !changed {
-                        return Ok(());
+                        return Ok(fitted);
                     }
                     self.configmaps
                         .replace(name, &PostParams::default(), &configmap)
@@ -343,7 +439,7 @@ impl Writer {
                 }
             };
             match result {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(fitted),
                 // 409 is both "modified since read" and "created meanwhile": re-read.
                 Err(error) if is_conflict(&error) => {
                     tracing::debug!("node ConfigMap changed concurrently; retrying");
@@ -487,6 +583,105 @@ impl EventPublisher {
         }
     }
 
+    /// Reports a change of how the node ConfigMap holds the entries (see the module docs):
+    /// a log line and an Event on the Node, and a Warning Event on each model whose entry is
+    /// newly left out.
+    fn publish_fit(&self, node: &str, before: &(Layout, Vec<String>), now: &Fitted) {
+        if (before.0, &before.1) == (now.layout, &now.omitted) {
+            return;
+        }
+        let node_reference = ObjectReference {
+            api_version: Some("v1".to_owned()),
+            kind: Some("Node".to_owned()),
+            name: Some(node.to_owned()),
+            ..Default::default()
+        };
+        let (type_, reason, note) =
+            match (now.layout, now.omitted.len()) {
+                (Layout::Full, _) => (
+                    EventType::Normal,
+                    "NodeStatusComplete",
+                    "the node ConfigMap holds every model's full status entry again".to_owned(),
+                ),
+                (layout, 0) => {
+                    (
+                        EventType::Warning,
+                        "NodeStatusTruncated",
+                        format!(
+                    "model entries exceed the node ConfigMap's 1 MiB limit: written in the {} \
+                     layout ({}); GET /v1/models has the full status",
+                    if layout == Layout::Minimal { "minimal" } else { "bare" },
+                    if layout == Layout::Minimal {
+                        "no decoded model configuration, progress or local fields"
+                    } else {
+                        "name and status only"
+                    }
+                ),
+                    )
+                }
+                (_, omitted) => (
+                    EventType::Warning,
+                    "NodeStatusTruncated",
+                    format!(
+                        "model entries exceed the node ConfigMap's 1 MiB limit even as name and \
+                     status only: {omitted} models are left out (first: {}); their node \
+                     labels are still written",
+                        now.omitted[0]
+                    ),
+                ),
+            };
+        if type_ == EventType::Warning {
+            tracing::warn!(
+                layout = ?now.layout,
+                omitted = now.omitted.len(),
+                "node ConfigMap budget exceeded: {note}"
+            );
+        } else {
+            tracing::info!("{note}");
+        }
+        self.publish(
+            Event {
+                type_,
+                reason: reason.to_owned(),
+                note: Some(note.chars().take(1000).collect()),
+                action: "Report".to_owned(),
+                secondary: None,
+            },
+            node_reference,
+            format!("node {node}"),
+        );
+        let references = self
+            .references
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for key in now.omitted.iter().filter(|k| !before.1.contains(k)) {
+            let Some(reference) = references
+                .iter()
+                .find(|(model, _)| {
+                    configmap_key_of(model.as_str()).as_deref() == Some(key.as_str())
+                })
+                .map(|(_, reference)| reference.clone())
+            else {
+                continue;
+            };
+            self.publish(
+                Event {
+                    type_: EventType::Warning,
+                    reason: "StatusNotRecorded".to_owned(),
+                    note: Some(format!(
+                        "the node ConfigMap {node} is full (1 MiB): this model's entry is left \
+                         out; its node label and GET /v1/models carry its status"
+                    )),
+                    action: "Report".to_owned(),
+                    secondary: None,
+                },
+                reference,
+                key.clone(),
+            );
+        }
+    }
+
     fn publish(&self, event: Event, reference: ObjectReference, key: String) {
         let recorder = self.recorder.clone();
         tokio::spawn(async move {
@@ -495,6 +690,12 @@ impl EventPublisher {
             }
         });
     }
+}
+
+/// The node ConfigMap data key of a model key.
+fn configmap_key_of(model_key: &str) -> Option<String> {
+    let (kind, namespace, name) = split_model_key(model_key)?;
+    Some(configmap_key(kind, namespace, name))
 }
 
 /// The Event of a model removed from this node because its object is being deleted.
@@ -585,24 +786,82 @@ mod tests {
         doc.insert("file:broken.yaml".into(), entry("Failed", "", ""));
         let long = format!("clusterbasemodel.{}", "x".repeat(60));
         doc.insert(long.clone(), entry("Updating", "", "AlwaysDownload"));
-        let w = wanted(&doc, 1 << 20).unwrap();
-        assert_eq!(w.data.len(), 2);
-        assert!(w.data.contains_key("team.basemodel.m"));
-        assert!(w.data.contains_key(&long));
+        let w = wanted(&doc).unwrap();
+        let full = fit(&w.entries, 1 << 20);
+        assert_eq!((full.layout, full.omitted.len()), (Layout::Full, 0));
+        assert_eq!(full.data.len(), 2);
+        assert!(full.data.contains_key("team.basemodel.m"));
+        assert!(full.data.contains_key(&long));
         assert_eq!(w.labels["models.ome.io/team.basemodel.m"], "Ready");
         assert_eq!(w.labels.len(), 2);
         assert!(w
             .labels
             .keys()
             .all(|k| k.len() - "models.ome.io/".len() <= 49));
+        let size = |layout: usize| -> usize {
+            w.entries
+                .iter()
+                .map(|(k, v)| k.len() + v[layout].len())
+                .sum()
+        };
         // Over budget: the minimal layout.
-        let w = wanted(&doc, 10).unwrap();
-        let value: serde_json::Value = serde_json::from_str(&w.data["team.basemodel.m"]).unwrap();
+        let minimal = fit(&w.entries, size(1));
+        assert_eq!(minimal.layout, Layout::Minimal);
+        let value: serde_json::Value =
+            serde_json::from_str(&minimal.data["team.basemodel.m"]).unwrap();
         assert_eq!(
             value.as_object().unwrap().keys().collect::<Vec<_>>(),
             vec!["config", "name", "status"]
         );
         assert_eq!(value["config"]["modelType"], "llama");
         assert!(value["config"].get("decodedModelConfiguration").is_none());
+        // Further: name and status only.
+        let bare = fit(&w.entries, size(1) - 1);
+        assert_eq!((bare.layout, bare.omitted.len()), (Layout::Bare, 0));
+        let value: serde_json::Value =
+            serde_json::from_str(&bare.data["team.basemodel.m"]).unwrap();
+        assert_eq!(value, json!({"name": "m", "status": "Ready"}));
+        // Not even that: entries in key order while they fit, the rest left out.
+        let partial = fit(&w.entries, size(2) - 1);
+        assert_eq!(partial.layout, Layout::Bare);
+        assert_eq!(partial.data.keys().collect::<Vec<_>>(), vec![&long]);
+        assert_eq!(partial.omitted, vec!["team.basemodel.m".to_owned()]);
+        assert!(fit(&w.entries, 0).data.is_empty());
+    }
+
+    /// 10,000 Ready models with OME-length names and a parent each: how large each layout
+    /// is, and that the bare one fits in the 1 MiB a ConfigMap holds (so no model is left out
+    /// at that scale). `--nocapture` prints the sizes.
+    #[test]
+    fn ten_thousand_models_fit_in_the_configmap_in_some_layout() {
+        let mut doc = StatusDoc::new();
+        for i in 0..10_000 {
+            let key = format!("team-{:02}.basemodel.llama-3-1-8b-instruct-{i:05}", i % 50);
+            let mut e = entry("Ready", &key, "AlwaysDownload");
+            e.name = format!("llama-3-1-8b-instruct-{i:05}");
+            e.path = format!("/mnt/models/team-{:02}/{}", i % 50, e.name);
+            e.config.artifact.sha = "a".repeat(40);
+            e.config.model_type = "llama".into();
+            e.config.model_architecture = "LlamaForCausalLM".into();
+            doc.insert(key, e);
+        }
+        let w = wanted(&doc).unwrap();
+        let sizes: Vec<usize> = (0..3)
+            .map(|layout| {
+                w.entries
+                    .iter()
+                    .map(|(k, v)| k.len() + v[layout].len())
+                    .sum()
+            })
+            .collect();
+        println!(
+            "10,000 models: full {} B, minimal {} B, bare {} B",
+            sizes[0], sizes[1], sizes[2]
+        );
+        let budget = StatusSinkConfig::new("n".into(), "ome".into()).max_data_bytes;
+        assert!(sizes[1] > budget, "the scenario needs a truncated layout");
+        let fitted = fit(&w.entries, budget);
+        assert_eq!((fitted.layout, fitted.omitted.len()), (Layout::Bare, 0));
+        assert_eq!(fitted.data.len(), 10_000);
     }
 }

@@ -25,6 +25,10 @@
 //!   spec changes and when a deletionTimestamp is first set (as the real API server does);
 //!   metadata-only changes (labels, finalizers, annotations) leave it alone.
 //!
+//! * the ConfigMap size limit: `data` plus `binaryData` (keys and values) above 1 MiB is
+//!   refused with 422 `Invalid` and the real validation message (`[]: Too long: must have at
+//!   most 1048576 bytes`).
+//!
 //! Failure injection: [`FakeApiServer::restart`] ends every open watch, forgets the event
 //! history (as etcd compaction does) and answers 503 for a while, which is what a client
 //! sees when the API server restarts.
@@ -392,6 +396,31 @@ fn tracks_generation(resource: &str) -> bool {
 /// An API error answered instead of a write.
 type Refusal = Box<Response>;
 
+/// Kubernetes' `corev1.MaxSecretSize`, which also bounds a ConfigMap's data.
+pub const CONFIGMAP_MAX_DATA_BYTES: usize = 1024 * 1024;
+
+/// The API server's ConfigMap validation: the keys and values of `data` and `binaryData`
+/// together hold at most 1 MiB (binaryData counted as sent, base64, a slight over-count).
+fn check_configmap_size(name: &str, object: &Value) -> Result<(), Refusal> {
+    let size: usize = ["data", "binaryData"]
+        .iter()
+        .filter_map(|field| object[*field].as_object())
+        .flat_map(|map| map.iter())
+        .map(|(key, value)| key.len() + value.as_str().map_or(0, str::len))
+        .sum();
+    if size > CONFIGMAP_MAX_DATA_BYTES {
+        return Err(Box::new(status_body(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            &format!(
+                "ConfigMap {name:?} is invalid: []: Too long: must have at most \
+                 {CONFIGMAP_MAX_DATA_BYTES} bytes"
+            ),
+        )));
+    }
+    Ok(())
+}
+
 /// A client's create, update or patch of `id` with the full new `object`, with the real
 /// registry's rules: server-owned metadata is kept, generation follows the spec, a finalizer
 /// cannot be added to an object being deleted, and an object being deleted whose last
@@ -405,6 +434,9 @@ fn write(
     let previous = state.objects.get(&id).cloned();
     if !object["metadata"].is_object() {
         object["metadata"] = json!({});
+    }
+    if id.0 == "api/v1/configmaps" {
+        check_configmap_size(&id.2, &object)?;
     }
     match &previous {
         None => {

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Where an open + read 4 KiB + close through the mount goes: the same loop natively and through
+# the mount, next to operations that isolate the parts of it:
+#   statfs         one FUSE round trip with an empty handler (never cached by the kernel);
+#   stat           answered by the kernel from cached attributes (no round trip);
+#   open+close     OPEN (synchronous) and RELEASE (asynchronous for the caller);
+#   open+read+close  the above plus a 4 KiB read (passthrough: the kernel reads the blob;
+#                  read-through: page cache, kept between opens).
+# For each FUSE worker count in THREADS (default "1 2 8") and each passthrough mode, on one
+# model of FILES (default 2000) files of 4 KiB. Times are per operation, median of 7 passes
+# over all files, from a Python loop (its own overhead is in the native figures too).
+# Needs root. Usage: scripts/bench-open.sh [binary]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${1:-}
+FILES=${FILES:-2000}
+THREADS=${THREADS:-"1 2 8"}
+if [ -z "$BIN" ]; then
+    cargo build --release --quiet
+    BIN=target/release/modelfs
+fi
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d /var/tmp/modelfs-open.XXXXXX)
+PORT=$((20000 + RANDOM % 20000))
+PID=
+cleanup() {
+    if [ -n "$PID" ]; then kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true; fi
+    umount -l "$WORK/mnt" 2>/dev/null || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+mkdir -p "$WORK/src" "$WORK/models"
+for i in $(seq 1 "$FILES"); do head -c 4096 /dev/urandom >"$WORK/src/f$i"; done
+cp -a "$WORK/src" "$WORK/native"
+cat >"$WORK/models/m.yaml" <<YAML
+apiVersion: ome.io/v1beta1
+kind: ClusterBaseModel
+metadata: {name: bench}
+spec:
+  storage: {storageUri: "local://$WORK/src", path: bench}
+YAML
+
+loop() { # loop <dir>: one line "statfs stat open+close open+read+close" in us
+    "$PY" - "$1" <<'PY'
+import os, sys, time
+d = sys.argv[1]
+files = [os.path.join(d, f) for f in sorted(os.listdir(d))]
+def per_op(op, rounds=7):
+    samples = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for f in files:
+            op(f)
+        samples.append((time.perf_counter() - t) / len(files))
+    samples.sort()
+    return samples[len(samples) // 2] * 1e6
+def statfs(f): os.statvfs(d)
+def stat(f): os.stat(f)
+def open_close(f): os.close(os.open(f, os.O_RDONLY))
+def open_read_close(f):
+    fd = os.open(f, os.O_RDONLY)
+    os.read(fd, 4096)
+    os.close(fd)
+for op in (stat, open_read_close):  # warm: dentries, attributes, page cache
+    per_op(op, 1)
+print(" ".join(f"{per_op(op):.2f}" for op in (statfs, stat, open_close, open_read_close)))
+PY
+}
+
+echo "machine: $(nproc) cores, kernel $(uname -r); $FILES files of 4 KiB; per operation, us"
+read -r N_SF N_ST N_OC N_ORC <<<"$(loop "$WORK/native")"
+printf '%-28s statfs %6s  stat %6s  open+close %6s  open+read+close %6s\n' native "$N_SF" "$N_ST" "$N_OC" "$N_ORC"
+for mode in always never; do
+    for threads in $THREADS; do
+        "$BIN" serve --mount "$WORK/mnt" --state "$WORK/state" --models "$WORK/models" \
+            --listen "127.0.0.1:$PORT" --passthrough "$mode" --fuse-threads "$threads" \
+            >>"$WORK/daemon.log" 2>&1 &
+        PID=$!
+        for _ in $(seq 1 600); do
+            if curl -sf "127.0.0.1:$PORT/v1/models" | grep -q '"status": *"Ready"'; then break; fi
+            sleep 0.2
+        done
+        read -r SF ST OC ORC <<<"$(loop "$WORK/mnt/bench")"
+        label="$([ "$mode" = always ] && echo passthrough || echo read-through), $threads threads"
+        printf '%-28s statfs %6s  stat %6s  open+close %6s  open+read+close %6s  (%sx native)\n' \
+            "$label" "$SF" "$ST" "$OC" "$ORC" "$(awk -v a="$ORC" -v b="$N_ORC" 'BEGIN { printf "%.1f", a / b }')"
+        kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
+    done
+done

@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 
 use crate::artifact::{ArtifactId, StoredArtifact};
 
-pub use blob::{BlobWriter, Store, StoreError};
+pub use blob::{BlobWriter, StagedBlob, Store, StoreError};
 pub use records::{ModelPhase, ModelRecord, Records, StoreId, StoreRecord};
 
 /// The `--state` directory.

@@ -1081,12 +1081,18 @@ mod tests {
         let count = BATCH_FILES + 700;
         for i in 0..count {
             let body = format!("file {}", i % (2 * count / 3)).repeat(i % 5);
-            write(&src.join(format!("d{}/f{i}", i / 1000)), body.as_bytes(), 0o644);
+            write(
+                &src.join(format!("d{}/f{i}", i / 1000)),
+                body.as_bytes(),
+                0o644,
+            );
         }
         let manifest = resolve(&src).unwrap();
         assert_eq!(manifest.entries().len(), count);
         let ctx = fetch_context(&dir.path().join("store"), &manifest);
-        let blobs = LocalSource::new(src.clone()).fetch(&manifest, &ctx).unwrap();
+        let blobs = LocalSource::new(src.clone())
+            .fetch(&manifest, &ctx)
+            .unwrap();
         for (entry, blob) in manifest.entries().iter().zip(&blobs) {
             let bytes = std::fs::read(ctx.store.blob_path(blob)).unwrap();
             assert_eq!(bytes, std::fs::read(src.join(&entry.path)).unwrap());
@@ -1099,7 +1105,11 @@ mod tests {
             ctx.progress.completed_files.load(Ordering::Relaxed),
             count as u64
         );
-        assert_eq!(ctx.metrics.local_linked_files.get(), 0, "0644 files are copied");
+        assert_eq!(
+            ctx.metrics.local_linked_files.get(),
+            0,
+            "0644 files are copied"
+        );
     }
 
     #[test]
@@ -1108,13 +1118,23 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let src = dir.path().join("src");
         write(&src.join("frozen.bin"), b"read-only for everyone", 0o444);
-        write(&src.join("owner-writable.bin"), b"the owner may change it", 0o644);
-        write(&src.join("group-writable.bin"), b"a group may change it", 0o464);
+        write(
+            &src.join("owner-writable.bin"),
+            b"the owner may change it",
+            0o644,
+        );
+        write(
+            &src.join("group-writable.bin"),
+            b"a group may change it",
+            0o464,
+        );
         let owner = std::fs::metadata(src.join("frozen.bin")).unwrap().uid();
         assert_eq!(owner, 0, "the tests run as root");
         let manifest = resolve(&src).unwrap();
         let ctx = fetch_context(&dir.path().join("store"), &manifest);
-        let blobs = LocalSource::new(src.clone()).fetch(&manifest, &ctx).unwrap();
+        let blobs = LocalSource::new(src.clone())
+            .fetch(&manifest, &ctx)
+            .unwrap();
         for (entry, blob) in manifest.entries().iter().zip(&blobs) {
             let source = std::fs::metadata(src.join(&entry.path)).unwrap();
             let stored = std::fs::metadata(ctx.store.blob_path(blob)).unwrap();
@@ -1130,11 +1150,9 @@ mod tests {
 
         // A linked file that no longer has the resolved bytes is refused, and its link removed.
         std::fs::remove_dir_all(dir.path().join("store")).unwrap();
-        std::fs::set_permissions(src.join("frozen.bin"), PermissionsExt::from_mode(0o644))
-            .unwrap();
+        std::fs::set_permissions(src.join("frozen.bin"), PermissionsExt::from_mode(0o644)).unwrap();
         std::fs::write(src.join("frozen.bin"), b"READ-ONLY FOR EVERYONE").unwrap();
-        std::fs::set_permissions(src.join("frozen.bin"), PermissionsExt::from_mode(0o444))
-            .unwrap();
+        std::fs::set_permissions(src.join("frozen.bin"), PermissionsExt::from_mode(0o444)).unwrap();
         let ctx = fetch_context(&dir.path().join("store"), &manifest);
         let err = LocalSource::new(src.clone())
             .fetch(&manifest, &ctx)

@@ -351,8 +351,13 @@ impl Store {
         let _ = std::fs::remove_file(&tmp);
         let proc_path = format!("/proc/self/fd/{}", file.as_raw_fd());
         let cwd = rustix::fs::CWD;
-        match rustix::fs::linkat(cwd, &proc_path, cwd, &tmp, rustix::fs::AtFlags::SYMLINK_FOLLOW)
-        {
+        match rustix::fs::linkat(
+            cwd,
+            &proc_path,
+            cwd,
+            &tmp,
+            rustix::fs::AtFlags::SYMLINK_FOLLOW,
+        ) {
             Ok(()) => {}
             Err(e) if e == rustix::io::Errno::XDEV => return Ok(None),
             Err(e) => {

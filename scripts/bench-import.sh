@@ -57,7 +57,7 @@ for start in range(0, m, 50):
     with open(os.path.join(work, "pending", f"models-{start // 50:04}.yaml"), "w") as out:
         out.write("---\n".join(docs))
 PY
-BYTES=$(du -sb --apparent-size "$WORK/src" | cut -f1)
+BYTES=$(find "$WORK/src" -type f -printf '%s\n' | awk '{s += $1} END {print s}')
 echo "tree: $M models x $F files, $BYTES bytes, mode $MODE; kernel $(uname -r), $(nproc) cores"
 
 drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }

@@ -8,8 +8,9 @@
 //!
 //! # Import speed
 //! Models of many small files cost system calls and journal commits, not bytes, so:
-//! * Both passes work on [`IMPORT_WORKERS`] files at once (scoped threads inside the one
-//!   blocking task of the fetch; the node-wide `--max-concurrent-fetches` bounds the fetches).
+//! * Both passes work on up to [`IMPORT_WORKERS`] files at once (scoped threads inside the one
+//!   blocking task of the resolve or fetch), with at most [`MAX_EXTRA_WORKERS`] such extra
+//!   threads in the whole process (hundreds of models may resolve at once).
 //! * A copy is written, hashed and verified in one pass over the bytes, with one read buffer per
 //!   worker sized to the file (a 50-byte file costs one `read`, no 1 MiB allocation).
 //! * Verified files are staged in `tmp/` unsynced and published in batches
@@ -781,20 +782,57 @@ const IMPORT_WORKERS: usize = 4;
 const BATCH_FILES: usize = 4096;
 const BATCH_BYTES: u64 = 256 << 20;
 
-/// Runs `work` on up to [`IMPORT_WORKERS`] threads (the caller's thread is one of them); each
-/// call takes the indices below `count` from the shared `next` until none is left.
+/// Extra worker threads (beyond the calling thread of each resolve or fetch) that all
+/// `local://` work of the process may use together. Many models resolve at once (each on its
+/// own blocking thread), and each thread costs a stack and possibly an allocator arena: past
+/// this budget a resolve or fetch works alone.
+const MAX_EXTRA_WORKERS: usize = 6;
+
+static EXTRA_WORKERS: AtomicUsize = AtomicUsize::new(0);
+
+/// A share of [`MAX_EXTRA_WORKERS`], given back on drop.
+struct ExtraWorkers(usize);
+
+impl ExtraWorkers {
+    fn take(wanted: usize) -> Self {
+        let mut taken = 0;
+        while taken < wanted {
+            let in_use = EXTRA_WORKERS.load(Ordering::Relaxed);
+            if in_use >= MAX_EXTRA_WORKERS {
+                break;
+            }
+            if EXTRA_WORKERS
+                .compare_exchange(in_use, in_use + 1, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                taken += 1;
+            }
+        }
+        Self(taken)
+    }
+}
+
+impl Drop for ExtraWorkers {
+    fn drop(&mut self) {
+        EXTRA_WORKERS.fetch_sub(self.0, Ordering::AcqRel);
+    }
+}
+
+/// Runs `work` on up to [`IMPORT_WORKERS`] threads (the caller's thread is one of them, the
+/// others come from the process-wide [`MAX_EXTRA_WORKERS`]); each call takes the indices below
+/// `count` from the shared `next` until none is left.
 fn run_workers(count: usize, work: impl Fn(&dyn Fn() -> Option<usize>) + Sync) {
     let cursor = AtomicUsize::new(0);
     let next = || {
         let i = cursor.fetch_add(1, Ordering::Relaxed);
         (i < count).then_some(i)
     };
-    let workers = IMPORT_WORKERS.min(count);
-    if workers <= 1 {
+    let extra = ExtraWorkers::take(IMPORT_WORKERS.min(count).saturating_sub(1));
+    if extra.0 == 0 {
         return work(&next);
     }
     std::thread::scope(|scope| {
-        for _ in 1..workers {
+        for _ in 0..extra.0 {
             scope.spawn(|| work(&next));
         }
         work(&next);

@@ -585,9 +585,11 @@ impl LocalSource {
                 digest: FileDigest::Sha256(digest.0),
             });
         }
-        let manifest = Manifest::new(String::new(), entries)?;
-        let revision = manifest.id().to_string();
-        Ok(Manifest::new(revision, manifest.entries().to_vec())?)
+        // The id covers the entries only, so the revision is set afterwards, without a second
+        // validation and copy of every entry.
+        let mut manifest = Manifest::new(String::new(), entries)?;
+        manifest.revision = manifest.id().to_string();
+        Ok(manifest)
     }
 
     /// Imports every entry the store lacks, verifying each against the manifest: several files

@@ -230,6 +230,8 @@ pub struct Metrics {
     pub store_bytes: Family<StoreLabel, Gauge>,
     pub fetched_bytes: Family<SourceLabel, Counter>,
     pub fetched_files: Family<SourceLabel, Counter>,
+    /// `local://` files that entered a store as hard links (immutable sources), not copies.
+    pub local_linked_files: Counter,
     pub open_files: Gauge,
     /// From a desired-state change reaching the reconciler to the new mapping being live, for
     /// changes that need no fetch (policy flips, deletions, re-points).
@@ -268,6 +270,7 @@ impl Metrics {
             store_bytes: Family::default(),
             fetched_bytes: Family::default(),
             fetched_files: Family::default(),
+            local_linked_files: Counter::default(),
             open_files: Gauge::default(),
             // 10 us .. ~5 s.
             mapping_update_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
@@ -334,6 +337,11 @@ impl Metrics {
             "fetched_files",
             "Blobs written into stores by imports and downloads, by source",
             m.fetched_files.clone(),
+        );
+        registry.register(
+            "local_linked_files",
+            "local:// files hard-linked into stores instead of copied (read-only, root-owned sources)",
+            m.local_linked_files.clone(),
         );
         registry.register(
             "open_files",

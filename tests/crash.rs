@@ -5,6 +5,14 @@
 //! * verified blobs were not written again (same inode before the crash and after recovery),
 //! * the mount, status and records agree.
 //!
+//! A SIGKILL loses no written byte (the page cache survives the process), so each crash is also
+//! made a power cut: the daemon logs every store `syncfs` (`MODELFS_SYNC_LOG`, see
+//! `modelfs::store::fsutil::log_syncfs`), and after the kill every store file written after the
+//! latest logged sync began loses its bytes (zero-filled, size kept, the worst a filesystem may
+//! show). The imports stage many small files and publish them in batches with one sync, so the
+//! kills land between blob writes and the batched sync; no name in `blobs/` may hold lost bytes,
+//! and every Ready model must still serve exactly its artifact.
+//!
 //! Rounds: `MODELFS_CRASH_ROUNDS` (default 50); seed: `MODELFS_CRASH_SEED`.
 
 mod common;
@@ -92,6 +100,92 @@ fn blob_inodes(state: &Path) -> BTreeMap<(String, String), u64> {
     out
 }
 
+/// Unix nanoseconds at which the latest completed store sync began (0: none yet).
+fn last_sync_start(log: &Path) -> u128 {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix("syncfs ")?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// Simulates a power cut after a crash: every file of `blobs/` and `tmp/` of every store whose
+/// bytes were written after the latest sync began (`mtime` at or after it) is zero-filled, size
+/// kept. Hard-linked files (linked from blobs published earlier) are left alone. Returns the
+/// zero-filled files (store, dir, name).
+fn lose_unsynced_bytes(state: &Path, synced_before: u128) -> Vec<(String, String, String)> {
+    let mut lost = Vec::new();
+    let Ok(stores) = std::fs::read_dir(state.join("stores")) else {
+        return lost;
+    };
+    for store in stores.flatten() {
+        for dir in ["blobs", "tmp"] {
+            let Ok(files) = std::fs::read_dir(store.path().join(dir)) else {
+                continue;
+            };
+            for file in files.flatten() {
+                let Ok(meta) = file.metadata() else { continue };
+                let mtime = meta.mtime() as i128 * 1_000_000_000 + meta.mtime_nsec() as i128;
+                if !meta.is_file()
+                    || meta.nlink() > 1
+                    || meta.len() == 0
+                    || mtime < synced_before as i128
+                {
+                    continue;
+                }
+                std::fs::write(file.path(), vec![0u8; meta.len() as usize]).unwrap();
+                lost.push((
+                    store.file_name().to_string_lossy().into_owned(),
+                    dir.to_string(),
+                    file.file_name().to_string_lossy().into_owned(),
+                ));
+            }
+        }
+    }
+    lost
+}
+
+/// Waits until some store's `tmp/` holds a file (an import is staging), at most `limit`.
+fn wait_for_staged_files(state: &Path, limit: Duration) {
+    let staging = || {
+        std::fs::read_dir(state.join("stores")).is_ok_and(|stores| {
+            stores.flatten().any(|s| {
+                std::fs::read_dir(s.path().join("tmp")).is_ok_and(|mut t| t.next().is_some())
+            })
+        })
+    };
+    let deadline = std::time::Instant::now() + limit;
+    while !staging() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Every blob of every store has the bytes its name (sha256) says (blobs removed meanwhile by
+/// garbage collection are skipped).
+fn assert_blobs_match_their_names(state: &Path, ctx: &str) {
+    use sha2::{Digest, Sha256};
+    for store in std::fs::read_dir(state.join("stores")).unwrap().flatten() {
+        let Ok(blobs) = std::fs::read_dir(store.path().join("blobs")) else {
+            continue;
+        };
+        for blob in blobs.flatten() {
+            // Garbage collection may remove an unused blob meanwhile.
+            let bytes = match std::fs::read(blob.path()) {
+                Ok(bytes) => bytes,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => panic!("{ctx}: reading {}: {e}", blob.path().display()),
+            };
+            assert_eq!(
+                hex::encode(Sha256::digest(&bytes)),
+                blob.file_name().to_string_lossy(),
+                "{ctx}: blob {} holds other bytes than its name says",
+                blob.path().display()
+            );
+        }
+    }
+}
+
 fn parent(doc: &serde_json::Value, k: &str) -> String {
     doc[k]["config"]["artifact"]["parentPath"]
         .as_object()
@@ -118,6 +212,22 @@ fn sigkill_at_random_moments_leaves_a_consistent_state() {
             let d = env.dir(&format!("rev{r}"));
             make_model_dir(&d, 40, 6 << 20);
             std::fs::write(d.join("config.json"), format!("{{\"rev\": {r}}}")).unwrap();
+            // Many small files: the import stages them and publishes them in batches.
+            for i in 0..400u64 {
+                let sub = d.join(format!("small/{}", i / 100));
+                std::fs::create_dir_all(&sub).unwrap();
+                let shared = i % 3 != 0; // two thirds the same in every revision
+                let seed = if shared {
+                    7000 + i
+                } else {
+                    9000 + 1000 * r as u64 + i
+                };
+                std::fs::write(
+                    sub.join(format!("{i}.txt")),
+                    bytes(seed, 1 + (i as usize * 37) % 3000),
+                )
+                .unwrap();
+            }
             std::fs::write(
                 d.join(format!("rev{r}.bin")),
                 bytes(r as u64 + 500, (r + 1) << 19),
@@ -139,7 +249,11 @@ fn sigkill_at_random_moments_leaves_a_consistent_state() {
     type Files = Vec<(String, u64, String)>;
     let expected: Vec<Files> = revs.iter().map(|d| contents(d)).collect();
     let mut desired: BTreeMap<usize, (bool, usize)> = BTreeMap::new();
-    let mut daemon = Daemon::start(&env, &[]);
+    let sync_log = env.dir("sync-log").join("log");
+    let sync_log_var = sync_log.to_str().unwrap().to_string();
+    let start = || Daemon::start_with_env(&env, &[], &[("MODELFS_SYNC_LOG", &sync_log_var)]);
+    let mut daemon = start();
+    let mut rounds_with_lost_staged_bytes = 0;
 
     for round in 0..rounds {
         // One change, then a kill somewhere inside its handling (or after it, during GC).
@@ -152,12 +266,29 @@ fn sigkill_at_random_moments_leaves_a_consistent_state() {
             desired.insert(i, (reuse, rev));
             env.write_models(MODELS[i].0, &yaml(i, reuse, &revs[rev]));
         }
-        std::thread::sleep(Duration::from_millis(rng.below(250)));
+        if rng.below(2) == 0 {
+            // Into an import: once files are being staged (if this change imports anything).
+            wait_for_staged_files(&env.state, Duration::from_secs(2));
+            std::thread::sleep(Duration::from_millis(rng.below(300)));
+        } else {
+            std::thread::sleep(Duration::from_millis(rng.below(250)));
+        }
         daemon.kill9();
+        let ctx = format!("round {round} (seed {seed}), desired {desired:?}");
+        let lost = lose_unsynced_bytes(&env.state, last_sync_start(&sync_log));
+        let lost_published: Vec<_> = lost.iter().filter(|(_, dir, _)| dir == "blobs").collect();
+        assert!(
+            lost_published.is_empty(),
+            "{ctx}: {} published blobs whose bytes were not synced, such as {:?}",
+            lost_published.len(),
+            &lost_published[..lost_published.len().min(3)]
+        );
+        if !lost.is_empty() {
+            rounds_with_lost_staged_bytes += 1;
+        }
         let before = blob_inodes(&env.state);
 
-        daemon = Daemon::start(&env, &[]);
-        let ctx = format!("round {round} (seed {seed}), desired {desired:?}");
+        daemon = start();
         let doc = daemon.wait_until(&format!("settled: {ctx}"), Duration::from_secs(60), |s| {
             let models_ok = desired.iter().all(|(i, (reuse, rev))| {
                 let e = &s[key(*i)];
@@ -185,6 +316,7 @@ fn sigkill_at_random_moments_leaves_a_consistent_state() {
             );
             assert_eq!(parent(&doc, &p), p, "{ctx}: chain {k} -> {p}");
         }
+        assert_blobs_match_their_names(&env.state, &ctx);
         // Verified blobs are never written again.
         let after = blob_inodes(&env.state);
         for (blob, ino) in &before {
@@ -211,4 +343,8 @@ fn sigkill_at_random_moments_leaves_a_consistent_state() {
         );
     }
     assert!(daemon.stop(), "clean shutdown after the last round");
+    eprintln!(
+        "crash harness: {rounds_with_lost_staged_bytes} of {rounds} crashes came between staged \
+         writes and their sync"
+    );
 }

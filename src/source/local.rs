@@ -6,6 +6,29 @@
 //! is an ordinary directory); a file that changes between or during the passes fails the import
 //! with a transient error and is retried, so the store never holds bytes that were not verified.
 //!
+//! # Import speed
+//! Models of many small files cost system calls and journal commits, not bytes, so:
+//! * Both passes work on up to [`IMPORT_WORKERS`] files at once (scoped threads inside the one
+//!   blocking task of the resolve or fetch), with at most [`MAX_EXTRA_WORKERS`] such extra
+//!   threads in the whole process (hundreds of models may resolve at once).
+//! * A copy is written, hashed and verified in one pass over the bytes, with one read buffer per
+//!   worker sized to the file (a 50-byte file costs one `read`, no 1 MiB allocation).
+//! * Verified files are staged in `tmp/` unsynced and published in batches
+//!   ([`crate::store::Store::publish`]: one `syncfs`, the renames into `blobs/`, one directory
+//!   fsync) of at most [`BATCH_FILES`] files or [`BATCH_BYTES`] bytes, the last batch before the
+//!   fetch returns. The reconciler records an artifact (and the model `Ready`) only after the
+//!   fetch returned, so a crash at any point leaves a record that points at synced blobs or no
+//!   record; the crash harness (`tests/crash.rs`) checks it with a model of a power cut.
+//! * Hard links instead of copies, for files that count as **immutable**: owned by root and
+//!   writable by nobody (no `w` bit in the mode), on the store's filesystem. Nobody but root can
+//!   write such a file or make it writable again, and root (the operator who prepared the
+//!   directory) is taken at their word: a read-only file is not written in place. Tools that
+//!   update files (`cp`, `rsync`, `tar`, `huggingface_hub`) write a new file and rename it over
+//!   the old name, which leaves the linked inode, and the store, untouched. The linked inode is
+//!   verified after the link, like a copy (size and mtime unchanged over the hash). Any other
+//!   file (an ordinary `0644` file, one owned by a user) is copied: its owner may change it in
+//!   place at any time, and a linked blob would change with it under the mount.
+//!
 //! # What may be imported
 //! The mount shows every file to every user (0444 on an `allow_other` mount), and the daemon
 //! runs as root, so an import must not turn a private file into a public one or reach outside
@@ -42,7 +65,8 @@ use std::io::Read;
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags, Stat};
 use rustix::io::Errno;
@@ -51,6 +75,7 @@ use sha2::{Digest, Sha256};
 use super::{FetchContext, SourceError};
 use crate::artifact::{validate_relative_path, FileDigest, Manifest, ManifestEntry, Sha256Digest};
 use crate::metrics::SourceScheme;
+use crate::store::{StagedBlob, StoreError};
 
 const CHUNK: usize = 1 << 20;
 
@@ -412,22 +437,29 @@ impl LocalSource {
         )?))
     }
 
+    /// Size and sha256 of one file; `buf` is the read buffer, grown as needed up to
+    /// [`CHUNK`] (a small file needs no large buffer).
     fn hash_file(
         &self,
         tree: &Tree,
         rel: &str,
         cancel: &AtomicBool,
+        buf: &mut Vec<u8>,
     ) -> Result<(u64, Sha256Digest), SourceError> {
         let path = self.root.join(rel);
         let mut f = self.open_file(tree, rel)?;
+        let size = f.metadata().map_err(|e| io_err(&path, e))?.len();
+        let want = size.saturating_add(1).min(CHUNK as u64) as usize;
+        if buf.len() < want {
+            buf.resize(want, 0);
+        }
         let mut h = Sha256::new();
-        let mut buf = vec![0u8; CHUNK];
         let mut total = 0u64;
         loop {
             if cancel.load(Ordering::Relaxed) {
                 return Err(SourceError::Cancelled);
             }
-            let n = f.read(&mut buf).map_err(|e| io_err(&path, e))?;
+            let n = f.read(buf).map_err(|e| io_err(&path, e))?;
             if n == 0 {
                 break;
             }
@@ -517,94 +549,329 @@ impl LocalSource {
     /// Lists and hashes the directory. The revision of a local artifact is its manifest digest.
     pub fn resolve(&self, cancel: &AtomicBool) -> Result<Manifest, SourceError> {
         let tree = self.open_tree()?;
-        let mut entries = Vec::new();
-        for rel in self.files(&tree, cancel)? {
-            let (size, digest) = self.hash_file(&tree, &rel, cancel)?;
+        let files = self.files(&tree, cancel)?;
+        let hashed: Vec<Mutex<Option<(u64, Sha256Digest)>>> =
+            files.iter().map(|_| Mutex::new(None)).collect();
+        let stop = AtomicBool::new(false);
+        let failed = Mutex::new(None);
+        run_workers(files.len(), |next| {
+            let mut buf = Vec::new();
+            while let Some(i) = next() {
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                match self.hash_file(&tree, &files[i], cancel, &mut buf) {
+                    Ok(done) => *hashed[i].lock().expect("poisoned") = Some(done),
+                    Err(e) => {
+                        stop.store(true, Ordering::Relaxed);
+                        failed.lock().expect("poisoned").get_or_insert(e);
+                        return;
+                    }
+                }
+            }
+        });
+        if let Some(e) = failed.into_inner().expect("poisoned") {
+            return Err(e);
+        }
+        let mut entries = Vec::with_capacity(files.len());
+        for (rel, done) in files.into_iter().zip(hashed) {
+            let (size, digest) = done
+                .into_inner()
+                .expect("poisoned")
+                .expect("every file was hashed");
             entries.push(ManifestEntry {
                 path: rel,
                 size,
                 digest: FileDigest::Sha256(digest.0),
             });
         }
-        let manifest = Manifest::new(String::new(), entries)?;
-        let revision = manifest.id().to_string();
-        Ok(Manifest::new(revision, manifest.entries().to_vec())?)
+        // The id covers the entries only, so the revision is set afterwards, without a second
+        // validation and copy of every entry.
+        let mut manifest = Manifest::new(String::new(), entries)?;
+        manifest.revision = manifest.id().to_string();
+        Ok(manifest)
     }
 
-    /// Copies every entry the store lacks, verifying each against the manifest.
+    /// Imports every entry the store lacks, verifying each against the manifest: several files
+    /// at once, staged in `tmp/` and published in batches (see the module docs).
     pub fn fetch(
         &self,
         manifest: &Manifest,
         ctx: &FetchContext,
     ) -> Result<Vec<Sha256Digest>, SourceError> {
-        let progress = &ctx.progress;
         let tree = self.open_tree()?;
-        let mut blobs = Vec::with_capacity(manifest.entries().len());
-        for entry in manifest.entries() {
-            ctx.check_cancelled()?;
-            let FileDigest::Sha256(sha) = entry.digest else {
-                unreachable!("local manifests carry sha256 digests");
-            };
-            let sha = Sha256Digest(sha);
-            if ctx.reuse_existing(entry)?.is_none() {
-                self.copy_one(&tree, entry, ctx)?;
-                ctx.record_fetched(SourceScheme::Local, entry.size);
-            }
-            progress
-                .completed_bytes
-                .fetch_add(entry.size, Ordering::Relaxed);
-            progress.completed_files.fetch_add(1, Ordering::Relaxed);
-            blobs.push(sha);
-        }
-        ctx.store.sync().map_err(|source| SourceError::Store {
+        let entries = manifest.entries();
+        let store_err = |source| SourceError::Store {
             path: ctx.store.root().display().to_string(),
             source,
-        })?;
-        Ok(blobs)
+        };
+        let import = Import {
+            claimed: Mutex::new(HashSet::new()),
+            batch: Mutex::new(Batch::default()),
+            stop: AtomicBool::new(false),
+            failed: Mutex::new(None),
+        };
+        run_workers(entries.len(), |next| {
+            let mut buf = Vec::new();
+            while let Some(i) = next() {
+                if import.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                let entry = &entries[i];
+                let done = self
+                    .import_entry(&tree, entry, ctx, &import, &mut buf)
+                    .and_then(|staged| match staged {
+                        Some(blob) => import.add(blob, &ctx.store).map_err(store_err),
+                        None => Ok(()),
+                    });
+                if let Err(e) = done {
+                    import.stop.store(true, Ordering::Relaxed);
+                    import.failed.lock().expect("poisoned").get_or_insert(e);
+                    return;
+                }
+                ctx.progress
+                    .completed_bytes
+                    .fetch_add(entry.size, Ordering::Relaxed);
+                ctx.progress.completed_files.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        // Staged blobs are verified: publish them even after an error, so a retry finds them.
+        let rest = std::mem::take(&mut import.batch.lock().expect("poisoned").staged);
+        let published = ctx.store.publish(rest);
+        if let Some(e) = import.failed.into_inner().expect("poisoned") {
+            return Err(e);
+        }
+        published.map_err(store_err)?;
+        // Blobs taken from a seed store by hard links (`reuse_existing`) are renames to sync too.
+        ctx.store.sync().map_err(store_err)?;
+        Ok(entries
+            .iter()
+            .map(|entry| match entry.digest {
+                FileDigest::Sha256(sha) => Sha256Digest(sha),
+                FileDigest::GitSha1(_) => unreachable!("local manifests carry sha256 digests"),
+            })
+            .collect())
     }
 
-    fn copy_one(
+    /// Imports one entry: nothing when the store has its blob (or another entry of this fetch
+    /// with the same bytes does it), else a staged blob, hard-linked or copied.
+    fn import_entry(
         &self,
         tree: &Tree,
         entry: &ManifestEntry,
         ctx: &FetchContext,
-    ) -> Result<(), SourceError> {
+        import: &Import,
+        buf: &mut Vec<u8>,
+    ) -> Result<Option<StagedBlob>, SourceError> {
+        ctx.check_cancelled()?;
+        let FileDigest::Sha256(sha) = entry.digest else {
+            unreachable!("local manifests carry sha256 digests");
+        };
+        if !import.claimed.lock().expect("poisoned").insert(sha) {
+            return Ok(None);
+        }
+        if ctx.reuse_existing(entry)?.is_some() {
+            return Ok(None);
+        }
         let path = self.root.join(&entry.path);
+        let changed = || SourceError::LocalChanged {
+            path: path.display().to_string(),
+        };
         let store_err = |source| SourceError::Store {
             path: entry.path.clone(),
             source,
         };
-        let mut src = self.open_file(tree, &entry.path)?;
+        let src = self.open_file(tree, &entry.path)?;
+        let stat = rustix::fs::fstat(&src).map_err(|e| io_err(&path, e))?;
+        if is_immutable(&stat) {
+            match ctx
+                .store
+                .stage_link(&src, entry.digest, entry.size, &ctx.cancel, buf)
+            {
+                Ok(Some(staged)) => {
+                    ctx.metrics.local_linked_files.inc();
+                    return Ok(Some(staged));
+                }
+                Ok(None) => {} // another filesystem: copied below
+                Err(
+                    crate::store::StoreError::SizeMismatch { .. }
+                    | crate::store::StoreError::DigestMismatch { .. },
+                ) => return Err(changed()),
+                Err(other) => return Err(store_err(other)),
+            }
+        }
+        let staged = self.copy_one(&src, &path, entry, ctx, buf)?;
+        ctx.record_fetched(SourceScheme::Local, entry.size);
+        Ok(Some(staged))
+    }
+
+    /// Copies one file into `tmp/`, hashing the bytes as they are written (one pass), and
+    /// verifies them against the manifest.
+    fn copy_one(
+        &self,
+        mut src: &File,
+        path: &Path,
+        entry: &ManifestEntry,
+        ctx: &FetchContext,
+        buf: &mut Vec<u8>,
+    ) -> Result<StagedBlob, SourceError> {
+        let changed = || SourceError::LocalChanged {
+            path: path.display().to_string(),
+        };
+        let store_err = |source| SourceError::Store {
+            path: entry.path.clone(),
+            source,
+        };
         let mut writer = ctx
             .store
             .writer(entry.digest, entry.size)
             .map_err(store_err)?;
-        let mut buf = vec![0u8; CHUNK];
+        // One byte more than expected: a file that grew is seen by the first read.
+        let want = entry.size.saturating_add(1).min(CHUNK as u64) as usize;
+        if buf.len() < want {
+            buf.resize(want, 0);
+        }
         loop {
-            ctx.check_cancelled()?;
-            let n = src.read(&mut buf).map_err(|e| io_err(&path, e))?;
+            if let Err(e) = ctx.check_cancelled() {
+                writer.discard();
+                return Err(e);
+            }
+            let n = match src.read(buf) {
+                Ok(n) => n,
+                Err(e) => {
+                    writer.discard();
+                    return Err(io_err(path, e));
+                }
+            };
             if n == 0 {
                 break;
             }
             if let Err(e) = writer.write_all(&buf[..n]) {
                 writer.discard();
                 return Err(match e {
-                    crate::store::StoreError::SizeMismatch { .. } => SourceError::LocalChanged {
-                        path: path.display().to_string(),
-                    },
+                    crate::store::StoreError::SizeMismatch { .. } => changed(),
                     other => store_err(other),
                 });
             }
+            // A short read of a regular file is its end: no further read to see 0.
+            if writer.written() == entry.size && n < buf.len() {
+                break;
+            }
         }
-        match writer.commit() {
-            Ok(_) => Ok(()),
+        match writer.stage() {
+            Ok(staged) => Ok(staged),
             Err(
                 crate::store::StoreError::SizeMismatch { .. }
                 | crate::store::StoreError::DigestMismatch { .. },
-            ) => Err(SourceError::LocalChanged {
-                path: path.display().to_string(),
-            }),
+            ) => Err(changed()),
             Err(other) => Err(store_err(other)),
+        }
+    }
+}
+
+/// Whether a source file counts as immutable, so that it may enter the store as a hard link
+/// instead of a copy (see the module docs): owned by root and writable by nobody.
+fn is_immutable(stat: &Stat) -> bool {
+    stat.st_uid == 0 && stat.st_mode & 0o222 == 0
+}
+
+/// Files of one model worked on at once. The work per small file is a handful of system calls
+/// (open, read, create, write, rename) that overlap well; more workers than this only contend.
+const IMPORT_WORKERS: usize = 4;
+
+/// Staged blobs published together (one `syncfs`, one directory fsync) once either bound is
+/// reached, so a crash loses at most one batch of work.
+const BATCH_FILES: usize = 4096;
+const BATCH_BYTES: u64 = 256 << 20;
+
+/// Extra worker threads (beyond the calling thread of each resolve or fetch) that all
+/// `local://` work of the process may use together. Many models resolve at once (each on its
+/// own blocking thread), and each thread costs a stack and possibly an allocator arena: past
+/// this budget a resolve or fetch works alone.
+const MAX_EXTRA_WORKERS: usize = 6;
+
+static EXTRA_WORKERS: AtomicUsize = AtomicUsize::new(0);
+
+/// A share of [`MAX_EXTRA_WORKERS`], given back on drop.
+struct ExtraWorkers(usize);
+
+impl ExtraWorkers {
+    fn take(wanted: usize) -> Self {
+        let mut taken = 0;
+        while taken < wanted {
+            let in_use = EXTRA_WORKERS.load(Ordering::Relaxed);
+            if in_use >= MAX_EXTRA_WORKERS {
+                break;
+            }
+            if EXTRA_WORKERS
+                .compare_exchange(in_use, in_use + 1, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                taken += 1;
+            }
+        }
+        Self(taken)
+    }
+}
+
+impl Drop for ExtraWorkers {
+    fn drop(&mut self) {
+        EXTRA_WORKERS.fetch_sub(self.0, Ordering::AcqRel);
+    }
+}
+
+/// Runs `work` on up to [`IMPORT_WORKERS`] threads (the caller's thread is one of them, the
+/// others come from the process-wide [`MAX_EXTRA_WORKERS`]); each call takes the indices below
+/// `count` from the shared `next` until none is left.
+fn run_workers(count: usize, work: impl Fn(&dyn Fn() -> Option<usize>) + Sync) {
+    let cursor = AtomicUsize::new(0);
+    let next = || {
+        let i = cursor.fetch_add(1, Ordering::Relaxed);
+        (i < count).then_some(i)
+    };
+    let extra = ExtraWorkers::take(IMPORT_WORKERS.min(count).saturating_sub(1));
+    if extra.0 == 0 {
+        return work(&next);
+    }
+    std::thread::scope(|scope| {
+        for _ in 0..extra.0 {
+            scope.spawn(|| work(&next));
+        }
+        work(&next);
+    });
+}
+
+/// Shared state of one fetch's workers.
+struct Import {
+    /// Digests some worker has taken on (a manifest may list the same bytes several times).
+    claimed: Mutex<HashSet<[u8; 32]>>,
+    batch: Mutex<Batch>,
+    stop: AtomicBool,
+    failed: Mutex<Option<SourceError>>,
+}
+
+#[derive(Default)]
+struct Batch {
+    staged: Vec<StagedBlob>,
+    bytes: u64,
+}
+
+impl Import {
+    /// Adds a staged blob to the batch; a full batch is published by the worker that filled it.
+    fn add(&self, blob: StagedBlob, store: &crate::store::Store) -> Result<(), StoreError> {
+        let full = {
+            let mut batch = self.batch.lock().expect("poisoned");
+            batch.bytes += blob.size();
+            batch.staged.push(blob);
+            if batch.staged.len() >= BATCH_FILES || batch.bytes >= BATCH_BYTES {
+                Some(std::mem::take(&mut *batch))
+            } else {
+                None
+            }
+        };
+        match full {
+            Some(batch) => store.publish(batch.staged),
+            None => Ok(()),
         }
     }
 }
@@ -834,6 +1101,116 @@ mod tests {
         std::fs::set_permissions(src.join("hidden"), std::fs::Permissions::from_mode(0o711))
             .unwrap();
         permanent(resolve(&src).unwrap_err(), "directory");
+    }
+
+    fn fetch_context(store: &Path, manifest: &Manifest) -> FetchContext {
+        FetchContext {
+            store: Store::open(store.to_path_buf()).unwrap(),
+            progress: Arc::new(Progress::for_manifest(manifest)),
+            cancel: Arc::new(AtomicBool::new(false)),
+            metrics: Arc::new(crate::metrics::Metrics::new()),
+            existing: Arc::new(KnownBlobs::default()),
+        }
+    }
+
+    #[test]
+    fn a_many_file_import_publishes_every_blob_once_with_duplicates_and_in_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        // More files than one batch, a third of them duplicates of others, some empty.
+        let count = BATCH_FILES + 700;
+        for i in 0..count {
+            let body = format!("file {}", i % (2 * count / 3)).repeat(i % 5);
+            write(
+                &src.join(format!("d{}/f{i}", i / 1000)),
+                body.as_bytes(),
+                0o644,
+            );
+        }
+        let manifest = resolve(&src).unwrap();
+        assert_eq!(manifest.entries().len(), count);
+        let ctx = fetch_context(&dir.path().join("store"), &manifest);
+        let blobs = LocalSource::new(src.clone())
+            .fetch(&manifest, &ctx)
+            .unwrap();
+        for (entry, blob) in manifest.entries().iter().zip(&blobs) {
+            let bytes = std::fs::read(ctx.store.blob_path(blob)).unwrap();
+            assert_eq!(bytes, std::fs::read(src.join(&entry.path)).unwrap());
+            assert_eq!(Sha256Digest::of(&bytes), *blob);
+        }
+        let unique: HashSet<_> = blobs.iter().collect();
+        assert_eq!(ctx.store.blob_names().unwrap().len(), unique.len());
+        assert!(ctx.store.partial_files().unwrap().is_empty());
+        assert_eq!(
+            ctx.progress.completed_files.load(Ordering::Relaxed),
+            count as u64
+        );
+        assert_eq!(
+            ctx.metrics.local_linked_files.get(),
+            0,
+            "0644 files are copied"
+        );
+    }
+
+    #[test]
+    fn read_only_root_owned_files_are_hard_linked_and_others_copied() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        write(&src.join("frozen.bin"), b"read-only for everyone", 0o444);
+        write(
+            &src.join("owner-writable.bin"),
+            b"the owner may change it",
+            0o644,
+        );
+        write(
+            &src.join("group-writable.bin"),
+            b"a group may change it",
+            0o464,
+        );
+        let owner = std::fs::metadata(src.join("frozen.bin")).unwrap().uid();
+        assert_eq!(owner, 0, "the tests run as root");
+        let manifest = resolve(&src).unwrap();
+        let ctx = fetch_context(&dir.path().join("store"), &manifest);
+        let blobs = LocalSource::new(src.clone())
+            .fetch(&manifest, &ctx)
+            .unwrap();
+        for (entry, blob) in manifest.entries().iter().zip(&blobs) {
+            let source = std::fs::metadata(src.join(&entry.path)).unwrap();
+            let stored = std::fs::metadata(ctx.store.blob_path(blob)).unwrap();
+            let linked = entry.path == "frozen.bin";
+            assert_eq!(source.ino() == stored.ino(), linked, "{}", entry.path);
+            assert_eq!(
+                std::fs::read(ctx.store.blob_path(blob)).unwrap(),
+                std::fs::read(src.join(&entry.path)).unwrap()
+            );
+        }
+        assert_eq!(ctx.metrics.local_linked_files.get(), 1);
+        assert!(ctx.store.partial_files().unwrap().is_empty());
+
+        // A linked file that no longer has the resolved bytes is refused, and its link removed.
+        std::fs::remove_dir_all(dir.path().join("store")).unwrap();
+        std::fs::set_permissions(src.join("frozen.bin"), PermissionsExt::from_mode(0o644)).unwrap();
+        std::fs::write(src.join("frozen.bin"), b"READ-ONLY FOR EVERYONE").unwrap();
+        std::fs::set_permissions(src.join("frozen.bin"), PermissionsExt::from_mode(0o444)).unwrap();
+        let ctx = fetch_context(&dir.path().join("store"), &manifest);
+        let err = LocalSource::new(src.clone())
+            .fetch(&manifest, &ctx)
+            .unwrap_err();
+        assert!(matches!(err, SourceError::LocalChanged { .. }), "{err}");
+        assert!(err.is_transient());
+        let linked_names = std::fs::read_dir(dir.path().join("store/tmp"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().metadata().unwrap().nlink() > 1)
+            .count();
+        assert_eq!(linked_names, 0, "the rejected link is removed");
+        // Files verified before the error stopped the workers are published (a retry does not
+        // copy them again); nothing else is.
+        for name in ctx.store.blob_names().unwrap() {
+            let bytes = std::fs::read(ctx.store.blob_path_by_name(&name)).unwrap();
+            assert_eq!(Sha256Digest::of(&bytes).to_hex(), name);
+            assert_ne!(bytes, b"READ-ONLY FOR EVERYONE");
+        }
     }
 
     #[test]

@@ -194,6 +194,37 @@ impl Store {
             .unwrap_or(0)
     }
 
+    /// Makes a batch of staged blobs durable and visible, in the order that keeps the store's
+    /// promise (a name in `blobs/` is verified bytes that are on disk): one `syncfs` of the
+    /// store's filesystem writes the bytes of every staged blob (one journal commit instead of
+    /// one per file), then each is renamed into `blobs/`, then one fsync of `blobs/` makes the
+    /// renames durable. A crash before the end leaves staged files in `tmp/` (written again by
+    /// the next import, or swept as abandoned partials) and possibly some renamed blobs whose
+    /// bytes were synced before their rename; never a name in `blobs/` for unsynced bytes.
+    ///
+    /// `syncfs` also writes whatever else is dirty on that filesystem; on a disk busy with a
+    /// large download a batch waits for those pages too (they are written soon anyway).
+    pub fn publish(&self, staged: Vec<StagedBlob>) -> Result<(), StoreError> {
+        if staged.is_empty() {
+            return Ok(());
+        }
+        let sync_err = |e: io::Error| StoreError::io(format!("syncing {}", self.root.display()), e);
+        let root = File::open(&self.root).map_err(sync_err)?;
+        let started = std::time::SystemTime::now();
+        rustix::fs::syncfs(&root).map_err(|e| sync_err(e.into()))?;
+        fsutil::log_syncfs(started);
+        for blob in &staged {
+            self.rename_into_blobs(blob)?;
+        }
+        self.sync()
+    }
+
+    fn rename_into_blobs(&self, staged: &StagedBlob) -> Result<(), StoreError> {
+        let final_path = self.blob_path(&staged.sha256);
+        std::fs::rename(&staged.tmp, &final_path)
+            .map_err(|e| StoreError::io(format!("publishing {}", final_path.display()), e))
+    }
+
     /// Makes renames into `blobs/` durable. Call once after a batch of commits, before a record
     /// points at the new blobs.
     pub fn sync(&self) -> Result<(), StoreError> {
@@ -266,7 +297,7 @@ impl Store {
             let stat_err = |e| StoreError::io("stat of an adopted file", e);
             // Taken after the link, which itself changes the inode's ctime.
             let before = file.metadata().map_err(stat_err)?;
-            let sha = verify_file(file, &expected, size, cancel)?;
+            let sha = verify_file(file, &expected, size, cancel, &mut Vec::new())?;
             let after = file.metadata().map_err(stat_err)?;
             // Size and mtime, not ctime: ctime also moves when another model adopts the same
             // old file at the same time (links, renames of its links), which is no change of
@@ -296,6 +327,67 @@ impl Store {
             .map_err(|e| StoreError::io(format!("publishing {}", final_path.display()), e))?;
         self.record_alias(&expected, &sha)?;
         Ok((sha, true))
+    }
+
+    /// Stages `file` (open for reading, a `local://` source file that may be linked, see
+    /// `crate::source::local`) as a blob without copying it: a hard link into `tmp/`, then the
+    /// bytes of the linked inode are verified against `expected` with its size and
+    /// modification time unchanged over the check, as [`Store::import_file`] does. Returns
+    /// `None` when the file is on another filesystem (`EXDEV`: copy it instead). Nothing is
+    /// synced: [`Store::publish`] does that for the batch. `buf` is the read buffer.
+    pub fn stage_link(
+        &self,
+        file: &File,
+        expected: FileDigest,
+        size: u64,
+        cancel: &AtomicBool,
+        buf: &mut Vec<u8>,
+    ) -> Result<Option<StagedBlob>, StoreError> {
+        let name = match expected {
+            FileDigest::Sha256(d) => format!("link-sha256-{}", hex::encode(d)),
+            FileDigest::GitSha1(d) => format!("link-gitsha1-{}", hex::encode(d)),
+        };
+        let tmp = self.root.join("tmp").join(name);
+        let _ = std::fs::remove_file(&tmp);
+        let proc_path = format!("/proc/self/fd/{}", file.as_raw_fd());
+        let cwd = rustix::fs::CWD;
+        match rustix::fs::linkat(
+            cwd,
+            &proc_path,
+            cwd,
+            &tmp,
+            rustix::fs::AtFlags::SYMLINK_FOLLOW,
+        ) {
+            Ok(()) => {}
+            Err(e) if e == rustix::io::Errno::XDEV => return Ok(None),
+            Err(e) => {
+                return Err(StoreError::io(
+                    format!("linking into {}", tmp.display()),
+                    e.into(),
+                ))
+            }
+        }
+        let verified = (|| {
+            let stat_err = |e| StoreError::io("stat of a linked file", e);
+            let stamp = |m: &std::fs::Metadata| (m.len(), m.mtime(), m.mtime_nsec());
+            let before = file.metadata().map_err(stat_err)?;
+            let sha = verify_file(file, &expected, size, cancel, buf)?;
+            let after = file.metadata().map_err(stat_err)?;
+            if stamp(&before) != stamp(&after) {
+                return Err(StoreError::SizeMismatch {
+                    expected: size,
+                    actual: after.len(),
+                });
+            }
+            Ok(sha)
+        })();
+        match verified {
+            Ok(sha256) => Ok(Some(StagedBlob { tmp, sha256, size })),
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
     }
 
     /// Copies `file` into the store through a [`BlobWriter`] (verified on commit).
@@ -345,11 +437,13 @@ fn cancelled() -> StoreError {
 
 /// Hashes `file` from its start and checks it has exactly `size` bytes with digest `expected`
 /// (sha256, or git blob sha1 over `"blob <size>\0"` and the bytes). Returns its sha256.
+/// `buf` is grown as needed up to 1 MiB (a small file needs no large buffer).
 fn verify_file(
     file: &File,
     expected: &FileDigest,
     size: u64,
     cancel: &AtomicBool,
+    buf: &mut Vec<u8>,
 ) -> Result<Sha256Digest, StoreError> {
     let mut sha256 = Sha256::new();
     let mut git_sha1 = match expected {
@@ -360,14 +454,18 @@ fn verify_file(
         }
         FileDigest::Sha256(_) => None,
     };
-    let mut buf = vec![0u8; 1 << 20];
+    // One byte more than expected, so that a file that grew is seen without another read.
+    let want = (size.saturating_add(1)).min(1 << 20) as usize;
+    if buf.len() < want {
+        buf.resize(want, 0);
+    }
     let mut offset = 0u64;
     loop {
         if cancel.load(Ordering::Relaxed) {
             return Err(cancelled());
         }
         let n = file
-            .read_at(&mut buf, offset)
+            .read_at(buf, offset)
             .map_err(|e| StoreError::io("reading an adopted file", e))?;
         if n == 0 {
             break;
@@ -377,7 +475,8 @@ fn verify_file(
             h.update(&buf[..n]);
         }
         offset += n as u64;
-        if offset > size {
+        // A short read of a regular file is its end: no further read to see 0.
+        if offset > size || (offset == size && n < buf.len()) {
             break;
         }
     }
@@ -478,6 +577,20 @@ impl BlobWriter {
     /// Verifies and publishes the blob. On a mismatch the partial file is removed, so a retry
     /// starts from scratch instead of resuming corrupt bytes.
     pub fn commit(self) -> Result<Sha256Digest, StoreError> {
+        let (store, file, staged) = self.finish()?;
+        file.sync_all()
+            .map_err(|e| StoreError::io(format!("syncing {}", staged.tmp.display()), e))?;
+        store.rename_into_blobs(&staged)?;
+        Ok(staged.sha256)
+    }
+
+    /// Verifies the blob but leaves it in `tmp/`, neither synced nor published: a batch of
+    /// staged blobs becomes durable and visible together through [`Store::publish`].
+    pub fn stage(self) -> Result<StagedBlob, StoreError> {
+        self.finish().map(|(_, _, staged)| staged)
+    }
+
+    fn finish(self) -> Result<(Store, File, StagedBlob), StoreError> {
         if self.written != self.size {
             let err = StoreError::SizeMismatch {
                 expected: self.size,
@@ -507,13 +620,31 @@ impl BlobWriter {
             self.discard();
             return Err(err);
         }
-        self.file
-            .sync_all()
-            .map_err(|e| StoreError::io(format!("syncing {}", self.path.display()), e))?;
-        let final_path = self.store.blob_path(&sha256);
-        std::fs::rename(&self.path, &final_path)
-            .map_err(|e| StoreError::io(format!("publishing {}", final_path.display()), e))?;
-        Ok(sha256)
+        let staged = StagedBlob {
+            tmp: self.path,
+            sha256,
+            size: self.size,
+        };
+        Ok((self.store, self.file, staged))
+    }
+}
+
+/// A verified blob still in `tmp/`: its bytes are not known to be on disk yet and its name in
+/// `blobs/` does not exist yet (see [`Store::publish`]).
+#[derive(Debug)]
+pub struct StagedBlob {
+    tmp: PathBuf,
+    sha256: Sha256Digest,
+    size: u64,
+}
+
+impl StagedBlob {
+    pub fn sha256(&self) -> Sha256Digest {
+        self.sha256
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
     }
 }
 

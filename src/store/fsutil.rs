@@ -34,6 +34,31 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Test hook of the crash harness (`tests/crash.rs`), which models a power cut: when the
+/// environment variable `MODELFS_SYNC_LOG` names a file, every store `syncfs` that returned
+/// appends `syncfs <unix nanoseconds when it started>` to it. Bytes written before the last such
+/// start are on disk; the harness treats everything written later as lost.
+pub fn log_syncfs(started: std::time::SystemTime) {
+    static LOG: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+    let Some(path) = LOG.get_or_init(|| std::env::var_os("MODELFS_SYNC_LOG").map(Into::into))
+    else {
+        return;
+    };
+    let nanos = started
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let line = format!("syncfs {nanos}\n");
+    let appended = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(line.as_bytes()));
+    if let Err(e) = appended {
+        tracing::warn!(path = %path.display(), error = %e, "cannot append to MODELFS_SYNC_LOG");
+    }
+}
+
 /// Bytes allocated on disk under `path` (recursively, symlinks not followed), as `du` counts
 /// them; what cannot be read counts nothing.
 pub fn disk_usage(path: &Path) -> u64 {

@@ -21,7 +21,9 @@
 //!
 //! Durability order: blob fsync -> rename -> directory fsync -> artifact file -> records. A crash at
 //! any point leaves either a record that points only at synced blobs, or blobs that no record
-//! points at (garbage, swept later), never a record that points at a missing blob.
+//! points at (garbage, swept later), never a record that points at a missing blob. Imports of
+//! many files stage verified blobs in `tmp/` and replace the per-blob fsync by one `syncfs` per
+//! batch before the renames ([`Store::publish`]): the same order, one journal commit per batch.
 
 pub mod blob;
 pub mod fsutil;
@@ -35,7 +37,7 @@ use std::path::{Path, PathBuf};
 
 use crate::artifact::{ArtifactId, StoredArtifact};
 
-pub use blob::{BlobWriter, Store, StoreError};
+pub use blob::{BlobWriter, StagedBlob, Store, StoreError};
 pub use records::{ModelPhase, ModelRecord, Records, StoreId, StoreRecord};
 
 /// The `--state` directory.

@@ -244,5 +244,8 @@ fn a_bad_proxy_flag_stops_the_daemon_with_a_reason_and_no_secret() {
         "{err}"
     );
     assert!(!err.contains("hunter2-secret"), "{err}");
-    assert!(!env.state.exists(), "nothing is created before the flags are checked");
+    assert!(
+        !env.state.exists(),
+        "nothing is created before the flags are checked"
+    );
 }

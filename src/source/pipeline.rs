@@ -408,6 +408,73 @@ pub trait RangeSource: Send + Sync {
     ) -> impl Future<Output = Result<RangeBody, TransferError>> + Send;
 }
 
+/// One object of an object store's listing.
+#[derive(Clone, Debug)]
+pub struct ListedObject {
+    /// The object's full key (the prefix included).
+    pub key: String,
+    pub size: u64,
+    /// The ETag or version id the store reported: the identity input, so a changed object is
+    /// a new file and its artifact a new artifact.
+    pub version: String,
+    /// The MD5 of the object's bytes, when the store publishes one.
+    pub md5: Option<[u8; 16]>,
+}
+
+/// The manifest of the objects below `prefix` (a directory: `a/b` holds `a/b/...`, not
+/// `a/bc`), named by their keys relative to it. `location` (`s3://bucket`) goes into each
+/// object's identity. A directory marker (an empty object whose key ends in `/`) is no file.
+/// Hostile keys are refused with a reason naming them: `..` or `.` segments, empty segments
+/// (`a//b`, a leading `/`), NUL or control characters, a key that is both a file and the
+/// prefix of other keys, an object at the prefix itself; [`Manifest::new`] does the path
+/// checks for every source. The revision is the manifest digest.
+pub fn manifest_from_listing(
+    location: &str,
+    prefix: &str,
+    objects: Vec<ListedObject>,
+) -> Result<Manifest, SourceError> {
+    let dir = prefix.trim_end_matches('/');
+    let mut entries = Vec::with_capacity(objects.len());
+    for object in objects {
+        let rel = if dir.is_empty() {
+            object.key.as_str()
+        } else if object.key == dir {
+            return Err(crate::artifact::ArtifactError::BadPath {
+                path: object.key.clone(),
+                why: "the object is the model's prefix itself (a key that is both a file and a directory)",
+            }
+            .into());
+        } else {
+            match object
+                .key
+                .strip_prefix(dir)
+                .and_then(|r| r.strip_prefix('/'))
+            {
+                Some(rel) => rel,
+                None => continue,
+            }
+        };
+        if object.size == 0 && rel.ends_with('/') && !rel.starts_with('/') {
+            continue;
+        }
+        entries.push(ManifestEntry {
+            path: rel.to_string(),
+            size: object.size,
+            digest: FileDigest::Object {
+                identity: crate::artifact::object_identity(
+                    &format!("{location}/{}", object.key),
+                    object.size,
+                    &object.version,
+                ),
+                md5: object.md5,
+            },
+        });
+    }
+    let manifest = Manifest::new(String::new(), entries)?;
+    let revision = manifest.id().to_string();
+    Ok(Manifest::new(revision, manifest.entries().to_vec())?)
+}
+
 /// Fetches every entry of `manifest` the store lacks through `source`; returns the sha256 blob
 /// of every entry, in manifest order.
 pub async fn fetch<S: RangeSource>(
@@ -920,6 +987,66 @@ mod tests {
         assert_eq!(ranges(0, 10, 4), vec![(0, 4), (4, 4), (8, 2)]);
         assert_eq!(ranges(5, 10, 4), vec![(5, 4), (9, 1)]);
         assert_eq!(ranges(10, 10, 4), vec![]);
+    }
+
+    fn listed(key: &str, size: u64) -> ListedObject {
+        ListedObject {
+            key: key.into(),
+            size,
+            version: "\"etag-1\"".into(),
+            md5: None,
+        }
+    }
+
+    #[test]
+    fn listings_become_manifests_relative_to_the_prefix() {
+        let m = manifest_from_listing(
+            "s3://b",
+            "models/llama/",
+            vec![
+                listed("models/llama/config.json", 3),
+                listed("models/llama/sub/", 0),
+                listed("models/llama/sub/w.bin", 5),
+                listed("models/llama-2/other", 1),
+            ],
+        )
+        .unwrap();
+        let paths: Vec<&str> = m.entries().iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["config.json", "sub/w.bin"]);
+        assert_eq!(m.revision, m.id().to_string());
+        // A changed object (new ETag) is a new artifact; another bucket too.
+        let mut changed = listed("models/llama/config.json", 3);
+        changed.version = "\"etag-2\"".into();
+        let one = |location: &str, o: ListedObject| {
+            manifest_from_listing(location, "models/llama", vec![o])
+                .unwrap()
+                .id()
+        };
+        let first = one("s3://b", listed("models/llama/config.json", 3));
+        assert_eq!(first, one("s3://b", listed("models/llama/config.json", 3)));
+        assert_ne!(first, one("s3://b", changed));
+        assert_ne!(first, one("s3://c", listed("models/llama/config.json", 3)));
+    }
+
+    #[test]
+    fn hostile_keys_are_refused_with_a_reason() {
+        for (keys, want) in [
+            (vec!["p/../x"], "dot segment"),
+            (vec!["p//etc/passwd"], "absolute"),
+            (vec!["p/a//b"], "empty segment"),
+            (vec!["p/a/./b"], "dot segment"),
+            (vec!["p/a", "p/a/b"], "both a file and a directory"),
+            (vec!["p", "p/a"], "both a file and a directory"),
+            (vec!["p/x\u{1b}[2J"], "control character"),
+            (vec!["p/trailing/"], "empty segment"),
+        ] {
+            let objects = keys.iter().map(|k| listed(k, 1)).collect();
+            let err = manifest_from_listing("s3://b", "p", objects).unwrap_err();
+            assert!(
+                err.to_string().contains(want) && !err.is_transient(),
+                "{keys:?}: {err} should mention {want}"
+            );
+        }
     }
 
     #[test]

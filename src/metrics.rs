@@ -45,6 +45,10 @@ pub struct SourceLabel {
 pub enum SourceScheme {
     Local,
     Hf,
+    S3,
+    Gs,
+    Az,
+    Oci,
 }
 
 /// Labels of OME's model-agent metrics.

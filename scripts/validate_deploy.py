@@ -15,6 +15,7 @@ import argparse
 import copy
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ import kubernetes_validate
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "resources", "images"}
+KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "resources", "images", "patches"}
 
 
 def load_all(path):
@@ -31,8 +32,46 @@ def load_all(path):
         return [doc for doc in yaml.safe_load_all(handle) if doc]
 
 
+def strategic_merge(target, patch):
+    """A strategic merge patch as kubectl applies it to the fields deploy/ patches: maps merge
+    key by key; lists of maps that all have a `name` (containers, env, volumes, volumeMounts,
+    ports) merge by name, appending new names; other lists and scalars are replaced."""
+    if isinstance(target, dict) and isinstance(patch, dict):
+        out = dict(target)
+        for key, value in patch.items():
+            out[key] = strategic_merge(target[key], value) if key in target else copy.deepcopy(value)
+        return out
+    named = lambda items: isinstance(items, list) and all(isinstance(i, dict) and "name" in i for i in items)
+    if named(target) and named(patch):
+        out = [dict(i) for i in target]
+        for item in patch:
+            at = next((n for n, old in enumerate(out) if old["name"] == item["name"]), None)
+            if at is None:
+                out.append(copy.deepcopy(item))
+            else:
+                out[at] = strategic_merge(out[at], item)
+        return out
+    return copy.deepcopy(patch)
+
+
+def apply_patches(directory, kustomization, objects):
+    """`patches:` entries with a `path` to a strategic merge patch, matched by kind and name."""
+    for entry in kustomization.get("patches", []):
+        if set(entry) != {"path"}:
+            raise SystemExit(f"{directory}: only `patches: - path:` entries can be rendered here: {entry}")
+        for patch in load_all(directory / entry["path"]):
+            matches = [n for n, o in enumerate(objects)
+                       if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]]
+            if len(matches) != 1:
+                raise SystemExit(f"{directory / entry['path']}: patch for {patch['kind']}/"
+                                 f"{patch['metadata']['name']} matches {len(matches)} objects")
+            objects[matches[0]] = strategic_merge(objects[matches[0]], patch)
+    return objects
+
+
 def render_kustomization(directory):
-    """The subset of kustomize the base uses: resources, namespace, images."""
+    """The subset of kustomize deploy/ uses: resources (files or directories), namespace,
+    images, and strategic merge patches (`patches: - path:`)."""
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unknown = set(kustomization) - KUSTOMIZE_FIELDS
     if unknown:
@@ -44,6 +83,7 @@ def render_kustomization(directory):
             objects.extend(render_kustomization(path))
         else:
             objects.extend(load_all(path))
+    objects = apply_patches(directory, kustomization, objects)
     namespace = kustomization.get("namespace")
     images = {image["name"]: image for image in kustomization.get("images", [])}
     cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
@@ -93,6 +133,44 @@ def check_daemonset(objects, problems):
             problems.append(f"{probe} must GET {path}")
     if "preStop" not in container.get("lifecycle", {}):
         problems.append("a preStop hook must stop the daemon so that it unmounts")
+
+
+def check_env_references(name, objects, problems):
+    """Kubernetes expands `$(VAR)` in env values only from variables defined before them, and
+    in args from any of the container's variables; a name it does not know stays literal."""
+    for obj in objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("containers", []):
+            defined = []
+            for env in container.get("env", []):
+                for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", env.get("value", "")):
+                    if ref not in defined:
+                        problems.append(f"{name}: {obj['kind']}/{obj['metadata']['name']} env {env['name']} "
+                                        f"uses $({ref}), which is not defined before it")
+                defined.append(env["name"])
+            for arg in container.get("args", []) + container.get("command", []):
+                for ref in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", arg):
+                    if ref not in defined:
+                        problems.append(f"{name}: {obj['kind']}/{obj['metadata']['name']} arg {arg} "
+                                        f"uses $({ref}), which the container does not define")
+            volumes = {v["name"] for v in pod.get("volumes", [])}
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] not in volumes:
+                    problems.append(f"{name}: volumeMount {mount['name']} has no volume")
+
+
+def check_modelfs_env(name, objects, modelfs, problems):
+    """Every MODELFS_* variable a manifest sets must be one that `modelfs serve` reads (clap
+    lists them in --help), so that a renamed flag cannot leave an overlay silently inert."""
+    wanted = sorted({env["name"] for obj in objects
+                     for container in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+                     for env in container.get("env", []) if env["name"].startswith("MODELFS_")})
+    if not wanted or modelfs is None:
+        return
+    result = subprocess.run([str(modelfs), "serve", "--help"], capture_output=True, text=True, check=False)
+    for var in wanted:
+        if f"env: {var}" not in result.stdout:
+            problems.append(f"{name}: {var} is not read by `modelfs serve` (see `modelfs serve --help`)")
 
 
 def check_inference_example(objects, problems):
@@ -270,7 +348,23 @@ def main():
             problems.append(f"{obj['kind']}: no schema ({error})")
 
     check_daemonset(base, problems)
+    check_env_references("deploy/base", base, problems)
     check_inference_example([doc for _, doc in examples], problems)
+
+    # Optional overlays (deploy/overlays/*): valid objects, and still a working daemon.
+    overlays = {}
+    for directory in sorted((ROOT / "deploy" / "overlays").glob("*/")):
+        name = f"deploy/overlays/{directory.name}"
+        overlays[name] = objects = render_kustomization(directory)
+        for obj in objects:
+            try:
+                kubernetes_validate.validate(copy.deepcopy(obj), args.kubernetes_version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                problems.append(f"{name}: {obj['kind']}/{obj['metadata']['name']}: {error.message} at {list(error.path)}")
+        overlay_problems = []
+        check_daemonset(objects, overlay_problems)
+        problems.extend(f"{name}: {p}" for p in overlay_problems)
+        check_env_references(name, objects, problems)
 
     crd_dirs = args.crds or [fixtures_dir() / "ome-crds"]
     schemas = {}
@@ -295,13 +389,16 @@ def main():
                             "pass --modelfs PATH, or pass --skip-generated-crds")
         else:
             generated = check_generated_crds(modelfs, args.kubernetes_version, examples, problems)
+            for name, objects in [("deploy/base", base)] + list(overlays.items()):
+                check_modelfs_env(name, objects, modelfs, problems)
 
     if problems:
         print("deploy/ validation failed:", file=sys.stderr)
         for problem in problems:
             print(f"  - {problem}", file=sys.stderr)
         return 1
-    print(f"deploy/ valid: {len(base)} base objects, {len(crds)} CRDs, {len(examples)} example objects")
+    print(f"deploy/ valid: {len(base)} base objects, {len(crds)} CRDs, {len(examples)} example objects, "
+          f"overlays: {', '.join(overlays) or 'none'}")
     if generated:
         print(f"modelfs crd valid: {generated}")
     return 0

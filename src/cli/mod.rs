@@ -21,6 +21,7 @@ use crate::http::HttpState;
 use crate::metrics::Metrics;
 use crate::reconciler::{MountSink, Reconciler, ReconcilerConfig};
 use crate::source::hf::{DownloadTuning, HfConfig};
+use crate::source::proxy::{Proxies, ProxyUrl};
 use crate::source::{SourceConfig, Token};
 use crate::standalone::ModelsDirConfig;
 use crate::store::StateDir;
@@ -111,6 +112,41 @@ pub struct ServeArgs {
     log_json: bool,
     #[command(flatten)]
     hf: HfArgs,
+    #[command(flatten)]
+    proxy: ProxyArgs,
+}
+
+/// Per-source proxies (see `source::proxy`): each replaces HTTP_PROXY / HTTPS_PROXY /
+/// ALL_PROXY for its source; NO_PROXY still applies. Credentials in the URL are never logged.
+#[derive(clap::Args, Debug)]
+struct ProxyArgs {
+    /// Proxy for hf:// downloads (for example a Dragonfly dfdaemon: http://127.0.0.1:4001).
+    #[arg(long, env = "MODELFS_PROXY_HF", hide_env_values = true, value_parser = ProxyUrl::parse)]
+    proxy_hf: Option<ProxyUrl>,
+    /// Proxy for s3:// downloads.
+    #[arg(long, env = "MODELFS_PROXY_S3", hide_env_values = true, value_parser = ProxyUrl::parse)]
+    proxy_s3: Option<ProxyUrl>,
+    /// Proxy for gs:// downloads.
+    #[arg(long, env = "MODELFS_PROXY_GS", hide_env_values = true, value_parser = ProxyUrl::parse)]
+    proxy_gs: Option<ProxyUrl>,
+    /// Proxy for az:// downloads.
+    #[arg(long, env = "MODELFS_PROXY_AZ", hide_env_values = true, value_parser = ProxyUrl::parse)]
+    proxy_az: Option<ProxyUrl>,
+    /// Proxy for oci:// downloads.
+    #[arg(long, env = "MODELFS_PROXY_OCI", hide_env_values = true, value_parser = ProxyUrl::parse)]
+    proxy_oci: Option<ProxyUrl>,
+}
+
+impl ProxyArgs {
+    fn proxies(&self) -> Proxies {
+        Proxies {
+            hf: self.proxy_hf.clone(),
+            s3: self.proxy_s3.clone(),
+            gs: self.proxy_gs.clone(),
+            az: self.proxy_az.clone(),
+            oci: self.proxy_oci.clone(),
+        }
+    }
 }
 
 /// Hugging Face source settings. The default token comes from the environment (`HF_TOKEN`)
@@ -183,6 +219,7 @@ impl HfArgs {
                 progress_log_interval: Duration::from_secs(self.hf_progress_log_secs.max(1)),
                 ..defaults
             },
+            proxy: None,
         }
     }
 }
@@ -295,13 +332,31 @@ async fn serve(args: ServeArgs) -> Result<()> {
             .with_context(|| format!("checking the mount at {}", mount_dir.display()))?,
     );
 
+    let proxies = args.proxy.proxies();
+    if proxies != Proxies::default() {
+        // Display of a ProxyUrl hides its credentials.
+        let shown = |p: &Option<ProxyUrl>| p.as_ref().map(ToString::to_string);
+        tracing::info!(
+            hf = ?shown(&proxies.hf),
+            s3 = ?shown(&proxies.s3),
+            gs = ?shown(&proxies.gs),
+            az = ?shown(&proxies.az),
+            oci = ?shown(&proxies.oci),
+            "per-source proxies (NO_PROXY applies)"
+        );
+    }
+    let hf_config = HfConfig {
+        proxy: proxies.hf.clone(),
+        ..args.hf.config()
+    };
     let reconciler_config = ReconcilerConfig {
         models_root_dir: models_root_dir.clone(),
         gc_grace: Duration::from_secs(args.gc_grace_secs),
         max_concurrent_fetches: args.max_concurrent_fetches,
-        sources: SourceConfig::new(args.hf.config())
+        sources: SourceConfig::new(hf_config)
             .context("configuring sources")?
-            .with_under_mount(under_mount),
+            .with_under_mount(under_mount)
+            .with_proxies(proxies),
         hf_cache_dir: hf_cache_dir(&args.hf_cache_dir)?,
         hf_cache_linger: Duration::from_secs(args.hf_cache_linger_secs),
         ..ReconcilerConfig::default()

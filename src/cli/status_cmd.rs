@@ -44,7 +44,10 @@ fn fetch(listen: &str) -> Result<StatusDoc> {
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let resp = reqwest::Client::new()
+        // The daemon is local: never through HTTP_PROXY (set for downloads, not for this).
+        let resp = reqwest::Client::builder()
+            .no_proxy()
+            .build()?
             .get(&url)
             .send()
             .await

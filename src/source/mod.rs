@@ -7,9 +7,11 @@
 //! downloads zero bytes). `fetch` then writes only the blobs the target store lacks and verifies
 //! every one against the digest `resolve` obtained.
 
+// Proxy settings shared by every remote source.
 pub mod hf;
 pub mod local;
 pub mod pipeline;
+pub mod proxy;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -328,16 +330,31 @@ pub struct SourceConfig {
     /// The directory underneath the mount (see [`crate::adopt`]): `local://` directories below
     /// the models root are read through it, and fetches adopt old files from it.
     pub under_mount: Option<Arc<crate::adopt::UnderMount>>,
+    /// `--proxy-<scheme>` of every remote source (`hf` is also in the hub client's config);
+    /// a source without one uses the environment's proxies.
+    pub proxies: proxy::Proxies,
 }
 
 impl SourceConfig {
     pub fn new(hf: hf::HfConfig) -> Result<Self, SourceError> {
         let transfers = pipeline::Transfers::new(hf.tuning.clone());
+        let proxies = proxy::Proxies {
+            hf: hf.proxy.clone(),
+            ..proxy::Proxies::default()
+        };
         Ok(Self {
             hf: Arc::new(hf::HubClient::with_transfers(hf, transfers.clone())?),
             transfers,
             under_mount: None,
+            proxies,
         })
+    }
+
+    /// The per-scheme proxies; the Hugging Face one must already be in the `HfConfig` given to
+    /// [`SourceConfig::new`] (its client is built there).
+    pub fn with_proxies(self, proxies: proxy::Proxies) -> Self {
+        debug_assert_eq!(proxies.hf, self.proxies.hf, "hf's proxy is set in HfConfig");
+        Self { proxies, ..self }
     }
 
     pub fn with_under_mount(self, under: Arc<crate::adopt::UnderMount>) -> Self {

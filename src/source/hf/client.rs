@@ -55,10 +55,12 @@ impl HubClient {
         }
         // The binary installs ring at start; libraries and tests may not have.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::Client::builder()
+        let builder = reqwest::Client::builder()
             .user_agent(concat!("modelfs/", env!("CARGO_PKG_VERSION")))
-            .connect_timeout(config.tuning.connect_timeout)
-            .build()
+            .connect_timeout(config.tuning.connect_timeout);
+        // HTTP(S)_PROXY / NO_PROXY from the environment unless --proxy-hf says otherwise.
+        let http = crate::source::proxy::configure(config.proxy.as_ref(), builder)
+            .and_then(|b| b.build())
             .map_err(|e| TransferError::Network {
                 what: "building the HTTP client".into(),
                 detail: e.to_string(),

@@ -61,6 +61,8 @@ pub struct HfConfig {
     /// Used by models that bring no token of their own.
     pub default_token: Option<Token>,
     pub tuning: DownloadTuning,
+    /// `--proxy-hf`; `None`: the environment's proxies (see `source::proxy`).
+    pub proxy: Option<crate::source::proxy::ProxyUrl>,
 }
 
 impl Default for HfConfig {
@@ -69,6 +71,7 @@ impl Default for HfConfig {
             endpoint: DEFAULT_ENDPOINT.into(),
             default_token: None,
             tuning: DownloadTuning::default(),
+            proxy: None,
         }
     }
 }

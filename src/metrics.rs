@@ -49,6 +49,10 @@ pub struct SourceLabel {
 pub enum SourceScheme {
     Local,
     Hf,
+    S3,
+    Gs,
+    Az,
+    Oci,
 }
 
 /// Labels of OME's model-agent metrics.

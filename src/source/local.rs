@@ -648,7 +648,9 @@ impl LocalSource {
             .iter()
             .map(|entry| match entry.digest {
                 FileDigest::Sha256(sha) => Sha256Digest(sha),
-                FileDigest::GitSha1(_) => unreachable!("local manifests carry sha256 digests"),
+                FileDigest::GitSha1(_) | FileDigest::Object { .. } => {
+                    unreachable!("local manifests carry sha256 digests")
+                }
             })
             .collect())
     }

@@ -7,6 +7,7 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use md5::Md5;
 use sha1::Sha1;
 use sha2::{Digest, Sha256};
 
@@ -91,6 +92,7 @@ impl Store {
         let name = match digest {
             FileDigest::Sha256(d) => format!("sha256-{}.part", hex::encode(d)),
             FileDigest::GitSha1(d) => format!("gitsha1-{}.part", hex::encode(d)),
+            FileDigest::Object { identity, .. } => format!("object-{}.part", hex::encode(identity)),
         };
         self.root.join("tmp").join(name)
     }
@@ -153,9 +155,9 @@ impl Store {
     /// files) use it to skip files they already downloaded. An alias is written only after the
     /// blob verified, and is trusted only while the blob is present with the right size.
     pub fn lookup_alias(&self, digest: &FileDigest, size: u64) -> Option<Sha256Digest> {
-        let FileDigest::GitSha1(_) = digest else {
+        if let FileDigest::Sha256(_) = digest {
             return None;
-        };
+        }
         let text = std::fs::read_to_string(self.alias_path(digest)).ok()?;
         let sha: Sha256Digest = text.trim().parse().ok()?;
         self.has_blob(&sha, size).then_some(sha)
@@ -183,6 +185,7 @@ impl Store {
         let name = match digest {
             FileDigest::Sha256(d) => format!("sha256-{}", hex::encode(d)),
             FileDigest::GitSha1(d) => format!("gitsha1-{}", hex::encode(d)),
+            FileDigest::Object { identity, .. } => format!("object-{}", hex::encode(identity)),
         };
         self.root.join("aliases").join(name)
     }
@@ -267,6 +270,9 @@ impl Store {
         let name = match expected {
             FileDigest::Sha256(d) => format!("adopt-sha256-{}", hex::encode(d)),
             FileDigest::GitSha1(d) => format!("adopt-gitsha1-{}", hex::encode(d)),
+            FileDigest::Object { identity, .. } => {
+                format!("adopt-object-{}", hex::encode(identity))
+            }
         };
         let tmp = self.root.join("tmp").join(name);
         let _ = std::fs::remove_file(&tmp);
@@ -346,6 +352,9 @@ impl Store {
         let name = match expected {
             FileDigest::Sha256(d) => format!("link-sha256-{}", hex::encode(d)),
             FileDigest::GitSha1(d) => format!("link-gitsha1-{}", hex::encode(d)),
+            FileDigest::Object { identity, .. } => {
+                format!("link-object-{}", hex::encode(identity))
+            }
         };
         let tmp = self.root.join("tmp").join(name);
         let _ = std::fs::remove_file(&tmp);
@@ -452,8 +461,9 @@ fn verify_file(
             h.update(format!("blob {size}\0").as_bytes());
             Some(h)
         }
-        FileDigest::Sha256(_) => None,
+        FileDigest::Sha256(_) | FileDigest::Object { .. } => None,
     };
+    let mut md5 = object_md5(expected);
     // One byte more than expected, so that a file that grew is seen without another read.
     let want = (size.saturating_add(1)).min(1 << 20) as usize;
     if buf.len() < want {
@@ -472,6 +482,9 @@ fn verify_file(
         }
         sha256.update(&buf[..n]);
         if let Some(h) = &mut git_sha1 {
+            h.update(&buf[..n]);
+        }
+        if let Some(h) = &mut md5 {
             h.update(&buf[..n]);
         }
         offset += n as u64;
@@ -494,6 +507,7 @@ fn verify_file(
             (*want == got, FileDigest::GitSha1(got))
         }
         (FileDigest::GitSha1(_), None) => unreachable!("a git digest always has its hasher"),
+        (FileDigest::Object { .. }, _) => object_md5_matches(expected, md5),
     };
     if !ok {
         return Err(StoreError::DigestMismatch {
@@ -502,6 +516,33 @@ fn verify_file(
         });
     }
     Ok(sha)
+}
+
+/// The MD5 hasher of an object whose store published the MD5 of its bytes.
+fn object_md5(expected: &FileDigest) -> Option<Md5> {
+    match expected {
+        FileDigest::Object { md5: Some(_), .. } => Some(Md5::new()),
+        _ => None,
+    }
+}
+
+/// Whether the bytes hashed into `md5` match the object digest `expected` (one without an MD5
+/// matches any bytes of the right size, which the caller checked), and the digest they have.
+fn object_md5_matches(expected: &FileDigest, md5: Option<Md5>) -> (bool, FileDigest) {
+    let FileDigest::Object {
+        identity,
+        md5: want,
+    } = *expected
+    else {
+        unreachable!("only object digests carry an MD5")
+    };
+    let got: Option<[u8; 16]> = md5.map(|h| h.finalize().into());
+    let ok = match (want, got) {
+        (Some(want), Some(got)) => want == got,
+        (None, _) => true,
+        (Some(_), None) => false,
+    };
+    (ok, FileDigest::Object { identity, md5: got })
 }
 
 /// Streams one blob into `tmp/`, hashing as it goes; [`BlobWriter::commit`] verifies size and
@@ -515,6 +556,7 @@ pub struct BlobWriter {
     written: u64,
     sha256: Sha256,
     git_sha1: Option<Sha1>,
+    md5: Option<Md5>,
 }
 
 impl BlobWriter {
@@ -525,7 +567,7 @@ impl BlobWriter {
                 h.update(format!("blob {size}\0").as_bytes());
                 Some(h)
             }
-            FileDigest::Sha256(_) => None,
+            FileDigest::Sha256(_) | FileDigest::Object { .. } => None,
         };
         Self {
             store,
@@ -536,12 +578,16 @@ impl BlobWriter {
             written: 0,
             sha256: Sha256::new(),
             git_sha1,
+            md5: object_md5(&expected),
         }
     }
 
     fn hash(&mut self, buf: &[u8]) {
         self.sha256.update(buf);
         if let Some(h) = &mut self.git_sha1 {
+            h.update(buf);
+        }
+        if let Some(h) = &mut self.md5 {
             h.update(buf);
         }
         self.written += buf.len() as u64;
@@ -607,11 +653,17 @@ impl BlobWriter {
                 *want == got
             }
             (FileDigest::GitSha1(_), None) => false,
+            (FileDigest::Object { .. }, _) => {
+                object_md5_matches(&self.expected, self.md5.clone()).0
+            }
         };
         if !ok {
-            let actual = match &self.git_sha1 {
-                Some(h) => FileDigest::GitSha1(h.clone().finalize().into()).to_string(),
-                None => FileDigest::Sha256(sha256.0).to_string(),
+            let actual = match (&self.git_sha1, &self.md5) {
+                (Some(h), _) => FileDigest::GitSha1(h.clone().finalize().into()).to_string(),
+                (None, Some(_)) => object_md5_matches(&self.expected, self.md5.clone())
+                    .1
+                    .to_string(),
+                (None, None) => FileDigest::Sha256(sha256.0).to_string(),
             };
             let err = StoreError::DigestMismatch {
                 expected: self.expected.to_string(),
@@ -653,6 +705,43 @@ mod tests {
     use super::*;
 
     use crate::artifact::git_blob_sha1 as git_sha1;
+
+    #[test]
+    fn objects_are_checked_by_their_md5_when_the_store_gives_one() {
+        use md5::{Digest as _, Md5};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s")).unwrap();
+        let data = b"object bytes";
+        let md5: [u8; 16] = Md5::digest(data).into();
+        let object = |md5| FileDigest::Object {
+            identity: [7; 32],
+            md5,
+        };
+        let mut w = store
+            .writer(object(Some([0; 16])), data.len() as u64)
+            .unwrap();
+        w.write_all(data).unwrap();
+        let err = w.commit().unwrap_err();
+        assert!(matches!(err, StoreError::DigestMismatch { .. }), "{err}");
+        assert!(err.to_string().contains(&hex::encode(md5)), "{err}");
+        assert!(!store.has_blob(&Sha256Digest::of(data), data.len() as u64));
+
+        // Resumed: the prefix on disk is hashed again.
+        let mut w = store.writer(object(Some(md5)), data.len() as u64).unwrap();
+        w.write_all(&data[..5]).unwrap();
+        drop(w);
+        let mut w = store
+            .resume_writer(object(Some(md5)), data.len() as u64)
+            .unwrap();
+        assert_eq!(w.written(), 5);
+        w.write_all(&data[5..]).unwrap();
+        assert_eq!(w.commit().unwrap(), Sha256Digest::of(data));
+
+        // No MD5 published: the size is all there is to check.
+        let mut w = store.writer(object(None), data.len() as u64).unwrap();
+        w.write_all(&data[..4]).unwrap();
+        assert!(matches!(w.commit(), Err(StoreError::SizeMismatch { .. })));
+    }
 
     #[test]
     fn verified_blob_is_published_and_wrong_bytes_are_not() {

@@ -245,7 +245,9 @@ pub fn import_into(
         }
         let present = match entry.digest {
             FileDigest::Sha256(d) => store.has_blob(&Sha256Digest(d), entry.size),
-            FileDigest::GitSha1(_) => store.lookup_alias(&entry.digest, entry.size).is_some(),
+            FileDigest::GitSha1(_) | FileDigest::Md5(_) | FileDigest::ObjectVersion(_) => {
+                store.lookup_alias(&entry.digest, entry.size).is_some()
+            }
         };
         if present {
             continue;

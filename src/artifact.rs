@@ -86,6 +86,14 @@ pub enum FileDigest {
     Sha256([u8; 32]),
     /// `sha1("blob <len>\0" + bytes)`, what git (and so the Hugging Face hub) uses for small files.
     GitSha1([u8; 20]),
+    /// MD5 of the bytes: what OCI Object Storage reports for an object (`Content-MD5`,
+    /// `opc-content-md5`, the listing's `md5`), or the `opc-meta-md5` of a multipart upload.
+    Md5([u8; 16]),
+    /// sha256 of an object store's version tag for an object whose store vouches for no digest
+    /// of the whole content (an OCI multipart upload without `opc-meta-md5`: its MD5 is over
+    /// the parts' MD5s). It identifies the content (a rewritten object has a new tag), but only
+    /// the size can be checked when the bytes arrive, as OME's agent checks such objects.
+    ObjectVersion([u8; 32]),
 }
 
 impl fmt::Display for FileDigest {
@@ -93,6 +101,61 @@ impl fmt::Display for FileDigest {
         match self {
             FileDigest::Sha256(d) => write!(f, "sha256:{}", hex::encode(d)),
             FileDigest::GitSha1(d) => write!(f, "gitsha1:{}", hex::encode(d)),
+            FileDigest::Md5(d) => write!(f, "md5:{}", hex::encode(d)),
+            FileDigest::ObjectVersion(d) => write!(f, "objver:{}", hex::encode(d)),
+        }
+    }
+}
+
+impl FileDigest {
+    /// A name for files about this digest (partial downloads, aliases): `<kind>-<hex>`.
+    pub fn file_tag(&self) -> String {
+        self.to_string().replacen(':', "-", 1)
+    }
+
+    /// The hasher that checks bytes against this digest, `None` for sha256 (which every store
+    /// computes anyway).
+    pub fn source_hasher(&self, size: u64) -> Option<SourceHasher> {
+        match self {
+            FileDigest::Sha256(_) => None,
+            FileDigest::GitSha1(_) => {
+                use sha1::Digest as _;
+                let mut h = sha1::Sha1::new();
+                h.update(format!("blob {size}\0").as_bytes());
+                Some(SourceHasher::GitSha1(h))
+            }
+            FileDigest::Md5(_) => Some(SourceHasher::Md5(md5::Md5::default())),
+            FileDigest::ObjectVersion(tag) => Some(SourceHasher::SizeOnly(*tag)),
+        }
+    }
+}
+
+/// Computes a non-sha256 [`FileDigest`] of bytes as they stream by.
+#[derive(Clone)]
+pub enum SourceHasher {
+    GitSha1(sha1::Sha1),
+    Md5(md5::Md5),
+    /// Nothing to compute: the digest is a version tag (see [`FileDigest::ObjectVersion`]).
+    SizeOnly([u8; 32]),
+}
+
+impl SourceHasher {
+    pub fn update(&mut self, bytes: &[u8]) {
+        use sha1::Digest as _;
+        match self {
+            SourceHasher::GitSha1(h) => h.update(bytes),
+            SourceHasher::Md5(h) => h.update(bytes),
+            SourceHasher::SizeOnly(_) => {}
+        }
+    }
+
+    /// The digest of the bytes seen, in the kind of the expected digest.
+    pub fn finish(self) -> FileDigest {
+        use sha1::Digest as _;
+        match self {
+            SourceHasher::GitSha1(h) => FileDigest::GitSha1(h.finalize().into()),
+            SourceHasher::Md5(h) => FileDigest::Md5(h.finalize().into()),
+            SourceHasher::SizeOnly(tag) => FileDigest::ObjectVersion(tag),
         }
     }
 }
@@ -109,6 +172,14 @@ impl FromStr for FileDigest {
             let mut out = [0u8; 20];
             hex::decode_to_slice(h, &mut out).map_err(|_| bad())?;
             Ok(FileDigest::GitSha1(out))
+        } else if let Some(h) = s.strip_prefix("md5:") {
+            let mut out = [0u8; 16];
+            hex::decode_to_slice(h, &mut out).map_err(|_| bad())?;
+            Ok(FileDigest::Md5(out))
+        } else if let Some(h) = s.strip_prefix("objver:") {
+            let mut out = [0u8; 32];
+            hex::decode_to_slice(h, &mut out).map_err(|_| bad())?;
+            Ok(FileDigest::ObjectVersion(out))
         } else {
             Err(bad())
         }

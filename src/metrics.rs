@@ -45,6 +45,7 @@ pub struct SourceLabel {
 pub enum SourceScheme {
     Local,
     Hf,
+    Oci,
 }
 
 /// Labels of OME's model-agent metrics.

@@ -9,6 +9,7 @@
 
 pub mod hf;
 pub mod local;
+pub mod oci;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -68,10 +69,14 @@ pub enum SourceError {
         #[source]
         source: StoreError,
     },
-    #[error("storage scheme {scheme}:// is not supported yet (supported: hf://, local://)")]
+    #[error(
+        "storage scheme {scheme}:// is not supported yet (supported: hf://, local://, oci://)"
+    )]
     Unsupported { scheme: String },
     #[error(transparent)]
     Hf(hf::HfError),
+    #[error(transparent)]
+    Oci(oci::OciError),
     #[error("cancelled")]
     Cancelled,
     /// A worker panicked: a bug, reported with its message rather than retried forever.
@@ -111,6 +116,7 @@ impl SourceError {
             }
             SourceError::LocalIo { .. } => true,
             SourceError::Hf(e) => e.is_transient(),
+            SourceError::Oci(e) => e.is_transient(),
             SourceError::LocalMissing { .. }
             | SourceError::LocalSpecialFile { .. }
             | SourceError::LocalNotDirectory { .. }
@@ -151,6 +157,7 @@ impl SourceError {
         match self {
             SourceError::Cancelled => None,
             SourceError::Hf(e) => hf(e),
+            SourceError::Oci(e) => e.ome_outcome(),
             SourceError::Store { source, .. } if mismatch(source) => {
                 Some(DownloadOutcome::VerificationFailed)
             }
@@ -321,6 +328,9 @@ impl FetchContext {
 pub struct SourceConfig {
     /// The Hugging Face client (endpoint, default token, tuning, node-wide transfer limit).
     pub hf: Arc<hf::HubClient>,
+    /// `oci://` settings (endpoint override, the agent's OCI config file and environment). Its
+    /// transfers go through the Hugging Face client's pool, limit and tuning.
+    pub oci: Arc<oci::OciConfig>,
     /// The directory underneath the mount (see [`crate::adopt`]): `local://` directories below
     /// the models root are read through it, and fetches adopt old files from it.
     pub under_mount: Option<Arc<crate::adopt::UnderMount>>,
@@ -330,6 +340,7 @@ impl SourceConfig {
     pub fn new(hf: hf::HfConfig) -> Result<Self, SourceError> {
         Ok(Self {
             hf: Arc::new(hf::HubClient::new(hf)?),
+            oci: Arc::new(oci::OciConfig::from_env()),
             under_mount: None,
         })
     }
@@ -376,16 +387,19 @@ impl Default for SourceConfig {
 pub enum Source {
     Local(local::LocalSource),
     Hf(hf::HfSource),
+    Oci(oci::OciSource),
 }
 
 impl Source {
     /// Builds the source for a validated URI with the model's own token (if any; the source's
-    /// default applies otherwise). Schemes without an implementation are an error here, so such
-    /// models fail at once with a reason instead of waiting.
+    /// default applies otherwise) and `spec.storage.parameters`. Schemes without an
+    /// implementation are an error here, so such models fail at once with a reason instead of
+    /// waiting.
     pub fn for_uri(
         uri: &SourceUri,
         config: &SourceConfig,
         token: Option<Token>,
+        parameters: &std::collections::BTreeMap<String, String>,
     ) -> Result<Self, SourceError> {
         match uri {
             SourceUri::Local { path } => Ok(Source::Local(local::LocalSource::new(
@@ -397,6 +411,19 @@ impl Source {
                 token,
                 config.hf.clone(),
             ))),
+            SourceUri::Oci {
+                namespace,
+                bucket,
+                prefix,
+            } => Ok(Source::Oci(oci::OciSource::new(
+                namespace.clone(),
+                bucket.clone(),
+                prefix.clone(),
+                parameters,
+                token,
+                config.hf.clone(),
+                config.oci.clone(),
+            )?)),
             SourceUri::Unsupported { scheme, .. } => Err(SourceError::Unsupported {
                 scheme: scheme.clone(),
             }),
@@ -412,6 +439,7 @@ impl Source {
                     .unwrap_or_else(|e| Err(SourceError::from_join(e)))
             }
             Source::Hf(s) => s.resolve(cancel).await,
+            Source::Oci(s) => s.resolve(cancel).await,
         }
     }
 
@@ -429,6 +457,7 @@ impl Source {
                     .unwrap_or_else(|e| Err(SourceError::from_join(e)))
             }
             Source::Hf(s) => s.fetch(manifest, ctx).await,
+            Source::Oci(s) => s.fetch(manifest, ctx).await,
         }
     }
 }

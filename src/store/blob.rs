@@ -7,10 +7,9 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use sha1::Sha1;
 use sha2::{Digest, Sha256};
 
-use crate::artifact::{FileDigest, Sha256Digest};
+use crate::artifact::{FileDigest, Sha256Digest, SourceHasher};
 
 use super::fsutil;
 
@@ -88,10 +87,7 @@ impl Store {
 
     /// Where the partial download of a file with this source digest lives.
     pub fn partial_path(&self, digest: &FileDigest) -> PathBuf {
-        let name = match digest {
-            FileDigest::Sha256(d) => format!("sha256-{}.part", hex::encode(d)),
-            FileDigest::GitSha1(d) => format!("gitsha1-{}.part", hex::encode(d)),
-        };
+        let name = format!("{}.part", digest.file_tag());
         self.root.join("tmp").join(name)
     }
 
@@ -153,9 +149,9 @@ impl Store {
     /// files) use it to skip files they already downloaded. An alias is written only after the
     /// blob verified, and is trusted only while the blob is present with the right size.
     pub fn lookup_alias(&self, digest: &FileDigest, size: u64) -> Option<Sha256Digest> {
-        let FileDigest::GitSha1(_) = digest else {
+        if let FileDigest::Sha256(_) = digest {
             return None;
-        };
+        }
         let text = std::fs::read_to_string(self.alias_path(digest)).ok()?;
         let sha: Sha256Digest = text.trim().parse().ok()?;
         self.has_blob(&sha, size).then_some(sha)
@@ -180,10 +176,7 @@ impl Store {
     }
 
     fn alias_path(&self, digest: &FileDigest) -> PathBuf {
-        let name = match digest {
-            FileDigest::Sha256(d) => format!("sha256-{}", hex::encode(d)),
-            FileDigest::GitSha1(d) => format!("gitsha1-{}", hex::encode(d)),
-        };
+        let name = digest.file_tag();
         self.root.join("aliases").join(name)
     }
 
@@ -233,10 +226,7 @@ impl Store {
         size: u64,
         cancel: &AtomicBool,
     ) -> Result<(Sha256Digest, bool), StoreError> {
-        let name = match expected {
-            FileDigest::Sha256(d) => format!("adopt-sha256-{}", hex::encode(d)),
-            FileDigest::GitSha1(d) => format!("adopt-gitsha1-{}", hex::encode(d)),
-        };
+        let name = format!("adopt-{}", expected.file_tag());
         let tmp = self.root.join("tmp").join(name);
         let _ = std::fs::remove_file(&tmp);
         // /proc/self/fd/N names exactly the inode that was opened (and checked to lie beneath
@@ -352,14 +342,7 @@ fn verify_file(
     cancel: &AtomicBool,
 ) -> Result<Sha256Digest, StoreError> {
     let mut sha256 = Sha256::new();
-    let mut git_sha1 = match expected {
-        FileDigest::GitSha1(_) => {
-            let mut h = Sha1::new();
-            h.update(format!("blob {size}\0").as_bytes());
-            Some(h)
-        }
-        FileDigest::Sha256(_) => None,
-    };
+    let mut source_hasher = expected.source_hasher(size);
     let mut buf = vec![0u8; 1 << 20];
     let mut offset = 0u64;
     loop {
@@ -373,7 +356,7 @@ fn verify_file(
             break;
         }
         sha256.update(&buf[..n]);
-        if let Some(h) = &mut git_sha1 {
+        if let Some(h) = &mut source_hasher {
             h.update(&buf[..n]);
         }
         offset += n as u64;
@@ -388,14 +371,11 @@ fn verify_file(
         });
     }
     let sha = Sha256Digest(sha256.finalize().into());
-    let (ok, actual) = match (expected, git_sha1) {
-        (FileDigest::Sha256(want), _) => (*want == sha.0, FileDigest::Sha256(sha.0)),
-        (FileDigest::GitSha1(want), Some(h)) => {
-            let got: [u8; 20] = h.finalize().into();
-            (*want == got, FileDigest::GitSha1(got))
-        }
-        (FileDigest::GitSha1(_), None) => unreachable!("a git digest always has its hasher"),
+    let actual = match source_hasher {
+        Some(h) => h.finish(),
+        None => FileDigest::Sha256(sha.0),
     };
+    let ok = actual == *expected;
     if !ok {
         return Err(StoreError::DigestMismatch {
             expected: expected.to_string(),
@@ -415,19 +395,13 @@ pub struct BlobWriter {
     size: u64,
     written: u64,
     sha256: Sha256,
-    git_sha1: Option<Sha1>,
+    /// The source's own digest when it is not sha256 (git blob sha1, MD5...).
+    source_hasher: Option<SourceHasher>,
 }
 
 impl BlobWriter {
     fn new(store: Store, path: PathBuf, file: File, expected: FileDigest, size: u64) -> Self {
-        let git_sha1 = match expected {
-            FileDigest::GitSha1(_) => {
-                let mut h = Sha1::new();
-                h.update(format!("blob {size}\0").as_bytes());
-                Some(h)
-            }
-            FileDigest::Sha256(_) => None,
-        };
+        let source_hasher = expected.source_hasher(size);
         Self {
             store,
             path,
@@ -436,13 +410,13 @@ impl BlobWriter {
             size,
             written: 0,
             sha256: Sha256::new(),
-            git_sha1,
+            source_hasher,
         }
     }
 
     fn hash(&mut self, buf: &[u8]) {
         self.sha256.update(buf);
-        if let Some(h) = &mut self.git_sha1 {
+        if let Some(h) = &mut self.source_hasher {
             h.update(buf);
         }
         self.written += buf.len() as u64;
@@ -487,19 +461,12 @@ impl BlobWriter {
             return Err(err);
         }
         let sha256 = Sha256Digest(self.sha256.clone().finalize().into());
-        let ok = match (&self.expected, &self.git_sha1) {
-            (FileDigest::Sha256(want), _) => *want == sha256.0,
-            (FileDigest::GitSha1(want), Some(h)) => {
-                let got: [u8; 20] = h.clone().finalize().into();
-                *want == got
-            }
-            (FileDigest::GitSha1(_), None) => false,
+        let actual = match &self.source_hasher {
+            Some(h) => h.clone().finish(),
+            None => FileDigest::Sha256(sha256.0),
         };
-        if !ok {
-            let actual = match &self.git_sha1 {
-                Some(h) => FileDigest::GitSha1(h.clone().finalize().into()).to_string(),
-                None => FileDigest::Sha256(sha256.0).to_string(),
-            };
+        if actual != self.expected {
+            let actual = actual.to_string();
             let err = StoreError::DigestMismatch {
                 expected: self.expected.to_string(),
                 actual,
@@ -546,6 +513,27 @@ mod tests {
 
         let mut w = store
             .writer(FileDigest::GitSha1(git_sha1(data)), data.len() as u64)
+            .unwrap();
+        w.write_all(data).unwrap();
+        assert_eq!(w.commit().unwrap(), want);
+
+        let md5: [u8; 16] = {
+            use md5::Digest as _;
+            md5::Md5::digest(data).into()
+        };
+        let mut w = store
+            .writer(FileDigest::Md5(md5), data.len() as u64)
+            .unwrap();
+        w.write_all(data).unwrap();
+        assert_eq!(w.commit().unwrap(), want);
+        let mut w = store
+            .writer(FileDigest::Md5([9; 16]), data.len() as u64)
+            .unwrap();
+        w.write_all(data).unwrap();
+        assert!(matches!(w.commit(), Err(StoreError::DigestMismatch { .. })));
+        // A version tag checks the size only.
+        let mut w = store
+            .writer(FileDigest::ObjectVersion([3; 32]), data.len() as u64)
             .unwrap();
         w.write_all(data).unwrap();
         assert_eq!(w.commit().unwrap(), want);

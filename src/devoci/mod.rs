@@ -153,10 +153,12 @@ impl Default for OciDevConfig {
     }
 }
 
+/// (namespace, bucket) -> objects by name.
+type Buckets = BTreeMap<(String, String), BTreeMap<String, Arc<DevObject>>>;
+
 pub struct OciDev {
     config: OciDevConfig,
-    /// (namespace, bucket) -> objects by name.
-    buckets: Mutex<BTreeMap<(String, String), BTreeMap<String, Arc<DevObject>>>>,
+    buckets: Mutex<Buckets>,
     /// keyId -> DER RSAPublicKey.
     keys: Mutex<HashMap<String, Vec<u8>>>,
     faults: Mutex<Vec<Fault>>,
@@ -747,6 +749,9 @@ fn body_stream(
         match &st.fault {
             Some(FaultKind::Truncate { after }) => {
                 if st.sent >= *after {
+                    // Let the bytes sent so far reach the client before the connection drops
+                    // (aborting at once can discard the headers and the buffered body).
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     st.at = st.end;
                     return Some((Err(std::io::Error::other("injected truncation")), st));
                 }

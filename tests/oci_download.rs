@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use modelfs::devhub::{Fault, FaultKind, FaultTarget};
-use modelfs::devoci::{DevObject, OciDev, OciDevConfig, RunningOciDev};
+use modelfs::devoci::{DevObject, InstanceIdentity, OciDev, OciDevConfig, RunningOciDev};
 use modelfs::source::oci::sign::{rsa_public_key_from_pem, RequestToSign, SigningKey};
 use sha2::{Digest, Sha256};
 
@@ -179,6 +179,15 @@ fn oci_model(name: &str, prefix: &str, policy: &str, extra_params: &str) -> Stri
 }
 
 fn start_daemon(env: &TestEnv, oci: &TestOci, config: Option<&Path>) -> Daemon {
+    start_daemon_with(env, oci, config, &[])
+}
+
+fn start_daemon_with(
+    env: &TestEnv,
+    oci: &TestOci,
+    config: Option<&Path>,
+    vars: &[(&str, &str)],
+) -> Daemon {
     let url = oci.running.url();
     let config = config
         .map(|c| c.display().to_string())
@@ -194,9 +203,13 @@ fn start_daemon(env: &TestEnv, oci: &TestOci, config: Option<&Path>) -> Daemon {
             "1",
         ],
         &[
-            ("MODELFS_OCI_ENDPOINT", url.as_str()),
-            ("OCI_CONFIG_PATH", config.as_str()),
-        ],
+            &[
+                ("MODELFS_OCI_ENDPOINT", url.as_str()),
+                ("OCI_CONFIG_PATH", config.as_str()),
+            ],
+            vars,
+        ]
+        .concat(),
     )
 }
 
@@ -622,4 +635,94 @@ fn unsigned_stale_and_unknown_requests_are_refused_as_the_service_does() {
         (status, body["code"].as_str()),
         (401, Some("NotAuthenticated"))
     );
+}
+
+/// A self-signed certificate with OCI's instance subject (tenancy in `OU=opc-tenant:`) and its
+/// key, PEM.
+fn instance_certificate(dir: &Path, name: &str) -> (String, String) {
+    std::fs::create_dir_all(dir).unwrap();
+    let cert = dir.join(format!("{name}.crt"));
+    let key = dir.join(format!("{name}.key"));
+    sh(&format!(
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -keyout {} -out {} -subj \
+         '/CN=ocid1.instance.oc1..inst/OU=opc-certtype:instance/OU=opc-compartment:ocid1.compartment.oc1..c/OU=opc-tenant:{TENANCY}' 2>/dev/null",
+        key.display(),
+        cert.display()
+    ));
+    (
+        std::fs::read_to_string(cert).unwrap(),
+        std::fs::read_to_string(key).unwrap(),
+    )
+}
+
+#[test]
+fn instance_principal_federates_through_the_metadata_and_auth_services() {
+    let oci = TestOci::start(1000);
+    let files = model_files(8, 1 << 20);
+    oci.put_files("ip", &files);
+    let env = TestEnv::new();
+    let (cert_pem, key_pem) = instance_certificate(&env.dir("ip"), "leaf");
+    let (intermediate_pem, other_key_pem) = instance_certificate(&env.dir("ip"), "intermediate");
+    oci.server().set_instance_identity(InstanceIdentity {
+        cert_pem: cert_pem.clone(),
+        key_pem: key_pem.clone(),
+        intermediate_pem: intermediate_pem.clone(),
+        region: "us-ashburn-1".into(),
+    });
+    let url = oci.running.url();
+    let metadata = format!("{url}/opc/v2");
+    let vars = [
+        ("MODELFS_OCI_METADATA_ENDPOINT", metadata.as_str()),
+        ("MODELFS_OCI_AUTH_ENDPOINT", url.as_str()),
+    ];
+    let d = start_daemon_with(&env, &oci, None, &vars);
+    // No parameters at all: OME's default auth (InstancePrincipal), the instance's region.
+    env.write_models(
+        "ip.yaml",
+        &format!(
+            "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: ip\nspec:\n  storage:\n    storageUri: oci://n/{NS}/b/{BUCKET}/o/ip\n"
+        ),
+    );
+    d.wait_model("clusterbasemodel.ip", "Ready");
+    assert_tree(&env.mount.join("ip"), &files);
+    let stats = oci.server().stats();
+    assert!(
+        stats.federations >= 1 && stats.metadata_requests >= 4,
+        "{stats:?}"
+    );
+    assert_eq!(stats.refused_signatures, 0);
+
+    // The metadata service hands out a key that is not the certificate's: the auth service
+    // refuses the exchange, and the model fails with its reason and no key material.
+    oci.server().set_instance_identity(InstanceIdentity {
+        cert_pem,
+        key_pem: other_key_pem.clone(),
+        intermediate_pem,
+        region: "us-ashburn-1".into(),
+    });
+    env.write_models(
+        "ip2.yaml",
+        &format!(
+            "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: ip2\nspec:\n  storage:\n    storageUri: oci://n/{NS}/b/{BUCKET}/o/ip\n    parameters:\n      auth: InstancePrincipal\n"
+        ),
+    );
+    let e = d.wait_model("clusterbasemodel.ip2", "Failed");
+    let reason = e["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("401") && reason.contains("NotAuthenticated"),
+        "{reason}"
+    );
+    let log = d.log_text();
+    let status = std::fs::read_to_string(env.state.join("status.json")).unwrap();
+    for line in other_key_pem
+        .lines()
+        .chain(key_pem.lines())
+        .filter(|l| !l.starts_with("-----"))
+    {
+        assert!(
+            !log.contains(line) && !status.contains(line),
+            "key material leaked"
+        );
+    }
+    assert!(!log.contains("devsession"), "session tokens are not logged");
 }

@@ -20,6 +20,17 @@
 //!   `opc-meta-*` metadata (`opc-meta-md5`).
 //! * Errors: `404 ObjectNotFound`/`BucketNotFound`, `416 InvalidRange`.
 //!
+//! It also stands in for the two services an instance principal talks to
+//! ([`OciDev::set_instance_identity`]): the **instance metadata service**
+//! (`GET /opc/v2/identity/{cert,key,intermediate}.pem`, `/opc/v2/instance/canonicalRegionName`,
+//! only with `Authorization: Bearer Oracle`) and the **auth service's** federation endpoint
+//! (`POST /v1/x509`): the request must be signed by the key of the certificate it carries, with
+//! `keyId` `<tenancy>/fed-x509-sha256/<SHA-256 of that certificate>`, covering the body
+//! (`x-content-sha256`, checked against the body, `content-type`, `content-length`), and the
+//! certificate must be the instance's (standing in for chain validation). It answers
+//! `{"token": ...}` and from then on accepts `ST$<token>` signatures by the session key the
+//! request named.
+//!
 //! Faults ([`crate::devhub::Fault`], the hub look-alike's rules): target `file` applies to
 //! object GETs, `api` to listings and HEADs; kinds `status` (with `Retry-After`), `truncate`,
 //! `corrupt`, `slow`, `stall_headers`. A [`DevObject`] can also lie about its MD5. Counters
@@ -121,6 +132,9 @@ pub struct OciStats {
     /// Requests refused for their signature, key or date.
     pub refused_signatures: u64,
     pub faults_applied: u64,
+    /// Instance metadata requests, and session tokens issued by the federation endpoint.
+    pub metadata_requests: u64,
+    pub federations: u64,
 }
 
 #[derive(Default)]
@@ -134,6 +148,8 @@ struct Counters {
     refused_signatures: AtomicU64,
     faults_applied: AtomicU64,
     request_ids: AtomicU64,
+    metadata_requests: AtomicU64,
+    federations: AtomicU64,
 }
 
 #[derive(Clone, Debug)]
@@ -163,6 +179,16 @@ pub struct OciDev {
     keys: Mutex<HashMap<String, Vec<u8>>>,
     faults: Mutex<Vec<Fault>>,
     counters: Counters,
+    instance: Mutex<Option<InstanceIdentity>>,
+}
+
+/// What the metadata look-alike serves to an instance principal.
+#[derive(Clone, Debug)]
+pub struct InstanceIdentity {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub intermediate_pem: String,
+    pub region: String,
 }
 
 pub struct RunningOciDev {
@@ -191,7 +217,13 @@ impl OciDev {
             keys: Mutex::default(),
             faults: Mutex::default(),
             counters: Counters::default(),
+            instance: Mutex::default(),
         })
+    }
+
+    /// Serves `identity` from the metadata look-alike and federates its certificate.
+    pub fn set_instance_identity(&self, identity: InstanceIdentity) {
+        *self.instance.lock().unwrap() = Some(identity);
     }
 
     pub fn create_bucket(&self, namespace: &str, bucket: &str) {
@@ -269,6 +301,8 @@ impl OciDev {
             bytes_served: l(&c.bytes_served),
             refused_signatures: l(&c.refused_signatures),
             faults_applied: l(&c.faults_applied),
+            metadata_requests: l(&c.metadata_requests),
+            federations: l(&c.federations),
         }
     }
 
@@ -314,80 +348,90 @@ impl OciDev {
         )
     }
 
-    /// Checks the request's signature; `Err` is the reason for a `401`.
+    /// Checks the request's signature by a key this server knows; `Err` is the reason for a
+    /// `401`.
     fn authenticate(&self, method: &Method, uri: &Uri, headers: &HeaderMap) -> Result<(), String> {
-        const GENERIC: &str =
-            "The required information to complete authentication was not provided or was incorrect.";
-        let auth = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .ok_or_else(|| format!("{GENERIC} (no Authorization header)"))?;
-        let parsed = sign::parse_authorization(auth)
-            .ok_or_else(|| format!("{GENERIC} (malformed Signature header)"))?;
-        if parsed.algorithm != "rsa-sha256" {
-            return Err(format!(
-                "{GENERIC} (algorithm {} is not supported)",
-                parsed.algorithm
-            ));
-        }
-        for required in ["(request-target)", "host"] {
-            if !parsed.headers.iter().any(|h| h == required) {
-                return Err(format!(
-                    "{GENERIC} (the signature does not cover {required})"
-                ));
-            }
-        }
-        let date_header = if parsed.headers.iter().any(|h| h == "x-date") {
-            "x-date"
-        } else if parsed.headers.iter().any(|h| h == "date") {
-            "date"
-        } else {
-            return Err(format!("{GENERIC} (the signature does not cover date)"));
-        };
-        let date = headers
-            .get(date_header)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|d| httpdate::parse_http_date(d).ok())
-            .ok_or_else(|| format!("{GENERIC} (missing or malformed {date_header})"))?;
-        let now = SystemTime::now();
-        let skew = now
-            .duration_since(date)
-            .or_else(|_| date.duration_since(now))
-            .unwrap_or_default();
-        if skew > MAX_CLOCK_SKEW {
-            return Err(format!(
-                "The request date is {}s away from the server clock; at most {}s are allowed.",
-                skew.as_secs(),
-                MAX_CLOCK_SKEW.as_secs()
-            ));
-        }
-        let key = self
-            .keys
-            .lock()
-            .unwrap()
-            .get(&parsed.key_id)
-            .cloned()
-            .ok_or_else(|| format!("{GENERIC} (unknown keyId)"))?;
-        let path_and_query = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-        let target = sign::request_target(method.as_str(), path_and_query);
-        let names: Vec<&str> = parsed.headers.iter().map(String::as_str).collect();
-        let text = sign::signing_string(&names, |name| match name {
-            "(request-target)" => Some(target.clone()),
-            other => {
-                let values: Vec<&str> = headers
-                    .get_all(other)
-                    .iter()
-                    .filter_map(|v| v.to_str().ok())
-                    .collect();
-                (!values.is_empty()).then(|| values.join(", "))
-            }
+        verify_request(method, uri, headers, &[], |key_id| {
+            self.keys.lock().unwrap().get(key_id).cloned()
         })
-        .ok_or_else(|| format!("{GENERIC} (a signed header is missing)"))?;
-        if sign::verify(&key, &text, &parsed.signature) {
-            Ok(())
-        } else {
-            Err(format!("{GENERIC} (the signature does not verify)"))
+    }
+}
+
+/// Checks a request's signature (see the module docs); `must_sign` names headers the signature
+/// must cover besides `date`, `(request-target)` and `host`; `key_of` gives the DER
+/// `RSAPublicKey` of a `keyId`.
+fn verify_request(
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    must_sign: &[&str],
+    key_of: impl FnOnce(&str) -> Option<Vec<u8>>,
+) -> Result<(), String> {
+    const GENERIC: &str =
+        "The required information to complete authentication was not provided or was incorrect.";
+    let auth = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| format!("{GENERIC} (no Authorization header)"))?;
+    let parsed = sign::parse_authorization(auth)
+        .ok_or_else(|| format!("{GENERIC} (malformed Signature header)"))?;
+    if parsed.algorithm != "rsa-sha256" {
+        return Err(format!(
+            "{GENERIC} (algorithm {} is not supported)",
+            parsed.algorithm
+        ));
+    }
+    for required in ["(request-target)", "host"].iter().chain(must_sign) {
+        if !parsed.headers.iter().any(|h| h == required) {
+            return Err(format!(
+                "{GENERIC} (the signature does not cover {required})"
+            ));
         }
+    }
+    let date_header = if parsed.headers.iter().any(|h| h == "x-date") {
+        "x-date"
+    } else if parsed.headers.iter().any(|h| h == "date") {
+        "date"
+    } else {
+        return Err(format!("{GENERIC} (the signature does not cover date)"));
+    };
+    let date = headers
+        .get(date_header)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|d| httpdate::parse_http_date(d).ok())
+        .ok_or_else(|| format!("{GENERIC} (missing or malformed {date_header})"))?;
+    let now = SystemTime::now();
+    let skew = now
+        .duration_since(date)
+        .or_else(|_| date.duration_since(now))
+        .unwrap_or_default();
+    if skew > MAX_CLOCK_SKEW {
+        return Err(format!(
+            "The request date is {}s away from the server clock; at most {}s are allowed.",
+            skew.as_secs(),
+            MAX_CLOCK_SKEW.as_secs()
+        ));
+    }
+    let key = key_of(&parsed.key_id).ok_or_else(|| format!("{GENERIC} (unknown keyId)"))?;
+    let path_and_query = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let target = sign::request_target(method.as_str(), path_and_query);
+    let names: Vec<&str> = parsed.headers.iter().map(String::as_str).collect();
+    let text = sign::signing_string(&names, |name| match name {
+        "(request-target)" => Some(target.clone()),
+        other => {
+            let values: Vec<&str> = headers
+                .get_all(other)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect();
+            (!values.is_empty()).then(|| values.join(", "))
+        }
+    })
+    .ok_or_else(|| format!("{GENERIC} (a signed header is missing)"))?;
+    if sign::verify(&key, &text, &parsed.signature) {
+        Ok(())
+    } else {
+        Err(format!("{GENERIC} (the signature does not verify)"))
     }
 }
 
@@ -441,8 +485,20 @@ fn query_params(uri: &Uri) -> HashMap<String, String> {
         .collect()
 }
 
-async fn handle(State(server): DevState, method: Method, uri: Uri, headers: HeaderMap) -> Response {
+async fn handle(
+    State(server): DevState,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     server.counters.requests.fetch_add(1, Ordering::Relaxed);
+    if let Some(path) = uri.path().strip_prefix("/opc/v2/") {
+        return metadata(&server, path, &headers);
+    }
+    if uri.path() == "/v1/x509" && method == Method::POST {
+        return federate(&server, &method, &uri, &headers, &body);
+    }
     if let Err(reason) = server.authenticate(&method, &uri, &headers) {
         server
             .counters
@@ -491,6 +547,136 @@ async fn handle(State(server): DevState, method: Method, uri: Uri, headers: Head
             "Not supported by the development look-alike",
         ),
     }
+}
+
+fn metadata(server: &OciDev, path: &str, headers: &HeaderMap) -> Response {
+    server
+        .counters
+        .metadata_requests
+        .fetch_add(1, Ordering::Relaxed);
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if bearer != Some("Bearer Oracle") {
+        return (
+            StatusCode::UNAUTHORIZED,
+            "Authorization: Bearer Oracle is required",
+        )
+            .into_response();
+    }
+    let Some(identity) = server.instance.lock().unwrap().clone() else {
+        return (StatusCode::NOT_FOUND, "not an instance").into_response();
+    };
+    let text = match path {
+        "identity/cert.pem" => identity.cert_pem,
+        "identity/key.pem" => identity.key_pem,
+        "identity/intermediate.pem" => identity.intermediate_pem,
+        "instance/canonicalRegionName" => identity.region,
+        _ => return (StatusCode::NOT_FOUND, "not found").into_response(),
+    };
+    text.into_response()
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct FederationRequest {
+    certificate: String,
+    public_key: String,
+    #[serde(default)]
+    intermediate_certificates: Vec<String>,
+    #[serde(default)]
+    purpose: Option<String>,
+}
+
+fn federate(
+    server: &OciDev,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Response {
+    let refuse = |reason: &str| {
+        server
+            .counters
+            .refused_signatures
+            .fetch_add(1, Ordering::Relaxed);
+        error(server, StatusCode::UNAUTHORIZED, "NotAuthenticated", reason)
+    };
+    let Ok(request) = serde_json::from_slice::<FederationRequest>(body) else {
+        return error(
+            server,
+            StatusCode::BAD_REQUEST,
+            "InvalidParameter",
+            "malformed body",
+        );
+    };
+    let Some(identity) = server.instance.lock().unwrap().clone() else {
+        return refuse("no instance is known");
+    };
+    let Ok(cert) = B64.decode(&request.certificate) else {
+        return error(
+            server,
+            StatusCode::BAD_REQUEST,
+            "InvalidParameter",
+            "certificate",
+        );
+    };
+    if sign::pem_der(&identity.cert_pem, "CERTIFICATE").as_deref() != Some(&cert[..]) {
+        return refuse("the certificate is not the instance's");
+    }
+    if request.intermediate_certificates.is_empty() || request.purpose.as_deref() != Some("DEFAULT")
+    {
+        return error(
+            server,
+            StatusCode::BAD_REQUEST,
+            "InvalidParameter",
+            "intermediateCertificates and purpose DEFAULT are required",
+        );
+    }
+    let digest = B64.encode(sha2::Sha256::digest(body));
+    if headers
+        .get("x-content-sha256")
+        .and_then(|v| v.to_str().ok())
+        != Some(digest.as_str())
+    {
+        return refuse("x-content-sha256 does not match the body");
+    }
+    let tenancy = sign::certificate_attribute(&cert, "opc-tenant:").unwrap_or_default();
+    let expected_key_id = format!(
+        "{tenancy}/fed-x509-sha256/{}",
+        sign::certificate_sha256_fingerprint(&cert)
+    );
+    let leaf_key =
+        sign::certificate_spki(&cert).and_then(|s| sign::rsa_public_key_from_spki(&s).ok());
+    let verified = verify_request(
+        method,
+        uri,
+        headers,
+        &["x-content-sha256", "content-type", "content-length"],
+        |key_id| (key_id == expected_key_id).then_some(leaf_key).flatten(),
+    );
+    if let Err(reason) = verified {
+        return refuse(&reason);
+    }
+    let Some(session_key) = B64
+        .decode(&request.public_key)
+        .ok()
+        .and_then(|der| sign::rsa_public_key_from_spki(&der).ok())
+    else {
+        return error(
+            server,
+            StatusCode::BAD_REQUEST,
+            "InvalidParameter",
+            "publicKey",
+        );
+    };
+    let n = server.counters.federations.fetch_add(1, Ordering::Relaxed);
+    let token = format!(
+        "devsession{n}.{}",
+        hex::encode(&sha2::Sha256::digest(&session_key)[..8])
+    );
+    server.add_key(&format!("ST${token}"), session_key);
+    Json(serde_json::json!({ "token": token })).into_response()
 }
 
 async fn list(server: &Arc<OciDev>, ns: &str, bucket: &str, uri: &Uri) -> Response {

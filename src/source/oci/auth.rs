@@ -16,10 +16,24 @@
 //!   absolute path of a file holding it), `OCI_RESOURCE_PRINCIPAL_PRIVATE_PEM` (the key, or
 //!   its path), `OCI_RESOURCE_PRINCIPAL_REGION`. Files are read again for every resolve, so a
 //!   rotated token is picked up. Version 1.1 (a token exchange) is refused with a reason.
-//! * **`InstancePrincipal`** and **`OkeWorkloadIdentity`** need a fresh RSA session key pair for
-//!   each token exchange (the SDKs generate one and send its public half to the auth service);
-//!   this build has no RSA key generator (ring signs but does not generate RSA keys), so these
-//!   modes fail with a reason that names the modes that work. See the README.
+//! * **`InstancePrincipal`**: the instance's identity from the instance metadata service
+//!   (`GET <md>/identity/cert.pem`, `key.pem`, `intermediate.pem`,
+//!   `<md>/instance/canonicalRegionName`, header `Authorization: Bearer Oracle`; `<md>` is
+//!   `http://169.254.169.254/opc/v2`, or env `MODELFS_OCI_METADATA_ENDPOINT`), exchanged at the
+//!   auth service (`POST https://auth.<region>.oraclecloud.com/v1/x509`, or env
+//!   `MODELFS_OCI_AUTH_ENDPOINT`) for a session token: the request carries the leaf and
+//!   intermediate certificates and a session public key, and is signed by the leaf key with
+//!   `keyId` `<tenancy>/fed-x509-sha256/<SHA-256 of the certificate>` (the tenancy is the
+//!   certificate's `OU=opc-tenant:` attribute). Requests then sign with `ST$<token>`. One
+//!   difference from the SDKs: they generate a fresh RSA session key pair for the exchange;
+//!   ring (the crypto library in use) does not generate RSA keys, so the leaf key doubles as
+//!   the session key. The leaf key already proves the instance's identity, so this grants
+//!   nothing new, but it is checked against the look-alike only, not the real service. The
+//!   exchange happens once per resolve and once per fetch (a token lasts 20 minutes; a fetch
+//!   that outlives it fails and is retried by the reconciler with a new token).
+//! * **`OkeWorkloadIdentity`** needs a freshly generated session key by design (the pod's key
+//!   is sent to the OKE proxymux with the service account token), so it fails with a reason
+//!   that names the modes that work. See the README.
 //!
 //! Nothing here logs or reports key material: errors name files and fields, never values; the
 //! `keyId` of an API key (tenancy, user, fingerprint) is public and may appear.
@@ -28,8 +42,14 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::sign::SigningKey;
+use std::time::Duration;
+
+use base64::Engine as _;
+
+use super::sign::{self, RequestToSign, SigningKey};
 use super::OciError;
+
+const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
 /// `parameters.auth` values, spelled as OME spells them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,7 +107,14 @@ pub struct AgentOciEnv {
     pub profile: String,
     /// The `OCI_RESOURCE_PRINCIPAL_*` variables.
     pub resource_principal: BTreeMap<String, String>,
+    /// Base of the instance metadata service's v2 API.
+    pub metadata_endpoint: String,
+    /// Replaces `https://auth.<region>.oraclecloud.com`.
+    pub auth_endpoint: Option<String>,
 }
+
+/// The instance metadata service of OCI compute instances.
+pub const DEFAULT_METADATA_ENDPOINT: &str = "http://169.254.169.254/opc/v2";
 
 impl AgentOciEnv {
     pub fn from_env() -> Self {
@@ -101,10 +128,19 @@ impl AgentOciEnv {
         let resource_principal = std::env::vars()
             .filter(|(k, _)| k.starts_with("OCI_RESOURCE_PRINCIPAL_"))
             .collect();
+        let endpoint = |name: &str| {
+            std::env::var(name)
+                .ok()
+                .map(|e| e.trim().trim_end_matches('/').to_string())
+                .filter(|e| !e.is_empty())
+        };
         Self {
             config_file,
             profile,
             resource_principal,
+            metadata_endpoint: endpoint("MODELFS_OCI_METADATA_ENDPOINT")
+                .unwrap_or_else(|| DEFAULT_METADATA_ENDPOINT.into()),
+            auth_endpoint: endpoint("MODELFS_OCI_AUTH_ENDPOINT"),
         }
     }
 }
@@ -117,7 +153,23 @@ fn cred_err(mode: AuthMode, detail: impl Into<String>) -> OciError {
 }
 
 /// The credentials of one model: `secret` is the model's Secret entry (or standalone token).
-pub fn credentials(
+/// Instance principals talk to the metadata and auth services through `http`, each request
+/// bounded by `timeout`.
+pub async fn credentials(
+    mode: AuthMode,
+    secret: Option<&str>,
+    env: &AgentOciEnv,
+    http: &reqwest::Client,
+    timeout: Duration,
+) -> Result<Credentials, OciError> {
+    if mode == AuthMode::InstancePrincipal {
+        return instance_principal(env, http, timeout).await;
+    }
+    static_credentials(mode, secret, env)
+}
+
+/// The modes that need no network.
+fn static_credentials(
     mode: AuthMode,
     secret: Option<&str>,
     env: &AgentOciEnv,
@@ -146,14 +198,164 @@ pub fn credentials(
             }
         },
         AuthMode::ResourcePrincipal => resource_principal(&env.resource_principal),
-        AuthMode::InstancePrincipal | AuthMode::OkeWorkloadIdentity => Err(cred_err(
+        AuthMode::InstancePrincipal => unreachable!("instance principals are fetched"),
+        AuthMode::OkeWorkloadIdentity => Err(cred_err(
             mode,
-            "this auth mode needs a fresh RSA session key for every token exchange, which \
-             modelfs cannot generate yet; use parameters.auth: UserPrincipal (an API key in the \
-             model's Secret or the agent's OCI config file) or ResourcePrincipal \
-             (OCI_RESOURCE_PRINCIPAL_* 2.2 in the agent's environment)",
+            "OKE workload identity needs a freshly generated RSA session key for every token \
+             exchange, which modelfs cannot generate yet; use parameters.auth: UserPrincipal \
+             (an API key in the model's Secret or the agent's OCI config file), \
+             ResourcePrincipal (OCI_RESOURCE_PRINCIPAL_* 2.2 in the agent's environment) or \
+             InstancePrincipal",
         )),
     }
+}
+
+/// One GET of the instance metadata service (its v2 API wants `Authorization: Bearer Oracle`).
+async fn metadata_get(
+    env: &AgentOciEnv,
+    http: &reqwest::Client,
+    timeout: Duration,
+    path: &str,
+) -> Result<String, OciError> {
+    let url = format!("{}{path}", env.metadata_endpoint);
+    let what = format!("instance principal: instance metadata {url}");
+    let request = http
+        .get(&url)
+        .header(reqwest::header::AUTHORIZATION, "Bearer Oracle")
+        .send();
+    let resp = tokio::time::timeout(timeout, request)
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))?;
+    let status = resp.status();
+    if !status.is_success() {
+        let transient = status.is_server_error() || status.as_u16() == 429;
+        let detail = format!("HTTP {}", status.as_u16());
+        return Err(if transient {
+            OciError::Network { what, detail }
+        } else {
+            cred_err(AuthMode::InstancePrincipal, format!("{what}: {detail}"))
+        });
+    }
+    tokio::time::timeout(timeout, resp.text())
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))
+}
+
+async fn instance_principal(
+    env: &AgentOciEnv,
+    http: &reqwest::Client,
+    timeout: Duration,
+) -> Result<Credentials, OciError> {
+    let mode = AuthMode::InstancePrincipal;
+    let cert_pem = metadata_get(env, http, timeout, "/identity/cert.pem").await?;
+    let key_pem = metadata_get(env, http, timeout, "/identity/key.pem").await?;
+    let intermediate_pem = metadata_get(env, http, timeout, "/identity/intermediate.pem").await?;
+    let region = metadata_get(env, http, timeout, "/instance/canonicalRegionName")
+        .await?
+        .trim()
+        .to_string();
+    if region.is_empty()
+        || !region
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-')
+    {
+        return Err(cred_err(mode, "the metadata service gave no valid region"));
+    }
+    let cert = sign::pem_der(&cert_pem, "CERTIFICATE")
+        .ok_or_else(|| cred_err(mode, "the instance certificate is not PEM"))?;
+    let intermediate = sign::pem_der(&intermediate_pem, "CERTIFICATE")
+        .ok_or_else(|| cred_err(mode, "the intermediate certificate is not PEM"))?;
+    let tenancy = sign::certificate_attribute(&cert, "opc-tenant:")
+        .or_else(|| sign::certificate_attribute(&cert, "opc-identity:"))
+        .ok_or_else(|| {
+            cred_err(
+                mode,
+                "the instance certificate names no tenancy (OU=opc-tenant:)",
+            )
+        })?;
+    let fingerprint = sign::certificate_sha256_fingerprint(&cert);
+    let leaf = SigningKey::from_pem(format!("{tenancy}/fed-x509-sha256/{fingerprint}"), &key_pem)
+        .map_err(|e| cred_err(mode, format!("the instance key: {e}")))?;
+    let body = serde_json::json!({
+        "certificate": B64.encode(&cert),
+        "publicKey": B64.encode(leaf.public_key_spki()),
+        "intermediateCertificates": [B64.encode(&intermediate)],
+        "purpose": "DEFAULT",
+        "fingerprintAlgorithm": "SHA256",
+    })
+    .to_string();
+    let base = env
+        .auth_endpoint
+        .clone()
+        .unwrap_or_else(|| format!("https://auth.{region}.oraclecloud.com"));
+    let url = reqwest::Url::parse(&format!("{base}/v1/x509"))
+        .map_err(|e| cred_err(mode, format!("auth endpoint {base}: {e}")))?;
+    let what = format!("instance principal: token exchange at {base}");
+    let headers = leaf.sign(&RequestToSign {
+        method: "POST",
+        path_and_query: url.path(),
+        host: &sign::host_header(&url),
+        date: &sign::http_date_now(),
+        body: Some((body.as_bytes(), "application/json")),
+    });
+    let mut request = http.post(url.clone()).body(body);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    let resp = tokio::time::timeout(timeout, request.send())
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))?;
+    let status = resp.status().as_u16();
+    let text = tokio::time::timeout(timeout, resp.text())
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    if !(200..300).contains(&status) {
+        let field = |k: &str| {
+            json.get(k).and_then(|v| v.as_str()).map(|s| {
+                s.chars()
+                    .filter(|c| !c.is_control())
+                    .take(300)
+                    .collect::<String>()
+            })
+        };
+        return Err(OciError::Status {
+            what,
+            status,
+            code: field("code").unwrap_or_else(|| "Unknown".into()),
+            message: field("message").unwrap_or_default(),
+            request_id: None,
+            retry_after: None,
+        });
+    }
+    let token = json
+        .get("token")
+        .and_then(|t| t.as_str())
+        .filter(|t| !t.is_empty() && t.chars().all(|c| c.is_ascii_graphic()))
+        .ok_or_else(|| OciError::Protocol {
+            what: what.clone(),
+            detail: "no token in the answer".into(),
+        })?;
+    Ok(Credentials {
+        key: Arc::new(leaf.with_key_id(format!("ST${token}"))),
+        region: Some(region),
+    })
 }
 
 /// Profiles of an OCI config file (INI: `[NAME]` sections of `key=value`; `#` comments).
@@ -343,7 +545,7 @@ mod tests {
             profile: "OTHER".into(),
             ..Default::default()
         };
-        let c = credentials(AuthMode::UserPrincipal, None, &env).unwrap();
+        let c = static_credentials(AuthMode::UserPrincipal, None, &env).unwrap();
         assert_eq!(
             c.key.key_id(),
             "ocid1.tenancy.oc1..t/ocid1.user.oc1..u/aa:bb"
@@ -354,7 +556,7 @@ mod tests {
             profile: "DEFAULT".into(),
             ..env
         };
-        let e = credentials(AuthMode::UserPrincipal, None, &env)
+        let e = static_credentials(AuthMode::UserPrincipal, None, &env)
             .unwrap_err()
             .to_string();
         assert!(e.contains("lacks user, fingerprint"), "{e}");
@@ -362,7 +564,7 @@ mod tests {
             profile: "NOPE".into(),
             ..env
         };
-        assert!(credentials(AuthMode::UserPrincipal, None, &env)
+        assert!(static_credentials(AuthMode::UserPrincipal, None, &env)
             .unwrap_err()
             .to_string()
             .contains("no profile [NOPE]"));
@@ -373,7 +575,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let pem = generated_key_pem(dir.path(), "key.pem", true);
         let secret = format!("[DEFAULT]\nuser=u\nfingerprint=f\ntenancy=t\n{pem}");
-        let c = credentials(
+        let c = static_credentials(
             AuthMode::UserPrincipal,
             Some(&secret),
             &AgentOciEnv::default(),
@@ -381,7 +583,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.key.key_id(), "t/u/f");
         let broken = secret.replace("MII", "XXX");
-        let e = credentials(
+        let e = static_credentials(
             AuthMode::UserPrincipal,
             Some(&broken),
             &AgentOciEnv::default(),
@@ -414,7 +616,7 @@ mod tests {
             resource_principal: env.clone(),
             ..Default::default()
         };
-        let c = credentials(AuthMode::ResourcePrincipal, None, &agent).unwrap();
+        let c = static_credentials(AuthMode::ResourcePrincipal, None, &agent).unwrap();
         assert_eq!(c.key.key_id(), "ST$tok123");
         assert_eq!(c.region.as_deref(), Some("eu-frankfurt-1"));
         assert!(!format!("{:?}", c.key).contains("tok123"));
@@ -426,7 +628,7 @@ mod tests {
             resource_principal: env,
             ..Default::default()
         };
-        assert!(credentials(AuthMode::ResourcePrincipal, None, &agent).is_err());
+        assert!(static_credentials(AuthMode::ResourcePrincipal, None, &agent).is_err());
     }
 
     #[test]
@@ -440,8 +642,8 @@ mod tests {
             AuthMode::UserPrincipal
         );
         assert!(AuthMode::from_parameter(Some("user_principal")).is_err());
-        let e =
-            credentials(AuthMode::InstancePrincipal, None, &AgentOciEnv::default()).unwrap_err();
+        let e = static_credentials(AuthMode::OkeWorkloadIdentity, None, &AgentOciEnv::default())
+            .unwrap_err();
         assert!(e.to_string().contains("UserPrincipal"));
     }
 }

@@ -271,12 +271,15 @@ impl OciSource {
     }
 
     /// Credentials and endpoint, read afresh (tokens and keys rotate).
-    fn session(&self) -> Result<Signed, OciError> {
+    async fn session(&self) -> Result<Signed, OciError> {
         let creds = auth::credentials(
             self.auth,
             self.secret.as_ref().map(Token::expose),
             &self.config.env,
-        )?;
+            self.client.http(),
+            self.tuning().request_timeout,
+        )
+        .await?;
         let endpoint = match &self.config.endpoint {
             Some(e) => e.clone(),
             None => {
@@ -483,7 +486,7 @@ impl OciSource {
     /// Lists the objects under the prefix and builds the manifest (one HEAD per multipart
     /// object, for its `opc-meta-md5`).
     pub async fn resolve(&self, cancel: Arc<AtomicBool>) -> Result<Manifest, SourceError> {
-        let session = self.session()?;
+        let session = self.session().await?;
         let list_prefix = if self.prefix.is_empty() {
             String::new()
         } else {
@@ -651,7 +654,7 @@ impl OciSource {
         manifest: Arc<Manifest>,
         ctx: FetchContext,
     ) -> Result<Vec<Sha256Digest>, SourceError> {
-        let session = Arc::new(self.session()?);
+        let session = Arc::new(self.session().await?);
         let entries = manifest.entries();
         let progress = ctx.progress.clone();
         progress

@@ -133,6 +133,11 @@ impl SigningKey {
         }
     }
 
+    /// The public half as DER SubjectPublicKeyInfo.
+    pub fn public_key_spki(&self) -> Vec<u8> {
+        spki_from_rsa_public_key(&self.public_key_der())
+    }
+
     /// The public half as DER `RSAPublicKey` (PKCS#1).
     pub fn public_key_der(&self) -> Vec<u8> {
         use ring::signature::KeyPair as _;
@@ -298,8 +303,13 @@ pub fn rsa_public_key_from_pem(pem: &str) -> Result<Vec<u8>, KeyError> {
     if label == "RSA PUBLIC KEY" {
         return Ok(der);
     }
+    rsa_public_key_from_spki(&der)
+}
+
+/// The DER `RSAPublicKey` inside a DER SubjectPublicKeyInfo.
+pub fn rsa_public_key_from_spki(der: &[u8]) -> Result<Vec<u8>, KeyError> {
     // SubjectPublicKeyInfo ::= SEQUENCE { algorithm SEQUENCE {...}, subjectPublicKey BIT STRING }
-    let (tag, spki, _) = der_read(&der).ok_or(KeyError::BadPublicKey)?;
+    let (tag, spki, _) = der_read(der).ok_or(KeyError::BadPublicKey)?;
     if tag != 0x30 {
         return Err(KeyError::BadPublicKey);
     }
@@ -312,6 +322,60 @@ pub fn rsa_public_key_from_pem(pem: &str) -> Result<Vec<u8>, KeyError> {
         (0x03, Some((0, key))) => Ok(key.to_vec()),
         _ => Err(KeyError::BadPublicKey),
     }
+}
+
+/// The DER of the first PEM block labelled `label` (`CERTIFICATE`...).
+pub fn pem_der(pem: &str, label: &str) -> Option<Vec<u8>> {
+    pem_block(pem, &[label])
+        .filter(|(l, _)| l == label)
+        .map(|(_, der)| der)
+}
+
+/// The SubjectPublicKeyInfo DER of an X.509 certificate (DER).
+pub fn certificate_spki(cert: &[u8]) -> Option<Vec<u8>> {
+    let (tag, certificate, _) = der_read(cert)?;
+    if tag != 0x30 {
+        return None;
+    }
+    let (tag, tbs, _) = der_read(certificate)?;
+    if tag != 0x30 {
+        return None;
+    }
+    let mut rest = tbs;
+    // version [0] (optional), serial, signature, issuer, validity, subject, then the key.
+    let (tag, _, after) = der_read(rest)?;
+    if tag == 0xa0 {
+        rest = after;
+    }
+    for _ in 0..5 {
+        rest = der_read(rest)?.2;
+    }
+    let (tag, _, after) = der_read(rest)?;
+    (tag == 0x30).then(|| rest[..rest.len() - after.len()].to_vec())
+}
+
+/// The value after `prefix` of a subject attribute string in a certificate (DER), such as the
+/// `OU=opc-tenant:<ocid>` of an OCI instance certificate.
+pub fn certificate_attribute(cert: &[u8], prefix: &str) -> Option<String> {
+    let needle = prefix.as_bytes();
+    let at = cert.windows(needle.len()).position(|w| w == needle)?;
+    // The string's tag and short-form length precede it.
+    let (tag, len) = (*cert.get(at.checked_sub(2)?)?, *cert.get(at - 1)? as usize);
+    if !matches!(tag, 0x0c | 0x13 | 0x16) || len >= 0x80 || len < needle.len() {
+        return None;
+    }
+    let value = cert.get(at + needle.len()..at + len)?;
+    String::from_utf8(value.to_vec()).ok()
+}
+
+/// SHA-256 of a certificate's DER as colon-separated uppercase hex (the `fed-x509-sha256`
+/// key id of the instance principal federation).
+pub fn certificate_sha256_fingerprint(cert: &[u8]) -> String {
+    Sha256::digest(cert)
+        .iter()
+        .map(|b| format!("{b:02X}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 /// One DER element: tag, contents, and what follows it.

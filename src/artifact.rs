@@ -8,7 +8,9 @@
 //! snapshot) are recognised as one.
 //!
 //! A file digest is what the source vouches for before any byte is downloaded: sha256 for local
-//! files and Hugging Face LFS files, the git blob sha1 for small Hugging Face files. Blobs in a
+//! files and Hugging Face LFS files, the git blob sha1 for small Hugging Face files, and for an
+//! object of an object store its identity (location, size, ETag or version id) plus its MD5 when
+//! the store publishes one ([`FileDigest::Object`]). Blobs in a
 //! store are always named by sha256, computed while the bytes are written, so a
 //! [`StoredArtifact`] records the sha256 of every entry once the artifact is complete.
 //!
@@ -86,14 +88,36 @@ pub enum FileDigest {
     Sha256([u8; 32]),
     /// `sha1("blob <len>\0" + bytes)`, what git (and so the Hugging Face hub) uses for small files.
     GitSha1([u8; 20]),
-    /// MD5 of the bytes: what OCI Object Storage reports for an object (`Content-MD5`,
-    /// `opc-content-md5`, the listing's `md5`), or the `opc-meta-md5` of a multipart upload.
-    Md5([u8; 16]),
-    /// sha256 of an object store's version tag for an object whose store vouches for no digest
-    /// of the whole content (an OCI multipart upload without `opc-meta-md5`: its MD5 is over
-    /// the parts' MD5s). It identifies the content (a rewritten object has a new tag), but only
-    /// the size can be checked when the bytes arrive, as OME's agent checks such objects.
-    ObjectVersion([u8; 32]),
+    /// An object of an object store, which vouches for no sha256 before the download:
+    /// `identity` is [`object_identity`] of its location, size and ETag or version id (so a
+    /// changed object is a new file, and the artifact a new artifact), `md5` the MD5 of its
+    /// bytes when the store publishes one (an S3 single-part ETag, GCS `md5Hash`, Azure
+    /// `Content-MD5`, OCI `opc-content-md5`), checked when the bytes arrive. Without it only
+    /// the size is checked, and every range is requested for that one version (`If-Match`).
+    Object {
+        identity: [u8; 32],
+        md5: Option<[u8; 16]>,
+    },
+}
+
+/// The identity of one object version: sha256 over `scheme://container/key`, size, and the ETag
+/// or version id the store reported. The location is part of it so that two buckets never
+/// count as one artifact on the strength of an ETag alone (a weak or MD5-based tag).
+pub fn object_identity(location: &str, size: u64, version: &str) -> [u8; 32] {
+    let mut h = Sha256::new();
+    for part in [location, &size.to_string(), version] {
+        h.update(part.as_bytes());
+        h.update([0]);
+    }
+    h.finalize().into()
+}
+
+impl FileDigest {
+    /// Whether the bytes of a file can be checked against this digest (adopting an old file
+    /// needs that; a download also has the object's version and size).
+    pub fn checks_content(&self) -> bool {
+        !matches!(self, FileDigest::Object { md5: None, .. })
+    }
 }
 
 impl fmt::Display for FileDigest {
@@ -101,61 +125,13 @@ impl fmt::Display for FileDigest {
         match self {
             FileDigest::Sha256(d) => write!(f, "sha256:{}", hex::encode(d)),
             FileDigest::GitSha1(d) => write!(f, "gitsha1:{}", hex::encode(d)),
-            FileDigest::Md5(d) => write!(f, "md5:{}", hex::encode(d)),
-            FileDigest::ObjectVersion(d) => write!(f, "objver:{}", hex::encode(d)),
-        }
-    }
-}
-
-impl FileDigest {
-    /// A name for files about this digest (partial downloads, aliases): `<kind>-<hex>`.
-    pub fn file_tag(&self) -> String {
-        self.to_string().replacen(':', "-", 1)
-    }
-
-    /// The hasher that checks bytes against this digest, `None` for sha256 (which every store
-    /// computes anyway).
-    pub fn source_hasher(&self, size: u64) -> Option<SourceHasher> {
-        match self {
-            FileDigest::Sha256(_) => None,
-            FileDigest::GitSha1(_) => {
-                use sha1::Digest as _;
-                let mut h = sha1::Sha1::new();
-                h.update(format!("blob {size}\0").as_bytes());
-                Some(SourceHasher::GitSha1(h))
+            FileDigest::Object { identity, md5 } => {
+                write!(f, "object:{}", hex::encode(identity))?;
+                match md5 {
+                    Some(m) => write!(f, ":md5:{}", hex::encode(m)),
+                    None => Ok(()),
+                }
             }
-            FileDigest::Md5(_) => Some(SourceHasher::Md5(md5::Md5::default())),
-            FileDigest::ObjectVersion(tag) => Some(SourceHasher::SizeOnly(*tag)),
-        }
-    }
-}
-
-/// Computes a non-sha256 [`FileDigest`] of bytes as they stream by.
-#[derive(Clone)]
-pub enum SourceHasher {
-    GitSha1(sha1::Sha1),
-    Md5(md5::Md5),
-    /// Nothing to compute: the digest is a version tag (see [`FileDigest::ObjectVersion`]).
-    SizeOnly([u8; 32]),
-}
-
-impl SourceHasher {
-    pub fn update(&mut self, bytes: &[u8]) {
-        use sha1::Digest as _;
-        match self {
-            SourceHasher::GitSha1(h) => h.update(bytes),
-            SourceHasher::Md5(h) => h.update(bytes),
-            SourceHasher::SizeOnly(_) => {}
-        }
-    }
-
-    /// The digest of the bytes seen, in the kind of the expected digest.
-    pub fn finish(self) -> FileDigest {
-        use sha1::Digest as _;
-        match self {
-            SourceHasher::GitSha1(h) => FileDigest::GitSha1(h.finalize().into()),
-            SourceHasher::Md5(h) => FileDigest::Md5(h.finalize().into()),
-            SourceHasher::SizeOnly(tag) => FileDigest::ObjectVersion(tag),
         }
     }
 }
@@ -172,14 +148,22 @@ impl FromStr for FileDigest {
             let mut out = [0u8; 20];
             hex::decode_to_slice(h, &mut out).map_err(|_| bad())?;
             Ok(FileDigest::GitSha1(out))
-        } else if let Some(h) = s.strip_prefix("md5:") {
-            let mut out = [0u8; 16];
-            hex::decode_to_slice(h, &mut out).map_err(|_| bad())?;
-            Ok(FileDigest::Md5(out))
-        } else if let Some(h) = s.strip_prefix("objver:") {
-            let mut out = [0u8; 32];
-            hex::decode_to_slice(h, &mut out).map_err(|_| bad())?;
-            Ok(FileDigest::ObjectVersion(out))
+        } else if let Some(rest) = s.strip_prefix("object:") {
+            let (id, md5) = match rest.split_once(":md5:") {
+                Some((id, md5)) => (id, Some(md5)),
+                None => (rest, None),
+            };
+            let mut identity = [0u8; 32];
+            hex::decode_to_slice(id, &mut identity).map_err(|_| bad())?;
+            let md5 = match md5 {
+                Some(m) => {
+                    let mut out = [0u8; 16];
+                    hex::decode_to_slice(m, &mut out).map_err(|_| bad())?;
+                    Some(out)
+                }
+                None => None,
+            };
+            Ok(FileDigest::Object { identity, md5 })
         } else {
             Err(bad())
         }
@@ -483,6 +467,8 @@ mod tests {
         for s in [
             format!("sha256:{}", "ab".repeat(32)),
             format!("gitsha1:{}", "cd".repeat(20)),
+            format!("object:{}", "ef".repeat(32)),
+            format!("object:{}:md5:{}", "ef".repeat(32), "01".repeat(16)),
         ] {
             let d: FileDigest = s.parse().unwrap();
             assert_eq!(d.to_string(), s);

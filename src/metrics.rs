@@ -45,6 +45,9 @@ pub struct SourceLabel {
 pub enum SourceScheme {
     Local,
     Hf,
+    S3,
+    Gs,
+    Az,
     Oci,
 }
 

@@ -195,6 +195,8 @@ fn start_daemon_with(
     Daemon::start_with_env(
         env,
         &[
+            "--hf-chunk-mib",
+            "1",
             "--hf-retry-base-ms",
             "20",
             "--hf-stall-timeout-secs",
@@ -280,23 +282,28 @@ fn oci_model_is_ready_with_the_bucket_bytes_and_reuse_keeps_one_store() {
         total(&files) as f64
     );
 
-    // A rewritten object is a new artifact: only it is fetched again.
+    // A rewritten object makes a new artifact: a ReuseIfExists model resolved after the
+    // rewrite is not mapped onto the old copy; it downloads the new content.
     let mut v2 = files.clone();
     v2.insert("config.json".into(), bytes(77, 701));
-    oci.put_files("llm/v2", &v2);
-    env.write_models(
-        "a.yaml",
-        &oci_model("llm-a", "llm/v2", "AlwaysDownload", ""),
+    oci.server().put_object(
+        NS,
+        BUCKET,
+        "llm/v1/config.json",
+        DevObject::new(v2["config.json"].clone()),
     );
-    d.wait_until("llm-a on v2", Duration::from_secs(60), |doc| {
-        let e = &doc["clusterbasemodel.llm-a"];
-        e["status"] == "Ready" && e["config"]["artifact"]["sha"] != a["config"]["artifact"]["sha"]
-    });
-    assert_tree(&env.mount.join("llm-a"), &v2);
+    env.write_models("c.yaml", &oci_model("llm-c", "llm/v1", "ReuseIfExists", ""));
+    let c = d.wait_model("clusterbasemodel.llm-c", "Ready");
+    assert_ne!(
+        c["config"]["artifact"]["sha"],
+        a["config"]["artifact"]["sha"]
+    );
+    assert_tree(&env.mount.join("llm-c"), &v2);
+    assert_tree(&env.mount.join("llm-a"), &files);
+    assert_eq!(env.stores_with_blobs().len(), 2);
     assert_eq!(
         oci.server().stats().bytes_served,
-        total(&files) + 701,
-        "a new version fetches only the changed object"
+        total(&files) + total(&v2)
     );
 }
 
@@ -360,15 +367,10 @@ fn wrong_md5_and_truncated_bodies_never_reach_the_mount() {
 
     d.wait_model("clusterbasemodel.flaky", "Ready");
     assert_tree(&env.mount.join("flaky"), &files);
+    let stats = oci.server().stats();
     assert!(
-        oci.server().stats().ranged_requests >= 2,
-        "truncated bodies resume with Range: {:?}\n{}",
-        oci.server().stats(),
-        d.log_text()
-            .lines()
-            .filter(|l| l.contains("retrying") || l.contains("flaky"))
-            .collect::<Vec<_>>()
-            .join("\n")
+        stats.ranged_requests >= 2,
+        "large files come as parallel ranges: {stats:?}"
     );
 
     let liar_entry = d.wait_model("clusterbasemodel.liar", "Failed");
@@ -384,7 +386,12 @@ fn wrong_md5_and_truncated_bodies_never_reach_the_mount() {
 
     let cut_entry = d.wait_model("clusterbasemodel.cut", "Failed");
     let reason = cut_entry["reason"].as_str().unwrap();
-    assert!(reason.contains("body ended"), "{reason}");
+    // The connection closes before the promised length on every attempt (a later retry of the
+    // whole model may still succeed, so the reason says when).
+    assert!(
+        reason.contains("end of file before message length") && reason.contains("gave up after"),
+        "{reason}"
+    );
     assert!(!env.mount.join("cut").exists());
     // Nothing of either reached a blob: every blob on disk is a file of the good model.
     let good: std::collections::BTreeSet<String> = files
@@ -539,6 +546,16 @@ fn sigkill_mid_download_resumes_with_ranges() {
         p["completedBytes"].as_u64().unwrap_or(0) > size / 3
     });
     d.kill9();
+    let parts: Vec<u64> = std::fs::read_dir(env.state.join("stores"))
+        .unwrap()
+        .flatten()
+        .flat_map(|s| std::fs::read_dir(s.path().join("tmp")).unwrap().flatten())
+        .map(|e| e.metadata().unwrap().len())
+        .collect();
+    assert!(
+        parts.iter().any(|&l| l > 0),
+        "a partial file survives SIGKILL: {parts:?}"
+    );
     let served_before = oci.server().stats().bytes_served;
     assert!(served_before < size);
     let ranged_before = oci.server().stats().ranged_requests;
@@ -556,11 +573,12 @@ fn sigkill_mid_download_resumes_with_ranges() {
         stats.ranged_requests > ranged_before,
         "the partial file resumed with Range: {stats:?}"
     );
+    let after_restart = stats.bytes_served - served_before;
     assert!(
-        stats.bytes_served < size + served_before / 2,
-        "only missing bytes are fetched again: served {} for {size} (before the kill {served_before})",
-        stats.bytes_served
+        after_restart < size,
+        "the restart fetched only what was missing: {after_restart} of {size} bytes (before the kill {served_before})"
     );
+    assert!(d.log_text().contains("resuming partial download"));
 }
 
 #[test]

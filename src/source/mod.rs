@@ -10,6 +10,7 @@
 pub mod hf;
 pub mod local;
 pub mod oci;
+pub mod pipeline;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,6 +21,7 @@ use crate::artifact::{ArtifactError, FileDigest, Manifest, ManifestEntry, Sha256
 use crate::manifest::SourceUri;
 use crate::metrics::{Metrics, SourceLabel, SourceScheme};
 use crate::store::{Store, StoreError};
+use pipeline::TransferError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
@@ -74,9 +76,7 @@ pub enum SourceError {
     )]
     Unsupported { scheme: String },
     #[error(transparent)]
-    Hf(hf::HfError),
-    #[error(transparent)]
-    Oci(oci::OciError),
+    Transfer(pipeline::TransferError),
     #[error("cancelled")]
     Cancelled,
     /// A worker panicked: a bug, reported with its message rather than retried forever.
@@ -115,8 +115,7 @@ impl SourceError {
                 matches!(source, StoreError::DiskFull { .. } | StoreError::Io { .. })
             }
             SourceError::LocalIo { .. } => true,
-            SourceError::Hf(e) => e.is_transient(),
-            SourceError::Oci(e) => e.is_transient(),
+            SourceError::Transfer(e) => e.is_transient(),
             SourceError::LocalMissing { .. }
             | SourceError::LocalSpecialFile { .. }
             | SourceError::LocalNotDirectory { .. }
@@ -142,22 +141,21 @@ impl SourceError {
                 StoreError::DigestMismatch { .. } | StoreError::SizeMismatch { .. }
             )
         }
-        fn hf(e: &hf::HfError) -> Option<DownloadOutcome> {
+        fn transfer(e: &TransferError) -> Option<DownloadOutcome> {
             Some(match e {
-                hf::HfError::Cancelled => return None,
-                hf::HfError::Corrupt { .. } => DownloadOutcome::VerificationFailed,
-                hf::HfError::Store { source, .. } if mismatch(source) => {
+                TransferError::Cancelled => return None,
+                TransferError::Corrupt { .. } => DownloadOutcome::VerificationFailed,
+                TransferError::Store { source, .. } if mismatch(source) => {
                     DownloadOutcome::VerificationFailed
                 }
-                hf::HfError::Status { status: 429, .. } => DownloadOutcome::RateLimited,
-                hf::HfError::Exhausted { last, .. } => return hf(last),
+                TransferError::Status { status: 429, .. } => DownloadOutcome::RateLimited,
+                TransferError::Exhausted { last, .. } => return transfer(last),
                 _ => DownloadOutcome::Failed,
             })
         }
         match self {
             SourceError::Cancelled => None,
-            SourceError::Hf(e) => hf(e),
-            SourceError::Oci(e) => e.ome_outcome(),
+            SourceError::Transfer(e) => transfer(e),
             SourceError::Store { source, .. } if mismatch(source) => {
                 Some(DownloadOutcome::VerificationFailed)
             }
@@ -326,11 +324,13 @@ impl FetchContext {
 /// Daemon-wide settings of all sources, built once at start and shared by every model.
 #[derive(Clone, Debug)]
 pub struct SourceConfig {
-    /// The Hugging Face client (endpoint, default token, tuning, node-wide transfer limit).
+    /// The Hugging Face client (endpoint, default token, tuning).
     pub hf: Arc<hf::HubClient>,
     /// `oci://` settings (endpoint override, the agent's OCI config file and environment). Its
     /// transfers go through the Hugging Face client's pool, limit and tuning.
     pub oci: Arc<oci::OciConfig>,
+    /// The node-wide transfer limit and retry policy, shared by every remote source.
+    pub transfers: Arc<pipeline::Transfers>,
     /// The directory underneath the mount (see [`crate::adopt`]): `local://` directories below
     /// the models root are read through it, and fetches adopt old files from it.
     pub under_mount: Option<Arc<crate::adopt::UnderMount>>,
@@ -338,8 +338,10 @@ pub struct SourceConfig {
 
 impl SourceConfig {
     pub fn new(hf: hf::HfConfig) -> Result<Self, SourceError> {
+        let transfers = pipeline::Transfers::new(hf.tuning.clone());
         Ok(Self {
-            hf: Arc::new(hf::HubClient::new(hf)?),
+            hf: Arc::new(hf::HubClient::with_transfers(hf, transfers.clone())?),
+            transfers,
             oci: Arc::new(oci::OciConfig::from_env()),
             under_mount: None,
         })
@@ -469,7 +471,7 @@ mod tests {
 
     #[test]
     fn failures_count_in_omes_download_metrics_by_kind() {
-        let status = |status: u16| hf::HfError::Status {
+        let status = |status: u16| TransferError::Status {
             what: "x".into(),
             status,
             code: None,
@@ -482,16 +484,16 @@ mod tests {
         };
         let cases: Vec<(SourceError, Option<DownloadOutcome>)> = vec![
             (SourceError::Cancelled, None),
-            (SourceError::Hf(hf::HfError::Cancelled), None),
+            (SourceError::Transfer(TransferError::Cancelled), None),
             (
-                SourceError::Hf(hf::HfError::Exhausted {
+                SourceError::Transfer(TransferError::Exhausted {
                     attempts: 8,
                     last: Box::new(status(429)),
                 }),
                 Some(DownloadOutcome::RateLimited),
             ),
             (
-                SourceError::Hf(hf::HfError::Corrupt {
+                SourceError::Transfer(TransferError::Corrupt {
                     path: "w".into(),
                     attempts: 3,
                     detail: String::new(),
@@ -505,7 +507,10 @@ mod tests {
                 },
                 Some(DownloadOutcome::VerificationFailed),
             ),
-            (SourceError::Hf(status(403)), Some(DownloadOutcome::Failed)),
+            (
+                SourceError::Transfer(status(403)),
+                Some(DownloadOutcome::Failed),
+            ),
             (
                 SourceError::LocalMissing { path: "/x".into() },
                 Some(DownloadOutcome::Failed),

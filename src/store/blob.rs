@@ -7,9 +7,11 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use md5::Md5;
+use sha1::Sha1;
 use sha2::{Digest, Sha256};
 
-use crate::artifact::{FileDigest, Sha256Digest, SourceHasher};
+use crate::artifact::{FileDigest, Sha256Digest};
 
 use super::fsutil;
 
@@ -87,7 +89,11 @@ impl Store {
 
     /// Where the partial download of a file with this source digest lives.
     pub fn partial_path(&self, digest: &FileDigest) -> PathBuf {
-        let name = format!("{}.part", digest.file_tag());
+        let name = match digest {
+            FileDigest::Sha256(d) => format!("sha256-{}.part", hex::encode(d)),
+            FileDigest::GitSha1(d) => format!("gitsha1-{}.part", hex::encode(d)),
+            FileDigest::Object { identity, .. } => format!("object-{}.part", hex::encode(identity)),
+        };
         self.root.join("tmp").join(name)
     }
 
@@ -176,7 +182,11 @@ impl Store {
     }
 
     fn alias_path(&self, digest: &FileDigest) -> PathBuf {
-        let name = digest.file_tag();
+        let name = match digest {
+            FileDigest::Sha256(d) => format!("sha256-{}", hex::encode(d)),
+            FileDigest::GitSha1(d) => format!("gitsha1-{}", hex::encode(d)),
+            FileDigest::Object { identity, .. } => format!("object-{}", hex::encode(identity)),
+        };
         self.root.join("aliases").join(name)
     }
 
@@ -226,7 +236,13 @@ impl Store {
         size: u64,
         cancel: &AtomicBool,
     ) -> Result<(Sha256Digest, bool), StoreError> {
-        let name = format!("adopt-{}", expected.file_tag());
+        let name = match expected {
+            FileDigest::Sha256(d) => format!("adopt-sha256-{}", hex::encode(d)),
+            FileDigest::GitSha1(d) => format!("adopt-gitsha1-{}", hex::encode(d)),
+            FileDigest::Object { identity, .. } => {
+                format!("adopt-object-{}", hex::encode(identity))
+            }
+        };
         let tmp = self.root.join("tmp").join(name);
         let _ = std::fs::remove_file(&tmp);
         // /proc/self/fd/N names exactly the inode that was opened (and checked to lie beneath
@@ -342,7 +358,15 @@ fn verify_file(
     cancel: &AtomicBool,
 ) -> Result<Sha256Digest, StoreError> {
     let mut sha256 = Sha256::new();
-    let mut source_hasher = expected.source_hasher(size);
+    let mut git_sha1 = match expected {
+        FileDigest::GitSha1(_) => {
+            let mut h = Sha1::new();
+            h.update(format!("blob {size}\0").as_bytes());
+            Some(h)
+        }
+        FileDigest::Sha256(_) | FileDigest::Object { .. } => None,
+    };
+    let mut md5 = object_md5(expected);
     let mut buf = vec![0u8; 1 << 20];
     let mut offset = 0u64;
     loop {
@@ -356,7 +380,10 @@ fn verify_file(
             break;
         }
         sha256.update(&buf[..n]);
-        if let Some(h) = &mut source_hasher {
+        if let Some(h) = &mut git_sha1 {
+            h.update(&buf[..n]);
+        }
+        if let Some(h) = &mut md5 {
             h.update(&buf[..n]);
         }
         offset += n as u64;
@@ -371,11 +398,15 @@ fn verify_file(
         });
     }
     let sha = Sha256Digest(sha256.finalize().into());
-    let actual = match source_hasher {
-        Some(h) => h.finish(),
-        None => FileDigest::Sha256(sha.0),
+    let (ok, actual) = match (expected, git_sha1) {
+        (FileDigest::Sha256(want), _) => (*want == sha.0, FileDigest::Sha256(sha.0)),
+        (FileDigest::GitSha1(want), Some(h)) => {
+            let got: [u8; 20] = h.finalize().into();
+            (*want == got, FileDigest::GitSha1(got))
+        }
+        (FileDigest::GitSha1(_), None) => unreachable!("a git digest always has its hasher"),
+        (FileDigest::Object { .. }, _) => object_md5_matches(expected, md5),
     };
-    let ok = actual == *expected;
     if !ok {
         return Err(StoreError::DigestMismatch {
             expected: expected.to_string(),
@@ -383,6 +414,33 @@ fn verify_file(
         });
     }
     Ok(sha)
+}
+
+/// The MD5 hasher of an object whose store published the MD5 of its bytes.
+fn object_md5(expected: &FileDigest) -> Option<Md5> {
+    match expected {
+        FileDigest::Object { md5: Some(_), .. } => Some(Md5::new()),
+        _ => None,
+    }
+}
+
+/// Whether the bytes hashed into `md5` match the object digest `expected` (one without an MD5
+/// matches any bytes of the right size, which the caller checked), and the digest they have.
+fn object_md5_matches(expected: &FileDigest, md5: Option<Md5>) -> (bool, FileDigest) {
+    let FileDigest::Object {
+        identity,
+        md5: want,
+    } = *expected
+    else {
+        unreachable!("only object digests carry an MD5")
+    };
+    let got: Option<[u8; 16]> = md5.map(|h| h.finalize().into());
+    let ok = match (want, got) {
+        (Some(want), Some(got)) => want == got,
+        (None, _) => true,
+        (Some(_), None) => false,
+    };
+    (ok, FileDigest::Object { identity, md5: got })
 }
 
 /// Streams one blob into `tmp/`, hashing as it goes; [`BlobWriter::commit`] verifies size and
@@ -395,13 +453,20 @@ pub struct BlobWriter {
     size: u64,
     written: u64,
     sha256: Sha256,
-    /// The source's own digest when it is not sha256 (git blob sha1, MD5...).
-    source_hasher: Option<SourceHasher>,
+    git_sha1: Option<Sha1>,
+    md5: Option<Md5>,
 }
 
 impl BlobWriter {
     fn new(store: Store, path: PathBuf, file: File, expected: FileDigest, size: u64) -> Self {
-        let source_hasher = expected.source_hasher(size);
+        let git_sha1 = match expected {
+            FileDigest::GitSha1(_) => {
+                let mut h = Sha1::new();
+                h.update(format!("blob {size}\0").as_bytes());
+                Some(h)
+            }
+            FileDigest::Sha256(_) | FileDigest::Object { .. } => None,
+        };
         Self {
             store,
             path,
@@ -410,13 +475,17 @@ impl BlobWriter {
             size,
             written: 0,
             sha256: Sha256::new(),
-            source_hasher,
+            git_sha1,
+            md5: object_md5(&expected),
         }
     }
 
     fn hash(&mut self, buf: &[u8]) {
         self.sha256.update(buf);
-        if let Some(h) = &mut self.source_hasher {
+        if let Some(h) = &mut self.git_sha1 {
+            h.update(buf);
+        }
+        if let Some(h) = &mut self.md5 {
             h.update(buf);
         }
         self.written += buf.len() as u64;
@@ -461,12 +530,25 @@ impl BlobWriter {
             return Err(err);
         }
         let sha256 = Sha256Digest(self.sha256.clone().finalize().into());
-        let actual = match &self.source_hasher {
-            Some(h) => h.clone().finish(),
-            None => FileDigest::Sha256(sha256.0),
+        let ok = match (&self.expected, &self.git_sha1) {
+            (FileDigest::Sha256(want), _) => *want == sha256.0,
+            (FileDigest::GitSha1(want), Some(h)) => {
+                let got: [u8; 20] = h.clone().finalize().into();
+                *want == got
+            }
+            (FileDigest::GitSha1(_), None) => false,
+            (FileDigest::Object { .. }, _) => {
+                object_md5_matches(&self.expected, self.md5.clone()).0
+            }
         };
-        if actual != self.expected {
-            let actual = actual.to_string();
+        if !ok {
+            let actual = match (&self.git_sha1, &self.md5) {
+                (Some(h), _) => FileDigest::GitSha1(h.clone().finalize().into()).to_string(),
+                (None, Some(_)) => object_md5_matches(&self.expected, self.md5.clone())
+                    .1
+                    .to_string(),
+                (None, None) => FileDigest::Sha256(sha256.0).to_string(),
+            };
             let err = StoreError::DigestMismatch {
                 expected: self.expected.to_string(),
                 actual,
@@ -491,6 +573,43 @@ mod tests {
     use crate::artifact::git_blob_sha1 as git_sha1;
 
     #[test]
+    fn objects_are_checked_by_their_md5_when_the_store_gives_one() {
+        use md5::{Digest as _, Md5};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s")).unwrap();
+        let data = b"object bytes";
+        let md5: [u8; 16] = Md5::digest(data).into();
+        let object = |md5| FileDigest::Object {
+            identity: [7; 32],
+            md5,
+        };
+        let mut w = store
+            .writer(object(Some([0; 16])), data.len() as u64)
+            .unwrap();
+        w.write_all(data).unwrap();
+        let err = w.commit().unwrap_err();
+        assert!(matches!(err, StoreError::DigestMismatch { .. }), "{err}");
+        assert!(err.to_string().contains(&hex::encode(md5)), "{err}");
+        assert!(!store.has_blob(&Sha256Digest::of(data), data.len() as u64));
+
+        // Resumed: the prefix on disk is hashed again.
+        let mut w = store.writer(object(Some(md5)), data.len() as u64).unwrap();
+        w.write_all(&data[..5]).unwrap();
+        drop(w);
+        let mut w = store
+            .resume_writer(object(Some(md5)), data.len() as u64)
+            .unwrap();
+        assert_eq!(w.written(), 5);
+        w.write_all(&data[5..]).unwrap();
+        assert_eq!(w.commit().unwrap(), Sha256Digest::of(data));
+
+        // No MD5 published: the size is all there is to check.
+        let mut w = store.writer(object(None), data.len() as u64).unwrap();
+        w.write_all(&data[..4]).unwrap();
+        assert!(matches!(w.commit(), Err(StoreError::SizeMismatch { .. })));
+    }
+
+    #[test]
     fn verified_blob_is_published_and_wrong_bytes_are_not() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path().join("s")).unwrap();
@@ -513,27 +632,6 @@ mod tests {
 
         let mut w = store
             .writer(FileDigest::GitSha1(git_sha1(data)), data.len() as u64)
-            .unwrap();
-        w.write_all(data).unwrap();
-        assert_eq!(w.commit().unwrap(), want);
-
-        let md5: [u8; 16] = {
-            use md5::Digest as _;
-            md5::Md5::digest(data).into()
-        };
-        let mut w = store
-            .writer(FileDigest::Md5(md5), data.len() as u64)
-            .unwrap();
-        w.write_all(data).unwrap();
-        assert_eq!(w.commit().unwrap(), want);
-        let mut w = store
-            .writer(FileDigest::Md5([9; 16]), data.len() as u64)
-            .unwrap();
-        w.write_all(data).unwrap();
-        assert!(matches!(w.commit(), Err(StoreError::DigestMismatch { .. })));
-        // A version tag checks the size only.
-        let mut w = store
-            .writer(FileDigest::ObjectVersion([3; 32]), data.len() as u64)
             .unwrap();
         w.write_all(data).unwrap();
         assert_eq!(w.commit().unwrap(), want);

@@ -1,14 +1,11 @@
-//! The HTTP side of the Hugging Face source: one reqwest client per daemon, the node-wide
-//! transfer limit, hub error decoding, `Link` pagination and retries.
-//!
-//! Retry policy (SPEC 7): 5xx, 408, resets, truncated bodies and stalls are retried with
-//! jittered exponential backoff (`retry_base` doubling up to `retry_max`, each delay drawn
-//! uniformly from 50-100% of the step so that many clients do not retry in lockstep); 429 and
-//! 503 wait for `Retry-After` when the hub sends one; 401/403/404 and malformed answers fail at
-//! once. After `max_attempts` the error is returned as [`HfError::Exhausted`], which the
-//! reconciler treats as transient (it retries the model with its own, longer backoff), except
-//! when every attempt ended in a body shorter than its own `Content-Length`: a hub that lies
-//! about its answer that consistently will not stop by itself, so the model is `Failed`.
+//! The HTTP side of the Hugging Face source: one reqwest client per daemon, hub error
+//! decoding, `Link` pagination. The node-wide transfer limit and the retry policy are the
+//! pipeline's ([`Transfers`], SPEC 7): 5xx, 408, 429, resets, truncated bodies and stalls are
+//! retried with jittered backoff, `Retry-After` wins; 401/403/404 and malformed answers fail at
+//! once. After `max_attempts` the error is [`TransferError::Exhausted`], which the reconciler
+//! treats as transient (it retries the model with its own, longer backoff), except when every
+//! attempt ended in a body shorter than its own `Content-Length`: a hub that lies about its
+//! answer that consistently will not stop by itself, so the model is `Failed`.
 //!
 //! Deadlines: no request waits for the hub without a bound. Connecting has `connect_timeout`;
 //! the response headers, and every read of a body (JSON, error pages, file bytes), must arrive
@@ -17,16 +14,16 @@
 //! altogether, so that a hub that trickles a byte now and then cannot hold it either. An error
 //! page gets `stall_timeout` in total: its text is a courtesy, the status code is what counts.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Duration;
 
 use reqwest::header::{HeaderMap, AUTHORIZATION, LINK, RETRY_AFTER};
 use reqwest::{Response, Url};
 use serde::de::DeserializeOwned;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{HfConfig, HfError};
+use super::HfConfig;
+pub(crate) use crate::source::pipeline::parse_retry_after;
+use crate::source::pipeline::{TransferError, Transfers};
 use crate::source::Token;
 
 /// Largest JSON answer accepted (one page of a tree listing is far smaller).
@@ -37,12 +34,22 @@ const MAX_JSON_BYTES: usize = 64 << 20;
 pub struct HubClient {
     config: HfConfig,
     http: reqwest::Client,
-    /// Node-wide limit on transfers in flight.
-    transfers: Arc<Semaphore>,
+    /// Node-wide transfer limit and retry policy, shared with the other sources.
+    transfers: Arc<Transfers>,
 }
 
 impl HubClient {
-    pub fn new(mut config: HfConfig) -> Result<Self, HfError> {
+    /// A client with a transfer limit of its own (tests); the daemon shares one with
+    /// [`HubClient::with_transfers`].
+    pub fn new(config: HfConfig) -> Result<Self, TransferError> {
+        let transfers = Transfers::new(config.tuning.clone());
+        Self::with_transfers(config, transfers)
+    }
+
+    pub fn with_transfers(
+        mut config: HfConfig,
+        transfers: Arc<Transfers>,
+    ) -> Result<Self, TransferError> {
         while config.endpoint.ends_with('/') {
             config.endpoint.pop();
         }
@@ -52,11 +59,10 @@ impl HubClient {
             .user_agent(concat!("modelfs/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(config.tuning.connect_timeout)
             .build()
-            .map_err(|e| HfError::Network {
+            .map_err(|e| TransferError::Network {
                 what: "building the HTTP client".into(),
                 detail: e.to_string(),
             })?;
-        let transfers = Arc::new(Semaphore::new(config.tuning.max_transfers.max(1)));
         Ok(Self {
             config,
             http,
@@ -78,13 +84,8 @@ impl HubClient {
         &self.config.endpoint
     }
 
-    /// A slot of the node-wide transfer limit.
-    pub async fn transfer_slot(&self) -> OwnedSemaphorePermit {
-        self.transfers
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the transfer semaphore is never closed")
+    pub fn transfers(&self) -> &Transfers {
+        &self.transfers
     }
 
     pub fn request(&self, url: &str, token: Option<&Token>) -> reqwest::RequestBuilder {
@@ -95,21 +96,8 @@ impl HubClient {
         req
     }
 
-    /// Delay before attempt `attempt + 1` (1-based `attempt`).
-    pub fn backoff(&self, attempt: u32, err: &HfError) -> Duration {
-        let t = &self.config.tuning;
-        if let Some(after) = err.retry_after() {
-            return after.min(t.retry_max);
-        }
-        let step = t
-            .retry_base
-            .saturating_mul(1u32 << attempt.saturating_sub(1).min(16))
-            .min(t.retry_max);
-        step.mul_f64(0.5 + 0.5 * fastrand::f64())
-    }
-
-    fn stalled(&self, what: &str) -> HfError {
-        HfError::Stalled {
+    fn stalled(&self, what: &str) -> TransferError {
+        TransferError::Stalled {
             what: what.into(),
             secs: self.config.tuning.stall_timeout.as_secs(),
         }
@@ -120,7 +108,7 @@ impl HubClient {
         &self,
         what: &str,
         req: reqwest::RequestBuilder,
-    ) -> Result<Response, HfError> {
+    ) -> Result<Response, TransferError> {
         tokio::time::timeout(self.config.tuning.stall_timeout, req.send())
             .await
             .map_err(|_| self.stalled(what))?
@@ -133,7 +121,7 @@ impl HubClient {
         &self,
         what: &str,
         resp: &mut Response,
-    ) -> Result<Option<bytes::Bytes>, HfError> {
+    ) -> Result<Option<bytes::Bytes>, TransferError> {
         tokio::time::timeout(self.config.tuning.stall_timeout, resp.chunk())
             .await
             .map_err(|_| self.stalled(what))?
@@ -141,13 +129,13 @@ impl HubClient {
     }
 
     /// A whole body of at most `limit` bytes, each read within `stall_timeout`. A body that
-    /// ends before its `Content-Length` is [`HfError::Truncated`].
+    /// ends before its `Content-Length` is [`TransferError::Truncated`].
     async fn read_limited(
         &self,
         what: &str,
         mut resp: Response,
         limit: usize,
-    ) -> Result<Vec<u8>, HfError> {
+    ) -> Result<Vec<u8>, TransferError> {
         let want = resp.content_length();
         let mut out = Vec::new();
         loop {
@@ -158,7 +146,7 @@ impl HubClient {
                 Ok(Some(c)) => c,
                 Ok(None) => break,
                 Err(e) if is_incomplete_body(&e) => {
-                    return Err(HfError::Truncated {
+                    return Err(TransferError::Truncated {
                         what: what.into(),
                         got: out.len() as u64,
                         want: want.unwrap_or(0),
@@ -168,7 +156,7 @@ impl HubClient {
             };
             out.extend_from_slice(&chunk);
             if out.len() > limit {
-                return Err(HfError::Protocol {
+                return Err(TransferError::Protocol {
                     what: what.into(),
                     detail: "answer too large".into(),
                 });
@@ -177,14 +165,14 @@ impl HubClient {
         Ok(out)
     }
 
-    /// Passes 2xx answers; turns the others into [`HfError::Status`] with the hub's error code
+    /// Passes 2xx answers; turns the others into [`TransferError::Status`] with the hub's error code
     /// (`X-Error-Code`) and message (`X-Error-Message`, else the JSON `error` field). The error
     /// body gets `stall_timeout` in total: a 5xx whose body never comes is still a 5xx.
     pub(crate) async fn check_status(
         &self,
         what: &str,
         resp: Response,
-    ) -> Result<Response, HfError> {
+    ) -> Result<Response, TransferError> {
         let status = resp.status();
         if status.is_success() {
             return Ok(resp);
@@ -229,49 +217,13 @@ impl HubClient {
             message
                 .push_str(" (check the model's token: parameters.token, its Secret, or HF_TOKEN)");
         }
-        Err(HfError::Status {
+        Err(TransferError::Status {
             what: what.into(),
             status: status.as_u16(),
             code,
             message,
             retry_after,
         })
-    }
-
-    /// Runs `op` until it succeeds, fails for good, or runs out of attempts.
-    pub async fn retrying<T, F, Fut>(
-        &self,
-        what: &str,
-        cancel: &AtomicBool,
-        mut op: F,
-    ) -> Result<T, HfError>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T, HfError>>,
-    {
-        let max = self.config.tuning.max_attempts.max(1);
-        let mut attempt = 0;
-        loop {
-            if cancel.load(Ordering::Relaxed) {
-                return Err(HfError::Cancelled);
-            }
-            attempt += 1;
-            match op().await {
-                Ok(v) => return Ok(v),
-                Err(e) if e.is_retryable() && attempt < max => {
-                    let delay = self.backoff(attempt, &e);
-                    tracing::warn!(%what, attempt, error = %e, delay_ms = delay.as_millis() as u64, "retrying");
-                    sleep_unless_cancelled(delay, cancel).await?;
-                }
-                Err(e) if e.is_retryable() => {
-                    return Err(HfError::Exhausted {
-                        attempts: attempt,
-                        last: Box::new(e),
-                    })
-                }
-                Err(e) => return Err(e),
-            }
-        }
     }
 
     /// GETs a JSON document (with retries) and the `rel="next"` page URL, if any. Each attempt
@@ -282,17 +234,18 @@ impl HubClient {
         url: &str,
         token: Option<&Token>,
         cancel: &AtomicBool,
-    ) -> Result<(T, Option<String>), HfError> {
+    ) -> Result<(T, Option<String>), TransferError> {
         let deadline = self.config.tuning.request_timeout;
-        self.retrying(what, cancel, || async {
-            tokio::time::timeout(deadline, self.json_attempt(what, url, token))
-                .await
-                .map_err(|_| HfError::TimedOut {
-                    what: what.into(),
-                    secs: deadline.as_secs(),
-                })?
-        })
-        .await
+        self.transfers
+            .retrying(what, cancel, || async {
+                tokio::time::timeout(deadline, self.json_attempt(what, url, token))
+                    .await
+                    .map_err(|_| TransferError::TimedOut {
+                        what: what.into(),
+                        secs: deadline.as_secs(),
+                    })?
+            })
+            .await
     }
 
     async fn json_attempt<T: DeserializeOwned>(
@@ -300,20 +253,20 @@ impl HubClient {
         what: &str,
         url: &str,
         token: Option<&Token>,
-    ) -> Result<(T, Option<String>), HfError> {
+    ) -> Result<(T, Option<String>), TransferError> {
         let resp = self.send(what, self.request(url, token)).await?;
         let resp = self.check_status(what, resp).await?;
         let next = next_link(resp.headers(), url)
             .map(|n| self.same_origin(what, &n).map(|_| n))
             .transpose()?;
         if resp.content_length().unwrap_or(0) > MAX_JSON_BYTES as u64 {
-            return Err(HfError::Protocol {
+            return Err(TransferError::Protocol {
                 what: what.into(),
                 detail: "answer too large".into(),
             });
         }
         let body = self.read_limited(what, resp, MAX_JSON_BYTES).await?;
-        let value = serde_json::from_slice(&body).map_err(|e| HfError::Protocol {
+        let value = serde_json::from_slice(&body).map_err(|e| TransferError::Protocol {
             what: what.into(),
             detail: format!("malformed JSON: {e}"),
         })?;
@@ -321,7 +274,7 @@ impl HubClient {
     }
 
     /// Pagination links must stay on the endpoint's origin: the token goes with them.
-    fn same_origin(&self, what: &str, url: &str) -> Result<(), HfError> {
+    fn same_origin(&self, what: &str, url: &str) -> Result<(), TransferError> {
         let origin = |u: &str| {
             Url::parse(u).ok().map(|u| {
                 (
@@ -334,7 +287,7 @@ impl HubClient {
         if origin(url).is_some() && origin(url) == origin(&self.config.endpoint) {
             Ok(())
         } else {
-            Err(HfError::Protocol {
+            Err(TransferError::Protocol {
                 what: what.into(),
                 detail: format!("pagination link leaves the endpoint: {url:?}"),
             })
@@ -342,24 +295,7 @@ impl HubClient {
     }
 }
 
-pub(crate) async fn sleep_unless_cancelled(
-    d: Duration,
-    cancel: &AtomicBool,
-) -> Result<(), HfError> {
-    let end = tokio::time::Instant::now() + d;
-    loop {
-        if cancel.load(Ordering::Relaxed) {
-            return Err(HfError::Cancelled);
-        }
-        let now = tokio::time::Instant::now();
-        if now >= end {
-            return Ok(());
-        }
-        tokio::time::sleep((end - now).min(Duration::from_millis(200))).await;
-    }
-}
-
-pub(crate) fn network(what: &str, e: reqwest::Error) -> HfError {
+pub(crate) fn network(what: &str, e: reqwest::Error) -> TransferError {
     // reqwest's Display names the URL (never headers); the source chain has the cause.
     let mut detail = e.to_string();
     let mut src = std::error::Error::source(&e);
@@ -368,7 +304,7 @@ pub(crate) fn network(what: &str, e: reqwest::Error) -> HfError {
         detail.push_str(&s.to_string());
         src = s.source();
     }
-    HfError::Network {
+    TransferError::Network {
         what: what.into(),
         detail,
     }
@@ -388,16 +324,6 @@ fn is_incomplete_body(e: &reqwest::Error) -> bool {
         src = s.source();
     }
     false
-}
-
-/// Longest `Retry-After` taken as given; a longer one is capped (the backoff caps it further).
-pub(crate) const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
-
-/// `Retry-After` in seconds (the HTTP-date form is not used by the hub and is ignored, as
-/// before: the normal backoff applies). Capped so no caller can overflow an `Instant`.
-pub(crate) fn parse_retry_after(value: &str) -> Option<Duration> {
-    let seconds = value.trim().parse::<u64>().ok()?;
-    Some(Duration::from_secs(seconds).min(MAX_RETRY_AFTER))
 }
 
 /// The `rel="next"` target of a `Link` header, resolved against the request URL.
@@ -462,27 +388,5 @@ mod tests {
             .is_ok());
         assert!(c.same_origin("t", "http://127.0.0.2:9/api/x").is_err());
         assert!(c.same_origin("t", "https://127.0.0.1:9/api/x").is_err());
-    }
-
-    #[test]
-    fn backoff_grows_and_honours_retry_after() {
-        let c = HubClient::new(HfConfig::default()).unwrap();
-        let e = HfError::Network {
-            what: "w".into(),
-            detail: "d".into(),
-        };
-        let base = c.config.tuning.retry_base;
-        let d1 = c.backoff(1, &e);
-        let d4 = c.backoff(4, &e);
-        assert!(d1 >= base / 2 && d1 <= base);
-        assert!(d4 >= base * 4 && d4 <= base * 8);
-        let limited = HfError::Status {
-            what: "w".into(),
-            status: 429,
-            code: None,
-            message: "slow down".into(),
-            retry_after: Some(Duration::from_secs(3)),
-        };
-        assert_eq!(c.backoff(1, &limited), Duration::from_secs(3));
     }
 }

@@ -19,9 +19,10 @@
 //! code (`GatedRepo`, `RepoNotFound`) and can never be mapped onto another model's copy.
 //!
 //! # Fetch
-//! See [`download`]: files are fetched several at a time, large files as parallel ranges that
-//! are written in order, each blob hashed while written (sha256 for LFS files, git blob sha1 for
-//! the rest) and renamed into the store only once verified. Partial files survive a crash and
+//! Through the shared [`pipeline`](crate::source::pipeline); [`download`] is the adapter that
+//! opens a byte range of a file at a commit. Files are fetched several at a time, large files as
+//! parallel ranges that are written in order, each blob hashed while written (sha256 for LFS
+//! files, git blob sha1 for the rest) and renamed into the store only once verified. Partial files survive a crash and
 //! resume with `Range`. Blobs the model's store already holds are not downloaded again; for
 //! small (git sha1) files the store keeps an alias from the git digest to the blob, so a new
 //! revision fetches only what changed.
@@ -37,7 +38,6 @@ pub mod download;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Duration;
 
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::Deserialize;
@@ -45,83 +45,13 @@ use serde::Deserialize;
 use super::{FetchContext, SourceError, Token};
 use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest, MAX_ENTRIES};
 use crate::manifest::source::is_commit_hash;
-use crate::store::StoreError;
 
+pub use crate::source::pipeline::DownloadTuning;
+use crate::source::pipeline::TransferError;
 pub use client::HubClient;
 
 /// The public hub.
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
-
-/// Download tuning. The defaults were measured against a local hub on a 2-core machine (see
-/// `BENCHMARKS.md`, "Hugging Face download") and are meant to be right for a real node too:
-/// they keep enough bytes in flight to fill a fast link without holding much memory.
-#[derive(Clone, Debug)]
-pub struct DownloadTuning {
-    /// Files of one model downloaded at once. Small files are latency-bound (one request
-    /// each), so several in flight hide the round trips of a remote hub; on loopback 1, 8 and
-    /// 16 measured within noise. 8 stays polite to a remote hub.
-    pub max_files: usize,
-    /// Parallel range requests per large file. On loopback one stream already reaches the
-    /// hub's and disk's limit (1, 4 and 8 streams measured within noise of each other); 4 is
-    /// kept for real links, where one TCP stream from a CDN is often limited to a few hundred
-    /// MB/s, at the cost of at most 4 chunks in memory per large file.
-    pub range_streams: usize,
-    /// Size of one range request, and the unit of in-memory reordering (at most
-    /// `range_streams` chunks per file wait in memory: 4 x 8 MiB = 32 MiB). Measured on
-    /// loopback: 4, 8 and 16 MiB within noise of each other, 64 MiB twice as slow (large
-    /// buffers and head-of-line waits). Against a remote hub every chunk costs a round trip
-    /// per stream, which argues against going small; 8 MiB is the compromise.
-    pub chunk_size: u64,
-    /// Node-wide limit on HTTP transfers in flight (all models together), so a node with many
-    /// models does not open hundreds of connections to the hub.
-    pub max_transfers: usize,
-    /// Stall watchdog of every request: no response headers, or no body byte, for this long
-    /// aborts the request and retries it.
-    pub stall_timeout: Duration,
-    /// Deadline of one metadata request (revision, one listing page) from sending to the last
-    /// body byte, so that a hub trickling bytes cannot hold a resolve either.
-    pub request_timeout: Duration,
-    /// Bounds of one file listing: pages followed and entries (files and directories) listed.
-    /// The real hub sends 1,000 entries a page, so the defaults admit repositories of
-    /// hundreds of thousands of files while a listing whose `rel="next"` never ends fails
-    /// with a reason after a few minutes at most.
-    pub max_listing_pages: usize,
-    pub max_listing_entries: usize,
-    /// Attempts per request before the fetch fails (transiently: the reconciler retries later).
-    pub max_attempts: u32,
-    /// First backoff after a transient error; doubles per attempt, with jitter, up to
-    /// `retry_max`. A `Retry-After` from the hub (429, 503) replaces it, capped at `retry_max`.
-    pub retry_base: Duration,
-    pub retry_max: Duration,
-    /// Times a file is downloaded again after its bytes failed verification before the model
-    /// is `Failed`: once can be a glitch, three times is a hub serving wrong data.
-    pub verify_attempts: u32,
-    /// How often a progress line is logged during a fetch.
-    pub progress_log_interval: Duration,
-    /// TCP connect timeout.
-    pub connect_timeout: Duration,
-}
-
-impl Default for DownloadTuning {
-    fn default() -> Self {
-        Self {
-            max_files: 8,
-            range_streams: 4,
-            chunk_size: 8 << 20,
-            max_transfers: 32,
-            stall_timeout: Duration::from_secs(30),
-            request_timeout: Duration::from_secs(120),
-            max_listing_pages: 2_000,
-            max_listing_entries: 500_000,
-            max_attempts: 8,
-            retry_base: Duration::from_millis(500),
-            retry_max: Duration::from_secs(60),
-            verify_attempts: 3,
-            progress_log_interval: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(15),
-        }
-    }
-}
 
 /// Daemon-wide Hugging Face settings.
 #[derive(Clone, Debug)]
@@ -139,88 +69,6 @@ impl Default for HfConfig {
             endpoint: DEFAULT_ENDPOINT.into(),
             default_token: None,
             tuning: DownloadTuning::default(),
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum HfError {
-    #[error("{what}: the hub answered HTTP {status}{}: {message}", code.as_deref().map(|c| format!(" ({c})")).unwrap_or_default())]
-    Status {
-        what: String,
-        status: u16,
-        /// `X-Error-Code`: `GatedRepo`, `RepoNotFound`, `RevisionNotFound`, `EntryNotFound`...
-        code: Option<String>,
-        message: String,
-        retry_after: Option<Duration>,
-    },
-    #[error("{what}: {detail}")]
-    Network { what: String, detail: String },
-    #[error("{what}: the body ended after {got} of {want} bytes")]
-    Truncated { what: String, got: u64, want: u64 },
-    #[error("{what}: no data received for {secs}s")]
-    Stalled { what: String, secs: u64 },
-    #[error("{what}: no complete answer within {secs}s")]
-    TimedOut { what: String, secs: u64 },
-    /// A bound of the client was exceeded (listing pages or entries); the detail names the flag.
-    #[error("{what}: {detail}")]
-    Limit { what: String, detail: String },
-    #[error("{what}: invalid answer from the hub: {detail}")]
-    Protocol { what: String, detail: String },
-    #[error("{path}: downloaded bytes failed verification {attempts} times ({detail})")]
-    Corrupt {
-        path: String,
-        attempts: u32,
-        detail: String,
-    },
-    #[error("{last} (gave up after {attempts} attempts)")]
-    Exhausted { attempts: u32, last: Box<HfError> },
-    #[error("storing {path}: {source}")]
-    Store {
-        path: String,
-        #[source]
-        source: StoreError,
-    },
-    #[error("cancelled")]
-    Cancelled,
-}
-
-impl HfError {
-    /// Worth another attempt within the same fetch.
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            HfError::Status { status, .. } => *status == 408 || *status == 429 || *status >= 500,
-            HfError::Network { .. }
-            | HfError::Truncated { .. }
-            | HfError::Stalled { .. }
-            | HfError::TimedOut { .. } => true,
-            HfError::Protocol { .. }
-            | HfError::Limit { .. }
-            | HfError::Corrupt { .. }
-            | HfError::Exhausted { .. }
-            | HfError::Store { .. }
-            | HfError::Cancelled => false,
-        }
-    }
-
-    /// Worth retrying the whole model later (the reconciler's backoff).
-    pub fn is_transient(&self) -> bool {
-        match self {
-            // A body shorter than its own Content-Length on every attempt is a hub that lies
-            // about its answer, not a glitch: retrying the model later will not help.
-            HfError::Exhausted { last, .. } => !matches!(**last, HfError::Truncated { .. }),
-            HfError::Cancelled => true,
-            HfError::Store { source, .. } => {
-                matches!(source, StoreError::DiskFull { .. } | StoreError::Io { .. })
-            }
-            other => other.is_retryable(),
-        }
-    }
-
-    pub fn retry_after(&self) -> Option<Duration> {
-        match self {
-            HfError::Status { retry_after, .. } => *retry_after,
-            _ => None,
         }
     }
 }
@@ -271,16 +119,16 @@ struct LfsInfo {
     size: serde_json::Number,
 }
 
-fn parse_size(what: &str, path: &str, n: &serde_json::Number) -> Result<u64, HfError> {
-    n.as_u64().ok_or_else(|| HfError::Protocol {
+fn parse_size(what: &str, path: &str, n: &serde_json::Number) -> Result<u64, TransferError> {
+    n.as_u64().ok_or_else(|| TransferError::Protocol {
         what: what.into(),
         detail: format!("{path:?} has an invalid size {n}"),
     })
 }
 
 impl TreeEntry {
-    fn into_manifest_entry(self, what: &str) -> Result<ManifestEntry, HfError> {
-        let bad = |detail: String| HfError::Protocol {
+    fn into_manifest_entry(self, what: &str) -> Result<ManifestEntry, TransferError> {
+        let bad = |detail: String| TransferError::Protocol {
             what: what.into(),
             detail,
         };
@@ -358,7 +206,7 @@ impl HfSource {
             match info.sha {
                 Some(sha) if is_commit_hash(&sha) => sha,
                 other => {
-                    return Err(HfError::Protocol {
+                    return Err(TransferError::Protocol {
                         what,
                         detail: format!("revision answer has no valid commit sha ({other:?})"),
                     }
@@ -380,14 +228,14 @@ impl HfSource {
         let mut seen_pages = std::collections::HashSet::new();
         loop {
             if !seen_pages.insert(url.clone()) {
-                return Err(HfError::Protocol {
+                return Err(TransferError::Protocol {
                     what,
                     detail: "tree pagination loops".into(),
                 }
                 .into());
             }
             if pages >= tuning.max_listing_pages {
-                return Err(HfError::Limit {
+                return Err(TransferError::Limit {
                     what,
                     detail: format!(
                         "the listing did not end after {pages} pages ({listed} entries): the hub's pagination may never end; if the repository really is that large, raise --hf-max-listing-pages"
@@ -402,7 +250,7 @@ impl HfSource {
                 .await?;
             listed += page.len();
             if listed > tuning.max_listing_entries {
-                return Err(HfError::Limit {
+                return Err(TransferError::Limit {
                     what,
                     detail: format!(
                         "the listing has more than {} entries (after {pages} pages); if the repository really is that large, raise --hf-max-listing-entries",
@@ -458,15 +306,6 @@ impl HfSource {
     }
 }
 
-impl From<HfError> for SourceError {
-    fn from(e: HfError) -> Self {
-        match e {
-            HfError::Cancelled => SourceError::Cancelled,
-            other => SourceError::Hf(other),
-        }
-    }
-}
-
 #[cfg(test)]
 mod proptests;
 
@@ -474,7 +313,7 @@ mod proptests;
 mod tests {
     use super::*;
 
-    fn entry(json: &str) -> Result<ManifestEntry, HfError> {
+    fn entry(json: &str) -> Result<ManifestEntry, TransferError> {
         serde_json::from_str::<TreeEntry>(json)
             .unwrap()
             .into_manifest_entry("t")
@@ -519,7 +358,7 @@ mod tests {
             r#"{"type":"file","path":"x","size":5,"oid":"zz"}"#.to_string(),
         ] {
             assert!(
-                matches!(entry(&json), Err(HfError::Protocol { .. })),
+                matches!(entry(&json), Err(TransferError::Protocol { .. })),
                 "{json}"
             );
         }
@@ -532,50 +371,5 @@ mod tests {
             encode_path("dir/\u{fc} b#?.json"),
             "dir/%C3%BC%20b%23%3F.json"
         );
-    }
-
-    #[test]
-    fn classification() {
-        let status = |status| HfError::Status {
-            what: "w".into(),
-            status,
-            code: Some("GatedRepo".into()),
-            message: "m".into(),
-            retry_after: None,
-        };
-        assert!(!status(401).is_retryable() && !status(401).is_transient());
-        assert!(!status(404).is_transient());
-        assert!(status(429).is_retryable() && status(503).is_retryable());
-        assert!(status(401).to_string().contains("HTTP 401 (GatedRepo)"));
-        let corrupt = HfError::Corrupt {
-            path: "p".into(),
-            attempts: 3,
-            detail: "d".into(),
-        };
-        assert!(!corrupt.is_transient());
-        let exhausted = |last| HfError::Exhausted {
-            attempts: 8,
-            last: Box::new(last),
-        };
-        let stalled = HfError::Stalled {
-            what: "w".into(),
-            secs: 30,
-        };
-        assert!(stalled.is_retryable() && exhausted(stalled).is_transient());
-        let lying = HfError::Truncated {
-            what: "w".into(),
-            got: 10,
-            want: 20,
-        };
-        assert!(lying.is_retryable(), "one short body can be a glitch");
-        assert!(
-            !exhausted(lying).is_transient(),
-            "short on every attempt is a lie that will not stop"
-        );
-        let limit = HfError::Limit {
-            what: "w".into(),
-            detail: "d".into(),
-        };
-        assert!(!limit.is_retryable() && !limit.is_transient());
     }
 }

@@ -209,7 +209,7 @@ proptest! {
     ) {
         let parsed = bounded("parsing Retry-After", CASE_LIMIT, move || parse_retry_after(&value));
         if let Some(delay) = parsed {
-            prop_assert!(delay <= super::client::MAX_RETRY_AFTER, "{delay:?}");
+            prop_assert!(delay <= crate::source::pipeline::MAX_RETRY_AFTER, "{delay:?}");
         }
     }
 }

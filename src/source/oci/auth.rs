@@ -47,7 +47,7 @@ use std::time::Duration;
 use base64::Engine as _;
 
 use super::sign::{self, RequestToSign, SigningKey};
-use super::OciError;
+use crate::source::pipeline::TransferError as OciError;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
@@ -69,8 +69,8 @@ impl AuthMode {
             "ResourcePrincipal" => AuthMode::ResourcePrincipal,
             "OkeWorkloadIdentity" => AuthMode::OkeWorkloadIdentity,
             other => {
-                return Err(OciError::Credentials {
-                    mode: "parameters.auth",
+                return Err(OciError::Config {
+                    what: "parameters.auth".into(),
                     detail: format!(
                         "unknown auth type {:?}; expected UserPrincipal, InstancePrincipal, \
                          ResourcePrincipal or OkeWorkloadIdentity",
@@ -146,8 +146,8 @@ impl AgentOciEnv {
 }
 
 fn cred_err(mode: AuthMode, detail: impl Into<String>) -> OciError {
-    OciError::Credentials {
-        mode: mode.as_str(),
+    OciError::Config {
+        what: format!("OCI credentials ({})", mode.as_str()),
         detail: detail.into(),
     }
 }
@@ -338,9 +338,8 @@ async fn instance_principal(
         return Err(OciError::Status {
             what,
             status,
-            code: field("code").unwrap_or_else(|| "Unknown".into()),
+            code: field("code"),
             message: field("message").unwrap_or_default(),
-            request_id: None,
             retry_after: None,
         });
     }

@@ -13,39 +13,37 @@
 //!   `Content-MD5`/`opc-content-md5`); for a multipart upload (`opc-multipart-md5`,
 //!   `<base64>-<parts>`) the `opc-meta-md5` metadata when the uploader set it, else the size
 //!   only (OME skips the check for those). On top, as for every source, the store names each
-//!   blob by the sha256 it computed while writing. The per-file digest is the MD5 (or a hash of
-//!   the multipart tag and ETag), so a rewritten object makes a new artifact.
-//! * Requests are signed ([`sign`]). Transient failures (5xx, 429, 408, resets, stalls, short
-//!   bodies) are retried with jittered backoff under the Hugging Face tuning flags; 401/403/404
-//!   fail the model with the service's `code` and `message` (never key material).
-//! * Fetch: files in parallel (`max_files`), each a stream into the store's partial file,
-//!   resumed with `Range` from the partial file's length after an error or a restart
-//!   (SIGKILL), holding a slot of the node-wide transfer limit. Unlike `hf://`, one file is one
-//!   stream (no parallel ranges within a file yet).
+//!   blob by the sha256 it computed while writing. Each file's digest is an object identity
+//!   (location, size, ETag) plus that MD5, so a rewritten object makes a new artifact.
+//! * Requests are signed ([`sign`]). 401/403/404 fail the model with the service's `code` and
+//!   `message` (never key material); the rest of the retry policy is the pipeline's.
+//! * Fetch: [`OciObjects`] is the [`RangeSource`] adapter of the shared
+//!   [`pipeline`](crate::source::pipeline) (files in parallel, large files as parallel ranges,
+//!   resume with `Range` after an error or a restart, verification, the node-wide transfer
+//!   limit, progress). Credentials are read once per resolve and once per fetch.
 
 pub mod auth;
 pub mod sign;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Duration;
 
 use base64::Engine as _;
-use bytes::BytesMut;
-use futures_util::{stream, StreamExt};
+use futures_util::StreamExt;
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use reqwest::{Method, StatusCode};
 use serde::Deserialize;
-use sha2::Digest as _;
 
 use self::auth::{AgentOciEnv, AuthMode, Credentials};
 use self::sign::RequestToSign;
 use super::hf::{DownloadTuning, HubClient};
+use super::pipeline::{
+    self, BodyStream, ListedObject, RangeBody, RangeSource, TransferError, Transfers,
+};
 use super::{FetchContext, SourceError, Token};
-use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use crate::artifact::{Manifest, ManifestEntry, Sha256Digest};
 use crate::metrics::SourceScheme;
-use crate::store::StoreError;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
@@ -76,111 +74,6 @@ impl OciConfig {
                 .map(|e| e.trim_end_matches('/').to_string())
                 .filter(|e| !e.is_empty()),
             env: AgentOciEnv::from_env(),
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum OciError {
-    #[error(
-        "{what}: OCI Object Storage answered HTTP {status} ({code}): {message}{}",
-        request_id.as_deref().map(|r| format!(" (opc-request-id {r})")).unwrap_or_default()
-    )]
-    Status {
-        what: String,
-        status: u16,
-        code: String,
-        message: String,
-        request_id: Option<String>,
-        retry_after: Option<Duration>,
-    },
-    #[error("{what}: {detail}")]
-    Network { what: String, detail: String },
-    #[error("{what}: the body ended after {got} of {want} bytes")]
-    Truncated { what: String, got: u64, want: u64 },
-    #[error("{what}: no data received for {secs}s")]
-    Stalled { what: String, secs: u64 },
-    #[error("{what}: invalid answer from OCI Object Storage: {detail}")]
-    Protocol { what: String, detail: String },
-    #[error("OCI credentials ({mode}): {detail}")]
-    Credentials { mode: &'static str, detail: String },
-    #[error(
-        "no region for the OCI endpoint: set parameters.region (or region in the credentials)"
-    )]
-    NoRegion,
-    #[error(
-        "no objects found under namespace {namespace}, bucket {bucket}, object prefix {prefix:?}"
-    )]
-    Empty {
-        namespace: String,
-        bucket: String,
-        prefix: String,
-    },
-    #[error("{path}: downloaded bytes failed verification {attempts} times ({detail})")]
-    Corrupt {
-        path: String,
-        attempts: u32,
-        detail: String,
-    },
-    #[error("{last} (gave up after {attempts} attempts)")]
-    Exhausted { attempts: u32, last: Box<OciError> },
-    #[error("storing {path}: {source}")]
-    Store {
-        path: String,
-        #[source]
-        source: StoreError,
-    },
-    #[error("cancelled")]
-    Cancelled,
-}
-
-impl OciError {
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            OciError::Status { status, .. } => *status == 408 || *status == 429 || *status >= 500,
-            OciError::Network { .. } | OciError::Truncated { .. } | OciError::Stalled { .. } => {
-                true
-            }
-            _ => false,
-        }
-    }
-
-    pub fn is_transient(&self) -> bool {
-        match self {
-            OciError::Exhausted { last, .. } => !matches!(**last, OciError::Truncated { .. }),
-            OciError::Cancelled => true,
-            OciError::Store { source, .. } => {
-                matches!(source, StoreError::DiskFull { .. } | StoreError::Io { .. })
-            }
-            other => other.is_retryable(),
-        }
-    }
-
-    /// How the failure counts in OME's download metrics (see [`SourceError::ome_outcome`]).
-    pub fn ome_outcome(&self) -> Option<crate::metrics::DownloadOutcome> {
-        use crate::metrics::DownloadOutcome;
-        Some(match self {
-            OciError::Cancelled => return None,
-            OciError::Corrupt { .. } => DownloadOutcome::VerificationFailed,
-            OciError::Status { status: 429, .. } => DownloadOutcome::RateLimited,
-            OciError::Exhausted { last, .. } => return last.ome_outcome(),
-            _ => DownloadOutcome::Failed,
-        })
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        match self {
-            OciError::Status { retry_after, .. } => *retry_after,
-            _ => None,
-        }
-    }
-}
-
-impl From<OciError> for SourceError {
-    fn from(e: OciError) -> Self {
-        match e {
-            OciError::Cancelled => SourceError::Cancelled,
-            other => SourceError::Oci(other),
         }
     }
 }
@@ -242,7 +135,7 @@ impl OciSource {
         secret: Option<Token>,
         client: Arc<HubClient>,
         config: Arc<OciConfig>,
-    ) -> Result<Self, OciError> {
+    ) -> Result<Self, TransferError> {
         let auth = AuthMode::from_parameter(parameters.get("auth").map(String::as_str))?;
         Ok(Self {
             namespace,
@@ -266,12 +159,16 @@ impl OciSource {
         )
     }
 
+    fn transfers(&self) -> &Transfers {
+        self.client.transfers()
+    }
+
     fn tuning(&self) -> &DownloadTuning {
-        &self.client.config().tuning
+        self.transfers().tuning()
     }
 
     /// Credentials and endpoint, read afresh (tokens and keys rotate).
-    async fn session(&self) -> Result<Signed, OciError> {
+    async fn session(&self) -> Result<Signed, TransferError> {
         let creds = auth::credentials(
             self.auth,
             self.secret.as_ref().map(Token::expose),
@@ -287,12 +184,17 @@ impl OciSource {
                     .region
                     .clone()
                     .or_else(|| creds.region.clone())
-                    .ok_or(OciError::NoRegion)?;
+                    .ok_or_else(|| TransferError::Config {
+                        what: self.label(),
+                        detail: "no region for the OCI endpoint: set parameters.region (or \
+                                 region in the credentials)"
+                            .into(),
+                    })?;
                 if !region
                     .chars()
                     .all(|c| c.is_ascii_alphanumeric() || c == '-')
                 {
-                    return Err(OciError::Protocol {
+                    return Err(TransferError::Config {
                         what: "parameters.region".into(),
                         detail: format!(
                             "invalid region {:?}",
@@ -307,26 +209,26 @@ impl OciSource {
     }
 
     fn object_path(&self, name: &str) -> String {
-        let name = name.split('/').map(encode).collect::<Vec<_>>().join("%2F");
         format!(
             "/n/{}/b/{}/o/{}",
             encode(&self.namespace),
             encode(&self.bucket),
-            name
+            encode(name)
         )
     }
 
-    /// Sends one signed request and waits for the headers (`stall_timeout`).
+    /// Sends one signed request and waits for the headers (`stall_timeout`); a non-success
+    /// answer is the service's error.
     async fn send(
         &self,
         session: &Signed,
         what: &str,
         method: Method,
         path_and_query: &str,
-        range: Option<(u64, u64)>,
-    ) -> Result<reqwest::Response, OciError> {
+        range: Option<String>,
+    ) -> Result<reqwest::Response, TransferError> {
         let url = format!("{}{}", session.endpoint, path_and_query);
-        let parsed = reqwest::Url::parse(&url).map_err(|e| OciError::Protocol {
+        let parsed = reqwest::Url::parse(&url).map_err(|e| TransferError::Protocol {
             what: what.into(),
             detail: format!("bad URL: {e}"),
         })?;
@@ -343,17 +245,15 @@ impl OciSource {
         for (name, value) in headers {
             req = req.header(name, value);
         }
-        if let Some((start, end)) = range {
-            req = req.header(reqwest::header::RANGE, format!("bytes={start}-{end}"));
+        if let Some(range) = range {
+            req = req.header(reqwest::header::RANGE, range);
         }
-        let stall = self.tuning().stall_timeout;
-        let resp = tokio::time::timeout(stall, req.send())
-            .await
-            .map_err(|_| OciError::Stalled {
-                what: what.into(),
-                secs: stall.as_secs(),
-            })?
-            .map_err(|e| network(what, e))?;
+        let resp = self
+            .transfers()
+            .within_stall(what, async {
+                req.send().await.map_err(|e| network(what, e))
+            })
+            .await?;
         if resp.status().is_success() {
             return Ok(resp);
         }
@@ -361,7 +261,7 @@ impl OciSource {
     }
 
     /// The service's error: `{"code": ..., "message": ...}` plus `opc-request-id`.
-    async fn status_error(&self, what: &str, resp: reqwest::Response) -> OciError {
+    async fn status_error(&self, what: &str, resp: reqwest::Response) -> TransferError {
         let status = resp.status().as_u16();
         let header = |n: &str| {
             resp.headers()
@@ -370,9 +270,7 @@ impl OciSource {
                 .map(|s| s.chars().take(120).collect::<String>())
         };
         let request_id = header("opc-request-id");
-        let retry_after = header("retry-after")
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(|s| Duration::from_secs(s.min(3600)));
+        let retry_after = header("retry-after").and_then(|v| pipeline::parse_retry_after(&v));
         let body = tokio::time::timeout(self.tuning().stall_timeout, resp.bytes())
             .await
             .ok()
@@ -391,66 +289,22 @@ impl OciSource {
                         .collect::<String>()
                 })
         };
-        OciError::Status {
-            what: what.into(),
+        let mut message = field("message").unwrap_or_else(|| {
+            StatusCode::from_u16(status)
+                .ok()
+                .and_then(|s| s.canonical_reason())
+                .unwrap_or("unexpected status")
+                .to_string()
+        });
+        if let Some(id) = request_id {
+            message.push_str(&format!(" (opc-request-id {id})"));
+        }
+        TransferError::Status {
+            what: format!("{what} (OCI Object Storage)"),
             status,
-            code: field("code").unwrap_or_else(|| "Unknown".into()),
-            message: field("message").unwrap_or_else(|| {
-                StatusCode::from_u16(status)
-                    .ok()
-                    .and_then(|s| s.canonical_reason())
-                    .unwrap_or("unexpected status")
-                    .to_string()
-            }),
-            request_id,
+            code: field("code"),
+            message,
             retry_after,
-        }
-    }
-
-    fn backoff(&self, attempt: u32, err: &OciError) -> Duration {
-        let t = self.tuning();
-        if let Some(after) = err.retry_after() {
-            return after.min(t.retry_max);
-        }
-        let step = t
-            .retry_base
-            .saturating_mul(1u32 << attempt.saturating_sub(1).min(16))
-            .min(t.retry_max);
-        step.mul_f64(0.5 + 0.5 * fastrand::f64())
-    }
-
-    async fn retrying<T, F, Fut>(
-        &self,
-        what: &str,
-        cancel: &AtomicBool,
-        mut op: F,
-    ) -> Result<T, OciError>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T, OciError>>,
-    {
-        let max = self.tuning().max_attempts.max(1);
-        let mut attempt = 0;
-        loop {
-            if cancel.load(Ordering::Relaxed) {
-                return Err(OciError::Cancelled);
-            }
-            attempt += 1;
-            match op().await {
-                Ok(v) => return Ok(v),
-                Err(e) if e.is_retryable() && attempt < max => {
-                    let delay = self.backoff(attempt, &e);
-                    tracing::warn!(%what, attempt, error = %e, delay_ms = delay.as_millis() as u64, "retrying");
-                    sleep_unless_cancelled(delay, cancel).await?;
-                }
-                Err(e) if e.is_retryable() => {
-                    return Err(OciError::Exhausted {
-                        attempts: attempt,
-                        last: Box::new(e),
-                    })
-                }
-                Err(e) => return Err(e),
-            }
         }
     }
 
@@ -460,31 +314,32 @@ impl OciSource {
         what: &str,
         path_and_query: &str,
         cancel: &AtomicBool,
-    ) -> Result<T, OciError> {
+    ) -> Result<T, TransferError> {
         let deadline = self.tuning().request_timeout;
-        self.retrying(what, cancel, || async {
-            let attempt = async {
-                let resp = self
-                    .send(session, what, Method::GET, path_and_query, None)
-                    .await?;
-                let body = resp.bytes().await.map_err(|e| network(what, e))?;
-                serde_json::from_slice::<T>(&body).map_err(|e| OciError::Protocol {
-                    what: what.into(),
-                    detail: format!("malformed JSON: {e}"),
-                })
-            };
-            tokio::time::timeout(deadline, attempt)
-                .await
-                .map_err(|_| OciError::Stalled {
-                    what: what.into(),
-                    secs: deadline.as_secs(),
+        self.transfers()
+            .retrying(what, cancel, || async {
+                let attempt = async {
+                    let resp = self
+                        .send(session, what, Method::GET, path_and_query, None)
+                        .await?;
+                    let body = resp.bytes().await.map_err(|e| network(what, e))?;
+                    serde_json::from_slice::<T>(&body).map_err(|e| TransferError::Protocol {
+                        what: what.into(),
+                        detail: format!("malformed JSON: {e}"),
+                    })
+                };
+                tokio::time::timeout(deadline, attempt).await.map_err(|_| {
+                    TransferError::TimedOut {
+                        what: what.into(),
+                        secs: deadline.as_secs(),
+                    }
                 })?
-        })
-        .await
+            })
+            .await
     }
 
-    /// Lists the objects under the prefix and builds the manifest (one HEAD per multipart
-    /// object, for its `opc-meta-md5`).
+    /// Lists the objects under the prefix (one HEAD per multipart object, for its
+    /// `opc-meta-md5`) and builds the manifest.
     pub async fn resolve(&self, cancel: Arc<AtomicBool>) -> Result<Manifest, SourceError> {
         let session = self.session().await?;
         let list_prefix = if self.prefix.is_empty() {
@@ -493,28 +348,24 @@ impl OciSource {
             format!("{}/", self.prefix)
         };
         let tuning = self.tuning().clone();
-        let mut entries = Vec::new();
+        let limit = |detail: String| TransferError::Limit {
+            what: self.label(),
+            detail,
+        };
+        let mut objects = Vec::new();
         let mut start: Option<String> = None;
-        let mut pages = 0usize;
-        loop {
-            pages += 1;
-            if pages > tuning.max_listing_pages {
-                return Err(OciError::Protocol {
-                    what: self.label(),
-                    detail: format!(
-                        "the listing has more than {} pages (--hf-max-listing-pages)",
-                        tuning.max_listing_pages
-                    ),
-                }
+        for page_number in 1.. {
+            if page_number > tuning.max_listing_pages {
+                return Err(limit(format!(
+                    "the listing has more than {} pages (--hf-max-listing-pages)",
+                    tuning.max_listing_pages
+                ))
                 .into());
             }
             let mut query = format!(
-                "{}?prefix={}&fields=name%2Csize%2Cmd5%2Cetag",
-                format_args!(
-                    "/n/{}/b/{}/o",
-                    encode(&self.namespace),
-                    encode(&self.bucket)
-                ),
+                "/n/{}/b/{}/o?prefix={}&fields=name%2Csize%2Cmd5%2Cetag",
+                encode(&self.namespace),
+                encode(&self.bucket),
                 encode(&list_prefix)
             );
             if let Some(s) = &start {
@@ -529,8 +380,8 @@ impl OciSource {
                 )
                 .await?;
             for object in page.objects {
-                let Some(rel) = object.name.strip_prefix(&list_prefix) else {
-                    return Err(OciError::Protocol {
+                if !object.name.starts_with(&list_prefix) {
+                    return Err(TransferError::Protocol {
                         what: self.label(),
                         detail: format!(
                             "the listing returned {:?}, which is not under the prefix",
@@ -538,38 +389,46 @@ impl OciSource {
                         ),
                     }
                     .into());
-                };
-                let size = object.size.ok_or_else(|| OciError::Protocol {
+                }
+                let size = object.size.ok_or_else(|| TransferError::Protocol {
                     what: self.label(),
                     detail: format!(
                         "object {:?} has no size",
-                        rel.chars().take(200).collect::<String>()
+                        object.name.chars().take(200).collect::<String>()
                     ),
                 })?;
-                if size == 0 && (rel.is_empty() || rel.ends_with('/')) {
-                    continue; // a folder marker
+                if size == 0 && object.name.ends_with('/') {
+                    objects.push(ListedObject {
+                        key: object.name,
+                        size,
+                        version: String::new(),
+                        md5: None,
+                    });
+                    continue; // a folder marker, skipped by the manifest
                 }
-                let digest = self.digest_of(&session, &object, rel, &cancel).await?;
-                entries.push(ManifestEntry {
-                    path: rel.to_string(),
+                let md5 = self.md5_of(&session, &object, &cancel).await?;
+                objects.push(ListedObject {
+                    version: object
+                        .etag
+                        .clone()
+                        .or(object.md5.clone())
+                        .unwrap_or_default(),
+                    key: object.name,
                     size,
-                    digest,
+                    md5,
                 });
-                if entries.len() > tuning.max_listing_entries {
-                    return Err(OciError::Protocol {
-                        what: self.label(),
-                        detail: format!(
-                            "the listing has more than {} objects (--hf-max-listing-entries)",
-                            tuning.max_listing_entries
-                        ),
-                    }
+                if objects.len() > tuning.max_listing_entries {
+                    return Err(limit(format!(
+                        "the listing has more than {} objects (--hf-max-listing-entries)",
+                        tuning.max_listing_entries
+                    ))
                     .into());
                 }
             }
             match page.next_start_with {
                 Some(next) if !next.is_empty() => {
                     if start.as_deref().is_some_and(|s| next.as_str() <= s) {
-                        return Err(OciError::Protocol {
+                        return Err(TransferError::Protocol {
                             what: self.label(),
                             detail: "nextStartWith does not advance".into(),
                         }
@@ -580,47 +439,46 @@ impl OciSource {
                 _ => break,
             }
         }
-        if entries.is_empty() {
-            return Err(OciError::Empty {
-                namespace: self.namespace.clone(),
-                bucket: self.bucket.clone(),
-                prefix: list_prefix,
+        if !objects
+            .iter()
+            .any(|o| !(o.size == 0 && o.key.ends_with('/')))
+        {
+            return Err(TransferError::Config {
+                what: self.label(),
+                detail: format!(
+                    "no objects found under namespace {}, bucket {}, object prefix {:?}",
+                    self.namespace, self.bucket, list_prefix
+                ),
             }
             .into());
         }
-        let manifest = Manifest::new(String::new(), entries)?;
-        let revision = manifest.id().to_string();
-        Ok(Manifest::new(revision, manifest.entries().to_vec())?)
+        let location = format!("oci://n/{}/b/{}", self.namespace, self.bucket);
+        pipeline::manifest_from_listing(&location, &self.prefix, objects)
     }
 
-    /// The digest the store checks: the MD5, the multipart upload's `opc-meta-md5`, or a
-    /// version tag (size-only check).
-    async fn digest_of(
+    /// The MD5 the store checks: the listing's, or for a multipart upload its `opc-meta-md5`
+    /// (one HEAD); `None` (size only, as OME) for a multipart upload without it.
+    async fn md5_of(
         &self,
         session: &Signed,
         object: &ObjectSummary,
-        rel: &str,
         cancel: &AtomicBool,
-    ) -> Result<FileDigest, OciError> {
-        let bad_md5 = |v: &str| OciError::Protocol {
+    ) -> Result<Option<[u8; 16]>, TransferError> {
+        let bad_md5 = |v: &str| TransferError::Protocol {
             what: self.label(),
             detail: format!(
                 "object {:?} has an invalid md5 {:?}",
-                rel,
+                object.name.chars().take(200).collect::<String>(),
                 v.chars().take(60).collect::<String>()
             ),
         };
-        match object.md5.as_deref() {
-            Some(md5) if !is_multipart_md5(md5) => {
-                return decode_md5(md5)
-                    .map(FileDigest::Md5)
-                    .ok_or_else(|| bad_md5(md5))
-            }
-            _ => {}
+        if let Some(md5) = object.md5.as_deref().filter(|m| !is_multipart_md5(m)) {
+            return decode_md5(md5).map(Some).ok_or_else(|| bad_md5(md5));
         }
-        let what = format!("HEAD {rel}");
+        let what = format!("HEAD {}", object.name);
         let path = self.object_path(&object.name);
         let headers = self
+            .transfers()
             .retrying(&what, cancel, || async {
                 let r = self.send(session, &what, Method::HEAD, &path, None).await?;
                 Ok(r.headers().clone())
@@ -632,268 +490,26 @@ impl OciSource {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string)
         };
-        if let Some(md5) = header("opc-meta-md5").or_else(|| header("content-md5")) {
-            return decode_md5(&md5)
-                .map(FileDigest::Md5)
-                .ok_or_else(|| bad_md5(&md5));
+        match header("opc-meta-md5").or_else(|| header("content-md5")) {
+            Some(md5) => decode_md5(&md5).map(Some).ok_or_else(|| bad_md5(&md5)),
+            None => {
+                tracing::info!(source = %self.label(), object = %object.name, "multipart object without opc-meta-md5: checked by size only, as OME does");
+                Ok(None)
+            }
         }
-        let tag = format!(
-            "oci-multipart:{}:{}",
-            header("opc-multipart-md5")
-                .or(object.md5.clone())
-                .unwrap_or_default(),
-            header("etag").or(object.etag.clone()).unwrap_or_default()
-        );
-        tracing::info!(source = %self.label(), object = %rel, "multipart object without opc-meta-md5: checked by size only, as OME does");
-        Ok(FileDigest::ObjectVersion(sha2::Sha256::digest(tag).into()))
     }
 
-    /// Fetches every entry the store lacks; returns the sha256 blob of every entry.
+    /// Fetches every entry the store lacks through the shared pipeline.
     pub async fn fetch(
         &self,
         manifest: Arc<Manifest>,
         ctx: FetchContext,
     ) -> Result<Vec<Sha256Digest>, SourceError> {
-        let session = Arc::new(self.session().await?);
-        let entries = manifest.entries();
-        let progress = ctx.progress.clone();
-        progress
-            .total_bytes
-            .store(manifest.total_size(), Ordering::Relaxed);
-        progress
-            .total_files
-            .store(entries.len() as u64, Ordering::Relaxed);
-        progress.completed_bytes.store(0, Ordering::Relaxed);
-        progress.completed_files.store(0, Ordering::Relaxed);
-        let mut blobs: Vec<Option<Sha256Digest>> = vec![None; entries.len()];
-        let mut todo: Vec<(usize, Vec<usize>)> = Vec::new();
-        let mut by_digest: std::collections::HashMap<FileDigest, usize> = Default::default();
-        for (i, e) in entries.iter().enumerate() {
-            let have = match ctx.reuse_existing(e)? {
-                Some(sha) => Some(sha),
-                None => ctx.store.lookup_alias(&e.digest, e.size),
-            };
-            match have {
-                Some(sha) => {
-                    blobs[i] = Some(sha);
-                    progress
-                        .completed_bytes
-                        .fetch_add(e.size, Ordering::Relaxed);
-                    progress.completed_files.fetch_add(1, Ordering::Relaxed);
-                }
-                None => match by_digest.get(&e.digest) {
-                    Some(&t) => todo[t].1.push(i),
-                    None => {
-                        by_digest.insert(e.digest, todo.len());
-                        todo.push((i, Vec::new()));
-                    }
-                },
-            }
-        }
-        todo.sort_by_key(|(i, _)| (std::cmp::Reverse(entries[*i].size), *i));
-        tracing::info!(source = %self.label(), files = todo.len(), "downloading");
-        let max_files = self.tuning().max_files.max(1);
-        let mut downloads = stream::iter(todo)
-            .map(|(i, same)| {
-                let session = session.clone();
-                let ctx = &ctx;
-                let entry = &entries[i];
-                async move { (i, same, self.fetch_entry(&session, entry, ctx).await) }
-            })
-            .buffer_unordered(max_files);
-        while let Some((i, same, result)) = downloads.next().await {
-            let sha = result?;
-            blobs[i] = Some(sha);
-            for j in same {
-                blobs[j] = Some(sha);
-                progress
-                    .completed_bytes
-                    .fetch_add(entries[j].size, Ordering::Relaxed);
-                progress.completed_files.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        drop(downloads);
-        let store = ctx.store.clone();
-        tokio::task::spawn_blocking(move || store.sync())
-            .await
-            .map_err(SourceError::from_join)?
-            .map_err(|source| SourceError::Store {
-                path: "blobs".into(),
-                source,
-            })?;
-        Ok(blobs
-            .into_iter()
-            .map(|b| b.expect("every entry fetched"))
-            .collect())
-    }
-
-    /// One file: resume the partial file, stream the rest with `Range`, verify, publish.
-    async fn fetch_entry(
-        &self,
-        session: &Signed,
-        entry: &ManifestEntry,
-        ctx: &FetchContext,
-    ) -> Result<Sha256Digest, OciError> {
-        let store_err = |source| OciError::Store {
-            path: entry.path.clone(),
-            source,
+        let objects = OciObjects {
+            src: self,
+            session: self.session().await?,
         };
-        let verify_attempts = self.tuning().verify_attempts.max(1);
-        let mut last_mismatch = String::new();
-        for _ in 0..verify_attempts {
-            let (store, digest, size) = (ctx.store.clone(), entry.digest, entry.size);
-            let writer = tokio::task::spawn_blocking(move || store.resume_writer(digest, size))
-                .await
-                .map_err(|_| OciError::Cancelled)?
-                .map_err(store_err)?;
-            let resumed = writer.written();
-            ctx.progress
-                .completed_bytes
-                .fetch_add(resumed, Ordering::Relaxed);
-            let what = format!("GET {}", entry.path);
-            let mut writer = writer;
-            let max = self.tuning().max_attempts.max(1);
-            let mut attempt = 0;
-            loop {
-                if ctx.cancel.load(Ordering::Relaxed) {
-                    return Err(OciError::Cancelled);
-                }
-                attempt += 1;
-                match self
-                    .stream_into(session, entry, &mut writer, ctx, &what)
-                    .await
-                {
-                    Ok(()) => break,
-                    Err(e) if e.is_retryable() && attempt < max => {
-                        let delay = self.backoff(attempt, &e);
-                        tracing::warn!(%what, attempt, error = %e, delay_ms = delay.as_millis() as u64, "retrying");
-                        sleep_unless_cancelled(delay, &ctx.cancel).await?;
-                    }
-                    Err(e) if e.is_retryable() => {
-                        return Err(OciError::Exhausted {
-                            attempts: attempt,
-                            last: Box::new(e),
-                        })
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-            let written = writer.written();
-            let committed = tokio::task::spawn_blocking(move || writer.commit())
-                .await
-                .map_err(|_| OciError::Cancelled)?;
-            match committed {
-                Ok(sha) => {
-                    ctx.store
-                        .record_alias(&entry.digest, &sha)
-                        .map_err(store_err)?;
-                    ctx.progress.completed_files.fetch_add(1, Ordering::Relaxed);
-                    ctx.record_fetched(SourceScheme::Oci, written - resumed);
-                    return Ok(sha);
-                }
-                Err(StoreError::DigestMismatch { expected, actual }) => {
-                    tracing::warn!(file = %entry.path, %expected, %actual, "downloaded bytes failed verification; downloading again");
-                    ctx.progress.completed_bytes.fetch_sub(
-                        written.min(ctx.progress.completed_bytes.load(Ordering::Relaxed)),
-                        Ordering::Relaxed,
-                    );
-                    last_mismatch = format!("expected {expected}, got {actual}");
-                }
-                Err(e) => return Err(store_err(e)),
-            }
-        }
-        Err(OciError::Corrupt {
-            path: entry.path.clone(),
-            attempts: verify_attempts,
-            detail: last_mismatch,
-        })
-    }
-
-    /// One attempt: GET the missing range and append it to `writer`. Leaves what was written
-    /// in place on an error (a valid prefix to resume from).
-    async fn stream_into(
-        &self,
-        session: &Signed,
-        entry: &ManifestEntry,
-        writer: &mut crate::store::BlobWriter,
-        ctx: &FetchContext,
-        what: &str,
-    ) -> Result<(), OciError> {
-        let size = entry.size;
-        let start = writer.written();
-        if start >= size {
-            return Ok(());
-        }
-        let _permit = self.client.transfer_slot().await;
-        let path = self.object_path(&self.full_name(&entry.path));
-        let mut resp = self
-            .send(session, what, Method::GET, &path, Some((start, size - 1)))
-            .await?;
-        let body_len = size - start;
-        match resp.status() {
-            StatusCode::PARTIAL_CONTENT => {}
-            StatusCode::OK if start == 0 => {}
-            other => {
-                return Err(OciError::Protocol {
-                    what: what.into(),
-                    detail: format!("HTTP {} to a Range request", other.as_u16()),
-                })
-            }
-        }
-        let stall = self.tuning().stall_timeout;
-        let mut got = 0u64;
-        let mut buf = BytesMut::new();
-        loop {
-            if ctx.cancel.load(Ordering::Relaxed) {
-                return Err(OciError::Cancelled);
-            }
-            let chunk = tokio::time::timeout(stall, resp.chunk())
-                .await
-                .map_err(|_| OciError::Stalled {
-                    what: what.into(),
-                    secs: stall.as_secs(),
-                });
-            let chunk = match chunk {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => {
-                    flush(writer, &mut buf, entry).await?;
-                    let _ = e;
-                    return Err(OciError::Truncated {
-                        what: what.into(),
-                        got,
-                        want: body_len,
-                    });
-                }
-                Err(e) => {
-                    flush(writer, &mut buf, entry).await?;
-                    return Err(e);
-                }
-            };
-            let Some(chunk) = chunk else { break };
-            got += chunk.len() as u64;
-            if got > body_len {
-                return Err(OciError::Protocol {
-                    what: what.into(),
-                    detail: format!("the body is longer than the {body_len} bytes asked for"),
-                });
-            }
-            ctx.progress
-                .completed_bytes
-                .fetch_add(chunk.len() as u64, Ordering::Relaxed);
-            buf.extend_from_slice(&chunk);
-            if buf.len() >= 1 << 20 {
-                flush(writer, &mut buf, entry).await?;
-            }
-        }
-        flush(writer, &mut buf, entry).await?;
-        if got < body_len {
-            return Err(OciError::Truncated {
-                what: what.into(),
-                got,
-                want: body_len,
-            });
-        }
-        Ok(())
+        Ok(pipeline::fetch(&objects, self.transfers(), manifest, ctx).await?)
     }
 
     fn full_name(&self, rel: &str) -> String {
@@ -905,44 +521,83 @@ impl OciSource {
     }
 }
 
-/// Appends the buffered bytes to the partial file (on a blocking thread).
-async fn flush(
-    writer: &mut crate::store::BlobWriter,
-    buf: &mut BytesMut,
-    entry: &ManifestEntry,
-) -> Result<(), OciError> {
-    if buf.is_empty() {
-        return Ok(());
+/// The objects of one `oci://` source for the pipeline: one signed ranged GET per call.
+pub struct OciObjects<'a> {
+    src: &'a OciSource,
+    session: Signed,
+}
+
+impl RangeSource for OciObjects<'_> {
+    fn label(&self) -> String {
+        self.src.label()
     }
-    let bytes = buf.split().freeze();
-    let multi_thread = tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    let result = if multi_thread {
-        tokio::task::block_in_place(|| writer.write_all(&bytes))
-    } else {
-        writer.write_all(&bytes)
-    };
-    result.map_err(|source| OciError::Store {
-        path: entry.path.clone(),
-        source,
+
+    fn scheme(&self) -> SourceScheme {
+        SourceScheme::Oci
+    }
+
+    async fn open_range(
+        &self,
+        what: &str,
+        entry: &ManifestEntry,
+        at: u64,
+        end: Option<u64>,
+    ) -> Result<RangeBody, TransferError> {
+        let path = self.src.object_path(&self.src.full_name(&entry.path));
+        let range = match end {
+            Some(end) => format!("bytes={at}-{}", end - 1),
+            None => format!("bytes={at}-"),
+        };
+        let resp = self
+            .src
+            .send(&self.session, what, Method::GET, &path, Some(range))
+            .await?;
+        match resp.status() {
+            StatusCode::PARTIAL_CONTENT => {
+                let start = resp
+                    .headers()
+                    .get(reqwest::header::CONTENT_RANGE)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.trim().strip_prefix("bytes "))
+                    .and_then(|v| v.split('-').next())
+                    .and_then(|v| v.trim().parse::<u64>().ok());
+                if start != Some(at) {
+                    return Err(TransferError::Protocol {
+                        what: what.into(),
+                        detail: format!(
+                            "asked for bytes from {at}, got Content-Range starting at {start:?}"
+                        ),
+                    });
+                }
+                Ok(RangeBody::Part(body_stream(what, resp)))
+            }
+            StatusCode::OK => Ok(RangeBody::WholeFile(body_stream(what, resp))),
+            other => Err(TransferError::Protocol {
+                what: what.into(),
+                detail: format!("unexpected status {other} for an object download"),
+            }),
+        }
+    }
+}
+
+/// The body of `resp` as a stream that ends at its first error.
+fn body_stream(what: &str, resp: reqwest::Response) -> BodyStream {
+    let what = what.to_string();
+    futures_util::stream::unfold(Some(resp), move |resp| {
+        let what = what.clone();
+        async move {
+            let mut resp = resp?;
+            match resp.chunk().await {
+                Ok(Some(bytes)) => Some((Ok(bytes), Some(resp))),
+                Ok(None) => None,
+                Err(e) => Some((Err(network(&what, e)), None)),
+            }
+        }
     })
+    .boxed()
 }
 
-async fn sleep_unless_cancelled(d: Duration, cancel: &AtomicBool) -> Result<(), OciError> {
-    let end = tokio::time::Instant::now() + d;
-    loop {
-        if cancel.load(Ordering::Relaxed) {
-            return Err(OciError::Cancelled);
-        }
-        let now = tokio::time::Instant::now();
-        if now >= end {
-            return Ok(());
-        }
-        tokio::time::sleep((end - now).min(Duration::from_millis(200))).await;
-    }
-}
-
-fn network(what: &str, e: reqwest::Error) -> OciError {
+pub(crate) fn network(what: &str, e: reqwest::Error) -> TransferError {
     let mut detail = e.to_string();
     let mut src = std::error::Error::source(&e);
     while let Some(s) = src {
@@ -950,7 +605,7 @@ fn network(what: &str, e: reqwest::Error) -> OciError {
         detail.push_str(&s.to_string());
         src = s.source();
     }
-    OciError::Network {
+    TransferError::Network {
         what: what.into(),
         detail,
     }

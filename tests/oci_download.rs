@@ -218,8 +218,17 @@ fn start_daemon_with(
 #[test]
 fn oci_model_is_ready_with_the_bucket_bytes_and_reuse_keeps_one_store() {
     let oci = TestOci::start(4);
-    let files = model_files(1, 5 << 20);
+    let mut files = model_files(1, 5 << 20);
     oci.put_files("llm/v1", &files);
+    // A multipart upload without opc-meta-md5: checked by size only, as OME does.
+    let bare = bytes(3, (2 << 20) + 17);
+    oci.server().put_object(
+        NS,
+        BUCKET,
+        "llm/v1/weights/extra.bin",
+        DevObject::multipart(bare.clone(), 1 << 20, false),
+    );
+    files.insert("weights/extra.bin".into(), bare);
     // Beside the prefix, not under it: never part of the artifact.
     oci.server().put_object(
         NS,
@@ -282,6 +291,28 @@ fn oci_model_is_ready_with_the_bucket_bytes_and_reuse_keeps_one_store() {
         total(&files) as f64
     );
 
+    // T-01 on an object store: the child turns AlwaysDownload; it downloads its own copy and
+    // becomes its own parent, llm-a drops it from its children.
+    env.write_models(
+        "b.yaml",
+        &oci_model("llm-b", "llm/v1", "AlwaysDownload", ""),
+    );
+    d.wait_until("llm-b on its own copy", Duration::from_secs(60), |doc| {
+        let b = &doc["clusterbasemodel.llm-b"];
+        b["status"] == "Ready"
+            && b["config"]["artifact"]["parentPath"]
+                .as_object()
+                .is_some_and(|p| p.contains_key("clusterbasemodel.llm-b"))
+            && doc["clusterbasemodel.llm-a"]["config"]["artifact"]["childrenPaths"]
+                .as_array()
+                .is_none_or(|c| c.is_empty())
+    });
+    assert_tree(&env.mount.join("llm-b"), &files);
+    assert_eq!(env.stores_with_blobs().len(), 2);
+    assert_eq!(oci.server().stats().bytes_served, 2 * total(&files));
+    env.remove_models("b.yaml");
+    d.wait_gone("clusterbasemodel.llm-b");
+
     // A rewritten object makes a new artifact: a ReuseIfExists model resolved after the
     // rewrite is not mapped onto the old copy; it downloads the new content.
     let mut v2 = files.clone();
@@ -300,10 +331,13 @@ fn oci_model_is_ready_with_the_bucket_bytes_and_reuse_keeps_one_store() {
     );
     assert_tree(&env.mount.join("llm-c"), &v2);
     assert_tree(&env.mount.join("llm-a"), &files);
-    assert_eq!(env.stores_with_blobs().len(), 2);
+    assert!(c["config"]["artifact"]["parentPath"]
+        .as_object()
+        .unwrap()
+        .contains_key("clusterbasemodel.llm-c"));
     assert_eq!(
         oci.server().stats().bytes_served,
-        total(&files) + total(&v2)
+        2 * total(&files) + total(&v2)
     );
 }
 
@@ -321,6 +355,13 @@ fn wrong_md5_and_truncated_bodies_never_reach_the_mount() {
         "liar/config.json",
         DevObject::new(liar["config.json"].clone()).with_reported_md5("AAAAAAAAAAAAAAAAAAAAAA=="),
     );
+    // A multipart upload whose opc-meta-md5 is wrong: refused like a wrong MD5.
+    let mut lying_multipart = DevObject::multipart(bytes(31, 3 << 20), 1 << 20, true);
+    lying_multipart
+        .meta
+        .insert("md5".into(), "AAAAAAAAAAAAAAAAAAAAAA==".into());
+    oci.server()
+        .put_object(NS, BUCKET, "liar2/weights.bin", lying_multipart);
     let cut = model_files(4, 1 << 20);
     oci.put_files("cut", &cut);
     // Flaky: two truncated bodies, a 503 and a 429 on the shard, then good answers.
@@ -364,6 +405,10 @@ fn wrong_md5_and_truncated_bodies_never_reach_the_mount() {
         &oci_model("liar", "liar", "AlwaysDownload", ""),
     );
     env.write_models("cut.yaml", &oci_model("cut", "cut", "AlwaysDownload", ""));
+    env.write_models(
+        "liar2.yaml",
+        &oci_model("liar2", "liar2", "AlwaysDownload", ""),
+    );
 
     d.wait_model("clusterbasemodel.flaky", "Ready");
     assert_tree(&env.mount.join("flaky"), &files);
@@ -383,6 +428,14 @@ fn wrong_md5_and_truncated_bodies_never_reach_the_mount() {
         !env.mount.join("liar").exists(),
         "a failed model is not served"
     );
+
+    let e = d.wait_model("clusterbasemodel.liar2", "Failed");
+    let reason = e["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("weights.bin") && reason.contains("failed verification"),
+        "{reason}"
+    );
+    assert!(!env.mount.join("liar2").exists());
 
     let cut_entry = d.wait_model("clusterbasemodel.cut", "Failed");
     let reason = cut_entry["reason"].as_str().unwrap();

@@ -14,7 +14,8 @@
 //! * [`kube`]: desired state from the Kubernetes API; OME-compatible node status.
 //! * [`http`], [`metrics`], [`status`]: what operators see.
 //!
-//! `devhub` is a loopback Hugging Face hub for tests and benchmarks, not part of the daemon.
+//! `devhub` is a loopback Hugging Face hub for tests and benchmarks, not part of the daemon;
+//! `devoci` is the same for OCI Object Storage.
 
 #![forbid(unsafe_code)]
 
@@ -23,6 +24,8 @@ pub mod artifact;
 pub mod cli;
 #[doc(hidden)]
 pub mod devhub;
+#[doc(hidden)]
+pub mod devoci;
 pub mod fs;
 pub mod fuse;
 pub mod http;

@@ -12,7 +12,7 @@ pub const DEFAULT_HF_REVISION: &str = "main";
 const MAX_HF_NAME_LEN: usize = 96;
 
 /// Schemes OME defines that modelfs recognises but cannot download from yet.
-pub const UNSUPPORTED_OME_SCHEMES: [&str; 7] = ["oci", "s3", "gs", "az", "pvc", "vendor", "github"];
+pub const UNSUPPORTED_OME_SCHEMES: [&str; 6] = ["s3", "gs", "az", "pvc", "vendor", "github"];
 
 /// A parsed storage URI.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -27,6 +27,14 @@ pub enum SourceUri {
     /// `local://<dir>`: a directory on the node's disk. Relative until the caller applies
     /// [`SourceUri::resolve_local_relative`].
     Local { path: PathBuf },
+    /// `oci://n/<namespace>/b/<bucket>/o/<prefix>`: the objects of an OCI Object Storage
+    /// bucket under `<prefix>/` (the whole bucket for an empty prefix), as OME's agent reads it.
+    Oci {
+        namespace: String,
+        bucket: String,
+        /// Without a trailing `/`; empty for the whole bucket.
+        prefix: String,
+    },
     /// A scheme OME defines that modelfs does not serve yet; the model must be reported
     /// `Failed` with [`SourceUri::unsupported_reason`].
     Unsupported { scheme: String, uri: String },
@@ -43,8 +51,8 @@ pub enum SourceUriError {
     )]
     MissingScheme { uri: String },
     #[error(
-        "storageUri {uri:?} uses unknown scheme {scheme:?}; supported: hf, local (recognised \
-         but not supported yet: oci, s3, gs, az, pvc, vendor, github)"
+        "storageUri {uri:?} uses unknown scheme {scheme:?}; supported: hf, local, oci (recognised \
+         but not supported yet: s3, gs, az, pvc, vendor, github)"
     )]
     UnknownScheme { scheme: String, uri: String },
     #[error(
@@ -53,6 +61,11 @@ pub enum SourceUriError {
     InvalidHuggingFaceRepo { uri: String, reason: String },
     #[error("storageUri {uri:?}: invalid revision: {reason}")]
     InvalidRevision { uri: String, reason: String },
+    #[error(
+        "storageUri {uri:?}: {reason}; an OCI Object Storage source is \
+         oci://n/<namespace>/b/<bucket>/o/<prefix>"
+    )]
+    InvalidOci { uri: String, reason: String },
     #[error("storageUri {uri:?}: invalid local directory: {reason}")]
     InvalidLocalPath { uri: String, reason: String },
 }
@@ -71,6 +84,7 @@ impl SourceUri {
         match scheme {
             "hf" => parse_hugging_face(uri, rest),
             "local" => parse_local(uri, rest),
+            "oci" => parse_oci(uri, rest),
             _ if UNSUPPORTED_OME_SCHEMES.contains(&scheme) => Ok(SourceUri::Unsupported {
                 scheme: scheme.to_owned(),
                 uri: uri.to_owned(),
@@ -102,6 +116,7 @@ impl SourceUri {
         match self {
             SourceUri::HuggingFace { .. } => "hf",
             SourceUri::Local { .. } => "local",
+            SourceUri::Oci { .. } => "oci",
             SourceUri::Unsupported { scheme, .. } => scheme,
         }
     }
@@ -237,6 +252,67 @@ fn validate_revision(revision: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `n/<namespace>/b/<bucket>/o/<prefix>` (OME's form; its legacy `namespace@region/bucket`
+/// forms are not accepted: the region belongs in `parameters.region`). Namespace and bucket
+/// names are OCI's character set; the prefix may not climb (`..`) or hold empty segments,
+/// because it is spliced into request paths and stripped from object names.
+fn parse_oci(uri: &str, rest: &str) -> Result<SourceUri, SourceUriError> {
+    let oci_error = |reason: String| SourceUriError::InvalidOci {
+        uri: uri.to_owned(),
+        reason,
+    };
+    let mut parts = rest.splitn(6, '/');
+    let markers = [
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    ];
+    let prefix = parts.next().unwrap_or("");
+    let (namespace, bucket) = match markers {
+        [Some("n"), Some(ns), Some("b"), Some(bucket), Some("o") | None] => (ns, bucket),
+        _ => {
+            return Err(oci_error(
+                "expected n/<namespace>/b/<bucket>/o/<prefix>".into(),
+            ))
+        }
+    };
+    for (what, name) in [("namespace", namespace), ("bucket", bucket)] {
+        if name.is_empty() {
+            return Err(oci_error(format!("the {what} is empty")));
+        }
+        if let Some(bad) = name
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+        {
+            return Err(oci_error(format!("the {what} {name:?} contains {bad:?}")));
+        }
+        if name == "." || name == ".." {
+            return Err(oci_error(format!("the {what} is {name:?}")));
+        }
+    }
+    let prefix = prefix.strip_suffix('/').unwrap_or(prefix);
+    if !prefix.is_empty() {
+        if prefix.chars().any(|c| c.is_control()) {
+            return Err(oci_error("the prefix contains a control character".into()));
+        }
+        if prefix
+            .split('/')
+            .any(|segment| segment.is_empty() || segment == "." || segment == "..")
+        {
+            return Err(oci_error(format!(
+                "the prefix {prefix:?} has an empty, '.' or '..' segment"
+            )));
+        }
+    }
+    Ok(SourceUri::Oci {
+        namespace: namespace.to_owned(),
+        bucket: bucket.to_owned(),
+        prefix: prefix.to_owned(),
+    })
+}
+
 fn parse_local(uri: &str, rest: &str) -> Result<SourceUri, SourceUriError> {
     let local_error = |reason: &str| SourceUriError::InvalidLocalPath {
         uri: uri.to_owned(),
@@ -263,6 +339,11 @@ impl fmt::Display for SourceUri {
             }
             // Paths built by `parse` come from a `&str`, so `display` is lossless for them.
             SourceUri::Local { path } => write!(formatter, "local://{}", path.display()),
+            SourceUri::Oci {
+                namespace,
+                bucket,
+                prefix,
+            } => write!(formatter, "oci://n/{namespace}/b/{bucket}/o/{prefix}"),
             SourceUri::Unsupported { uri, .. } => formatter.write_str(uri),
         }
     }
@@ -293,6 +374,50 @@ impl<'de> Deserialize<'de> for SourceUri {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn oci_uris_parse_as_ome_writes_them() {
+        let oci = |ns: &str, b: &str, p: &str| SourceUri::Oci {
+            namespace: ns.into(),
+            bucket: b.into(),
+            prefix: p.into(),
+        };
+        for (uri, want) in [
+            (
+                "oci://n/ns1/b/models/o/llama/3",
+                oci("ns1", "models", "llama/3"),
+            ),
+            (
+                "oci://n/ns1/b/models/o/llama/",
+                oci("ns1", "models", "llama"),
+            ),
+            ("oci://n/ns1/b/models/o/", oci("ns1", "models", "")),
+            ("oci://n/ns1/b/models/o", oci("ns1", "models", "")),
+            ("oci://n/ns1/b/models", oci("ns1", "models", "")),
+        ] {
+            let parsed = SourceUri::parse(uri).unwrap();
+            assert_eq!(parsed, want, "{uri}");
+            assert_eq!(SourceUri::parse(&parsed.to_string()).unwrap(), want);
+        }
+        for bad in [
+            "oci://ns@region/bucket/x",
+            "oci://n//b/x/o/p",
+            "oci://n/ns/b/../o/p",
+            "oci://n/ns/x/b/o/p",
+            "oci://n/ns/b/bk/o/a/../b",
+            "oci://n/ns/b/bk/o/a//b",
+            "oci://n/ns/b/bk/o//a",
+            "oci://n/ns/b/bk/x/p",
+        ] {
+            assert!(
+                matches!(
+                    SourceUri::parse(bad),
+                    Err(SourceUriError::InvalidOci { .. })
+                ),
+                "{bad}"
+            );
+        }
+    }
 
     fn hf(repo: &str, revision: &str) -> SourceUri {
         SourceUri::HuggingFace {
@@ -401,8 +526,8 @@ mod tests {
             ("", "storageUri is empty; expected hf://<org>/<repo>[@<revision>] or local://<dir>"),
             ("Qwen/Qwen3-8B", "storageUri \"Qwen/Qwen3-8B\" has no scheme; expected hf://<org>/<repo>[@<revision>] or local://<dir>"),
             ("://x", "storageUri \"://x\" has no scheme; expected hf://<org>/<repo>[@<revision>] or local://<dir>"),
-            ("ftp://host/x", "storageUri \"ftp://host/x\" uses unknown scheme \"ftp\"; supported: hf, local (recognised but not supported yet: oci, s3, gs, az, pvc, vendor, github)"),
-            ("HF://a/b", "storageUri \"HF://a/b\" uses unknown scheme \"HF\"; supported: hf, local (recognised but not supported yet: oci, s3, gs, az, pvc, vendor, github)"),
+            ("ftp://host/x", "storageUri \"ftp://host/x\" uses unknown scheme \"ftp\"; supported: hf, local, oci (recognised but not supported yet: s3, gs, az, pvc, vendor, github)"),
+            ("HF://a/b", "storageUri \"HF://a/b\" uses unknown scheme \"HF\"; supported: hf, local, oci (recognised but not supported yet: s3, gs, az, pvc, vendor, github)"),
             ("hf://", "storageUri \"hf://\": the repository is missing; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
             ("hf://a/b/c", "storageUri \"hf://a/b/c\": repository \"a/b/c\" must be <org>/<repo> or a single-part id; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),
             ("hf://gpt 2", "storageUri \"hf://gpt 2\": \"gpt 2\" contains ' '; only letters, digits, '.', '_' and '-' are allowed; a Hugging Face source is hf://<org>/<repo>[@<revision>]"),

@@ -825,22 +825,23 @@ impl Reconciler {
             self.fail_conflict(key, &fp, reason, None);
             return true;
         }
-        let source = match Source::for_uri(&spec.source, &self.config.sources, token) {
-            Ok(s) => {
-                let (metrics, labels) = (self.metrics.clone(), ome_labels(key));
-                s.observe_throttling(crate::source::ThrottleObserver::new(move |waited| {
-                    metrics
-                        .ome
-                        .rate_limit_wait
-                        .get_or_create(&labels)
-                        .observe(waited.as_secs_f64())
-                }))
-            }
-            Err(e) => {
-                self.fail(key, &fp, &e);
-                return true;
-            }
-        };
+        let source =
+            match Source::for_uri(&spec.source, &self.config.sources, token, &spec.parameters) {
+                Ok(s) => {
+                    let (metrics, labels) = (self.metrics.clone(), ome_labels(key));
+                    s.observe_throttling(crate::source::ThrottleObserver::new(move |waited| {
+                        metrics
+                            .ome
+                            .rate_limit_wait
+                            .get_or_create(&labels)
+                            .observe(waited.as_secs_f64())
+                    }))
+                }
+                Err(e) => {
+                    self.fail(key, &fp, &e);
+                    return true;
+                }
+            };
         self.records.models.get_mut(key).expect("record").phase = ModelPhase::Updating;
         let cancel = WorkCancel::default();
         let rec = &self.records.models[key];

@@ -9,6 +9,7 @@
 
 pub mod hf;
 pub mod local;
+pub mod oci;
 pub mod pipeline;
 pub mod proxy;
 
@@ -71,7 +72,9 @@ pub enum SourceError {
         #[source]
         source: StoreError,
     },
-    #[error("storage scheme {scheme}:// is not supported yet (supported: hf://, local://)")]
+    #[error(
+        "storage scheme {scheme}:// is not supported yet (supported: hf://, local://, oci://)"
+    )]
     Unsupported { scheme: String },
     #[error(transparent)]
     Transfer(pipeline::TransferError),
@@ -359,6 +362,9 @@ impl std::fmt::Debug for ThrottleObserver {
 pub struct SourceConfig {
     /// The Hugging Face client (endpoint, default token, tuning).
     pub hf: Arc<hf::HubClient>,
+    /// `oci://` settings (endpoint override, the agent's OCI config file and environment). Its
+    /// transfers go through the Hugging Face client's pool, limit and tuning.
+    pub oci: Arc<oci::OciConfig>,
     /// The node-wide transfer limit and retry policy, shared by every remote source.
     pub transfers: Arc<pipeline::Transfers>,
     /// The directory underneath the mount (see [`crate::adopt`]): `local://` directories below
@@ -379,6 +385,7 @@ impl SourceConfig {
         Ok(Self {
             hf: Arc::new(hf::HubClient::with_transfers(hf, transfers.clone())?),
             transfers,
+            oci: Arc::new(oci::OciConfig::from_env()),
             under_mount: None,
             proxies,
         })
@@ -433,16 +440,19 @@ impl Default for SourceConfig {
 pub enum Source {
     Local(local::LocalSource),
     Hf(hf::HfSource),
+    Oci(oci::OciSource),
 }
 
 impl Source {
     /// Builds the source for a validated URI with the model's own token (if any; the source's
-    /// default applies otherwise). Schemes without an implementation are an error here, so such
-    /// models fail at once with a reason instead of waiting.
+    /// default applies otherwise) and `spec.storage.parameters`. Schemes without an
+    /// implementation are an error here, so such models fail at once with a reason instead of
+    /// waiting.
     pub fn for_uri(
         uri: &SourceUri,
         config: &SourceConfig,
         token: Option<Token>,
+        parameters: &std::collections::BTreeMap<String, String>,
     ) -> Result<Self, SourceError> {
         match uri {
             SourceUri::Local { path } => Ok(Source::Local(local::LocalSource::new(
@@ -454,6 +464,19 @@ impl Source {
                 token,
                 config.hf.clone(),
             ))),
+            SourceUri::Oci {
+                namespace,
+                bucket,
+                prefix,
+            } => Ok(Source::Oci(oci::OciSource::new(
+                namespace.clone(),
+                bucket.clone(),
+                prefix.clone(),
+                parameters,
+                token,
+                config.hf.clone(),
+                config.oci.clone(),
+            )?)),
             SourceUri::Unsupported { scheme, .. } => Err(SourceError::Unsupported {
                 scheme: scheme.clone(),
             }),
@@ -464,6 +487,7 @@ impl Source {
     pub fn observe_throttling(self, observer: ThrottleObserver) -> Self {
         match self {
             Source::Hf(s) => Source::Hf(s.with_throttle_observer(observer)),
+            Source::Oci(s) => Source::Oci(s.with_throttle_observer(observer)),
             local @ Source::Local(_) => local,
         }
     }
@@ -477,6 +501,7 @@ impl Source {
                     .unwrap_or_else(|e| Err(SourceError::from_join(e)))
             }
             Source::Hf(s) => s.resolve(cancel).await,
+            Source::Oci(s) => s.resolve(cancel).await,
         }
     }
 
@@ -495,6 +520,7 @@ impl Source {
                     .unwrap_or_else(|e| Err(SourceError::from_join(e)))?
             }
             Source::Hf(s) => s.fetch(manifest.clone(), ctx.clone()).await?,
+            Source::Oci(s) => s.fetch(manifest.clone(), ctx.clone()).await?,
         };
         let metrics = ctx.metrics.clone();
         tokio::task::spawn_blocking(move || {

@@ -76,6 +76,12 @@ impl HubClient {
         &self.config
     }
 
+    /// The daemon's HTTP client (connection pool), for other sources that share the transfer
+    /// limit and tuning.
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
+    }
+
     pub fn endpoint(&self) -> &str {
         &self.config.endpoint
     }

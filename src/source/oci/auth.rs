@@ -1,0 +1,648 @@
+//! Credentials of `oci://` models: the auth modes of OME's agent (`parameters.auth`, default
+//! `InstancePrincipal` as in OME) and where each finds its key.
+//!
+//! * **`UserPrincipal`** (an API key). In order:
+//!   1. The model's Secret (the entry named by `parameters.secretKey`, as for Hugging Face
+//!      tokens; `parameters.token` in standalone mode): an OCI config profile (`user=`,
+//!      `fingerprint=`, `tenancy=`, optional `region=`) with the private key either inline as a
+//!      PEM block in the same entry or named by `key_file=`.
+//!   2. The agent's OCI config file, as OME's agent reads it: `OCI_CONFIG_PATH` (default
+//!      `~/.oci/config`), profile `PROFILE` (default `DEFAULT`; values of `[DEFAULT]` are
+//!      inherited by other profiles, as in the SDKs). `key_file` may start with `~/`; a relative
+//!      path is relative to the config file's directory (a Secret mounted as one directory).
+//!      `security_token_file=` makes it a session-token profile (`keyId` `ST$<token>`).
+//! * **`ResourcePrincipal`**: the OCI SDKs' environment contract, version 2.2:
+//!   `OCI_RESOURCE_PRINCIPAL_VERSION=2.2`, `OCI_RESOURCE_PRINCIPAL_RPST` (the token, or the
+//!   absolute path of a file holding it), `OCI_RESOURCE_PRINCIPAL_PRIVATE_PEM` (the key, or
+//!   its path), `OCI_RESOURCE_PRINCIPAL_REGION`. Files are read again for every resolve, so a
+//!   rotated token is picked up. Version 1.1 (a token exchange) is refused with a reason.
+//! * **`InstancePrincipal`**: the instance's identity from the instance metadata service
+//!   (`GET <md>/identity/cert.pem`, `key.pem`, `intermediate.pem`,
+//!   `<md>/instance/canonicalRegionName`, header `Authorization: Bearer Oracle`; `<md>` is
+//!   `http://169.254.169.254/opc/v2`, or env `MODELFS_OCI_METADATA_ENDPOINT`), exchanged at the
+//!   auth service (`POST https://auth.<region>.oraclecloud.com/v1/x509`, or env
+//!   `MODELFS_OCI_AUTH_ENDPOINT`) for a session token: the request carries the leaf and
+//!   intermediate certificates and a session public key, and is signed by the leaf key with
+//!   `keyId` `<tenancy>/fed-x509-sha256/<SHA-256 of the certificate>` (the tenancy is the
+//!   certificate's `OU=opc-tenant:` attribute). Requests then sign with `ST$<token>`. One
+//!   difference from the SDKs: they generate a fresh RSA session key pair for the exchange;
+//!   ring (the crypto library in use) does not generate RSA keys, so the leaf key doubles as
+//!   the session key. The leaf key already proves the instance's identity, so this grants
+//!   nothing new, but it is checked against the look-alike only, not the real service. The
+//!   exchange happens once per resolve and once per fetch (a token lasts 20 minutes; a fetch
+//!   that outlives it fails and is retried by the reconciler with a new token).
+//! * **`OkeWorkloadIdentity`** needs a freshly generated session key by design (the pod's key
+//!   is sent to the OKE proxymux with the service account token), so it fails with a reason
+//!   that names the modes that work. See the README.
+//!
+//! Nothing here logs or reports key material: errors name files and fields, never values; the
+//! `keyId` of an API key (tenancy, user, fingerprint) is public and may appear.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use std::time::Duration;
+
+use base64::Engine as _;
+
+use super::sign::{self, RequestToSign, SigningKey};
+use crate::source::pipeline::TransferError as OciError;
+
+const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
+
+/// `parameters.auth` values, spelled as OME spells them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuthMode {
+    UserPrincipal,
+    InstancePrincipal,
+    ResourcePrincipal,
+    OkeWorkloadIdentity,
+}
+
+impl AuthMode {
+    /// `parameters.auth`; absent or empty is OME's default, `InstancePrincipal`.
+    pub fn from_parameter(value: Option<&str>) -> Result<Self, OciError> {
+        Ok(match value.map(str::trim).unwrap_or("") {
+            "" | "InstancePrincipal" => AuthMode::InstancePrincipal,
+            "UserPrincipal" => AuthMode::UserPrincipal,
+            "ResourcePrincipal" => AuthMode::ResourcePrincipal,
+            "OkeWorkloadIdentity" => AuthMode::OkeWorkloadIdentity,
+            other => {
+                return Err(OciError::Config {
+                    what: "parameters.auth".into(),
+                    detail: format!(
+                        "unknown auth type {:?}; expected UserPrincipal, InstancePrincipal, \
+                         ResourcePrincipal or OkeWorkloadIdentity",
+                        other.chars().take(60).collect::<String>()
+                    ),
+                })
+            }
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuthMode::UserPrincipal => "UserPrincipal",
+            AuthMode::InstancePrincipal => "InstancePrincipal",
+            AuthMode::ResourcePrincipal => "ResourcePrincipal",
+            AuthMode::OkeWorkloadIdentity => "OkeWorkloadIdentity",
+        }
+    }
+}
+
+/// A key to sign with and the region the credentials name (if any).
+#[derive(Clone, Debug)]
+pub struct Credentials {
+    pub key: Arc<SigningKey>,
+    pub region: Option<String>,
+}
+
+/// Where the agent's own OCI settings come from (env, read once at start).
+#[derive(Clone, Debug, Default)]
+pub struct AgentOciEnv {
+    /// `OCI_CONFIG_PATH`, else `$HOME/.oci/config`.
+    pub config_file: Option<PathBuf>,
+    /// `PROFILE`, else `DEFAULT`.
+    pub profile: String,
+    /// The `OCI_RESOURCE_PRINCIPAL_*` variables.
+    pub resource_principal: BTreeMap<String, String>,
+    /// Base of the instance metadata service's v2 API.
+    pub metadata_endpoint: String,
+    /// Replaces `https://auth.<region>.oraclecloud.com`.
+    pub auth_endpoint: Option<String>,
+}
+
+/// The instance metadata service of OCI compute instances.
+pub const DEFAULT_METADATA_ENDPOINT: &str = "http://169.254.169.254/opc/v2";
+
+impl AgentOciEnv {
+    pub fn from_env() -> Self {
+        let config_file = std::env::var_os("OCI_CONFIG_PATH")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".oci/config")));
+        let profile = std::env::var("PROFILE")
+            .ok()
+            .filter(|p| !p.trim().is_empty())
+            .unwrap_or_else(|| "DEFAULT".into());
+        let resource_principal = std::env::vars()
+            .filter(|(k, _)| k.starts_with("OCI_RESOURCE_PRINCIPAL_"))
+            .collect();
+        let endpoint = |name: &str| {
+            std::env::var(name)
+                .ok()
+                .map(|e| e.trim().trim_end_matches('/').to_string())
+                .filter(|e| !e.is_empty())
+        };
+        Self {
+            config_file,
+            profile,
+            resource_principal,
+            metadata_endpoint: endpoint("MODELFS_OCI_METADATA_ENDPOINT")
+                .unwrap_or_else(|| DEFAULT_METADATA_ENDPOINT.into()),
+            auth_endpoint: endpoint("MODELFS_OCI_AUTH_ENDPOINT"),
+        }
+    }
+}
+
+fn cred_err(mode: AuthMode, detail: impl Into<String>) -> OciError {
+    OciError::Config {
+        what: format!("OCI credentials ({})", mode.as_str()),
+        detail: detail.into(),
+    }
+}
+
+/// The credentials of one model: `secret` is the model's Secret entry (or standalone token).
+/// Instance principals talk to the metadata and auth services through `http`, each request
+/// bounded by `timeout`.
+pub async fn credentials(
+    mode: AuthMode,
+    secret: Option<&str>,
+    env: &AgentOciEnv,
+    http: &reqwest::Client,
+    timeout: Duration,
+) -> Result<Credentials, OciError> {
+    if mode == AuthMode::InstancePrincipal {
+        return instance_principal(env, http, timeout).await;
+    }
+    static_credentials(mode, secret, env)
+}
+
+/// The modes that need no network.
+fn static_credentials(
+    mode: AuthMode,
+    secret: Option<&str>,
+    env: &AgentOciEnv,
+) -> Result<Credentials, OciError> {
+    match mode {
+        AuthMode::UserPrincipal => match secret {
+            Some(text) if !text.trim().is_empty() => {
+                user_from_text(text, None, "DEFAULT", "the model's Secret")
+            }
+            _ => {
+                let path = env.config_file.as_ref().ok_or_else(|| {
+                    cred_err(mode, "no OCI config file: set OCI_CONFIG_PATH or HOME")
+                })?;
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    cred_err(
+                        mode,
+                        format!("reading the OCI config file {}: {e}", path.display()),
+                    )
+                })?;
+                user_from_text(
+                    &text,
+                    path.parent(),
+                    &env.profile,
+                    &path.display().to_string(),
+                )
+            }
+        },
+        AuthMode::ResourcePrincipal => resource_principal(&env.resource_principal),
+        AuthMode::InstancePrincipal => unreachable!("instance principals are fetched"),
+        AuthMode::OkeWorkloadIdentity => Err(cred_err(
+            mode,
+            "OKE workload identity needs a freshly generated RSA session key for every token \
+             exchange, which modelfs cannot generate yet; use parameters.auth: UserPrincipal \
+             (an API key in the model's Secret or the agent's OCI config file), \
+             ResourcePrincipal (OCI_RESOURCE_PRINCIPAL_* 2.2 in the agent's environment) or \
+             InstancePrincipal",
+        )),
+    }
+}
+
+/// One GET of the instance metadata service (its v2 API wants `Authorization: Bearer Oracle`).
+async fn metadata_get(
+    env: &AgentOciEnv,
+    http: &reqwest::Client,
+    timeout: Duration,
+    path: &str,
+) -> Result<String, OciError> {
+    let url = format!("{}{path}", env.metadata_endpoint);
+    let what = format!("instance principal: instance metadata {url}");
+    let request = http
+        .get(&url)
+        .header(reqwest::header::AUTHORIZATION, "Bearer Oracle")
+        .send();
+    let resp = tokio::time::timeout(timeout, request)
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))?;
+    let status = resp.status();
+    if !status.is_success() {
+        let transient = status.is_server_error() || status.as_u16() == 429;
+        let detail = format!("HTTP {}", status.as_u16());
+        return Err(if transient {
+            OciError::Network { what, detail }
+        } else {
+            cred_err(AuthMode::InstancePrincipal, format!("{what}: {detail}"))
+        });
+    }
+    tokio::time::timeout(timeout, resp.text())
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))
+}
+
+async fn instance_principal(
+    env: &AgentOciEnv,
+    http: &reqwest::Client,
+    timeout: Duration,
+) -> Result<Credentials, OciError> {
+    let mode = AuthMode::InstancePrincipal;
+    let cert_pem = metadata_get(env, http, timeout, "/identity/cert.pem").await?;
+    let key_pem = metadata_get(env, http, timeout, "/identity/key.pem").await?;
+    let intermediate_pem = metadata_get(env, http, timeout, "/identity/intermediate.pem").await?;
+    let region = metadata_get(env, http, timeout, "/instance/canonicalRegionName")
+        .await?
+        .trim()
+        .to_string();
+    if region.is_empty()
+        || !region
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-')
+    {
+        return Err(cred_err(mode, "the metadata service gave no valid region"));
+    }
+    let cert = sign::pem_der(&cert_pem, "CERTIFICATE")
+        .ok_or_else(|| cred_err(mode, "the instance certificate is not PEM"))?;
+    let intermediate = sign::pem_der(&intermediate_pem, "CERTIFICATE")
+        .ok_or_else(|| cred_err(mode, "the intermediate certificate is not PEM"))?;
+    let tenancy = sign::certificate_attribute(&cert, "opc-tenant:")
+        .or_else(|| sign::certificate_attribute(&cert, "opc-identity:"))
+        .ok_or_else(|| {
+            cred_err(
+                mode,
+                "the instance certificate names no tenancy (OU=opc-tenant:)",
+            )
+        })?;
+    let fingerprint = sign::certificate_sha256_fingerprint(&cert);
+    let leaf = SigningKey::from_pem(format!("{tenancy}/fed-x509-sha256/{fingerprint}"), &key_pem)
+        .map_err(|e| cred_err(mode, format!("the instance key: {e}")))?;
+    let body = serde_json::json!({
+        "certificate": B64.encode(&cert),
+        "publicKey": B64.encode(leaf.public_key_spki()),
+        "intermediateCertificates": [B64.encode(&intermediate)],
+        "purpose": "DEFAULT",
+        "fingerprintAlgorithm": "SHA256",
+    })
+    .to_string();
+    let base = env
+        .auth_endpoint
+        .clone()
+        .unwrap_or_else(|| format!("https://auth.{region}.oraclecloud.com"));
+    let url = reqwest::Url::parse(&format!("{base}/v1/x509"))
+        .map_err(|e| cred_err(mode, format!("auth endpoint {base}: {e}")))?;
+    let what = format!("instance principal: token exchange at {base}");
+    let headers = leaf.sign(&RequestToSign {
+        method: "POST",
+        path_and_query: url.path(),
+        host: &sign::host_header(&url),
+        date: &sign::http_date_now(),
+        body: Some((body.as_bytes(), "application/json")),
+    });
+    let mut request = http.post(url.clone()).body(body);
+    for (name, value) in headers {
+        request = request.header(name, value);
+    }
+    let resp = tokio::time::timeout(timeout, request.send())
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))?;
+    let status = resp.status().as_u16();
+    let text = tokio::time::timeout(timeout, resp.text())
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    if !(200..300).contains(&status) {
+        let field = |k: &str| {
+            json.get(k).and_then(|v| v.as_str()).map(|s| {
+                s.chars()
+                    .filter(|c| !c.is_control())
+                    .take(300)
+                    .collect::<String>()
+            })
+        };
+        return Err(OciError::Status {
+            what,
+            status,
+            code: field("code"),
+            message: field("message").unwrap_or_default(),
+            retry_after: None,
+        });
+    }
+    let token = json
+        .get("token")
+        .and_then(|t| t.as_str())
+        .filter(|t| !t.is_empty() && t.chars().all(|c| c.is_ascii_graphic()))
+        .ok_or_else(|| OciError::Protocol {
+            what: what.clone(),
+            detail: "no token in the answer".into(),
+        })?;
+    Ok(Credentials {
+        key: Arc::new(leaf.with_key_id(format!("ST${token}"))),
+        region: Some(region),
+    })
+}
+
+/// Profiles of an OCI config file (INI: `[NAME]` sections of `key=value`; `#` comments).
+fn parse_config(text: &str) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut profiles: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    let mut current = "DEFAULT".to_string();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+            continue;
+        }
+        if line.starts_with("-----BEGIN ") {
+            break; // an inline PEM key follows the profile
+        }
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            current = name.trim().to_string();
+            profiles.entry(current.clone()).or_default();
+            continue;
+        }
+        if let Some((k, v)) = line.split_once('=') {
+            profiles
+                .entry(current.clone())
+                .or_default()
+                .insert(k.trim().to_string(), v.trim().to_string());
+        }
+    }
+    profiles
+}
+
+fn expand_path(value: &str, base: Option<&Path>) -> PathBuf {
+    if let Some(rest) = value.strip_prefix("~/") {
+        if let Some(home) = std::env::var_os("HOME") {
+            return Path::new(&home).join(rest);
+        }
+    }
+    let p = PathBuf::from(value);
+    match base {
+        Some(b) if p.is_relative() => b.join(p),
+        _ => p,
+    }
+}
+
+fn user_from_text(
+    text: &str,
+    base: Option<&Path>,
+    profile: &str,
+    origin: &str,
+) -> Result<Credentials, OciError> {
+    let mode = AuthMode::UserPrincipal;
+    let profiles = parse_config(text);
+    let mut values = profiles.get("DEFAULT").cloned().unwrap_or_default();
+    match profiles.get(profile) {
+        Some(p) => values.extend(p.clone()),
+        None if profile != "DEFAULT" => {
+            return Err(cred_err(
+                mode,
+                format!("{origin} has no profile [{profile}]"),
+            ))
+        }
+        None => {}
+    }
+    let get = |k: &str| values.get(k).filter(|v| !v.is_empty()).cloned();
+    let key_id = match get("security_token_file") {
+        Some(file) => {
+            let path = expand_path(&file, base);
+            let token = std::fs::read_to_string(&path).map_err(|e| {
+                cred_err(
+                    mode,
+                    format!("reading security_token_file {}: {e}", path.display()),
+                )
+            })?;
+            format!("ST${}", token.trim())
+        }
+        None => {
+            let mut missing = Vec::new();
+            let mut field = |k: &'static str| {
+                get(k).unwrap_or_else(|| {
+                    missing.push(k);
+                    String::new()
+                })
+            };
+            let (tenancy, user, fingerprint) =
+                (field("tenancy"), field("user"), field("fingerprint"));
+            if !missing.is_empty() {
+                return Err(cred_err(
+                    mode,
+                    format!("{origin} [{profile}] lacks {}", missing.join(", ")),
+                ));
+            }
+            format!("{tenancy}/{user}/{fingerprint}")
+        }
+    };
+    let pem = if text.contains("-----BEGIN ") {
+        text.to_string()
+    } else {
+        let key_file = get("key_file").ok_or_else(|| {
+            cred_err(
+                mode,
+                format!("{origin} [{profile}] has no key_file and no inline PEM key"),
+            )
+        })?;
+        let path = expand_path(&key_file, base);
+        std::fs::read_to_string(&path)
+            .map_err(|e| cred_err(mode, format!("reading key_file {}: {e}", path.display())))?
+    };
+    let key = SigningKey::from_pem(key_id, &pem)
+        .map_err(|e| cred_err(mode, format!("{origin} [{profile}]: {e}")))?;
+    Ok(Credentials {
+        key: Arc::new(key),
+        region: get("region"),
+    })
+}
+
+/// A value that is either the material itself or the absolute path of a file holding it.
+fn value_or_file(name: &str, value: &str) -> Result<String, OciError> {
+    if value.starts_with('/') {
+        std::fs::read_to_string(value)
+            .map(|s| s.trim().to_string())
+            .map_err(|e| {
+                cred_err(
+                    AuthMode::ResourcePrincipal,
+                    format!("reading {name} ({value}): {e}"),
+                )
+            })
+    } else {
+        Ok(value.trim().to_string())
+    }
+}
+
+fn resource_principal(env: &BTreeMap<String, String>) -> Result<Credentials, OciError> {
+    let mode = AuthMode::ResourcePrincipal;
+    let get = |k: &str| env.get(k).filter(|v| !v.trim().is_empty());
+    let version = get("OCI_RESOURCE_PRINCIPAL_VERSION").ok_or_else(|| {
+        cred_err(
+            mode,
+            "OCI_RESOURCE_PRINCIPAL_VERSION is not set in the agent's environment",
+        )
+    })?;
+    if version.trim() != "2.2" {
+        return Err(cred_err(
+            mode,
+            format!("OCI_RESOURCE_PRINCIPAL_VERSION {version:?} is not supported (only 2.2)"),
+        ));
+    }
+    let need = |k: &str| {
+        get(k)
+            .cloned()
+            .ok_or_else(|| cred_err(mode, format!("{k} is not set in the agent's environment")))
+    };
+    let token = value_or_file(
+        "OCI_RESOURCE_PRINCIPAL_RPST",
+        &need("OCI_RESOURCE_PRINCIPAL_RPST")?,
+    )?;
+    let pem = value_or_file(
+        "OCI_RESOURCE_PRINCIPAL_PRIVATE_PEM",
+        &need("OCI_RESOURCE_PRINCIPAL_PRIVATE_PEM")?,
+    )?;
+    if get("OCI_RESOURCE_PRINCIPAL_PRIVATE_PEM_PASSPHRASE").is_some() {
+        return Err(cred_err(
+            mode,
+            "an encrypted resource principal key (OCI_RESOURCE_PRINCIPAL_PRIVATE_PEM_PASSPHRASE) \
+             is not supported",
+        ));
+    }
+    let key = SigningKey::from_pem(format!("ST${token}"), &pem)
+        .map_err(|e| cred_err(mode, format!("OCI_RESOURCE_PRINCIPAL_PRIVATE_PEM: {e}")))?;
+    Ok(Credentials {
+        key: Arc::new(key),
+        region: get("OCI_RESOURCE_PRINCIPAL_REGION").cloned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::oci::sign::tests::generated_key_pem;
+
+    #[test]
+    fn user_principal_from_a_config_file_with_profiles() {
+        let dir = tempfile::tempdir().unwrap();
+        generated_key_pem(dir.path(), "key.pem", false);
+        let config = "[DEFAULT]\ntenancy=ocid1.tenancy.oc1..t\nregion=us-ashburn-1\n\
+                      [OTHER]\nuser=ocid1.user.oc1..u\nfingerprint=aa:bb\nkey_file=key.pem\n";
+        std::fs::write(dir.path().join("config"), config).unwrap();
+        let env = AgentOciEnv {
+            config_file: Some(dir.path().join("config")),
+            profile: "OTHER".into(),
+            ..Default::default()
+        };
+        let c = static_credentials(AuthMode::UserPrincipal, None, &env).unwrap();
+        assert_eq!(
+            c.key.key_id(),
+            "ocid1.tenancy.oc1..t/ocid1.user.oc1..u/aa:bb"
+        );
+        assert_eq!(c.region.as_deref(), Some("us-ashburn-1"));
+        // DEFAULT lacks user and fingerprint: named, no values shown.
+        let env = AgentOciEnv {
+            profile: "DEFAULT".into(),
+            ..env
+        };
+        let e = static_credentials(AuthMode::UserPrincipal, None, &env)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("lacks user, fingerprint"), "{e}");
+        let env = AgentOciEnv {
+            profile: "NOPE".into(),
+            ..env
+        };
+        assert!(static_credentials(AuthMode::UserPrincipal, None, &env)
+            .unwrap_err()
+            .to_string()
+            .contains("no profile [NOPE]"));
+    }
+
+    #[test]
+    fn user_principal_from_a_secret_with_the_key_inline() {
+        let dir = tempfile::tempdir().unwrap();
+        let pem = generated_key_pem(dir.path(), "key.pem", true);
+        let secret = format!("[DEFAULT]\nuser=u\nfingerprint=f\ntenancy=t\n{pem}");
+        let c = static_credentials(
+            AuthMode::UserPrincipal,
+            Some(&secret),
+            &AgentOciEnv::default(),
+        )
+        .unwrap();
+        assert_eq!(c.key.key_id(), "t/u/f");
+        let broken = secret.replace("MII", "XXX");
+        let e = static_credentials(
+            AuthMode::UserPrincipal,
+            Some(&broken),
+            &AgentOciEnv::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(!e.contains("XXX"), "no key material in errors: {e}");
+    }
+
+    #[test]
+    fn resource_principal_from_env_values_or_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let pem = generated_key_pem(dir.path(), "rp.pem", false);
+        std::fs::write(dir.path().join("rpst"), "tok123\n").unwrap();
+        let mut env = BTreeMap::new();
+        env.insert(
+            "OCI_RESOURCE_PRINCIPAL_VERSION".to_string(),
+            "2.2".to_string(),
+        );
+        env.insert(
+            "OCI_RESOURCE_PRINCIPAL_RPST".to_string(),
+            dir.path().join("rpst").display().to_string(),
+        );
+        env.insert("OCI_RESOURCE_PRINCIPAL_PRIVATE_PEM".to_string(), pem);
+        env.insert(
+            "OCI_RESOURCE_PRINCIPAL_REGION".to_string(),
+            "eu-frankfurt-1".to_string(),
+        );
+        let agent = AgentOciEnv {
+            resource_principal: env.clone(),
+            ..Default::default()
+        };
+        let c = static_credentials(AuthMode::ResourcePrincipal, None, &agent).unwrap();
+        assert_eq!(c.key.key_id(), "ST$tok123");
+        assert_eq!(c.region.as_deref(), Some("eu-frankfurt-1"));
+        assert!(!format!("{:?}", c.key).contains("tok123"));
+        env.insert(
+            "OCI_RESOURCE_PRINCIPAL_VERSION".to_string(),
+            "1.1".to_string(),
+        );
+        let agent = AgentOciEnv {
+            resource_principal: env,
+            ..Default::default()
+        };
+        assert!(static_credentials(AuthMode::ResourcePrincipal, None, &agent).is_err());
+    }
+
+    #[test]
+    fn auth_parameter_as_ome_spells_it() {
+        assert_eq!(
+            AuthMode::from_parameter(None).unwrap(),
+            AuthMode::InstancePrincipal
+        );
+        assert_eq!(
+            AuthMode::from_parameter(Some("UserPrincipal")).unwrap(),
+            AuthMode::UserPrincipal
+        );
+        assert!(AuthMode::from_parameter(Some("user_principal")).is_err());
+        let e = static_credentials(AuthMode::OkeWorkloadIdentity, None, &AgentOciEnv::default())
+            .unwrap_err();
+        assert!(e.to_string().contains("UserPrincipal"));
+    }
+}

@@ -825,13 +825,14 @@ impl Reconciler {
             self.fail_conflict(key, &fp, reason, None);
             return true;
         }
-        let source = match Source::for_uri(&spec.source, &self.config.sources, token) {
-            Ok(s) => s,
-            Err(e) => {
-                self.fail(key, &fp, &e);
-                return true;
-            }
-        };
+        let source =
+            match Source::for_uri(&spec.source, &spec.parameters, &self.config.sources, token) {
+                Ok(s) => s,
+                Err(e) => {
+                    self.fail(key, &fp, &e);
+                    return true;
+                }
+            };
         self.records.models.get_mut(key).expect("record").phase = ModelPhase::Updating;
         let cancel = WorkCancel::default();
         let rec = &self.records.models[key];

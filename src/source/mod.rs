@@ -10,6 +10,7 @@
 // Proxy settings shared by every remote source.
 pub mod hf;
 pub mod local;
+pub mod objstore;
 pub mod pipeline;
 pub mod proxy;
 
@@ -72,7 +73,7 @@ pub enum SourceError {
         #[source]
         source: StoreError,
     },
-    #[error("storage scheme {scheme}:// is not supported yet (supported: hf://, local://)")]
+    #[error("storage scheme {scheme}:// is not supported yet (supported: hf://, local://, s3://, gs://, az://)")]
     Unsupported { scheme: String },
     #[error(transparent)]
     Transfer(pipeline::TransferError),
@@ -399,6 +400,7 @@ impl Default for SourceConfig {
 pub enum Source {
     Local(local::LocalSource),
     Hf(hf::HfSource),
+    Object(objstore::ObjectSource),
 }
 
 impl Source {
@@ -407,6 +409,7 @@ impl Source {
     /// models fail at once with a reason instead of waiting.
     pub fn for_uri(
         uri: &SourceUri,
+        parameters: &std::collections::BTreeMap<String, String>,
         config: &SourceConfig,
         token: Option<Token>,
     ) -> Result<Self, SourceError> {
@@ -420,6 +423,26 @@ impl Source {
                 token,
                 config.hf.clone(),
             ))),
+            SourceUri::ObjectStore {
+                scheme,
+                bucket,
+                prefix,
+                region,
+                account,
+                uri,
+            } => Ok(Source::Object(objstore::ObjectSource::new(
+                objstore::ObjectTarget {
+                    scheme: *scheme,
+                    bucket,
+                    prefix,
+                    region: region.as_deref(),
+                    account: account.as_deref(),
+                    uri: uri.clone(),
+                },
+                parameters,
+                token,
+                config,
+            )?)),
             SourceUri::Unsupported { scheme, .. } => Err(SourceError::Unsupported {
                 scheme: scheme.clone(),
             }),
@@ -435,6 +458,7 @@ impl Source {
                     .unwrap_or_else(|e| Err(SourceError::from_join(e)))
             }
             Source::Hf(s) => s.resolve(cancel).await,
+            Source::Object(s) => s.resolve(cancel).await,
         }
     }
 
@@ -452,6 +476,7 @@ impl Source {
                     .unwrap_or_else(|e| Err(SourceError::from_join(e)))
             }
             Source::Hf(s) => s.fetch(manifest, ctx).await,
+            Source::Object(s) => s.fetch(manifest, ctx).await,
         }
     }
 }

@@ -189,35 +189,6 @@ fn reuse_and_the_four_policy_changes_on_an_object_store_source() {
 }
 
 #[test]
-fn a_changed_object_is_a_new_artifact() {
-    let server = ObjectServer::s3();
-    let env = TestEnv::new();
-    server.create_bucket("models");
-    server.put("models", "v/config.json", b"{\"v\":1}");
-    let uri = server.uri("models", "v");
-    let d = start(&env, &server.daemon_env(), &[]);
-    env.write_models("v.yaml", &model("v", &uri, "AlwaysDownload", &[]));
-    let first = d.wait_model("clusterbasemodel.v", "Ready")["config"]["artifact"]["sha"].clone();
-    server.put("models", "v/config.json", b"{\"v\":2}");
-    // A spec change makes the daemon resolve again: the new ETag is a new artifact.
-    env.write_models(
-        "v.yaml",
-        &model("v", &uri, "AlwaysDownload", &[("region", "us-east-1")]).replace(
-            "downloadPolicy: AlwaysDownload",
-            "downloadPolicy: AlwaysDownload\n    path: v2",
-        ),
-    );
-    d.wait_until("the new version served", WAIT, |s: &Value| {
-        s["clusterbasemodel.v"]["status"] == "Ready"
-            && s["clusterbasemodel.v"]["config"]["artifact"]["sha"] != first
-    });
-    assert_eq!(
-        std::fs::read(env.mount.join("v2/config.json")).unwrap(),
-        b"{\"v\":2}"
-    );
-}
-
-#[test]
 fn throttling_and_server_errors_are_retried() {
     let server = ObjectServer::s3();
     let proxy = Proxy::reverse(&server.endpoint());

@@ -338,8 +338,8 @@ async fn targeting_malformed_objects_and_api_restarts() {
         ),
         (
             "s3",
-            base_model("t", "s3", json!({"storageUri": "s3://bucket/m"})),
-            "s3",
+            base_model("t", "s3", json!({"storageUri": "github://org/m"})),
+            "github",
         ),
         (
             "badpath",

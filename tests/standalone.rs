@@ -259,7 +259,7 @@ fn bad_input_fails_with_a_reason_and_hurts_no_other_model() {
         no_storage.to_string(),
         no_uri.to_string(),
         bad_policy,
-        cluster_model("s3", "s3://bucket/model", "AlwaysDownload", None),
+        cluster_model("s3", "github://org/model", "AlwaysDownload", None),
         cluster_model("weird", "ftp://host/model", "AlwaysDownload", None),
         cluster_model("escape", &uri(&src), "AlwaysDownload", Some("../../etc")),
         cluster_model(

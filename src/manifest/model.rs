@@ -465,13 +465,13 @@ spec:
         let unsupported = object(
             ModelKind::ClusterBaseModel,
             None,
-            Some(storage("s3://bucket/x")),
+            Some(storage("github://org/x")),
         )
         .to_spec(Path::new(ROOT))
         .expect("unsupported schemes are not a to_spec error");
         assert_eq!(
             unsupported.source.unsupported_reason().as_deref(),
-            Some("scheme s3 is not supported yet")
+            Some("scheme github is not supported yet")
         );
     }
 

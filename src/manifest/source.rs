@@ -24,6 +24,22 @@ pub enum SourceUri {
         /// Branch, tag, or 40-hex commit; [`DEFAULT_HF_REVISION`] when the URI has none.
         revision: String,
     },
+    /// `s3://<bucket>[@<region>]/<prefix>`, `gs://<bucket>/<prefix>`,
+    /// `az://<container>/<prefix>` or `az://<account>.blob.core.windows.net/<container>/<prefix>`:
+    /// the objects below a prefix of an object store (see [`crate::source::objstore`]).
+    ObjectStore {
+        scheme: ObjectScheme,
+        /// Bucket (container for Azure).
+        bucket: String,
+        /// Without leading or trailing `/`; may be empty (the whole bucket).
+        prefix: String,
+        /// S3's `@<region>`.
+        region: Option<String>,
+        /// Azure's account of the full form.
+        account: Option<String>,
+        /// As written, for display.
+        uri: String,
+    },
     /// `local://<dir>`: a directory on the node's disk. Relative until the caller applies
     /// [`SourceUri::resolve_local_relative`].
     Local { path: PathBuf },
@@ -38,6 +54,24 @@ pub enum SourceUri {
     /// A scheme OME defines that modelfs does not serve yet; the model must be reported
     /// `Failed` with [`SourceUri::unsupported_reason`].
     Unsupported { scheme: String, uri: String },
+}
+
+/// The object stores served through the `object_store` crate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ObjectScheme {
+    S3,
+    Gs,
+    Az,
+}
+
+impl ObjectScheme {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ObjectScheme::S3 => "s3",
+            ObjectScheme::Gs => "gs",
+            ObjectScheme::Az => "az",
+        }
+    }
 }
 
 /// Why a storage URI cannot be used at all.
@@ -68,6 +102,12 @@ pub enum SourceUriError {
     InvalidOci { uri: String, reason: String },
     #[error("storageUri {uri:?}: invalid local directory: {reason}")]
     InvalidLocalPath { uri: String, reason: String },
+    #[error("storageUri {uri:?}: {reason}; expected {expected}")]
+    InvalidObjectStore {
+        uri: String,
+        reason: String,
+        expected: &'static str,
+    },
 }
 
 impl SourceUri {
@@ -85,6 +125,9 @@ impl SourceUri {
             "hf" => parse_hugging_face(uri, rest),
             "local" => parse_local(uri, rest),
             "oci" => parse_oci(uri, rest),
+            "s3" => parse_object_store(uri, ObjectScheme::S3, rest),
+            "gs" => parse_object_store(uri, ObjectScheme::Gs, rest),
+            "az" => parse_object_store(uri, ObjectScheme::Az, rest),
             _ if UNSUPPORTED_OME_SCHEMES.contains(&scheme) => Ok(SourceUri::Unsupported {
                 scheme: scheme.to_owned(),
                 uri: uri.to_owned(),
@@ -117,6 +160,7 @@ impl SourceUri {
             SourceUri::HuggingFace { .. } => "hf",
             SourceUri::Local { .. } => "local",
             SourceUri::Oci { .. } => "oci",
+            SourceUri::ObjectStore { scheme, .. } => scheme.as_str(),
             SourceUri::Unsupported { scheme, .. } => scheme,
         }
     }
@@ -165,6 +209,80 @@ pub fn is_commit_hash(revision: &str) -> bool {
         && revision
             .bytes()
             .all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(&byte))
+}
+
+/// `s3://<bucket>[@<region>]/<prefix>`, `gs://<bucket>/<prefix>`, `az://<container>/<prefix>`
+/// or `az://<account>.blob.core.windows.net/<container>/<prefix>`. The bucket is spliced into
+/// request URLs and the prefix selects keys: neither may hold control characters, and the
+/// prefix no `.`/`..` or empty segments.
+fn parse_object_store(
+    uri: &str,
+    scheme: ObjectScheme,
+    rest: &str,
+) -> Result<SourceUri, SourceUriError> {
+    let expected = match scheme {
+        ObjectScheme::S3 => "s3://<bucket>[@<region>]/<prefix>",
+        ObjectScheme::Gs => "gs://<bucket>/<prefix>",
+        ObjectScheme::Az => {
+            "az://<container>/<prefix> or az://<account>.blob.core.windows.net/<container>/<prefix>"
+        }
+    };
+    let error = |reason: String| SourceUriError::InvalidObjectStore {
+        uri: uri.to_owned(),
+        reason,
+        expected,
+    };
+    if rest.chars().any(char::is_control) {
+        return Err(error("it contains a control character".to_owned()));
+    }
+    let (mut head, mut tail) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut account = None;
+    if scheme == ObjectScheme::Az {
+        if let Some(name) = head.strip_suffix(".blob.core.windows.net") {
+            account = Some(name.to_owned());
+            (head, tail) = tail.split_once('/').unwrap_or((tail, ""));
+        }
+    }
+    let (bucket, region) = match (scheme, head.split_once('@')) {
+        (ObjectScheme::S3, Some((bucket, region))) => (bucket, Some(region.to_owned())),
+        _ => (head, None),
+    };
+    let valid_name = |name: &str| {
+        !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && name != "."
+            && name != ".."
+    };
+    if !valid_name(bucket) {
+        return Err(error(format!(
+            "bucket or container {bucket:?} must be letters, digits, '-', '_' and '.'"
+        )));
+    }
+    if region.as_deref().is_some_and(|r| !valid_name(r))
+        || account.as_deref().is_some_and(|a| !valid_name(a))
+    {
+        return Err(error("invalid region or account".to_owned()));
+    }
+    let prefix = tail.trim_end_matches('/');
+    if !prefix.is_empty()
+        && prefix
+            .split('/')
+            .any(|s| s.is_empty() || s == "." || s == "..")
+    {
+        return Err(error(format!(
+            "prefix {prefix:?} has an empty, '.' or '..' segment"
+        )));
+    }
+    Ok(SourceUri::ObjectStore {
+        scheme,
+        bucket: bucket.to_owned(),
+        prefix: prefix.to_owned(),
+        region,
+        account,
+        uri: uri.to_owned(),
+    })
 }
 
 fn parse_hugging_face(uri: &str, rest: &str) -> Result<SourceUri, SourceUriError> {
@@ -344,6 +462,7 @@ impl fmt::Display for SourceUri {
                 bucket,
                 prefix,
             } => write!(formatter, "oci://n/{namespace}/b/{bucket}/o/{prefix}"),
+            SourceUri::ObjectStore { uri, .. } => formatter.write_str(uri),
             SourceUri::Unsupported { uri, .. } => formatter.write_str(uri),
         }
     }
@@ -495,6 +614,9 @@ mod tests {
     #[test]
     fn unsupported_ome_schemes_parse() {
         for scheme in UNSUPPORTED_OME_SCHEMES {
+            if ["s3", "gs", "az"].contains(&scheme) {
+                continue;
+            }
             let uri = format!("{scheme}://bucket/some/prefix");
             let parsed = SourceUri::parse(&uri).unwrap_or_else(|error| panic!("{uri}: {error}"));
             assert_eq!(
@@ -517,6 +639,49 @@ mod tests {
                     Some(format!("scheme {scheme} is not supported yet"))
                 ),
             }
+        }
+    }
+
+    #[test]
+    fn object_store_uris() {
+        let parse = |uri: &str| SourceUri::parse(uri).unwrap_or_else(|e| panic!("{uri}: {e}"));
+        match parse("s3://models@eu-west-1/org/llama/") {
+            SourceUri::ObjectStore {
+                scheme,
+                bucket,
+                prefix,
+                region,
+                ..
+            } => {
+                assert_eq!(scheme, ObjectScheme::S3);
+                assert_eq!((bucket.as_str(), prefix.as_str()), ("models", "org/llama"));
+                assert_eq!(region.as_deref(), Some("eu-west-1"));
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse("az://acct.blob.core.windows.net/c/p") {
+            SourceUri::ObjectStore {
+                bucket,
+                account,
+                prefix,
+                ..
+            } => {
+                assert_eq!((bucket.as_str(), prefix.as_str()), ("c", "p"));
+                assert_eq!(account.as_deref(), Some("acct"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(parse("gs://b").to_string(), "gs://b");
+        assert_eq!(parse("gs://b/x/y").scheme(), "gs");
+        for bad in [
+            "s3://",
+            "s3:///p",
+            "gs://b/../x",
+            "az://c/a//b",
+            "s3://b c/p",
+            "gs://b/\u{1b}x",
+        ] {
+            assert!(SourceUri::parse(bad).is_err(), "{bad}");
         }
     }
 

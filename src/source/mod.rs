@@ -9,6 +9,7 @@
 
 pub mod hf;
 pub mod local;
+pub mod objstore;
 pub mod oci;
 pub mod pipeline;
 pub mod proxy;
@@ -73,7 +74,8 @@ pub enum SourceError {
         source: StoreError,
     },
     #[error(
-        "storage scheme {scheme}:// is not supported yet (supported: hf://, local://, oci://)"
+        "storage scheme {scheme}:// is not supported yet (supported: hf://, local://, oci://, \
+         s3://, gs://, az://)"
     )]
     Unsupported { scheme: String },
     #[error(transparent)]
@@ -441,6 +443,7 @@ pub enum Source {
     Local(local::LocalSource),
     Hf(hf::HfSource),
     Oci(oci::OciSource),
+    Object(objstore::ObjectSource),
 }
 
 impl Source {
@@ -477,6 +480,26 @@ impl Source {
                 config.hf.clone(),
                 config.oci.clone(),
             )?)),
+            SourceUri::ObjectStore {
+                scheme,
+                bucket,
+                prefix,
+                region,
+                account,
+                uri,
+            } => Ok(Source::Object(objstore::ObjectSource::new(
+                objstore::ObjectTarget {
+                    scheme: *scheme,
+                    bucket,
+                    prefix,
+                    region: region.as_deref(),
+                    account: account.as_deref(),
+                    uri: uri.clone(),
+                },
+                parameters,
+                token,
+                config,
+            )?)),
             SourceUri::Unsupported { scheme, .. } => Err(SourceError::Unsupported {
                 scheme: scheme.clone(),
             }),
@@ -488,6 +511,7 @@ impl Source {
         match self {
             Source::Hf(s) => Source::Hf(s.with_throttle_observer(observer)),
             Source::Oci(s) => Source::Oci(s.with_throttle_observer(observer)),
+            Source::Object(s) => Source::Object(s.with_throttle_observer(observer)),
             local @ Source::Local(_) => local,
         }
     }
@@ -502,6 +526,7 @@ impl Source {
             }
             Source::Hf(s) => s.resolve(cancel).await,
             Source::Oci(s) => s.resolve(cancel).await,
+            Source::Object(s) => s.resolve(cancel).await,
         }
     }
 
@@ -521,6 +546,7 @@ impl Source {
             }
             Source::Hf(s) => s.fetch(manifest.clone(), ctx.clone()).await?,
             Source::Oci(s) => s.fetch(manifest.clone(), ctx.clone()).await?,
+            Source::Object(s) => s.fetch(manifest.clone(), ctx.clone()).await?,
         };
         let metrics = ctx.metrics.clone();
         tokio::task::spawn_blocking(move || {

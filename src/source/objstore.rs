@@ -1,0 +1,625 @@
+//! `s3://`, `gs://`, `az://`: models from object stores, through the `object_store` crate, as
+//! [`RangeSource`] adapters of the shared [`pipeline`](crate::source::pipeline).
+//!
+//! # URIs
+//! * `s3://<bucket>[@<region>]/<prefix>` (OME's form; the region may also come from
+//!   `parameters.region` or `AWS_REGION`).
+//! * `gs://<bucket>/<prefix>`.
+//! * `az://<container>/<prefix>` with the account from `parameters.account_name` or
+//!   `AZURE_STORAGE_ACCOUNT_NAME`, or OME's full form
+//!   `az://<account>.blob.core.windows.net/<container>/<prefix>`. (OME's short form
+//!   `az://<account>/<container>/<prefix>` cannot be told from the container form and is read
+//!   as the latter.)
+//!
+//! The objects below the prefix (a directory: `p` holds `p/...`) are the artifact, named by
+//! their keys relative to it; [`manifest_from_listing`] refuses hostile keys.
+//!
+//! # Identity and integrity
+//! Object stores vouch for no sha256 before the download. Each file's digest is
+//! [`FileDigest::Object`](crate::artifact::FileDigest::Object): its location, size and ETag (or
+//! version id), so a changed object is a new artifact and `ReuseIfExists` maps only onto a
+//! copy of the same object versions. Every range is requested with `If-Match: <ETag>`, so the
+//! bytes of one file all come from the version that was listed; the size is checked and the
+//! sha256 computed while writing, as for every source. (An S3 ETag is the MD5 only for
+//! unencrypted single-part uploads, so it is not used as a checksum.)
+//!
+//! # Credentials and settings
+//! The usual environment of each cloud (`object_store`'s `from_env`: `AWS_*`, `GOOGLE_*`,
+//! `AZURE_*`), overridden by the model: its token (the Secret entry named by
+//! `parameters.secretKey`, or `parameters.token`) is the secret part (S3: the secret access key,
+//! with `parameters.access_key_id`; GCS: a service account key JSON; Azure: the account key),
+//! and `parameters.region` / `parameters.endpoint` (an S3-compatible store; `http://` allowed
+//! for it) / `parameters.account_name` / `parameters.anonymous: "true"` (unsigned requests). The
+//! names follow OME's `pkg/auth` configuration (`access_key_id`, `account_name`, `region`).
+//!
+//! # Retries
+//! `object_store`'s own retries are off: the pipeline's one policy applies. The
+//! [`RecordingConnector`] keeps the status, body and `Retry-After` of an error answer (which
+//! `object_store`'s error does not let a caller read) for the request that got it, so a
+//! `503 SlowDown` or `429` is retried after the server's delay and a refusal fails with the
+//! server's code and message.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{GetOptions, GetRange, ObjectStore, RetryConfig};
+
+use super::pipeline::{
+    self, manifest_from_listing, ListedObject, RangeBody, RangeSource, TransferError, Transfers,
+};
+use super::{FetchContext, SourceConfig, SourceError, Token};
+use crate::artifact::{object_identity, FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use crate::manifest::source::ObjectScheme;
+use crate::metrics::SourceScheme;
+
+/// One object-store source as a model sees it.
+#[derive(Clone, Debug)]
+pub struct ObjectSource {
+    scheme: ObjectScheme,
+    /// `s3://bucket`: the location part of every object's identity.
+    location: String,
+    prefix: String,
+    /// The source URI, for logs.
+    label: String,
+    store: Arc<dyn ObjectStore>,
+    transfers: Arc<Transfers>,
+    /// ETag of each listed key, from the last resolve: the version every range must match.
+    etags: Arc<Mutex<HashMap<String, String>>>,
+    throttle: crate::source::ThrottleObserver,
+}
+
+/// What the URI names.
+#[derive(Clone, Debug)]
+pub struct ObjectTarget<'a> {
+    pub scheme: ObjectScheme,
+    pub bucket: &'a str,
+    pub prefix: &'a str,
+    pub region: Option<&'a str>,
+    pub account: Option<&'a str>,
+    pub uri: String,
+}
+
+fn config_error(what: &str, detail: impl Into<String>) -> SourceError {
+    SourceError::Transfer(TransferError::Config {
+        what: what.into(),
+        detail: detail.into(),
+    })
+}
+
+impl ObjectSource {
+    /// Builds the client of one model: environment, then the model's parameters and token.
+    pub fn new(
+        target: ObjectTarget<'_>,
+        parameters: &std::collections::BTreeMap<String, String>,
+        token: Option<Token>,
+        config: &SourceConfig,
+    ) -> Result<Self, SourceError> {
+        let what = format!("configuring {}", target.uri);
+        let param = |k: &str| {
+            parameters
+                .get(k)
+                .map(|v| v.trim())
+                .filter(|v| !v.is_empty())
+                .map(str::to_string)
+        };
+        let anonymous = param("anonymous").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+        let tuning = config.transfers.tuning();
+        // The pipeline retries; object_store must not (its backoff ignores Retry-After).
+        let retry = RetryConfig {
+            max_retries: 0,
+            retry_timeout: Duration::from_secs(1),
+            ..RetryConfig::default()
+        };
+        let mut options = object_store::ClientOptions::new()
+            .with_connect_timeout(tuning.connect_timeout)
+            // Bodies are watched by the pipeline's stall timeout instead of a whole-request
+            // deadline that a large range on a slow link would hit.
+            .with_timeout_disabled();
+        if let Some(p) = config.proxies.for_scheme(target.scheme.as_str()) {
+            options = options.with_proxy_url(p.expose());
+            if let Some(n) = super::proxy::no_proxy_from_env() {
+                options = options.with_proxy_excludes(n);
+            }
+        }
+        let endpoint = param("endpoint");
+        // The client options replace those `from_env` read, so plain HTTP (an S3-compatible
+        // store or an emulator on a private network) is allowed here as the environment or the
+        // model's endpoint asks.
+        let env_true = |k: &str| std::env::var(k).is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+        let env_http = |k: &str| std::env::var(k).is_ok_and(|v| v.starts_with("http://"));
+        let allow_http = endpoint
+            .as_deref()
+            .is_some_and(|e| e.starts_with("http://"))
+            || match target.scheme {
+                ObjectScheme::S3 => {
+                    env_true("AWS_ALLOW_HTTP")
+                        || env_http("AWS_ENDPOINT")
+                        || env_http("AWS_ENDPOINT_URL")
+                }
+                ObjectScheme::Gs => env_http("STORAGE_EMULATOR_HOST"),
+                ObjectScheme::Az => {
+                    env_true("AZURE_ALLOW_HTTP") || env_true("AZURE_STORAGE_USE_EMULATOR")
+                }
+            };
+        if allow_http {
+            options = options.with_allow_http(true);
+        }
+        let connector = RecordingConnector;
+        let bad = |e: object_store::Error| config_error(&what, scrub(&e.to_string(), &token));
+        let store: Arc<dyn ObjectStore> = match target.scheme {
+            ObjectScheme::S3 => {
+                let mut b = object_store::aws::AmazonS3Builder::from_env()
+                    .with_bucket_name(target.bucket)
+                    .with_retry(retry)
+                    .with_http_connector(connector);
+                if let Some(r) = target.region.map(str::to_string).or(param("region")) {
+                    b = b.with_region(r);
+                }
+                if let Some(e) = &endpoint {
+                    b = b.with_endpoint(e);
+                }
+                if let Some(t) = &token {
+                    let id = param("access_key_id")
+                        .or_else(|| std::env::var("AWS_ACCESS_KEY_ID").ok())
+                        .ok_or_else(|| {
+                            config_error(
+                                &what,
+                                "the model's secret is an S3 secret access key, but no \
+                                 access key id was given (parameters.access_key_id or \
+                                 AWS_ACCESS_KEY_ID)",
+                            )
+                        })?;
+                    b = b.with_access_key_id(id).with_secret_access_key(t.expose());
+                }
+                if anonymous {
+                    b = b.with_skip_signature(true);
+                }
+                Arc::new(b.with_client_options(options).build().map_err(bad)?)
+            }
+            ObjectScheme::Gs => {
+                let mut b = object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                    .with_bucket_name(target.bucket)
+                    .with_retry(retry)
+                    .with_http_connector(connector);
+                // The variable Google's own clients use for an emulator or private endpoint.
+                let emulator = std::env::var("STORAGE_EMULATOR_HOST")
+                    .ok()
+                    .filter(|v| !v.is_empty());
+                if let Some(e) = endpoint.clone().or(emulator.clone()) {
+                    b = b.with_base_url(&e);
+                }
+                if let Some(t) = &token {
+                    b = b.with_service_account_key(t.expose());
+                }
+                if anonymous || (token.is_none() && emulator.is_some()) {
+                    b = b.with_skip_signature(true);
+                }
+                Arc::new(b.with_client_options(options).build().map_err(bad)?)
+            }
+            ObjectScheme::Az => {
+                let mut b = object_store::azure::MicrosoftAzureBuilder::from_env()
+                    .with_container_name(target.bucket)
+                    .with_retry(retry)
+                    .with_http_connector(connector);
+                if let Some(a) = target.account.map(str::to_string).or(param("account_name")) {
+                    b = b.with_account(a);
+                }
+                if let Some(e) = &endpoint {
+                    b = b.with_endpoint(e.clone());
+                }
+                if let Some(t) = &token {
+                    b = b.with_access_key(t.expose());
+                }
+                if anonymous {
+                    b = b.with_skip_signature(true);
+                }
+                Arc::new(b.with_client_options(options).build().map_err(bad)?)
+            }
+        };
+        let location = format!("{}://{}", target.scheme.as_str(), target.bucket);
+        Ok(Self {
+            scheme: target.scheme,
+            location,
+            prefix: target.prefix.trim_matches('/').to_string(),
+            label: target.uri,
+            store,
+            transfers: config.transfers.clone(),
+            etags: Arc::default(),
+            throttle: Default::default(),
+        })
+    }
+
+    /// Reports every wait this source spends on HTTP 429 to `observer`.
+    pub fn with_throttle_observer(self, observer: crate::source::ThrottleObserver) -> Self {
+        Self {
+            throttle: observer,
+            ..self
+        }
+    }
+
+    /// Lists the objects below the prefix (with retries; each listing answer within the stall
+    /// timeout, at most `max_listing_entries` objects) into a manifest.
+    pub async fn resolve(&self, cancel: Arc<AtomicBool>) -> Result<Manifest, SourceError> {
+        let what = format!("listing {}", self.label);
+        let limit = self.transfers.tuning().max_listing_entries;
+        let objects = self
+            .transfers
+            .retrying(&what, &cancel, &self.throttle, || async {
+                let prefix =
+                    (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
+                let mut listing = self.store.list(prefix.as_ref());
+                let mut out = Vec::new();
+                loop {
+                    let next = with_error_answer(
+                        self.transfers
+                            .within_stall(&what, async { Ok(listing.next().await) }),
+                    )
+                    .await;
+                    let meta = match next {
+                        (Ok(None), _) => break,
+                        (Ok(Some(Ok(meta))), _) => meta,
+                        (Ok(Some(Err(e))), answer) => {
+                            return Err(transfer_error(&what, &e, answer))
+                        }
+                        (Err(e), _) => return Err(e),
+                    };
+                    if out.len() >= limit {
+                        return Err(TransferError::Limit {
+                            what: what.clone(),
+                            detail: format!(
+                                "the listing has more than {limit} objects; if the prefix really \
+                                 holds that many, raise --hf-max-listing-entries"
+                            ),
+                        });
+                    }
+                    let version = meta
+                        .e_tag
+                        .clone()
+                        .or(meta.version.clone())
+                        .unwrap_or_else(|| meta.last_modified.to_rfc3339());
+                    out.push(ListedObject {
+                        key: meta.location.to_string(),
+                        size: meta.size,
+                        version,
+                        md5: None,
+                    });
+                }
+                Ok(out)
+            })
+            .await?;
+        let manifest = manifest_from_listing(&self.location, &self.prefix, objects.clone())?;
+        let mut etags = self.etags.lock().expect("etag map");
+        etags.clear();
+        for o in objects {
+            etags.insert(o.key, o.version);
+        }
+        Ok(manifest)
+    }
+
+    pub async fn fetch(
+        &self,
+        manifest: Arc<Manifest>,
+        ctx: FetchContext,
+    ) -> Result<Vec<Sha256Digest>, SourceError> {
+        Ok(pipeline::fetch(self, &self.transfers, manifest, ctx).await?)
+    }
+
+    fn key_of(&self, entry: &ManifestEntry) -> String {
+        if self.prefix.is_empty() {
+            entry.path.clone()
+        } else {
+            format!("{}/{}", self.prefix, entry.path)
+        }
+    }
+
+    /// The version (ETag) `entry` was listed with: from the last listing, or (a fetch after a
+    /// restart, with a manifest from the records) from a HEAD whose identity must match.
+    async fn version_of(&self, what: &str, entry: &ManifestEntry) -> Result<String, TransferError> {
+        let key = self.key_of(entry);
+        if let Some(v) = self.etags.lock().expect("etag map").get(&key).cloned() {
+            return Ok(v);
+        }
+        let head = GetOptions {
+            head: true,
+            ..GetOptions::default()
+        };
+        let path = object_path(what, &key)?;
+        let (result, answer) = with_error_answer(
+            self.transfers
+                .within_stall(what, async { Ok(self.store.get_opts(&path, head).await) }),
+        )
+        .await;
+        let meta = result?.map_err(|e| transfer_error(what, &e, answer))?.meta;
+        let version = meta
+            .e_tag
+            .clone()
+            .or(meta.version.clone())
+            .unwrap_or_else(|| meta.last_modified.to_rfc3339());
+        let identity = object_identity(&format!("{}/{key}", self.location), meta.size, &version);
+        match entry.digest {
+            FileDigest::Object { identity: want, .. } if want == identity => {
+                self.etags
+                    .lock()
+                    .expect("etag map")
+                    .insert(key, version.clone());
+                Ok(version)
+            }
+            _ => Err(changed(what)),
+        }
+    }
+}
+
+/// A key as listed (no encoding added: `object_store` would percent-encode characters it
+/// considers unsafe and so name another object).
+fn object_path(what: &str, key: &str) -> Result<ObjectPath, TransferError> {
+    ObjectPath::parse(key).map_err(|e| TransferError::Protocol {
+        what: what.into(),
+        detail: format!("invalid key: {e}"),
+    })
+}
+
+/// The object changed after it was listed: the model resolves again later.
+fn changed(what: &str) -> TransferError {
+    TransferError::Network {
+        what: what.into(),
+        detail: "the object changed since it was listed; it is listed again".into(),
+    }
+}
+
+impl RangeSource for ObjectSource {
+    fn label(&self) -> String {
+        self.label.clone()
+    }
+
+    fn scheme(&self) -> SourceScheme {
+        match self.scheme {
+            ObjectScheme::S3 => SourceScheme::S3,
+            ObjectScheme::Gs => SourceScheme::Gs,
+            ObjectScheme::Az => SourceScheme::Az,
+        }
+    }
+
+    fn throttle(&self) -> &crate::source::ThrottleObserver {
+        &self.throttle
+    }
+
+    async fn open_range(
+        &self,
+        what: &str,
+        entry: &ManifestEntry,
+        at: u64,
+        end: Option<u64>,
+    ) -> Result<RangeBody, TransferError> {
+        let version = self.version_of(what, entry).await?;
+        let path = object_path(what, &self.key_of(entry))?;
+        let options = GetOptions {
+            range: Some(match end {
+                Some(end) => GetRange::Bounded(at..end),
+                None => GetRange::Offset(at),
+            }),
+            if_match: Some(version),
+            ..GetOptions::default()
+        };
+        let (result, answer) = with_error_answer(self.transfers.within_stall(what, async {
+            Ok(self.store.get_opts(&path, options).await)
+        }))
+        .await;
+        let got = match result? {
+            Ok(got) => got,
+            Err(object_store::Error::Precondition { .. }) => {
+                self.etags.lock().expect("etag map").clear();
+                return Err(changed(what));
+            }
+            Err(e) => return Err(transfer_error(what, &e, answer)),
+        };
+        if got.range.start != at {
+            return Err(TransferError::Protocol {
+                what: what.into(),
+                detail: format!(
+                    "asked for bytes from {at}, got bytes from {}",
+                    got.range.start
+                ),
+            });
+        }
+        let what = what.to_string();
+        Ok(RangeBody::Part(
+            got.into_stream()
+                .map(move |r| {
+                    r.map_err(|e| TransferError::Network {
+                        what: what.clone(),
+                        detail: e.to_string(),
+                    })
+                })
+                .boxed(),
+        ))
+    }
+}
+
+/// An error message with the model's secret cut out, should a library ever echo it.
+fn scrub(text: &str, token: &Option<Token>) -> String {
+    match token {
+        Some(t) if !t.expose().is_empty() => text.replace(t.expose(), "***"),
+        _ => text.to_string(),
+    }
+}
+
+/// The `<Code>` and `<Message>` of an object store's XML error body (S3, GCS XML, Azure).
+fn xml_error(body: &str) -> (Option<String>, Option<String>) {
+    let field = |name: &str| {
+        let open = format!("<{name}>");
+        let close = format!("</{name}>");
+        let start = body.find(&open)? + open.len();
+        let len = body[start..].find(&close)?;
+        Some(
+            body[start..start + len]
+                .chars()
+                .take(300)
+                .collect::<String>(),
+        )
+    };
+    (field("Code"), field("Message"))
+}
+
+/// An `object_store` error as the pipeline's error: HTTP status, the server's code and message,
+/// and the `Retry-After` of the answer, when the request got an error answer.
+fn transfer_error(
+    what: &str,
+    e: &object_store::Error,
+    answer: Option<ErrorAnswer>,
+) -> TransferError {
+    if let Some(answer) = answer {
+        let (code, message) = xml_error(&answer.body);
+        let status = reqwest::StatusCode::from_u16(answer.status).ok();
+        let mut message = message
+            .or_else(|| {
+                let b = answer.body.trim();
+                (!b.is_empty()).then(|| b.chars().take(300).collect())
+            })
+            .unwrap_or_else(|| {
+                status
+                    .and_then(|s| s.canonical_reason())
+                    .unwrap_or("unexpected status")
+                    .to_string()
+            });
+        if matches!(answer.status, 401 | 403) {
+            message.push_str(
+                " (check the model's credentials: its Secret, parameters, or the daemon's \
+                 environment)",
+            );
+        }
+        return TransferError::Status {
+            what: what.into(),
+            status: answer.status,
+            code,
+            message,
+            retry_after: answer.retry_after,
+        };
+    }
+    match e {
+        object_store::Error::NotFound { .. } => TransferError::Status {
+            what: what.into(),
+            status: 404,
+            code: None,
+            message: "not found".into(),
+            retry_after: None,
+        },
+        object_store::Error::InvalidPath { source } => TransferError::Protocol {
+            what: what.into(),
+            detail: format!("the store listed an invalid key: {source}"),
+        },
+        other => TransferError::Network {
+            what: what.into(),
+            detail: other.to_string(),
+        },
+    }
+}
+
+/// The last error answer of a request: what `object_store`'s error does not let a caller read
+/// (its status and body are private to the crate, and it never had the headers).
+#[derive(Clone, Debug)]
+struct ErrorAnswer {
+    status: u16,
+    retry_after: Option<Duration>,
+    body: String,
+}
+
+tokio::task_local! {
+    static LAST_ERROR: Cell<Option<ErrorAnswer>>;
+}
+
+/// Runs `fut` and returns what it returned with the last error answer it received, if any.
+async fn with_error_answer<T>(
+    fut: impl std::future::Future<Output = T>,
+) -> (T, Option<ErrorAnswer>) {
+    LAST_ERROR
+        .scope(Cell::new(None), async {
+            let out = fut.await;
+            (out, LAST_ERROR.with(|c| c.take()))
+        })
+        .await
+}
+
+/// `object_store`'s reqwest client, recording error answers (see [`with_error_answer`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RecordingConnector;
+
+impl object_store::client::HttpConnector for RecordingConnector {
+    fn connect(
+        &self,
+        options: &object_store::ClientOptions,
+    ) -> object_store::Result<object_store::client::HttpClient> {
+        // The binary installs ring at start; libraries and tests may not have.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let inner = object_store::client::ReqwestConnector::default().connect(options)?;
+        Ok(object_store::client::HttpClient::new(RecordingService(
+            inner,
+        )))
+    }
+}
+
+#[derive(Debug)]
+struct RecordingService(object_store::client::HttpClient);
+
+/// Largest error body kept (an error document is a few hundred bytes).
+const MAX_ERROR_BODY: usize = 64 << 10;
+
+#[async_trait::async_trait]
+impl object_store::client::HttpService for RecordingService {
+    async fn call(
+        &self,
+        req: object_store::client::HttpRequest,
+    ) -> Result<object_store::client::HttpResponse, object_store::client::HttpError> {
+        let resp = self.0.execute(req).await?;
+        if resp.status().is_success() || resp.status().is_redirection() {
+            return Ok(resp);
+        }
+        let retry_after = resp
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(pipeline::parse_retry_after);
+        let (parts, body) = resp.into_parts();
+        // The body is read here (bounded by the caller's stall timeout) and handed on intact.
+        let bytes = body.bytes().await.unwrap_or_default();
+        let text = String::from_utf8_lossy(&bytes[..bytes.len().min(MAX_ERROR_BODY)]).into_owned();
+        let answer = ErrorAnswer {
+            status: parts.status.as_u16(),
+            retry_after,
+            body: text,
+        };
+        let _ = LAST_ERROR.try_with(|c| c.set(Some(answer)));
+        Ok(object_store::client::HttpResponse::from_parts(
+            parts,
+            bytes.into(),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn xml_errors_give_code_and_message() {
+        let body = "<?xml version=\"1.0\"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>";
+        assert_eq!(
+            xml_error(body),
+            (
+                Some("SlowDown".into()),
+                Some("Please reduce your request rate.".into())
+            )
+        );
+        assert_eq!(xml_error("{}"), (None, None));
+    }
+
+    #[test]
+    fn secrets_are_scrubbed_from_messages() {
+        let t = Some(Token::new("s3cr3t"));
+        assert_eq!(scrub("bad key s3cr3t here", &t), "bad key *** here");
+    }
+}

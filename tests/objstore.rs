@@ -1,0 +1,437 @@
+//! s3://, gs://, az:// end to end: real object-store servers (moto, gcp-storage-emulator,
+//! azurite, filled with the official clients), a real daemon, the mount read with sha256sum;
+//! faults injected by the counting proxy between them.
+
+mod common;
+mod objstore_common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::{sh, Daemon, TestEnv};
+use objstore_common::proxy::{Fault, FaultKind, Proxy};
+use objstore_common::{Kind, ObjectServer};
+use serde_json::Value;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// `sha256sum` of every file below `dir`, as `<sha>  <relative path>` lines, sorted.
+fn sha256sums(dir: &Path) -> String {
+    sh(&format!(
+        "cd {} && find . -type f -print0 | sort -z | xargs -0 sha256sum",
+        dir.display()
+    ))
+}
+
+fn model(name: &str, uri: &str, policy: &str, parameters: &[(&str, &str)]) -> String {
+    let mut params = String::new();
+    if !parameters.is_empty() {
+        params.push_str("\n    parameters:");
+        for (k, v) in parameters {
+            params.push_str(&format!("\n      {k}: \"{v}\""));
+        }
+    }
+    format!(
+        "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: {name}\nspec:\n  storage:\n    storageUri: {uri}\n    downloadPolicy: {policy}{params}\n"
+    )
+}
+
+fn start(env: &TestEnv, vars: &[(String, String)], extra: &[&str]) -> Daemon {
+    let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    Daemon::start_with_env(env, extra, &vars)
+}
+
+/// The server's environment with the endpoint replaced by `endpoint` (a proxy in front).
+fn env_via(server: &ObjectServer, endpoint: &str) -> Vec<(String, String)> {
+    server
+        .daemon_env()
+        .into_iter()
+        .map(|(k, v)| {
+            let v = if v == server.endpoint() {
+                endpoint.to_string()
+            } else {
+                v
+            };
+            (k, v)
+        })
+        .collect()
+}
+
+fn serves_a_model_equal_to_the_source(kind: Kind) {
+    let server = ObjectServer::start(kind);
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    common::make_model_dir(&src, 21, 3 << 20);
+    server.create_bucket("models");
+    server.upload_dir("models", "org/m/", &src);
+    // A neighbour whose name shares the prefix's text is not part of the model.
+    server.put("models", "org/m-other/stray.bin", b"not mine");
+    let d = start(&env, &server.daemon_env(), &["--hf-chunk-mib", "1"]);
+    env.write_models(
+        "m.yaml",
+        &model("m", &server.uri("models", "org/m"), "AlwaysDownload", &[]),
+    );
+    let e = d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(
+        sha256sums(&env.mount.join("m")),
+        sha256sums(&src),
+        "{kind:?}"
+    );
+    assert_eq!(
+        common::contents(&env.mount.join("m")),
+        common::contents(&src)
+    );
+    assert!(
+        e["config"]["artifact"]["sha"]
+            .as_str()
+            .is_some_and(|s| s.len() == 64),
+        "{e}"
+    );
+}
+
+#[test]
+fn s3_model_is_ready_with_the_sources_bytes() {
+    serves_a_model_equal_to_the_source(Kind::S3);
+}
+
+#[test]
+fn azure_model_is_ready_with_the_sources_bytes() {
+    serves_a_model_equal_to_the_source(Kind::Azure);
+}
+
+fn parent_of(e: &Value) -> String {
+    let parents = e["config"]["artifact"]["parentPath"]
+        .as_object()
+        .expect("parentPath");
+    assert_eq!(parents.len(), 1, "{e}");
+    parents.keys().next().unwrap().clone()
+}
+
+/// Waits until `key` is Ready with parent `parent`.
+fn wait_parent(d: &Daemon, key: &str, parent: &str) -> Value {
+    let s = d.wait_until(
+        &format!("{key} served from {parent}'s copy"),
+        WAIT,
+        |s: &Value| {
+            s[key]["status"] == "Ready"
+                && s[key]["config"]["artifact"]["parentPath"]
+                    .as_object()
+                    .is_some_and(|p| p.contains_key(parent))
+        },
+    );
+    s[key].clone()
+}
+
+#[test]
+fn reuse_and_the_four_policy_changes_on_an_object_store_source() {
+    let server = ObjectServer::s3();
+    let proxy = Proxy::reverse(&server.endpoint());
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    common::make_model_dir(&src, 22, 2 << 20);
+    server.create_bucket("models");
+    server.upload_dir("models", "shared/", &src);
+    let uri = server.uri("models", "shared");
+    let d = start(&env, &env_via(&server, &proxy.url()), &[]);
+    let (a, b) = ("clusterbasemodel.a", "clusterbasemodel.b");
+    let write = |pa: &str, pb: &str| {
+        env.write_models(
+            "ab.yaml",
+            &format!(
+                "{}---\n{}",
+                model("a", &uri, pa, &[]),
+                model("b", &uri, pb, &[])
+            ),
+        )
+    };
+    env.write_models("ab.yaml", &model("a", &uri, "AlwaysDownload", &[]));
+    d.wait_model(a, "Ready");
+    let one_copy = proxy.bytes_on("/models/shared/");
+    assert!(one_copy > 0);
+    write("AlwaysDownload", "ReuseIfExists");
+    let eb = wait_parent(&d, b, a);
+    assert_eq!(parent_of(&eb), a);
+    assert_eq!(
+        env.stores_with_blobs().len(),
+        1,
+        "ReuseIfExists keeps one store"
+    );
+    assert_eq!(sha256sums(&env.mount.join("b")), sha256sums(&src));
+
+    // T-04, no other holder: a stays the parent of b.
+    write("ReuseIfExists", "ReuseIfExists");
+    // T-03: a parent going back to AlwaysDownload keeps serving its copy.
+    write("AlwaysDownload", "ReuseIfExists");
+    wait_parent(&d, a, a);
+    wait_parent(&d, b, a);
+    assert_eq!(env.stores_with_blobs().len(), 1);
+
+    // T-01: the child asks for its own copy; it becomes its own parent.
+    write("AlwaysDownload", "AlwaysDownload");
+    wait_parent(&d, b, b);
+    d.wait_until("two copies", WAIT, |_| env.stores_with_blobs().len() == 2);
+    assert_eq!(sha256sums(&env.mount.join("b")), sha256sums(&src));
+
+    // T-02: it gives its copy up again and maps onto a's; its copy is collected.
+    write("AlwaysDownload", "ReuseIfExists");
+    wait_parent(&d, b, a);
+    d.wait_until("one copy again", WAIT, |_| {
+        env.stores_with_blobs().len() == 1
+    });
+    assert_eq!(sha256sums(&env.mount.join("b")), sha256sums(&src));
+
+    // Only the first download and b's own copy were fetched; reuse cost no object bytes.
+    let fetched = proxy.bytes_on("/models/shared/");
+    assert!(
+        fetched <= 2 * one_copy + one_copy / 10,
+        "fetched {fetched} for copies of {one_copy}"
+    );
+}
+
+#[test]
+fn throttling_and_server_errors_are_retried() {
+    let server = ObjectServer::s3();
+    let proxy = Proxy::reverse(&server.endpoint());
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    common::make_model_dir(&src, 23, 1 << 20);
+    server.create_bucket("models");
+    server.upload_dir("models", "t/", &src);
+    use axum::http::Method;
+    proxy.add_fault(Fault::new(FaultKind::S3SlowDown).times(2));
+    proxy.add_fault(
+        Fault::new(FaultKind::too_many_requests(1))
+            .times(2)
+            .on_method(Method::GET),
+    );
+    proxy.add_fault(
+        Fault::new(FaultKind::status(500))
+            .times(2)
+            .on_path("/models/t/"),
+    );
+    proxy.add_fault(
+        Fault::new(FaultKind::status(503))
+            .times(1)
+            .on_path("/models/t/"),
+    );
+    let d = start(
+        &env,
+        &env_via(&server, &proxy.url()),
+        &["--hf-retry-base-ms", "50"],
+    );
+    env.write_models(
+        "t.yaml",
+        &model("t", &server.uri("models", "t"), "AlwaysDownload", &[]),
+    );
+    d.wait_model("clusterbasemodel.t", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("t")), sha256sums(&src));
+    assert_eq!(
+        proxy.faults_injected(),
+        7,
+        "every fault was met and survived"
+    );
+    assert!(
+        d.log_text().contains("SlowDown"),
+        "the server's code is logged"
+    );
+}
+
+#[test]
+fn truncated_bodies_never_reach_the_mount() {
+    let server = ObjectServer::s3();
+    let proxy = Proxy::reverse(&server.endpoint());
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    common::make_model_dir(&src, 24, 2 << 20);
+    server.create_bucket("models");
+    server.upload_dir("models", "cut/", &src);
+    server.upload_dir("models", "lies/", &src);
+    // A few cut answers are retried; a server that always cuts fails the model.
+    proxy.add_fault(
+        Fault::new(FaultKind::Truncate { after: 1000 })
+            .times(3)
+            .on_path("/models/cut/"),
+    );
+    proxy.add_fault(
+        Fault::new(FaultKind::Truncate { after: 1000 })
+            .times(1_000_000)
+            .on_path("/models/lies/"),
+    );
+    let d = start(
+        &env,
+        &env_via(&server, &proxy.url()),
+        &["--hf-retry-base-ms", "20", "--hf-max-attempts", "3"],
+    );
+    env.write_models(
+        "c.yaml",
+        &format!(
+            "{}---\n{}",
+            model("cut", &server.uri("models", "cut"), "AlwaysDownload", &[]),
+            model("lies", &server.uri("models", "lies"), "AlwaysDownload", &[])
+        ),
+    );
+    d.wait_model("clusterbasemodel.cut", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("cut")), sha256sums(&src));
+    d.wait_until("the cutting server's model retried", WAIT, |_| {
+        proxy.faults_injected() >= 3 + 6
+    });
+    assert!(
+        !env.mount.join("lies").exists(),
+        "no partial model is ever visible"
+    );
+    let s = d.status();
+    assert_ne!(s["clusterbasemodel.lies"]["status"], "Ready", "{s}");
+}
+
+#[test]
+fn sigkill_mid_download_resumes_with_ranges() {
+    let server = ObjectServer::s3();
+    let proxy = Proxy::reverse(&server.endpoint());
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    let big = common::bytes(25, 24 << 20);
+    std::fs::write(src.join("model.safetensors"), &big).unwrap();
+    server.create_bucket("models");
+    server.upload_dir("models", "big/", &src);
+    let vars = env_via(&server, &proxy.url());
+    let flags = ["--hf-chunk-mib", "1", "--hf-range-streams", "1"];
+    let d = start(&env, &vars, &flags);
+    env.write_models(
+        "big.yaml",
+        &model("big", &server.uri("models", "big"), "AlwaysDownload", &[]),
+    );
+    // Some ranges arrive, then the server fails every request: the download waits in its
+    // retries with a partial file on disk, and is killed there.
+    proxy.wait_until("a few ranges", Duration::from_secs(120), |records| {
+        records
+            .iter()
+            .filter(|r| r.path.contains("model.safetensors") && r.status == 206)
+            .count()
+            >= 4
+    });
+    proxy.add_fault(Fault::new(FaultKind::status(500)).times(1_000_000));
+    d.wait_until("a partial file", WAIT, |_| {
+        std::fs::read_dir(env.state.join("stores"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .flat_map(|s| {
+                std::fs::read_dir(s.path().join("tmp"))
+                    .into_iter()
+                    .flatten()
+            })
+            .flatten()
+            .any(|e| e.metadata().is_ok_and(|m| m.len() >= 4 << 20))
+    });
+    d.kill9();
+    proxy.clear_faults();
+    proxy.reset_counts();
+    sh(&format!(
+        "umount -l {} 2>/dev/null || true",
+        env.mount.display()
+    ));
+    let d = start(&env, &vars, &flags);
+    d.wait_model("clusterbasemodel.big", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("big")), sha256sums(&src));
+    let fetched = proxy.bytes_on("model.safetensors");
+    assert!(
+        fetched <= (big.len() as u64) - (4 << 20),
+        "only the missing ranges are fetched again: {fetched} of {}",
+        big.len()
+    );
+    let first = proxy
+        .requests()
+        .into_iter()
+        .filter(|r| r.path.contains("model.safetensors") && r.method == axum::http::Method::GET)
+        .find_map(|r| r.range)
+        .expect("a ranged request");
+    assert!(
+        !first.starts_with("bytes=0-"),
+        "resumed at an offset: {first}"
+    );
+    assert!(d.log_text().contains("resuming partial download"));
+}
+
+#[test]
+fn wrong_credentials_fail_with_the_servers_reason_and_no_secret() {
+    // Azurite checks shared-key signatures (moto does not check S3 credentials).
+    let server = ObjectServer::azure();
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    common::make_model_dir(&src, 26, 1000);
+    server.create_bucket("models");
+    server.upload_dir("models", "m/", &src);
+    let d = start(&env, &server.daemon_env(), &[]);
+    // A well-formed but wrong account key, given as the model's own secret.
+    let wrong = "V3JvbmdLZXlXcm9uZ0tleVdyb25nS2V5V3JvbmdLZXlXcm9uZ0tleVdyb25nS2V5V3Jvbmc=";
+    env.write_models(
+        "m.yaml",
+        &model(
+            "m",
+            &server.uri("models", "m"),
+            "AlwaysDownload",
+            &[("token", wrong)],
+        ),
+    );
+    let e = d.wait_model("clusterbasemodel.m", "Failed");
+    let reason = e["reason"].as_str().unwrap();
+    assert!(reason.contains("403"), "{reason}");
+    assert!(
+        reason.contains("AuthorizationFailure")
+            || reason.contains("Authentication")
+            || reason.contains("authoriz"),
+        "the server's reason: {reason}"
+    );
+    assert!(!env.mount.join("m").exists());
+    let status_text = std::fs::read_to_string(env.state.join("status.json")).unwrap_or_default();
+    let (_, http_status) = d.get("/v1/models");
+    for (what, text) in [
+        ("log", d.log_text()),
+        ("status.json", status_text),
+        ("/v1/models", http_status),
+        ("metrics", d.metrics()),
+    ] {
+        assert!(!text.contains(wrong), "the secret leaked into the {what}");
+    }
+}
+
+#[test]
+fn hostile_keys_are_refused_and_nothing_is_written_outside_the_state_dir() {
+    let server = ObjectServer::s3();
+    let env = TestEnv::new();
+    server.create_bucket("models");
+    let cases: [(&str, &[&str]); 3] = [
+        ("dots", &["dots/ok.json", "dots/../../../../escaped.txt"]),
+        ("empty", &["empty/a//b.txt"]),
+        ("clash", &["clash/a", "clash/a/b"]),
+    ];
+    for (prefix, keys) in cases {
+        for key in keys {
+            server.put("models", key, b"hostile");
+        }
+        let _ = prefix;
+    }
+    let d = start(&env, &server.daemon_env(), &[]);
+    let yaml: Vec<String> = cases
+        .iter()
+        .map(|(p, _)| model(p, &server.uri("models", p), "AlwaysDownload", &[]))
+        .collect();
+    env.write_models("h.yaml", &yaml.join("---\n"));
+    for (prefix, _) in cases {
+        let e = d.wait_model(&format!("clusterbasemodel.{prefix}"), "Failed");
+        let reason = e["reason"].as_str().unwrap();
+        assert!(
+            reason.contains("segment")
+                || reason.contains("both a file and a directory")
+                || reason.contains("invalid"),
+            "{prefix}: {reason}"
+        );
+        assert!(!env.mount.join(prefix).exists());
+    }
+    let escaped = sh(&format!(
+        "find {} /tmp -maxdepth 8 -name escaped.txt -newer {} 2>/dev/null || true",
+        env.root.path().display(),
+        env.models.display()
+    ));
+    assert!(escaped.trim().is_empty(), "written outside: {escaped}");
+}

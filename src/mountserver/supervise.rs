@@ -1,0 +1,167 @@
+//! `modelfs serve`: the mount server runs the agent as its child and restarts it when it dies.
+
+use std::ffi::OsString;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// First delay before restarting a dead agent; doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// An agent that ran this long before dying starts the backoff afresh.
+const HEALTHY_RUN: Duration = Duration::from_secs(60);
+/// How long a stopping agent may take before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(30);
+
+/// The agent child and its restarts.
+pub struct Supervisor {
+    stop: Arc<AtomicBool>,
+    child: Arc<Mutex<Option<Child>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Why a child ended, for a person.
+pub fn describe(status: ExitStatus) -> String {
+    if let Some(sig) = status.signal() {
+        let name = rustix::process::Signal::from_named_raw(sig)
+            .map(|s| format!("{s:?}"))
+            .unwrap_or_else(|| "unknown".into());
+        format!(
+            "killed by signal {sig} ({name}){}",
+            if status.core_dumped() {
+                ", core dumped"
+            } else {
+                ""
+            }
+        )
+    } else {
+        match status.code() {
+            Some(0) => "exited normally".into(),
+            Some(c) => format!("exited with status {c}"),
+            None => format!("{status}"),
+        }
+    }
+}
+
+impl Supervisor {
+    /// Starts `program args...` now and again after each death.
+    pub fn start(program: PathBuf, args: Vec<OsString>) -> std::io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let child: Arc<Mutex<Option<Child>>> = Arc::new(Mutex::new(None));
+        let (thread_stop, thread_child) = (stop.clone(), child.clone());
+        // This thread forks the child and lives as long as the supervisor: the child's
+        // parent-death signal fires when the forking *thread* ends.
+        let thread = std::thread::Builder::new()
+            .name("agent-supervisor".into())
+            .spawn(move || supervise(program, args, thread_stop, thread_child))?;
+        Ok(Self {
+            stop,
+            child,
+            thread: Some(thread),
+        })
+    }
+
+    /// SIGTERM to the agent, wait for it (SIGKILL after a grace period), no restart.
+    pub fn stop(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = &self.child;
+    }
+}
+
+fn spawn(program: &PathBuf, args: &[OsString]) -> std::io::Result<Child> {
+    let mut cmd = Command::new(program);
+    cmd.args(args).stdin(Stdio::null());
+    // SAFETY: only an async-signal-safe prctl between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            // The agent must not outlive a mount server that dies without clean-up (SIGKILL):
+            // the next one starts its own agent.
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+                .map_err(std::io::Error::from)
+        });
+    }
+    cmd.spawn()
+}
+
+fn supervise(
+    program: PathBuf,
+    args: Vec<OsString>,
+    stop: Arc<AtomicBool>,
+    slot: Arc<Mutex<Option<Child>>>,
+) {
+    let mut backoff = FIRST_BACKOFF;
+    while !stop.load(Ordering::Relaxed) {
+        let started = Instant::now();
+        let child = match spawn(&program, &args) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %e, program = %program.display(), "starting the agent failed");
+                wait_or_stop(&stop, backoff);
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        tracing::info!(pid = child.id(), "agent started");
+        *slot.lock().expect("child slot") = Some(child);
+        let status = loop {
+            let mut guard = slot.lock().expect("child slot");
+            let child = guard.as_mut().expect("child");
+            if stop.load(Ordering::Relaxed) {
+                break stop_child(child);
+            }
+            match child.try_wait() {
+                Ok(Some(status)) => break Some(status),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "waiting for the agent");
+                    break None;
+                }
+            }
+            drop(guard);
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        slot.lock().expect("child slot").take();
+        let ran = started.elapsed();
+        let reason = status.map(describe).unwrap_or_else(|| "unknown".into());
+        if stop.load(Ordering::Relaxed) {
+            tracing::info!(%reason, "agent stopped");
+            return;
+        }
+        if ran >= HEALTHY_RUN {
+            backoff = FIRST_BACKOFF;
+        }
+        tracing::warn!(%reason, ran_secs = ran.as_secs_f64(), restart_in_ms = backoff.as_millis() as u64, "agent died; restarting it");
+        wait_or_stop(&stop, backoff);
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+fn stop_child(child: &mut Child) -> Option<ExitStatus> {
+    let pid = rustix::process::Pid::from_raw(child.id() as i32);
+    if let Some(pid) = pid {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tracing::warn!("agent did not stop in time; killing it");
+    let _ = child.kill();
+    child.wait().ok()
+}
+
+fn wait_or_stop(stop: &AtomicBool, delay: Duration) {
+    let until = Instant::now() + delay;
+    while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(20).min(delay));
+    }
+}

@@ -26,9 +26,19 @@ pub struct Supervisor {
 /// Why a child ended, for a person.
 pub fn describe(status: ExitStatus) -> String {
     if let Some(sig) = status.signal() {
-        let name = rustix::process::Signal::from_named_raw(sig)
-            .map(|s| format!("{s:?}"))
-            .unwrap_or_else(|| "unknown".into());
+        let name = match sig {
+            1 => "SIGHUP",
+            2 => "SIGINT",
+            4 => "SIGILL",
+            6 => "SIGABRT",
+            7 => "SIGBUS",
+            8 => "SIGFPE",
+            9 => "SIGKILL",
+            11 => "SIGSEGV",
+            13 => "SIGPIPE",
+            15 => "SIGTERM",
+            _ => "other",
+        };
         format!(
             "killed by signal {sig} ({name}){}",
             if status.core_dumped() {

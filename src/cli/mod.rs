@@ -387,9 +387,9 @@ async fn agent(args: ServeArgs) -> Result<()> {
     let metrics = Arc::new(Metrics::new());
     let core = Arc::new(FsCore::new());
     let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
-    let connect_core = core.clone();
+    let (connect_core, connect_metrics) = (core.clone(), metrics.clone());
     let (mount, welcome, mount_dev) = tokio::task::spawn_blocking(move || {
-        crate::mountserver::client::RemoteMount::connect(connect_core, &socket)
+        crate::mountserver::client::RemoteMount::connect(connect_core, connect_metrics, &socket)
     })
     .await
     .context("connecting to the mount server")??;

@@ -5,7 +5,7 @@
 //! connect, `hello`, the whole mapping, then every change; after any failure it reconnects
 //! and sends the whole mapping again.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufRead, BufReader, IoSliceMut, Read};
 use std::mem::MaybeUninit;
 use std::os::fd::OwnedFd;
@@ -21,6 +21,7 @@ use super::protocol::{
 use super::MountSink;
 use crate::artifact::ArtifactId;
 use crate::fs::{FsCore, Invalidation, RemoteUsage};
+use crate::metrics::Metrics;
 
 /// What the server said when it accepted the agent.
 #[derive(Debug)]
@@ -143,6 +144,9 @@ struct Shared {
     mount_dev: Arc<AtomicU64>,
     /// Refusals already logged, so a refused entry is logged once per reason.
     logged_refusals: Mutex<HashSet<(Vec<String>, String)>>,
+    metrics: Arc<Metrics>,
+    /// The server instance and FUSE counters it reported last.
+    stats: Mutex<(u64, BTreeMap<String, u64>)>,
 }
 
 /// The agent's mount sink (module docs).
@@ -167,6 +171,7 @@ impl RemoteMount {
     /// of the models root before it starts.
     pub fn connect(
         core: Arc<FsCore>,
+        metrics: Arc<Metrics>,
         socket: &Path,
     ) -> Result<(Arc<RemoteMount>, Welcome, Arc<AtomicU64>), ConnectError> {
         core.set_remote_unknown();
@@ -196,6 +201,8 @@ impl RemoteMount {
             wake: Condvar::new(),
             mount_dev: mount_dev.clone(),
             logged_refusals: Mutex::new(HashSet::new()),
+            metrics,
+            stats: Mutex::new((0, BTreeMap::new())),
         });
         let thread_shared = shared.clone();
         std::thread::Builder::new()
@@ -347,6 +354,14 @@ fn read_loop<R: BufRead>(shared: &Shared, r: &mut R) -> io::Result<()> {
                 if p.applied_seq == p.sent_seq && usage.generation >= p.applied_generation {
                     shared.core.set_remote_usage(remote_usage(usage));
                 }
+            }
+            ServerMessage::Stats { instance, counters } => {
+                let mut last = shared.stats.lock().expect("stats");
+                if last.0 != instance {
+                    *last = (instance, BTreeMap::new());
+                }
+                shared.metrics.add_fuse_snapshot(&last.1, &counters);
+                last.1 = counters;
             }
             ServerMessage::Welcome { .. } | ServerMessage::Refused { .. } => {
                 return Err(io::Error::other("unexpected handshake message"));

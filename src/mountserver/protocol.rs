@@ -74,6 +74,12 @@ pub enum ServerMessage {
         error: Option<String>,
     },
     Usage(WireUsage),
+    /// The FUSE counters of this server instance ([`crate::metrics::Metrics::fuse_snapshot`]),
+    /// sent when they moved: the agent exports them on its `/metrics`.
+    Stats {
+        instance: u64,
+        counters: BTreeMap<String, u64>,
+    },
 }
 
 /// The mapping, by ids.

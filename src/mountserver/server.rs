@@ -62,6 +62,8 @@ struct Peer {
     writer: Mutex<UnixStream>,
     /// (usage epoch, generation) last reported to it.
     reported: Mutex<Option<(u64, u64)>>,
+    /// FUSE counters last reported to it.
+    stats: Mutex<BTreeMap<String, u64>>,
 }
 
 impl Peer {
@@ -86,6 +88,9 @@ struct Shared {
     peer: Mutex<Option<Arc<Peer>>>,
     next_peer: AtomicU64,
     stopping: AtomicBool,
+    metrics: Arc<Metrics>,
+    /// Tells this server's counters from a restarted one's.
+    instance: u64,
 }
 
 /// A running mount server. [`MountServer::shutdown`] unmounts.
@@ -161,6 +166,12 @@ impl MountServer {
             peer: Mutex::new(None),
             next_peer: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
+            metrics: metrics.clone(),
+            instance: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+                ^ u64::from(std::process::id()),
         });
         match shared.load_persisted() {
             Ok(Some((artifacts, mapping))) => {
@@ -340,6 +351,7 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
         id: shared.next_peer.fetch_add(1, Ordering::Relaxed),
         writer: Mutex::new(stream.try_clone()?),
         reported: Mutex::new(None),
+        stats: Mutex::new(BTreeMap::new()),
     });
     // The newest agent wins: an upgraded agent may connect before the old one is gone.
     if let Some(old) = shared.peer.lock().expect("peer").replace(peer.clone()) {
@@ -438,6 +450,19 @@ fn usage_loop(shared: Arc<Shared>) {
             let generation = shared.core.generation();
             if let Err(e) = shared.report_usage(&peer, generation, false) {
                 tracing::debug!(error = %e, "usage report not delivered");
+            }
+            let counters = shared.metrics.fuse_snapshot();
+            let changed = {
+                let mut last = peer.stats.lock().expect("stats");
+                let changed = *last != counters;
+                *last = counters.clone();
+                changed
+            };
+            if changed {
+                let _ = peer.send(&ServerMessage::Stats {
+                    instance: shared.instance,
+                    counters,
+                });
             }
         }
     }

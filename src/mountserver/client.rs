@@ -133,6 +133,12 @@ struct Progress {
     sent_seq: u64,
     applied_seq: u64,
     applied_generation: u64,
+    /// Generation of the agent's core carried by each `apply` not yet confirmed, and of the
+    /// last confirmed one.
+    in_flight: Vec<(u64, u64)>,
+    confirmed_local: u64,
+    /// A connection is up (a welcome was received and it has not broken since).
+    connected: bool,
 }
 
 struct Shared {
@@ -154,14 +160,30 @@ pub struct RemoteMount {
     shared: Arc<Shared>,
 }
 
+/// Longest wait for the server to confirm a mapping before the reconciler carries on.
+const CONFIRM_WAIT: Duration = Duration::from_secs(5);
+
 impl MountSink for RemoteMount {
+    /// Sends the new mapping and waits (bounded) until the server serves it, so that what the
+    /// status reports as Ready is visible in the mount. While the server is away nothing
+    /// waits: the mapping goes out on reconnect.
     fn invalidate(&self, list: Vec<Invalidation>) {
         // No kernel on this side: the agent's retired slots stop pinning stores at once; the
         // server reports its own.
         self.shared.core.detach_all(&list);
+        let target = self.shared.core.last_applied().generation;
+        let deadline = Instant::now() + CONFIRM_WAIT;
         let mut p = self.shared.progress.lock().expect("progress");
         p.dirty = true;
         self.shared.wake.notify_all();
+        while p.connected && !p.broken && p.confirmed_local < target {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!("the mount server has not confirmed the new mapping yet; carrying on");
+                break;
+            }
+            p = self.shared.wake.wait_timeout(p, left).expect("progress").0;
+        }
     }
 }
 
@@ -196,6 +218,7 @@ impl RemoteMount {
             socket: socket.to_path_buf(),
             progress: Mutex::new(Progress {
                 dirty: true,
+                connected: true,
                 ..Default::default()
             }),
             wake: Condvar::new(),
@@ -222,6 +245,11 @@ fn connection_loop(shared: Arc<Shared>, mut stream: UnixStream, mut rest: Vec<u8
             tracing::warn!(error = %e, "mount server connection lost; reconnecting");
         }
         shared.core.set_remote_unknown();
+        {
+            let mut p = shared.progress.lock().expect("progress");
+            p.connected = false;
+            shared.wake.notify_all();
+        }
         let _ = stream.shutdown(std::net::Shutdown::Both);
         let started = Instant::now();
         let mut logged = false;
@@ -248,7 +276,9 @@ fn connection_loop(shared: Arc<Shared>, mut stream: UnixStream, mut rest: Vec<u8
         let mut p = shared.progress.lock().expect("progress");
         *p = Progress {
             dirty: true,
+            connected: true,
             sent_seq: p.sent_seq,
+            confirmed_local: p.confirmed_local,
             ..Default::default()
         };
     }
@@ -286,7 +316,10 @@ fn run_connection(shared: &Arc<Shared>, stream: &UnixStream, rest: Vec<u8>) -> i
                 continue;
             }
             p.sent_seq += 1;
-            p.sent_seq
+            let local = shared.core.last_applied().generation;
+            let seq = p.sent_seq;
+            p.in_flight.push((seq, local));
+            seq
         };
         // Until the server confirms this mapping, its uses are not known.
         shared.core.set_remote_unknown();
@@ -335,6 +368,17 @@ fn read_loop<R: BufRead>(shared: &Shared, r: &mut R) -> io::Result<()> {
                     let mut p = shared.progress.lock().expect("progress");
                     p.applied_seq = seq;
                     p.applied_generation = generation;
+                    if let Some(local) = p
+                        .in_flight
+                        .iter()
+                        .filter(|(s, _)| *s <= seq)
+                        .map(|(_, g)| *g)
+                        .max()
+                    {
+                        p.confirmed_local = p.confirmed_local.max(local);
+                    }
+                    p.in_flight.retain(|(s, _)| *s > seq);
+                    shared.wake.notify_all();
                 }
                 if let Some(e) = error {
                     tracing::error!(error = %e, "the mount server refused the mapping");

@@ -86,7 +86,9 @@ impl Supervisor {
 
 fn spawn(program: &PathBuf, args: &[OsString]) -> std::io::Result<Child> {
     let mut cmd = Command::new(program);
-    cmd.args(args).stdin(Stdio::null());
+    // Its own process group: a terminal's Ctrl-C reaches `serve` only, which stops the agent
+    // itself (instead of seeing it die and restarting it).
+    cmd.args(args).stdin(Stdio::null()).process_group(0);
     // SAFETY: only an async-signal-safe prctl between fork and exec.
     unsafe {
         cmd.pre_exec(|| {

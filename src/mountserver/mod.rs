@@ -88,3 +88,37 @@ impl MountSink for crate::fuse::MountHandle {
         crate::fuse::MountHandle::invalidate(self, list)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    use crate::artifact::Sha256Digest;
+    use crate::fs::{FsCore, RemoteUsage};
+    use crate::store::StoreId;
+
+    #[test]
+    fn remote_uses_hold_stores_and_blobs_until_reported_gone() {
+        let core = FsCore::new();
+        let store = StoreId::from_seq(1);
+        assert!(!core.store_in_use(&store), "an in-process core has no remote user");
+        let epoch = core.usage_epoch();
+        core.set_remote_unknown();
+        assert!(core.store_in_use(&store), "unknown remote uses hold every store");
+        assert_ne!(core.usage_epoch(), epoch);
+        let blob = Sha256Digest::of(b"held");
+        core.set_remote_usage(RemoteUsage {
+            known: true,
+            stores: HashSet::from([store.clone()]),
+            blobs: HashMap::from([(store.clone(), HashSet::from([blob]))]),
+        });
+        assert!(core.store_in_use(&store));
+        assert!(!core.store_in_use(&StoreId::from_seq(2)));
+        assert!(core.blobs_in_use()[&store].contains(&blob));
+        let epoch = core.usage_epoch();
+        core.set_remote_usage(RemoteUsage::default());
+        assert!(!core.store_in_use(&store), "the open file was closed");
+        assert!(core.blobs_in_use().get(&store).is_none());
+        assert_ne!(core.usage_epoch(), epoch, "a use that ended wakes garbage collection");
+    }
+}

@@ -246,6 +246,17 @@ impl MountServer {
     }
 }
 
+/// Whether a mount server holds the lock of this state directory (it may be serving blobs of
+/// stores no record names any more, and files may be open through it).
+pub fn running(state: &Path) -> bool {
+    let path = own_dir(state).join("lock");
+    match std::fs::OpenOptions::new().write(true).open(&path) {
+        Ok(file) => rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockShared)
+            .is_err(),
+        Err(_) => false,
+    }
+}
+
 fn lock_file(path: &Path) -> anyhow::Result<std::fs::File> {
     let file = std::fs::OpenOptions::new()
         .create(true)

@@ -25,9 +25,29 @@ use prometheus_client::registry::Registry;
 
 /// The operations the FUSE adapter counts.
 pub const FUSE_OPS: &[&str] = &[
-    "create", "fallocate", "getattr", "getxattr", "link", "listxattr", "lookup", "mkdir", "mknod",
-    "open", "opendir", "read", "readdir", "release", "removexattr", "rename", "rmdir", "setattr",
-    "setxattr", "statfs", "symlink", "unlink", "write",
+    "create",
+    "fallocate",
+    "getattr",
+    "getxattr",
+    "link",
+    "listxattr",
+    "lookup",
+    "mkdir",
+    "mknod",
+    "open",
+    "opendir",
+    "read",
+    "readdir",
+    "release",
+    "removexattr",
+    "rename",
+    "rmdir",
+    "setattr",
+    "setxattr",
+    "statfs",
+    "symlink",
+    "unlink",
+    "write",
 ];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -377,10 +397,7 @@ impl Metrics {
             "kernel_invalidations".into(),
             self.kernel_invalidations.get(),
         );
-        out.insert(
-            "open_files".into(),
-            self.open_files.get().max(0) as u64,
-        );
+        out.insert("open_files".into(), self.open_files.get().max(0) as u64);
         out.retain(|_, v| *v > 0);
         out
     }
@@ -396,10 +413,14 @@ impl Metrics {
             };
             match (family, op) {
                 ("fuse_requests", Some(op)) => {
-                    self.fuse_requests.get_or_create(&OpLabel { op }).inc_by(delta);
+                    self.fuse_requests
+                        .get_or_create(&OpLabel { op })
+                        .inc_by(delta);
                 }
                 ("fuse_errors", Some(op)) => {
-                    self.fuse_errors.get_or_create(&OpLabel { op }).inc_by(delta);
+                    self.fuse_errors
+                        .get_or_create(&OpLabel { op })
+                        .inc_by(delta);
                 }
                 ("read_bytes", None) => {
                     self.read_bytes.inc_by(delta);

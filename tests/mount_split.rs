@@ -7,8 +7,8 @@ mod common;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{FileExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,7 +25,7 @@ fn mount_id(path: &Path) -> Option<u64> {
     info.lines()
         .filter(|l| l.split(' ').nth(4) == Some(want))
         .filter_map(|l| l.split(' ').next()?.parse().ok())
-        .last()
+        .next_back()
 }
 
 fn wait_for(what: &str, timeout: Duration, mut pred: impl FnMut() -> bool) {
@@ -401,7 +401,9 @@ fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
         let data = std::fs::read(split.env.mount.join("m").join(rel)).unwrap();
         assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
     }
-    assert!(split.log_text().contains("serving the persisted mapping models=1"));
+    assert!(split
+        .log_text()
+        .contains("serving the persisted mapping models=1"));
     // Exactly one mount left at the path (the stale one was removed).
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     let at = info
@@ -506,7 +508,12 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
     let good_entry = persisted["mapping"]["entries"][0].clone();
     let artifact_id = good_entry["artifact"].as_str().unwrap();
     let artifact: modelfs::artifact::StoredArtifact = serde_json::from_slice(
-        &std::fs::read(state_dir.join("artifacts").join(format!("{artifact_id}.json"))).unwrap(),
+        &std::fs::read(
+            state_dir
+                .join("artifacts")
+                .join(format!("{artifact_id}.json")),
+        )
+        .unwrap(),
     )
     .unwrap();
     // A store that exists but lacks the blobs.
@@ -592,10 +599,14 @@ fn serve_runs_the_agent_as_a_supervised_child() {
     assert_eq!(agent.len(), 1, "one agent child");
     // SAFETY: a signal to a process this test started (through serve).
     unsafe { libc::kill(agent[0] as i32, libc::SIGKILL) };
-    wait_for("the agent's death in the log", Duration::from_secs(30), || {
-        d.log_text()
-            .contains("agent died; restarting it reason=killed by signal 9 (SIGKILL)")
-    });
+    wait_for(
+        "the agent's death in the log",
+        Duration::from_secs(30),
+        || {
+            d.log_text()
+                .contains("agent died; restarting it reason=killed by signal 9 (SIGKILL)")
+        },
+    );
     wait_for("a new agent", Duration::from_secs(30), || {
         let now = children(d.pid());
         now.len() == 1 && now != agent
@@ -610,10 +621,12 @@ fn serve_runs_the_agent_as_a_supervised_child() {
     let agent = children(d.pid());
     assert!(d.stop(), "clean exit");
     assert!(mount_id(&env.mount).is_none());
-    assert!(!Path::new(&format!("/proc/{}", agent[0])).exists() || {
-        // A zombie reaped by init shows no cmdline.
-        std::fs::read(format!("/proc/{}/cmdline", agent[0]))
-            .map(|c| c.is_empty())
-            .unwrap_or(true)
-    });
+    assert!(
+        !Path::new(&format!("/proc/{}", agent[0])).exists() || {
+            // A zombie reaped by init shows no cmdline.
+            std::fs::read(format!("/proc/{}/cmdline", agent[0]))
+                .map(|c| c.is_empty())
+                .unwrap_or(true)
+        }
+    );
 }

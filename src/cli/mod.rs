@@ -315,7 +315,9 @@ fn lock_state(state: &Path) -> Result<std::fs::File> {
 fn socket_path(state: &Path, flag: Option<&Path>) -> Result<PathBuf> {
     match flag {
         Some(p) => absolute(p),
-        None => Ok(crate::mountserver::server::default_socket(&absolute(state)?)),
+        None => Ok(crate::mountserver::server::default_socket(&absolute(
+            state,
+        )?)),
     }
 }
 

@@ -438,8 +438,7 @@ impl FsCore {
                 out.stores.insert(store.id.clone());
                 let blobs = out.blobs.entry(store.id.clone()).or_default();
                 for idx in 0..slot.tree.len() as u32 {
-                    if let Some(NodeKind::File { blob, .. }) =
-                        slot.tree.node(idx).map(|n| &n.kind)
+                    if let Some(NodeKind::File { blob, .. }) = slot.tree.node(idx).map(|n| &n.kind)
                     {
                         blobs.insert(*blob);
                     }

@@ -45,7 +45,10 @@ pub enum ConnectError {
 
 /// Connects and says hello with `version` (tests use other versions); returns the stream, the
 /// welcome, and bytes already read past it.
-pub fn handshake(socket: &Path, version: u32) -> Result<(UnixStream, Welcome, Vec<u8>), ConnectError> {
+pub fn handshake(
+    socket: &Path,
+    version: u32,
+) -> Result<(UnixStream, Welcome, Vec<u8>), ConnectError> {
     let unavailable = |source| ConnectError::Unavailable {
         path: socket.to_path_buf(),
         source,
@@ -87,7 +90,8 @@ pub fn handshake(socket: &Path, version: u32) -> Result<(UnixStream, Welcome, Ve
             "connection closed before the welcome".into(),
         ));
     }
-    let mut reader = BufReader::new(io::Cursor::new(buf).chain(stream.try_clone().map_err(unavailable)?));
+    let mut reader =
+        BufReader::new(io::Cursor::new(buf).chain(stream.try_clone().map_err(unavailable)?));
     let line = protocol::read_line(&mut reader, protocol::MAX_HELLO_BYTES)
         .map_err(|e| ConnectError::Protocol(e.to_string()))?
         .ok_or_else(|| ConnectError::Protocol("connection closed before the welcome".into()))?;
@@ -179,7 +183,9 @@ impl MountSink for RemoteMount {
         while p.connected && !p.broken && p.confirmed_local < target {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                tracing::warn!("the mount server has not confirmed the new mapping yet; carrying on");
+                tracing::warn!(
+                    "the mount server has not confirmed the new mapping yet; carrying on"
+                );
                 break;
             }
             p = self.shared.wake.wait_timeout(p, left).expect("progress").0;
@@ -257,9 +263,7 @@ fn connection_loop(shared: Arc<Shared>, mut stream: UnixStream, mut rest: Vec<u8
             match handshake(&shared.socket, PROTOCOL_VERSION) {
                 Ok((s, welcome, r)) => {
                     tracing::info!(server = %welcome.server, after_ms = started.elapsed().as_millis() as u64, "reconnected to the mount server");
-                    shared
-                        .mount_dev
-                        .store(welcome.mount_dev, Ordering::Relaxed);
+                    shared.mount_dev.store(welcome.mount_dev, Ordering::Relaxed);
                     stream = s;
                     rest = r;
                     break;
@@ -384,10 +388,8 @@ fn read_loop<R: BufRead>(shared: &Shared, r: &mut R) -> io::Result<()> {
                     tracing::error!(error = %e, "the mount server refused the mapping");
                 }
                 let mut logged = shared.logged_refusals.lock().expect("refusals");
-                let now: HashSet<(Vec<String>, String)> = refused
-                    .into_iter()
-                    .map(|r| (r.path, r.reason))
-                    .collect();
+                let now: HashSet<(Vec<String>, String)> =
+                    refused.into_iter().map(|r| (r.path, r.reason)).collect();
                 for (path, reason) in now.difference(&logged) {
                     tracing::error!(path = %path.join("/"), %reason, "the mount server does not serve this model");
                 }

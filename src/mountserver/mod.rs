@@ -101,10 +101,16 @@ mod tests {
     fn remote_uses_hold_stores_and_blobs_until_reported_gone() {
         let core = FsCore::new();
         let store = StoreId::from_seq(1);
-        assert!(!core.store_in_use(&store), "an in-process core has no remote user");
+        assert!(
+            !core.store_in_use(&store),
+            "an in-process core has no remote user"
+        );
         let epoch = core.usage_epoch();
         core.set_remote_unknown();
-        assert!(core.store_in_use(&store), "unknown remote uses hold every store");
+        assert!(
+            core.store_in_use(&store),
+            "unknown remote uses hold every store"
+        );
         assert_ne!(core.usage_epoch(), epoch);
         let blob = Sha256Digest::of(b"held");
         core.set_remote_usage(RemoteUsage {
@@ -118,7 +124,11 @@ mod tests {
         let epoch = core.usage_epoch();
         core.set_remote_usage(RemoteUsage::default());
         assert!(!core.store_in_use(&store), "the open file was closed");
-        assert!(core.blobs_in_use().get(&store).is_none());
-        assert_ne!(core.usage_epoch(), epoch, "a use that ended wakes garbage collection");
+        assert!(!core.blobs_in_use().contains_key(&store));
+        assert_ne!(
+            core.usage_epoch(),
+            epoch,
+            "a use that ended wakes garbage collection"
+        );
     }
 }

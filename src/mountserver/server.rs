@@ -118,7 +118,10 @@ fn check_artifact(a: &StoredArtifact) -> Result<Arc<StoredArtifact>, String> {
     let manifest = Manifest::new(a.manifest.revision.clone(), a.manifest.entries().to_vec())
         .map_err(|e| format!("artifact {}: {e}", a.id))?;
     if manifest.id() != a.id {
-        return Err(format!("artifact {}: id is not its manifest's digest", a.id));
+        return Err(format!(
+            "artifact {}: id is not its manifest's digest",
+            a.id
+        ));
     }
     StoredArtifact::new(manifest, a.blobs.clone(), a.completed_at)
         .map(Arc::new)
@@ -147,7 +150,9 @@ impl MountServer {
         // The directory the mount is about to cover: handed to agents for adoption.
         let under = rustix::fs::open(
             &config.mount,
-            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::DIRECTORY
+                | rustix::fs::OFlags::CLOEXEC,
             rustix::fs::Mode::empty(),
         )
         .with_context(|| format!("opening {}", config.mount.display()))?;
@@ -203,10 +208,9 @@ impl MountServer {
         shared
             .passthrough
             .store(mount.passthrough_active(), Ordering::Relaxed);
-        shared.mount_dev.store(
-            std::fs::metadata(&config.mount)?.dev(),
-            Ordering::Relaxed,
-        );
+        shared
+            .mount_dev
+            .store(std::fs::metadata(&config.mount)?.dev(), Ordering::Relaxed);
         *shared.mount.lock().expect("mount slot") = Some(mount);
 
         let listener = bind_socket(&config.socket)
@@ -251,8 +255,9 @@ impl MountServer {
 pub fn running(state: &Path) -> bool {
     let path = own_dir(state).join("lock");
     match std::fs::OpenOptions::new().write(true).open(&path) {
-        Ok(file) => rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockShared)
-            .is_err(),
+        Ok(file) => {
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockShared).is_err()
+        }
         Err(_) => false,
     }
 }

@@ -100,39 +100,75 @@ def render_kustomization(directory):
 
 
 def check_daemonset(objects, problems):
+    """Two DaemonSets: the mount server (`mount-server`: privileged, /dev/fuse, the models root
+    as a Bidirectional hostPath, `OnDelete` so that rolling out an image never restarts it) and
+    the agent (`agent --kube`: probes, NODE_NAME, rolled out freely), sharing the state
+    directory and the socket directory as hostPaths."""
     daemonsets = [o for o in objects if o["kind"] == "DaemonSet"]
-    if len(daemonsets) != 1:
-        problems.append(f"expected one DaemonSet, found {len(daemonsets)}")
+    by_role = {}
+    for ds in daemonsets:
+        args = ds["spec"]["template"]["spec"]["containers"][0].get("args", [])
+        by_role.setdefault(args[0] if args else "", []).append(ds)
+    if len(daemonsets) != 2 or len(by_role.get("mount-server", [])) != 1 or len(by_role.get("agent", [])) != 1:
+        problems.append(f"expected one mount-server and one agent DaemonSet, found {sorted(by_role)}")
         return
-    pod = daemonsets[0]["spec"]["template"]["spec"]
-    container = pod["containers"][0]
-    if not container.get("securityContext", {}).get("privileged"):
-        problems.append("DaemonSet container must be privileged (FUSE, passthrough)")
-    mounts = {m["name"]: m for m in container.get("volumeMounts", [])}
-    volumes = {v["name"]: v for v in pod.get("volumes", [])}
-    args = container.get("args", [])
-    mount_dir = next((a.split("=", 1)[1] for a in args if a.startswith("--mount=")), None)
-    models = [m for m in mounts.values() if m["mountPath"] == mount_dir]
-    if not models or models[0].get("mountPropagation") != "Bidirectional":
+
+    def parts(ds):
+        pod = ds["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        mounts = {m["name"]: m for m in container.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        args = container.get("args", [])
+
+        def arg(name):
+            return next((a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")), None)
+
+        def host_path(directory):
+            found = [m for m in mounts.values() if m["mountPath"] == directory]
+            if not found:
+                return None, None
+            return found[0], volumes.get(found[0]["name"], {}).get("hostPath", {}).get("path")
+
+        return container, mounts, args, arg, host_path
+
+    server, s_mounts, s_args, s_arg, s_host = parts(by_role["mount-server"][0])
+    agent, a_mounts, a_args, a_arg, a_host = parts(by_role["agent"][0])
+    name = by_role["mount-server"][0]["metadata"]["name"]
+    if by_role["mount-server"][0]["spec"].get("updateStrategy", {}).get("type") != "OnDelete":
+        problems.append(f"{name}: the mount server must use updateStrategy OnDelete")
+    if not server.get("securityContext", {}).get("privileged"):
+        problems.append(f"{name}: the mount server must be privileged (FUSE, passthrough)")
+    models, models_host = s_host(s_arg("mount"))
+    if not models or models.get("mountPropagation") != "Bidirectional":
         problems.append("the --mount directory must be a volume with Bidirectional propagation")
-    elif "hostPath" not in volumes.get(models[0]["name"], {}):
+    elif models_host is None:
         problems.append("the models root must be a hostPath volume")
-    if not any(m["mountPath"] == "/dev/fuse" for m in mounts.values()):
+    if not any(m["mountPath"] == "/dev/fuse" for m in s_mounts.values()):
         problems.append("/dev/fuse must be mounted")
-    state_dir = next((a.split("=", 1)[1] for a in args if a.startswith("--state=")), None)
-    state = [m for m in mounts.values() if m["mountPath"] == state_dir]
-    if not state or "hostPath" not in volumes.get(state[0]["name"], {}):
-        problems.append("the --state directory must be a hostPath volume")
-    env = {e["name"]: e for e in container.get("env", [])}
+    if "preStop" not in server.get("lifecycle", {}):
+        problems.append("a preStop hook must stop the mount server so that it unmounts")
+
+    agent_models, agent_models_host = a_host(a_arg("mount"))
+    if agent_models_host != models_host or (agent_models or {}).get("mountPropagation") != "HostToContainer":
+        problems.append("the agent must see the models root (same hostPath, HostToContainer)")
+    if agent.get("securityContext", {}).get("privileged"):
+        problems.append("the agent must not be privileged (the mount belongs to the mount server)")
+    for what in ("state", "mount-socket"):
+        s_dir, a_dir = s_arg(what), a_arg(what)
+        if what == "mount-socket":
+            s_dir = s_dir and s_dir.rsplit("/", 1)[0]
+            a_dir = a_dir and a_dir.rsplit("/", 1)[0]
+        s_path, a_path = s_host(s_dir)[1], a_host(a_dir)[1]
+        if s_path is None or s_path != a_path or s_arg(what) != a_arg(what):
+            problems.append(f"--{what} must be the same hostPath in both DaemonSets")
+    env = {e["name"]: e for e in agent.get("env", [])}
     if env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "spec.nodeName":
         problems.append("NODE_NAME must come from the downward API (spec.nodeName)")
-    if "--kube" not in args:
-        problems.append("the daemon must run with --kube")
+    if "--kube" not in a_args:
+        problems.append("the agent must run with --kube")
     for probe, path in (("livenessProbe", "/livez"), ("readinessProbe", "/readyz")):
-        if container.get(probe, {}).get("httpGet", {}).get("path") != path:
+        if agent.get(probe, {}).get("httpGet", {}).get("path") != path:
             problems.append(f"{probe} must GET {path}")
-    if "preStop" not in container.get("lifecycle", {}):
-        problems.append("a preStop hook must stop the daemon so that it unmounts")
 
 
 def check_env_references(name, objects, problems):

@@ -97,6 +97,16 @@ impl UnderMount {
         Ok(Self { dir, names })
     }
 
+    /// The same, from a descriptor of the covered directory opened by another process (the
+    /// mount server, which opens it before mounting and hands it to the agent).
+    pub fn from_fd(dir: OwnedFd, mount_dir: &Path, models_root_dir: &Path) -> Self {
+        let mut names = vec![mount_dir.to_path_buf()];
+        if models_root_dir != mount_dir {
+            names.push(models_root_dir.to_path_buf());
+        }
+        Self { dir, names }
+    }
+
     /// `/proc/self/fd/N/<rel>`: a path that reaches `rel` below the covered directory (for code
     /// that works with paths, such as the `local://` source).
     pub fn proc_path(&self, rel: &Path) -> PathBuf {

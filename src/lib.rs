@@ -9,6 +9,8 @@
 //! * [`store`]: content-addressed blob stores and the daemon's durable records.
 //! * [`fs`]: the filesystem core (mapping table, trees, inodes, open files), FUSE-free.
 //! * [`fuse`]: the thin `fuser` adapter over [`fs`].
+//! * [`mountserver`]: the mount server process (FUSE session, mapping, open files) and the
+//!   agent's socket to it: the mount outlives agent crashes and upgrades.
 //! * [`reconciler`]: the policy state machine: placement, flips, deletion, garbage collection.
 //! * [`standalone`]: desired state from a directory of YAML files.
 //! * [`kube`]: desired state from the Kubernetes API; OME-compatible node status.
@@ -33,6 +35,7 @@ pub mod kube;
 pub mod manifest;
 pub mod metrics;
 pub mod modelconfig;
+pub mod mountserver;
 #[cfg(test)]
 pub(crate) mod proptest_support;
 pub mod reconciler;

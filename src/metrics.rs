@@ -18,12 +18,41 @@
 //! directly and the daemon never sees the bytes (that is the point), so `passthrough_opens` is the
 //! signal for that path.
 
+use std::collections::BTreeMap;
+
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+/// The operations the FUSE adapter counts.
+pub const FUSE_OPS: &[&str] = &[
+    "create",
+    "fallocate",
+    "getattr",
+    "getxattr",
+    "link",
+    "listxattr",
+    "lookup",
+    "mkdir",
+    "mknod",
+    "open",
+    "opendir",
+    "read",
+    "readdir",
+    "release",
+    "removexattr",
+    "rename",
+    "rmdir",
+    "setattr",
+    "setxattr",
+    "statfs",
+    "symlink",
+    "unlink",
+    "write",
+];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OpLabel {
@@ -393,6 +422,80 @@ impl Metrics {
             .and_then(|()| encode_eof(&mut out))
             .expect("writing to a String cannot fail");
         out
+    }
+
+    /// The FUSE adapter's counters by name (`fuse_requests/<op>`, `fuse_errors/<op>`, ...),
+    /// zeros left out: the mount server reports them, the agent exports them
+    /// ([`Metrics::add_fuse_snapshot`]).
+    pub fn fuse_snapshot(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        for op in FUSE_OPS {
+            let label = OpLabel { op };
+            out.insert(
+                format!("fuse_requests/{op}"),
+                self.fuse_requests.get_or_create(&label).get(),
+            );
+            out.insert(
+                format!("fuse_errors/{op}"),
+                self.fuse_errors.get_or_create(&label).get(),
+            );
+        }
+        out.insert("read_bytes".into(), self.read_bytes.get());
+        out.insert("passthrough_opens".into(), self.passthrough_opens.get());
+        out.insert("read_through_opens".into(), self.read_through_opens.get());
+        out.insert(
+            "passthrough_fallbacks".into(),
+            self.passthrough_fallbacks.get(),
+        );
+        out.insert(
+            "kernel_invalidations".into(),
+            self.kernel_invalidations.get(),
+        );
+        out.insert("open_files".into(), self.open_files.get().max(0) as u64);
+        out.retain(|_, v| *v > 0);
+        out
+    }
+
+    /// Adds what a mount server's counters moved from `previous` to `now` (`previous` empty for
+    /// a new server); the open files gauge takes the new value.
+    pub fn add_fuse_snapshot(&self, previous: &BTreeMap<String, u64>, now: &BTreeMap<String, u64>) {
+        for (name, value) in now {
+            let delta = value.saturating_sub(previous.get(name).copied().unwrap_or(0));
+            let (family, op) = match name.split_once('/') {
+                Some((family, op)) => (family, FUSE_OPS.iter().find(|o| **o == op)),
+                None => (name.as_str(), None),
+            };
+            match (family, op) {
+                ("fuse_requests", Some(op)) => {
+                    self.fuse_requests
+                        .get_or_create(&OpLabel { op })
+                        .inc_by(delta);
+                }
+                ("fuse_errors", Some(op)) => {
+                    self.fuse_errors
+                        .get_or_create(&OpLabel { op })
+                        .inc_by(delta);
+                }
+                ("read_bytes", None) => {
+                    self.read_bytes.inc_by(delta);
+                }
+                ("passthrough_opens", None) => {
+                    self.passthrough_opens.inc_by(delta);
+                }
+                ("read_through_opens", None) => {
+                    self.read_through_opens.inc_by(delta);
+                }
+                ("passthrough_fallbacks", None) => {
+                    self.passthrough_fallbacks.inc_by(delta);
+                }
+                ("kernel_invalidations", None) => {
+                    self.kernel_invalidations.inc_by(delta);
+                }
+                _ => {}
+            }
+        }
+        self.open_files
+            .set(now.get("open_files").copied().unwrap_or(0) as i64);
     }
 
     pub fn request(&self, op: &'static str) {

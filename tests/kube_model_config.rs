@@ -245,8 +245,14 @@ async fn configmap_entry_and_spec_backfill_with_skip_and_broken_configs() {
         },
     )
     .await;
-    assert_eq!(
-        entry(&server, "team.basemodel.skipped").unwrap()["config"]["modelType"],
-        "llama"
-    );
+    // The ConfigMap entry and the spec are written by different tasks: either may land first.
+    wait_for(
+        "skipped ConfigMap entry with the config fields",
+        &daemon,
+        || {
+            let e = entry(&server, "team.basemodel.skipped")?;
+            (e["config"]["modelType"] == "llama").then_some(())
+        },
+    )
+    .await;
 }

@@ -168,15 +168,21 @@ impl Drop for HungMount {
     }
 }
 
-/// Whether a thread of `pid` waits for an answer from a FUSE server (`fuse_get_req` while the
-/// connection is not initialised; the daemon's own FUSE threads wait in `fuse_dev_*` instead).
+/// Whether a thread of `pid` or of its children (`serve` runs the agent, which imports, as
+/// its child) waits for an answer from a FUSE server (`fuse_get_req` while the connection is
+/// not initialised; the daemon's own FUSE threads wait in `fuse_dev_*` instead).
 fn blocked_on_fuse(pid: u32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return false;
     };
     tasks.flatten().any(|task| {
+        let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
         std::fs::read_to_string(task.path().join("wchan"))
             .is_ok_and(|w| w.starts_with("fuse") && !w.starts_with("fuse_dev"))
+            || children
+                .split_whitespace()
+                .filter_map(|c| c.parse().ok())
+                .any(blocked_on_fuse)
     })
 }
 

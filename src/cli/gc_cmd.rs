@@ -67,6 +67,12 @@ pub fn run(args: GcArgs) -> Result<()> {
     } else {
         Some(super::lock_state(&args.state).context("stop the daemon first, or use --dry-run")?)
     };
+    if !args.dry_run && crate::mountserver::server::running(&args.state) {
+        anyhow::bail!(
+            "a mount server is serving {} (its open files are not in the records): stop it first, or use --dry-run",
+            args.state.display()
+        );
+    }
     let mut records = Records::load(&state.records_path())?;
     let plan = gc::plan(
         &records,

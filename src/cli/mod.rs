@@ -38,8 +38,15 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Mount and serve models.
+    /// Mount and serve models: the mount server, running `modelfs agent` (same arguments) as
+    /// its supervised child.
     Serve(Box<ServeArgs>),
+    /// The agent alone: reconciler, sources, Kubernetes, HTTP; tells a running mount server
+    /// (`--mount-socket`) what to serve. Takes the arguments of `serve`.
+    Agent(Box<ServeArgs>),
+    /// The mount server alone (Kubernetes runs it apart from the agent): FUSE mount, mapping,
+    /// open files; serves its persisted mapping until an agent connects.
+    MountServer(MountServerArgs),
     /// Print the models of a running daemon.
     Status(status_cmd::StatusArgs),
     /// Show (--dry-run) or remove garbage in a state directory while the daemon is stopped.
@@ -109,6 +116,10 @@ pub struct ServeArgs {
     /// Log lines as JSON.
     #[arg(long)]
     log_json: bool,
+    /// Unix socket between the agent and the mount server (its directory is made 0700).
+    /// Default: <state>/mount-server/agent.sock.
+    #[arg(long)]
+    mount_socket: Option<PathBuf>,
     #[command(flatten)]
     hf: HfArgs,
     #[command(flatten)]
@@ -168,6 +179,29 @@ impl std::fmt::Debug for ProxyArgs {
             .field("proxy_oci", &set(&self.proxy_oci))
             .finish()
     }
+}
+
+#[derive(clap::Args, Debug)]
+pub struct MountServerArgs {
+    /// Where the read-only FUSE mount is created.
+    #[arg(long)]
+    mount: PathBuf,
+    /// The state directory shared with the agent (stores; the server's own files go to
+    /// <state>/mount-server).
+    #[arg(long)]
+    state: PathBuf,
+    /// Unix socket the agent connects to. Default: <state>/mount-server/agent.sock.
+    #[arg(long)]
+    mount_socket: Option<PathBuf>,
+    /// How file data is served.
+    #[arg(long, value_enum, default_value = "auto")]
+    passthrough: PassthroughMode,
+    /// FUSE worker threads.
+    #[arg(long, default_value_t = FuseConfig::default().threads)]
+    fuse_threads: usize,
+    /// Log lines as JSON.
+    #[arg(long)]
+    log_json: bool,
 }
 
 /// Hugging Face source settings. The default token comes from the environment (`HF_TOKEN`)
@@ -253,11 +287,40 @@ pub fn main() -> Result<()> {
     match cli.command {
         Command::Serve(args) => {
             init_tracing(args.log_json);
+            let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
+            let mut agent_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+            match agent_args.iter().position(|a| a == "serve") {
+                Some(i) => agent_args[i] = "agent".into(),
+                None => bail!("cannot find the serve subcommand in the arguments"),
+            }
+            if args.mount_socket.is_none() {
+                agent_args.push("--mount-socket".into());
+                agent_args.push(socket.clone().into());
+            }
+            run_mount_server(
+                MountServerArgs {
+                    mount: args.mount.clone(),
+                    state: args.state.clone(),
+                    mount_socket: Some(socket),
+                    passthrough: args.passthrough,
+                    fuse_threads: args.fuse_threads,
+                    log_json: args.log_json,
+                },
+                Some(agent_args),
+            )
+        }
+        Command::MountServer(args) => {
+            init_tracing(args.log_json);
+            run_mount_server(args, None)
+        }
+        Command::Agent(args) => {
+            init_tracing(args.log_json);
+            crate::mountserver::supervise::exit_with_supervisor()?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .thread_name("modelfs")
                 .build()?;
-            let result = runtime.block_on(serve(*args));
+            let result = runtime.block_on(agent(*args));
             // Work on the blocking pool (local imports) can sit in a read the kernel does not
             // end (a hung network filesystem): the mount is gone and the records are saved by
             // now, so give it a moment and exit without it. Dropping the runtime would wait
@@ -308,7 +371,59 @@ fn lock_state(state: &Path) -> Result<std::fs::File> {
     Ok(file)
 }
 
-async fn serve(args: ServeArgs) -> Result<()> {
+/// The socket path: the flag, or the default below the state directory (made absolute: the
+/// agent child may run elsewhere).
+fn socket_path(state: &Path, flag: Option<&Path>) -> Result<PathBuf> {
+    match flag {
+        Some(p) => absolute(p),
+        None => Ok(crate::mountserver::server::default_socket(&absolute(
+            state,
+        )?)),
+    }
+}
+
+/// The mount server, alone or (`serve`) with the agent as its supervised child, until
+/// SIGTERM/SIGINT: then the agent is stopped and the mount removed.
+fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>>) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
+    let config = crate::mountserver::server::ServerConfig {
+        mount: absolute(&args.mount)?,
+        state: absolute(&args.state)?,
+        socket,
+        fuse: FuseConfig {
+            passthrough: args.passthrough,
+            threads: args.fuse_threads,
+            ..FuseConfig::default()
+        },
+    };
+    let server = crate::mountserver::server::MountServer::start(config, Arc::new(Metrics::new()))?;
+    let supervisor = match agent {
+        Some(agent_args) => Some(
+            crate::mountserver::supervise::Supervisor::start(
+                std::env::current_exe().context("finding the modelfs binary")?,
+                agent_args,
+            )
+            .context("starting the agent")?,
+        ),
+        None => None,
+    };
+    runtime.block_on(wait_for_signal())?;
+    tracing::info!("shutting down");
+    if let Some(s) = supervisor {
+        s.stop();
+    }
+    server.shutdown().context("unmounting")?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// How long a restarted agent waits for the previous one to release the state directory.
+const STATE_LOCK_WAIT: Duration = Duration::from_secs(30);
+
+async fn agent(args: ServeArgs) -> Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     // Bad flags fail before anything is created or mounted.
     let proxies = args.proxy.proxies()?;
@@ -326,7 +441,15 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     std::fs::create_dir_all(&args.state)
         .with_context(|| format!("creating state directory {}", args.state.display()))?;
-    let _lock = lock_state(&args.state)?;
+    // A restarted agent may start while the previous one is still exiting.
+    let lock_deadline = std::time::Instant::now() + STATE_LOCK_WAIT;
+    let _lock = loop {
+        match lock_state(&args.state) {
+            Ok(lock) => break lock,
+            Err(e) if std::time::Instant::now() >= lock_deadline => return Err(e),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
     let state = StateDir::open(&args.state)
         .with_context(|| format!("opening state directory {}", args.state.display()))?;
     let mount_dir = absolute(&args.mount)?;
@@ -335,39 +458,29 @@ async fn serve(args: ServeArgs) -> Result<()> {
         None => mount_dir.clone(),
     };
 
-    // The directory the mount is about to cover, opened first: files an old agent left there
-    // are adopted through this handle instead of being hidden (see `adopt`). A stale mount of
-    // a crashed daemon is removed first so that the handle is on the directory itself.
-    crate::fuse::clean_stale_mount(&mount_dir)
-        .with_context(|| format!("preparing {}", mount_dir.display()))?;
-    std::fs::create_dir_all(&mount_dir)
-        .with_context(|| format!("creating {}", mount_dir.display()))?;
-    let under_mount = Arc::new(
-        crate::adopt::UnderMount::open(&mount_dir, &models_root_dir)
-            .with_context(|| format!("opening {}", mount_dir.display()))?,
-    );
-
+    // The mount server holds the mount; it hands over the directory underneath it, opened
+    // before mounting: files an old agent left there are adopted through this handle instead
+    // of being hidden (see `adopt`).
     let metrics = Arc::new(Metrics::new());
     let core = Arc::new(FsCore::new());
-    let fuse_config = FuseConfig {
-        passthrough: args.passthrough,
-        threads: args.fuse_threads,
-        ..FuseConfig::default()
-    };
-    let mount = Arc::new(
-        crate::fuse::mount(core.clone(), metrics.clone(), &mount_dir, fuse_config)
-            .with_context(|| format!("mounting {}", mount_dir.display()))?,
-    );
-    tracing::info!(
-        mount = %mount_dir.display(),
-        passthrough = mount.passthrough_active(),
-        "mounted"
-    );
+    let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
+    let (connect_core, connect_metrics) = (core.clone(), metrics.clone());
+    let (mount, welcome, mount_dev) = tokio::task::spawn_blocking(move || {
+        crate::mountserver::client::RemoteMount::connect(connect_core, connect_metrics, &socket)
+    })
+    .await
+    .context("connecting to the mount server")??;
+    let under_mount = Arc::new(crate::adopt::UnderMount::from_fd(
+        welcome.under,
+        &mount_dir,
+        &models_root_dir,
+    ));
     let mounted = Arc::new(AtomicBool::new(true));
-    let health = Arc::new(
-        crate::http::HealthChecks::new(args.state.clone(), mount_dir.clone())
-            .with_context(|| format!("checking the mount at {}", mount_dir.display()))?,
-    );
+    let health = Arc::new(crate::http::HealthChecks {
+        state_dir: args.state.clone(),
+        mount_dir: mount_dir.clone(),
+        mount_dev,
+    });
 
     let hf_config = HfConfig {
         proxy: proxies.hf.clone(),
@@ -385,7 +498,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         hf_cache_linger: Duration::from_secs(args.hf_cache_linger_secs),
         ..ReconcilerConfig::default()
     };
-    let sink: Arc<dyn MountSink> = mount.clone();
+    let sink: Arc<dyn MountSink> = mount;
     let reconciler = Reconciler::start(reconciler_config, state, core, Some(sink), metrics.clone())
         .context("loading records")?;
 
@@ -454,7 +567,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     mounted.store(false, Ordering::Relaxed);
     let _ = stop_http.send(());
     let _ = http.await;
-    mount.unmount().context("unmounting")?;
+    // The mount stays: it belongs to the mount server.
     tracing::info!("stopped");
     Ok(())
 }

@@ -324,6 +324,42 @@ pub struct FsCore {
     /// Bumped whenever a use of stores or blobs may have ended (a mapping change, a released
     /// file, a retired slot forgotten by the kernel): garbage collection runs when it moved.
     usage_epoch: AtomicU64,
+    /// The entries and files of the last successful [`FsCore::apply_with_files`]: what the
+    /// agent sends to the mount server ([`crate::mountserver`]).
+    last_applied: Mutex<Arc<AppliedMapping>>,
+    /// Uses of stores that another process serving this mapping reports (the mount server's
+    /// open files and retired slots, seen from the agent).
+    remote: RwLock<RemoteUsage>,
+}
+
+/// What a mapping was built from (see [`FsCore::last_applied`]).
+#[derive(Debug, Default)]
+pub struct AppliedMapping {
+    pub generation: u64,
+    pub entries: Vec<MountEntry>,
+    pub files: Vec<InlineFile>,
+}
+
+/// Uses of stores held by another process that serves the same mapping (the mount server, as
+/// the agent sees it): its open files and retired slots, beyond what the mapping itself uses.
+/// `known: false` (no report yet, the mount server away, or a mapping sent but not yet
+/// confirmed) makes every store count as in use, so garbage collection waits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteUsage {
+    pub known: bool,
+    pub stores: HashSet<StoreId>,
+    pub blobs: HashMap<StoreId, HashSet<Sha256Digest>>,
+}
+
+impl Default for RemoteUsage {
+    /// An in-process core has no remote user.
+    fn default() -> Self {
+        Self {
+            known: true,
+            stores: HashSet::new(),
+            blobs: HashMap::new(),
+        }
+    }
 }
 
 impl Default for FsCore {
@@ -363,7 +399,73 @@ impl FsCore {
             started,
             apply_lock: Mutex::new(()),
             usage_epoch: AtomicU64::new(0),
+            last_applied: Mutex::new(Arc::new(AppliedMapping::default())),
+            remote: RwLock::new(RemoteUsage::default()),
         }
+    }
+
+    /// The entries and files of the last mapping applied.
+    pub fn last_applied(&self) -> Arc<AppliedMapping> {
+        self.last_applied.lock().expect("last applied lock").clone()
+    }
+
+    /// Replaces what the remote server reports (see [`RemoteUsage`]); a change counts as a use
+    /// that may have ended.
+    pub fn set_remote_usage(&self, usage: RemoteUsage) {
+        let mut remote = self.remote.write().expect("remote lock");
+        if *remote != usage {
+            *remote = usage;
+            self.usage_epoch.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The remote server's uses are unknown until its next report: every store counts as used.
+    pub fn set_remote_unknown(&self) {
+        let mut remote = self.remote.write().expect("remote lock");
+        if remote.known {
+            remote.known = false;
+            self.usage_epoch.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Uses beyond the current mapping, for a remote peer that knows the mapping: the stores
+    /// held by open files or retired slots not yet detached, and the blobs those may read. Of
+    /// the mapping's own stores only the ids are listed (the peer derives their blobs itself).
+    pub fn usage_beyond_mapping(&self) -> RemoteUsage {
+        let mut out = RemoteUsage::default();
+        let mapping = self.mapping.load();
+        for m in mapping.models.values() {
+            out.stores.insert(m.store.id.clone());
+        }
+        {
+            let slots = self.slots.read().expect("slots lock");
+            for slot in slots.values() {
+                if mapping.models.contains_key(&slot.id) {
+                    continue;
+                }
+                let Some(store) = slot.retired_store() else {
+                    continue;
+                };
+                out.stores.insert(store.id.clone());
+                let blobs = out.blobs.entry(store.id.clone()).or_default();
+                for idx in 0..slot.tree.len() as u32 {
+                    if let Some(NodeKind::File { blob, .. }) = slot.tree.node(idx).map(|n| &n.kind)
+                    {
+                        blobs.insert(*blob);
+                    }
+                }
+            }
+        }
+        for h in self.handles.iter() {
+            if let Some(store) = &h.store {
+                out.stores.insert(store.id.clone());
+                out.blobs
+                    .entry(store.id.clone())
+                    .or_default()
+                    .insert(h.blob);
+            }
+        }
+        out
     }
 
     /// Changes whenever a use of a store or blob may have ended (see `usage_epoch`).
@@ -386,8 +488,15 @@ impl FsCore {
         h
     }
 
-    /// True while a mapping, a retained slot or an open file uses the store.
+    /// True while a mapping, a retained slot or an open file uses the store (here or in the
+    /// remote server, see [`RemoteUsage`]).
     pub fn store_in_use(&self, id: &StoreId) -> bool {
+        {
+            let remote = self.remote.read().expect("remote lock");
+            if !remote.known || remote.stores.contains(id) {
+                return true;
+            }
+        }
         let mut stores = self.stores.lock().expect("stores lock");
         match stores.get(id).map(Weak::strong_count) {
             Some(0) => {
@@ -426,6 +535,14 @@ impl FsCore {
                 out.entry(store.id.clone()).or_default().insert(h.blob);
             }
         }
+        // While the remote server's uses are unknown the last report still counts (and
+        // `store_in_use` holds every store).
+        let remote = self.remote.read().expect("remote lock");
+        for (store, blobs) in &remote.blobs {
+            out.entry(store.clone())
+                .or_default()
+                .extend(blobs.iter().copied());
+        }
         out
     }
 
@@ -445,6 +562,20 @@ impl FsCore {
     /// [`FsCore::apply`] with inline files in the same snapshot. A file whose path is taken by
     /// or nests with a model or another file is skipped (the first of two equal paths wins).
     pub fn apply_with_files(
+        &self,
+        entries: &[MountEntry],
+        files: &[InlineFile],
+    ) -> Result<Vec<Invalidation>, FsError> {
+        let inv = self.swap_mapping(entries, files)?;
+        *self.last_applied.lock().expect("last applied lock") = Arc::new(AppliedMapping {
+            generation: self.generation(),
+            entries: entries.to_vec(),
+            files: files.to_vec(),
+        });
+        Ok(inv)
+    }
+
+    fn swap_mapping(
         &self,
         entries: &[MountEntry],
         files: &[InlineFile],

@@ -45,8 +45,9 @@ pub struct HttpState {
 pub struct HealthChecks {
     pub state_dir: PathBuf,
     pub mount_dir: PathBuf,
-    /// Device number of the mount's root right after mounting.
-    pub mount_dev: u64,
+    /// Device number of the mount's root right after mounting (updated when a restarted
+    /// mount server reports its new mount).
+    pub mount_dev: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl HealthChecks {
@@ -56,7 +57,7 @@ impl HealthChecks {
         Ok(Self {
             state_dir,
             mount_dir,
-            mount_dev,
+            mount_dev: Arc::new(std::sync::atomic::AtomicU64::new(mount_dev)),
         })
     }
 
@@ -66,7 +67,7 @@ impl HealthChecks {
             Err(error) => {
                 return Err(format!("mount {}: {error}", self.mount_dir.display()));
             }
-            Ok(meta) if meta.dev() != self.mount_dev => {
+            Ok(meta) if meta.dev() != self.mount_dev.load(Ordering::Relaxed) => {
                 return Err(format!(
                     "mount {} is gone (the directory is no longer the FUSE mount)",
                     self.mount_dir.display()

@@ -65,7 +65,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::artifact::{ArtifactId, Manifest, Sha256Digest, StoredArtifact};
 use crate::fs::hf_cache::{HfCacheView, HfServed};
-use crate::fs::{FsCore, Invalidation, MountEntry};
+use crate::fs::{FsCore, MountEntry};
 use crate::manifest::{ModelKey, ModelSpec, MountPath, SourceUri};
 use crate::metrics::Metrics;
 use crate::source::{FetchContext, Progress, Source, SourceConfig, SourceError};
@@ -89,16 +89,8 @@ const MAX_BATCH: usize = 64;
 /// Longest time between two garbage collection passes when nothing changes.
 const GC_BACKSTOP: Duration = Duration::from_secs(600);
 
-/// Where mapping changes are announced to the kernel (the FUSE mount; nothing in unit tests).
-pub trait MountSink: Send + Sync {
-    fn invalidate(&self, list: Vec<Invalidation>);
-}
-
-impl MountSink for crate::fuse::MountHandle {
-    fn invalidate(&self, list: Vec<Invalidation>) {
-        crate::fuse::MountHandle::invalidate(self, list)
-    }
-}
+/// Where mapping changes go (the mount side owns the trait: see [`crate::mountserver`]).
+pub use crate::mountserver::MountSink;
 
 #[derive(Clone, Debug)]
 pub struct ReconcilerConfig {

@@ -1,0 +1,430 @@
+//! The agent's side of the socket: [`RemoteMount`] is the reconciler's [`MountSink`]. The
+//! reconciler applies every mapping to the agent's own [`FsCore`] (no kernel behind it) and
+//! calls [`MountSink::invalidate`]; this side then sends that core's last mapping to the mount
+//! server, which computes its own kernel invalidations. One thread keeps the connection:
+//! connect, `hello`, the whole mapping, then every change; after any failure it reconnects
+//! and sends the whole mapping again.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{self, BufRead, BufReader, IoSliceMut, Read};
+use std::mem::MaybeUninit;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::protocol::{
+    self, AgentMessage, ServerMessage, WireEntry, WireMapping, WireUsage, PROTOCOL_VERSION,
+};
+use super::MountSink;
+use crate::artifact::ArtifactId;
+use crate::fs::{FsCore, Invalidation, RemoteUsage};
+use crate::metrics::Metrics;
+
+/// What the server said when it accepted the agent.
+#[derive(Debug)]
+pub struct Welcome {
+    pub server: String,
+    pub mount_dev: u64,
+    pub passthrough: bool,
+    /// The directory underneath the mount (see [`crate::adopt`]).
+    pub under: OwnedFd,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("mount server socket {path}: {source}")]
+    Unavailable { path: PathBuf, source: io::Error },
+    #[error("mount server refused the agent: {0}")]
+    Refused(String),
+    #[error("mount server protocol error: {0}")]
+    Protocol(String),
+}
+
+/// Connects and says hello with `version` (tests use other versions); returns the stream, the
+/// welcome, and bytes already read past it.
+pub fn handshake(
+    socket: &Path,
+    version: u32,
+) -> Result<(UnixStream, Welcome, Vec<u8>), ConnectError> {
+    let unavailable = |source| ConnectError::Unavailable {
+        path: socket.to_path_buf(),
+        source,
+    };
+    let mut stream = UnixStream::connect(socket).map_err(unavailable)?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(unavailable)?;
+    protocol::write_message(
+        &mut stream,
+        &AgentMessage::Hello {
+            protocol: version,
+            agent: env!("CARGO_PKG_VERSION").to_string(),
+        },
+    )
+    .map_err(unavailable)?;
+    // The welcome carries the descriptor: read it with recvmsg, then the line as usual.
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = rustix::net::RecvAncillaryBuffer::new(&mut space);
+    let got = rustix::net::recvmsg(
+        &stream,
+        &mut [IoSliceMut::new(&mut buf)],
+        &mut control,
+        rustix::net::RecvFlags::CMSG_CLOEXEC,
+    )
+    .map_err(|e| unavailable(e.into()))?;
+    let mut under = None;
+    for message in control.drain() {
+        if let rustix::net::RecvAncillaryMessage::ScmRights(fds) = message {
+            for fd in fds {
+                under.get_or_insert(fd);
+            }
+        }
+    }
+    buf.truncate(got.bytes);
+    if buf.is_empty() {
+        return Err(ConnectError::Protocol(
+            "connection closed before the welcome".into(),
+        ));
+    }
+    let mut reader =
+        BufReader::new(io::Cursor::new(buf).chain(stream.try_clone().map_err(unavailable)?));
+    let line = protocol::read_line(&mut reader, protocol::MAX_HELLO_BYTES)
+        .map_err(|e| ConnectError::Protocol(e.to_string()))?
+        .ok_or_else(|| ConnectError::Protocol("connection closed before the welcome".into()))?;
+    let message: ServerMessage =
+        serde_json::from_slice(&line).map_err(|e| ConnectError::Protocol(e.to_string()))?;
+    let welcome = match message {
+        ServerMessage::Welcome {
+            protocol,
+            server,
+            mount_dev,
+            passthrough,
+        } => {
+            if protocol != version {
+                return Err(ConnectError::Protocol(format!(
+                    "server answered with protocol version {protocol}"
+                )));
+            }
+            Welcome {
+                server,
+                mount_dev,
+                passthrough,
+                under: under.ok_or_else(|| {
+                    ConnectError::Protocol("welcome without the models root descriptor".into())
+                })?,
+            }
+        }
+        ServerMessage::Refused { reason } => return Err(ConnectError::Refused(reason)),
+        other => return Err(ConnectError::Protocol(format!("unexpected {other:?}"))),
+    };
+    // Whatever the buffered reader took past the welcome line belongs to later messages.
+    let rest = reader.buffer().to_vec();
+    stream.set_read_timeout(None).map_err(unavailable)?;
+    Ok((stream, welcome, rest))
+}
+
+#[derive(Default)]
+struct Progress {
+    /// The mapping changed since it was last sent.
+    dirty: bool,
+    /// The connection broke.
+    broken: bool,
+    /// Last `apply` sent, and the last the server confirmed (with its generation).
+    sent_seq: u64,
+    applied_seq: u64,
+    applied_generation: u64,
+    /// Generation of the agent's core carried by each `apply` not yet confirmed, and of the
+    /// last confirmed one.
+    in_flight: Vec<(u64, u64)>,
+    confirmed_local: u64,
+    /// A connection is up (a welcome was received and it has not broken since).
+    connected: bool,
+}
+
+struct Shared {
+    core: Arc<FsCore>,
+    socket: PathBuf,
+    progress: Mutex<Progress>,
+    wake: Condvar,
+    /// Device of the mount as the current server reports it (health checks compare it).
+    mount_dev: Arc<AtomicU64>,
+    /// Refusals already logged, so a refused entry is logged once per reason.
+    logged_refusals: Mutex<HashSet<(Vec<String>, String)>>,
+    metrics: Arc<Metrics>,
+    /// The server instance and FUSE counters it reported last.
+    stats: Mutex<(u64, BTreeMap<String, u64>)>,
+}
+
+/// The agent's mount sink (module docs).
+pub struct RemoteMount {
+    shared: Arc<Shared>,
+}
+
+/// Longest wait for the server to confirm a mapping before the reconciler carries on.
+const CONFIRM_WAIT: Duration = Duration::from_secs(5);
+
+impl MountSink for RemoteMount {
+    /// Sends the new mapping and waits (bounded) until the server serves it, so that what the
+    /// status reports as Ready is visible in the mount. While the server is away nothing
+    /// waits: the mapping goes out on reconnect.
+    fn invalidate(&self, list: Vec<Invalidation>) {
+        // No kernel on this side: the agent's retired slots stop pinning stores at once; the
+        // server reports its own.
+        self.shared.core.detach_all(&list);
+        let target = self.shared.core.last_applied().generation;
+        let deadline = Instant::now() + CONFIRM_WAIT;
+        let mut p = self.shared.progress.lock().expect("progress");
+        p.dirty = true;
+        self.shared.wake.notify_all();
+        while p.connected && !p.broken && p.confirmed_local < target {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(
+                    "the mount server has not confirmed the new mapping yet; carrying on"
+                );
+                break;
+            }
+            p = self.shared.wake.wait_timeout(p, left).expect("progress").0;
+        }
+    }
+}
+
+impl RemoteMount {
+    /// Waits for the mount server (logging once while it is away), then keeps the connection
+    /// in a background thread. Returns with the first welcome: the agent needs its descriptor
+    /// of the models root before it starts.
+    pub fn connect(
+        core: Arc<FsCore>,
+        metrics: Arc<Metrics>,
+        socket: &Path,
+    ) -> Result<(Arc<RemoteMount>, Welcome, Arc<AtomicU64>), ConnectError> {
+        core.set_remote_unknown();
+        let mut logged = false;
+        let (stream, welcome, rest) = loop {
+            match handshake(socket, PROTOCOL_VERSION) {
+                Ok(x) => break x,
+                Err(ConnectError::Unavailable { .. }) | Err(ConnectError::Protocol(_)) => {
+                    if !logged {
+                        tracing::info!(socket = %socket.display(), "waiting for the mount server");
+                        logged = true;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        tracing::info!(server = %welcome.server, passthrough = welcome.passthrough, "connected to the mount server");
+        let mount_dev = Arc::new(AtomicU64::new(welcome.mount_dev));
+        let shared = Arc::new(Shared {
+            core,
+            socket: socket.to_path_buf(),
+            progress: Mutex::new(Progress {
+                dirty: true,
+                connected: true,
+                ..Default::default()
+            }),
+            wake: Condvar::new(),
+            mount_dev: mount_dev.clone(),
+            logged_refusals: Mutex::new(HashSet::new()),
+            metrics,
+            stats: Mutex::new((0, BTreeMap::new())),
+        });
+        let thread_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("mount-client".into())
+            .spawn(move || connection_loop(thread_shared, stream, rest))
+            .map_err(|e| ConnectError::Unavailable {
+                path: socket.to_path_buf(),
+                source: e,
+            })?;
+        Ok((Arc::new(RemoteMount { shared }), welcome, mount_dev))
+    }
+}
+
+fn connection_loop(shared: Arc<Shared>, mut stream: UnixStream, mut rest: Vec<u8>) {
+    loop {
+        if let Err(e) = run_connection(&shared, &stream, std::mem::take(&mut rest)) {
+            tracing::warn!(error = %e, "mount server connection lost; reconnecting");
+        }
+        shared.core.set_remote_unknown();
+        {
+            let mut p = shared.progress.lock().expect("progress");
+            p.connected = false;
+            shared.wake.notify_all();
+        }
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        let started = Instant::now();
+        let mut logged = false;
+        loop {
+            match handshake(&shared.socket, PROTOCOL_VERSION) {
+                Ok((s, welcome, r)) => {
+                    tracing::info!(server = %welcome.server, after_ms = started.elapsed().as_millis() as u64, "reconnected to the mount server");
+                    shared.mount_dev.store(welcome.mount_dev, Ordering::Relaxed);
+                    stream = s;
+                    rest = r;
+                    break;
+                }
+                Err(e) => {
+                    if !logged {
+                        tracing::warn!(error = %e, "mount server unavailable; retrying");
+                        logged = true;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+        let mut p = shared.progress.lock().expect("progress");
+        *p = Progress {
+            dirty: true,
+            connected: true,
+            sent_seq: p.sent_seq,
+            confirmed_local: p.confirmed_local,
+            ..Default::default()
+        };
+    }
+}
+
+/// One connection: a reader thread for the server's messages, this thread sends mappings.
+fn run_connection(shared: &Arc<Shared>, stream: &UnixStream, rest: Vec<u8>) -> io::Result<()> {
+    let reader_stream = stream.try_clone()?;
+    let reader_shared = shared.clone();
+    let reader = std::thread::Builder::new()
+        .name("mount-client-read".into())
+        .spawn(move || {
+            let mut r = BufReader::new(io::Cursor::new(rest).chain(reader_stream));
+            let result = read_loop(&reader_shared, &mut r);
+            let mut p = reader_shared.progress.lock().expect("progress");
+            p.broken = true;
+            reader_shared.wake.notify_all();
+            result
+        })?;
+    let mut sent_artifacts: HashSet<ArtifactId> = HashSet::new();
+    let mut writer = stream.try_clone()?;
+    let result = loop {
+        let seq = {
+            let mut p = shared.progress.lock().expect("progress");
+            while !p.dirty && !p.broken {
+                p = shared.wake.wait(p).expect("progress");
+            }
+            if p.broken {
+                break Err(io::Error::other("connection closed by the mount server"));
+            }
+            p.dirty = false;
+            if shared.core.last_applied().generation == 0 {
+                // The reconciler has not built a mapping yet: an empty one would unmount
+                // every model the server serves from its persisted mapping.
+                continue;
+            }
+            p.sent_seq += 1;
+            let local = shared.core.last_applied().generation;
+            let seq = p.sent_seq;
+            p.in_flight.push((seq, local));
+            seq
+        };
+        // Until the server confirms this mapping, its uses are not known.
+        shared.core.set_remote_unknown();
+        let applied = shared.core.last_applied();
+        let mut artifacts = Vec::new();
+        let mut entries = Vec::with_capacity(applied.entries.len());
+        for e in &applied.entries {
+            if sent_artifacts.insert(e.artifact.id.clone()) {
+                artifacts.push((*e.artifact).clone());
+            }
+            entries.push(WireEntry {
+                path: e.path.clone(),
+                artifact: e.artifact.id.clone(),
+                store: e.store.id.clone(),
+            });
+        }
+        let message = AgentMessage::Apply {
+            seq,
+            artifacts,
+            mapping: WireMapping {
+                entries,
+                files: super::server::wire_files(&applied.files),
+            },
+        };
+        if let Err(e) = protocol::write_message(&mut writer, &message) {
+            break Err(e);
+        }
+    };
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    let _ = reader.join();
+    result
+}
+
+fn read_loop<R: BufRead>(shared: &Shared, r: &mut R) -> io::Result<()> {
+    while let Some(message) =
+        protocol::read_message::<_, ServerMessage>(r, protocol::MAX_MESSAGE_BYTES)?
+    {
+        match message {
+            ServerMessage::Applied {
+                seq,
+                generation,
+                refused,
+                error,
+            } => {
+                {
+                    let mut p = shared.progress.lock().expect("progress");
+                    p.applied_seq = seq;
+                    p.applied_generation = generation;
+                    if let Some(local) = p
+                        .in_flight
+                        .iter()
+                        .filter(|(s, _)| *s <= seq)
+                        .map(|(_, g)| *g)
+                        .max()
+                    {
+                        p.confirmed_local = p.confirmed_local.max(local);
+                    }
+                    p.in_flight.retain(|(s, _)| *s > seq);
+                    shared.wake.notify_all();
+                }
+                if let Some(e) = error {
+                    tracing::error!(error = %e, "the mount server refused the mapping");
+                }
+                let mut logged = shared.logged_refusals.lock().expect("refusals");
+                let now: HashSet<(Vec<String>, String)> =
+                    refused.into_iter().map(|r| (r.path, r.reason)).collect();
+                for (path, reason) in now.difference(&logged) {
+                    tracing::error!(path = %path.join("/"), %reason, "the mount server does not serve this model");
+                }
+                *logged = now;
+            }
+            ServerMessage::Usage(usage) => {
+                let p = shared.progress.lock().expect("progress");
+                if p.applied_seq == p.sent_seq && usage.generation >= p.applied_generation {
+                    shared.core.set_remote_usage(remote_usage(usage));
+                }
+            }
+            ServerMessage::Stats { instance, counters } => {
+                let mut last = shared.stats.lock().expect("stats");
+                if last.0 != instance {
+                    *last = (instance, BTreeMap::new());
+                }
+                shared.metrics.add_fuse_snapshot(&last.1, &counters);
+                last.1 = counters;
+            }
+            ServerMessage::Welcome { .. } | ServerMessage::Refused { .. } => {
+                return Err(io::Error::other("unexpected handshake message"));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn remote_usage(usage: WireUsage) -> RemoteUsage {
+    RemoteUsage {
+        known: true,
+        stores: usage.stores.into_iter().collect(),
+        blobs: usage
+            .blobs
+            .into_iter()
+            .map(|(s, b)| (s, b.into_iter().collect()))
+            .collect::<HashMap<_, _>>(),
+    }
+}

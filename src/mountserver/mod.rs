@@ -1,0 +1,134 @@
+//! Two processes, one mount: the **mount server** holds the FUSE session, the mapping and the
+//! open files; the **agent** (reconciler, sources, Kubernetes, HTTP) tells it what to serve.
+//!
+//! # Why
+//! OME's inference pods mount their model's hostPath without mount propagation: a pod keeps the
+//! mount instance it started with. If the process holding the FUSE connection dies, every new
+//! open in every running pod fails with `ENOTCONN` until the pod is recreated. Everything that
+//! can crash or needs upgrading (network, YAML, Kubernetes watches, downloads, GC) therefore
+//! lives in the agent; the mount server does no network I/O and parses nothing but its own
+//! state and the agent's messages. The agent can crash, restart or be upgraded: the mount, its
+//! inode numbers and every open handle stay, and new models wait until it is back.
+//!
+//! # The socket
+//! A unix stream socket (default `<state>/mount-server/agent.sock`), in a directory of mode
+//! 0700, itself 0600, and the peer's uid checked with `SO_PEERCRED` on every connection: only
+//! root may change what the node serves. The protocol ([`protocol`]) is versioned and checked
+//! at `hello`; a mismatch is refused with a reason naming both versions. The agent sends the
+//! whole mapping after every (re)connect and after every change: applying a mapping twice
+//! changes nothing, so no state is lost whichever side restarts. The newest connection wins
+//! (an upgraded agent may connect while the old one is still exiting).
+//!
+//! # What the server checks
+//! Each entry names a path, an artifact (whose manifest travels once per connection and is
+//! validated as a source's would be, its id checked against its digest) and a store id. An
+//! entry whose store is missing, whose blobs are not all present with their sizes (checked once
+//! per (store, artifact) while served), or whose path is invalid is left out with a reason
+//! (`applied.refused`, logged by both sides); the other models are served. A mapping the core
+//! refuses as a whole (conflicting paths) leaves the served mapping as it was.
+//!
+//! # Persisted mapping
+//! Every applied mapping is written to `<state>/mount-server/mapping.json` (artifacts in
+//! `artifacts/<id>.json`, written once, before the mapping that names them; atomic renames).
+//! A restarted mount server cleans the stale mount, remounts and serves that mapping before any
+//! agent speaks.
+//!
+//! # Garbage collection across the socket
+//! The agent's reconciler still applies every mapping to its own [`crate::fs::FsCore`] (no
+//! kernel behind it) and asks it what is in use; [`client::RemoteMount`] sends the mapping and
+//! feeds the server's usage reports into that core ([`crate::fs::RemoteUsage`]): the stores held
+//! by open files and retired slots the kernel was not yet told about, with the blobs those may
+//! read. Until the server has confirmed the latest mapping and reported after it (and whenever
+//! it is away) every store counts as in use: GC waits, it never guesses.
+//!
+//! # Kernel references across a mount server restart: what fuser 0.18 lacks
+//! A restarted mount server makes a fresh mount; it cannot resume the old FUSE connection. Linux
+//! would allow it (keep the `/dev/fuse` descriptor alive in another process or pass it over a
+//! socket; since 6.9 `FUSE_NOTIFY_RESEND` asks the kernel to resend requests that were read
+//! but not answered), but fuser 0.18.0, the project's FUSE library, has no API for it:
+//! * `Session::from_fd(fs, fd, acl, config)` wraps an existing descriptor but always runs
+//!   `handshake()`, which blocks reading a `FUSE_INIT` request; the kernel sends INIT once per
+//!   connection, so on an adopted, initialized connection it waits forever. There is no way to
+//!   construct a session in the initialized state (its `proto_version` is private and set only
+//!   by that handshake), nor to hand it the negotiated `KernelConfig`.
+//! * No notification `FUSE_NOTIFY_RESEND`: `Notifier` offers `inval_entry`, `inval_inode`,
+//!   `store`, `delete` and `poll`; the notify codes (`ll::fuse_abi::fuse_notify_code`) stop at
+//!   `FUSE_NOTIFY_DELETE = 6` and are crate-private, so requests the dead process had read but
+//!   not answered would hang their callers.
+//! * No access to a running session's descriptor to hand over (`Session`/`BackgroundSession`
+//!   implement no `AsFd`; only the crate-private `Channel` does), and `BackingId`s (passthrough)
+//!   are tied to the descriptor that registered them.
+//! * Even with those, the new process would need the old one's per-connection state: which
+//!   inode numbers the kernel holds and their lookup counts, and open file handles `fh` with
+//!   their backing ids; fuser passes none of that through.
+//!
+//! So the mount server is kept small and is not upgraded with the agent: Kubernetes runs it as
+//! its own DaemonSet with `updateStrategy: OnDelete` (see `deploy/`).
+//!
+//! # Standalone
+//! `modelfs serve` is still one command: it runs the mount server and supervises
+//! `modelfs agent` (same arguments) as its child ([`supervise`]): restarted with backoff, each
+//! death logged with its reason, killed with its parent (`PR_SET_PDEATHSIG`).
+
+pub mod client;
+pub mod protocol;
+pub mod server;
+pub mod supervise;
+
+use crate::fs::Invalidation;
+
+/// Where mapping changes go after the reconciler applied them to its core: the kernel's caches
+/// (an in-process FUSE mount), or the mount server ([`client::RemoteMount`]).
+pub trait MountSink: Send + Sync {
+    fn invalidate(&self, list: Vec<Invalidation>);
+}
+
+impl MountSink for crate::fuse::MountHandle {
+    fn invalidate(&self, list: Vec<Invalidation>) {
+        crate::fuse::MountHandle::invalidate(self, list)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{HashMap, HashSet};
+
+    use crate::artifact::Sha256Digest;
+    use crate::fs::{FsCore, RemoteUsage};
+    use crate::store::StoreId;
+
+    #[test]
+    fn remote_uses_hold_stores_and_blobs_until_reported_gone() {
+        let core = FsCore::new();
+        let store = StoreId::from_seq(1);
+        assert!(
+            !core.store_in_use(&store),
+            "an in-process core has no remote user"
+        );
+        let epoch = core.usage_epoch();
+        core.set_remote_unknown();
+        assert!(
+            core.store_in_use(&store),
+            "unknown remote uses hold every store"
+        );
+        assert_ne!(core.usage_epoch(), epoch);
+        let blob = Sha256Digest::of(b"held");
+        core.set_remote_usage(RemoteUsage {
+            known: true,
+            stores: HashSet::from([store.clone()]),
+            blobs: HashMap::from([(store.clone(), HashSet::from([blob]))]),
+        });
+        assert!(core.store_in_use(&store));
+        assert!(!core.store_in_use(&StoreId::from_seq(2)));
+        assert!(core.blobs_in_use()[&store].contains(&blob));
+        let epoch = core.usage_epoch();
+        core.set_remote_usage(RemoteUsage::default());
+        assert!(!core.store_in_use(&store), "the open file was closed");
+        assert!(!core.blobs_in_use().contains_key(&store));
+        assert_ne!(
+            core.usage_epoch(),
+            epoch,
+            "a use that ended wakes garbage collection"
+        );
+    }
+}

@@ -1,0 +1,199 @@
+//! The agent <-> mount server protocol: one JSON message per line over a unix stream socket.
+//!
+//! 1. The agent sends `hello` with its protocol version. The server checks it before anything
+//!    else (parsing only the version field, so that any future shape of `hello` still gets a
+//!    clear answer) and answers `welcome`, with the descriptor of the directory underneath the
+//!    mount attached (`SCM_RIGHTS`, see [`crate::adopt`]), or `refused` with the reason and
+//!    closes the connection.
+//! 2. The agent sends `apply` with the whole mapping (entries name artifacts and stores by id;
+//!    the artifacts' manifests travel once per connection). Applying the same mapping twice
+//!    changes nothing, so the agent simply sends it again after every reconnect. The server
+//!    answers `applied` with the entries it refused and why, then `usage`.
+//! 3. The server sends `usage` whenever a use of a store may have ended or begun (open files,
+//!    retired slots): what garbage collection must not remove.
+//!
+//! Version changes: a new field with a default keeps the version; anything an older peer would
+//! misread bumps [`PROTOCOL_VERSION`].
+
+use std::collections::BTreeMap;
+use std::io::{self, BufRead, Write};
+
+use serde::{Deserialize, Serialize};
+
+use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
+use crate::store::StoreId;
+
+/// The protocol this build speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Longest message accepted (a mapping of many large manifests fits; a runaway peer does not
+/// exhaust memory).
+pub const MAX_MESSAGE_BYTES: u64 = 1 << 30;
+
+/// Longest `hello` accepted.
+pub const MAX_HELLO_BYTES: u64 = 64 * 1024;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentMessage {
+    Hello {
+        protocol: u32,
+        /// The agent's build (`CARGO_PKG_VERSION`), for the server's log.
+        agent: String,
+    },
+    Apply {
+        seq: u64,
+        /// Artifacts not sent before on this connection.
+        artifacts: Vec<StoredArtifact>,
+        mapping: WireMapping,
+    },
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServerMessage {
+    Welcome {
+        protocol: u32,
+        server: String,
+        /// Device number of the mount's root (the agent's health check compares it).
+        mount_dev: u64,
+        /// Whether the kernel granted passthrough.
+        passthrough: bool,
+    },
+    Refused {
+        reason: String,
+    },
+    Applied {
+        seq: u64,
+        /// The server's mapping generation after it: usage reports of older generations do
+        /// not yet account for this mapping.
+        generation: u64,
+        /// Entries left out of the mapping, with the reason.
+        refused: Vec<RefusedEntry>,
+        /// The whole mapping was refused (it was kept as before).
+        error: Option<String>,
+    },
+    Usage(WireUsage),
+    /// The FUSE counters of this server instance ([`crate::metrics::Metrics::fuse_snapshot`]),
+    /// sent when they moved: the agent exports them on its `/metrics`.
+    Stats {
+        instance: u64,
+        counters: BTreeMap<String, u64>,
+    },
+}
+
+/// The mapping, by ids.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireMapping {
+    pub entries: Vec<WireEntry>,
+    pub files: Vec<WireFile>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireEntry {
+    pub path: Vec<String>,
+    pub artifact: ArtifactId,
+    pub store: StoreId,
+}
+
+/// An inline file (Hugging Face cache view refs).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireFile {
+    pub path: Vec<String>,
+    pub content: Vec<u8>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RefusedEntry {
+    pub path: Vec<String>,
+    pub reason: String,
+}
+
+/// Uses beyond the mapping (see [`crate::fs::RemoteUsage`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireUsage {
+    /// Mapping generation of the server when measured.
+    pub generation: u64,
+    /// Stores with any use: mapped, retired slot or open file.
+    pub stores: Vec<StoreId>,
+    /// Blobs read by open files or retired slots, per store.
+    pub blobs: BTreeMap<StoreId, Vec<Sha256Digest>>,
+}
+
+/// Writes one message as a line.
+pub fn write_message<W: Write, M: Serialize>(w: &mut W, message: &M) -> io::Result<()> {
+    let mut bytes = serde_json::to_vec(message).map_err(io::Error::other)?;
+    bytes.push(b'\n');
+    w.write_all(&bytes)?;
+    w.flush()
+}
+
+/// Reads one line of at most `limit` bytes; `None` at end of stream.
+pub fn read_line<R: BufRead>(r: &mut R, limit: u64) -> io::Result<Option<Vec<u8>>> {
+    let mut line = Vec::new();
+    let n = io::Read::take(&mut *r, limit + 1).read_until(b'\n', &mut line)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if line.last() != Some(&b'\n') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            if n as u64 > limit {
+                format!("message longer than {limit} bytes")
+            } else {
+                "connection closed in the middle of a message".to_string()
+            },
+        ));
+    }
+    line.pop();
+    Ok(Some(line))
+}
+
+/// Reads and parses one message; `None` at end of stream.
+pub fn read_message<R: BufRead, M: serde::de::DeserializeOwned>(
+    r: &mut R,
+    limit: u64,
+) -> io::Result<Option<M>> {
+    match read_line(r, limit)? {
+        None => Ok(None),
+        Some(line) => serde_json::from_slice(&line)
+            .map(Some)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e)),
+    }
+}
+
+/// The protocol version of a `hello` line, read without assuming anything else about it.
+pub fn hello_version(line: &[u8]) -> Result<u32, String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(line).map_err(|e| format!("hello is not JSON: {e}"))?;
+    let version = value
+        .get("hello")
+        .and_then(|h| h.get("protocol"))
+        .and_then(|v| v.as_u64())
+        .ok_or_else(|| "the first message must be hello with a protocol version".to_string())?;
+    u32::try_from(version).map_err(|_| format!("protocol version {version} out of range"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_version_is_read_from_any_hello_shape() {
+        assert_eq!(
+            hello_version(br#"{"hello":{"protocol":7,"whatever":[1]}}"#),
+            Ok(7)
+        );
+        assert!(hello_version(br#"{"apply":{}}"#).is_err());
+        assert!(hello_version(b"not json").is_err());
+    }
+
+    #[test]
+    fn lines_are_bounded() {
+        let mut r = io::Cursor::new(b"0123456789\nab".to_vec());
+        assert!(read_line(&mut r, 4).is_err());
+        let mut r = io::Cursor::new(b"0123\nab".to_vec());
+        assert_eq!(read_line(&mut r, 4).unwrap(), Some(b"0123".to_vec()));
+        assert!(read_line(&mut r, 4).is_err(), "truncated message");
+    }
+}

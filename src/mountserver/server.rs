@@ -1,0 +1,710 @@
+//! The mount server process: FUSE session, mapping, open files, the persisted mapping and the
+//! agent socket (module docs of [`crate::mountserver`]).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{self, BufReader, IoSlice};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::protocol::{
+    self, AgentMessage, RefusedEntry, ServerMessage, WireEntry, WireFile, WireMapping, WireUsage,
+    PROTOCOL_VERSION,
+};
+use crate::artifact::{ArtifactId, Manifest, StoredArtifact};
+use crate::fs::{FsCore, InlineFile, MountEntry};
+use crate::fuse::{FuseConfig, MountHandle};
+use crate::metrics::Metrics;
+use crate::store::{StateDir, StoreId};
+
+/// How often the usage of stores is compared with what the agent was last told.
+const USAGE_POLL: Duration = Duration::from_millis(100);
+
+/// Longest wait for an agent's `hello`.
+const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub mount: PathBuf,
+    pub state: PathBuf,
+    pub socket: PathBuf,
+    pub fuse: FuseConfig,
+}
+
+/// The mapping file: what was applied last, served again after a restart before any agent
+/// speaks.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct PersistedMapping {
+    protocol: u32,
+    mapping: WireMapping,
+}
+
+/// The server's own directory below the state directory.
+pub fn own_dir(state: &Path) -> PathBuf {
+    state.join("mount-server")
+}
+
+/// The default socket path for a state directory.
+pub fn default_socket(state: &Path) -> PathBuf {
+    own_dir(state).join("agent.sock")
+}
+
+/// An agent connection the server talks to.
+struct Peer {
+    id: u64,
+    writer: Mutex<UnixStream>,
+    /// (usage epoch, generation) last reported to it.
+    reported: Mutex<Option<(u64, u64)>>,
+    /// FUSE counters last reported to it.
+    stats: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Peer {
+    fn send(&self, message: &ServerMessage) -> io::Result<()> {
+        let mut w = self.writer.lock().expect("peer writer");
+        protocol::write_message(&mut *w, message)
+    }
+}
+
+struct Shared {
+    core: Arc<FsCore>,
+    state: StateDir,
+    dir: PathBuf,
+    under: OwnedFd,
+    mount: Mutex<Option<Arc<MountHandle>>>,
+    mount_dev: AtomicU64,
+    passthrough: AtomicBool,
+    /// Artifacts of the mapping being served.
+    served_artifacts: Mutex<HashMap<ArtifactId, Arc<StoredArtifact>>>,
+    /// (store, artifact) pairs whose blobs were all found when they entered the mapping.
+    verified: Mutex<HashSet<(StoreId, ArtifactId)>>,
+    peer: Mutex<Option<Arc<Peer>>>,
+    next_peer: AtomicU64,
+    stopping: AtomicBool,
+    metrics: Arc<Metrics>,
+    /// Tells this server's counters from a restarted one's.
+    instance: u64,
+}
+
+/// A running mount server. [`MountServer::shutdown`] unmounts.
+pub struct MountServer {
+    shared: Arc<Shared>,
+    socket: PathBuf,
+    _lock: std::fs::File,
+}
+
+fn valid_segment(s: &str) -> bool {
+    !s.is_empty() && s != "." && s != ".." && !s.contains(['/', '\0'])
+}
+
+fn valid_store_id(id: &StoreId) -> bool {
+    let s = id.as_str();
+    !s.is_empty()
+        && !s.starts_with('.')
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+/// A manifest that arrived over the socket (or from the persisted file) passes the same
+/// validation as one from a source, and its id must be its digest.
+fn check_artifact(a: &StoredArtifact) -> Result<Arc<StoredArtifact>, String> {
+    let manifest = Manifest::new(a.manifest.revision.clone(), a.manifest.entries().to_vec())
+        .map_err(|e| format!("artifact {}: {e}", a.id))?;
+    if manifest.id() != a.id {
+        return Err(format!(
+            "artifact {}: id is not its manifest's digest",
+            a.id
+        ));
+    }
+    StoredArtifact::new(manifest, a.blobs.clone(), a.completed_at)
+        .map(Arc::new)
+        .map_err(|e| format!("artifact {}: {e}", a.id))
+}
+
+impl MountServer {
+    /// Cleans a stale mount, opens the directory underneath, serves the persisted mapping,
+    /// mounts, and listens on the socket.
+    pub fn start(config: ServerConfig, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        std::fs::create_dir_all(&config.state)
+            .with_context(|| format!("creating {}", config.state.display()))?;
+        let state = StateDir::open(&config.state)
+            .with_context(|| format!("opening state directory {}", config.state.display()))?;
+        let dir = own_dir(&config.state);
+        std::fs::create_dir_all(dir.join("artifacts"))
+            .with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        let lock = lock_file(&dir.join("lock"))?;
+
+        crate::fuse::clean_stale_mount(&config.mount)
+            .with_context(|| format!("preparing {}", config.mount.display()))?;
+        std::fs::create_dir_all(&config.mount)
+            .with_context(|| format!("creating {}", config.mount.display()))?;
+        // The directory the mount is about to cover: handed to agents for adoption.
+        let under = rustix::fs::open(
+            &config.mount,
+            rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::DIRECTORY
+                | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .with_context(|| format!("opening {}", config.mount.display()))?;
+
+        let core = Arc::new(FsCore::new());
+        let shared = Arc::new(Shared {
+            core: core.clone(),
+            state,
+            dir,
+            under,
+            mount: Mutex::new(None),
+            mount_dev: AtomicU64::new(0),
+            passthrough: AtomicBool::new(false),
+            served_artifacts: Mutex::new(HashMap::new()),
+            verified: Mutex::new(HashSet::new()),
+            peer: Mutex::new(None),
+            next_peer: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
+            metrics: metrics.clone(),
+            instance: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+                ^ u64::from(std::process::id()),
+        });
+        match shared.load_persisted() {
+            Ok(Some((artifacts, mapping))) => {
+                let (refused, error) = shared.apply(&artifacts, &mapping);
+                for r in &refused {
+                    tracing::error!(path = %r.path.join("/"), reason = %r.reason, "persisted mapping entry not served");
+                }
+                if let Some(e) = error {
+                    tracing::error!(error = %e, "persisted mapping refused");
+                }
+                tracing::info!(
+                    models = mapping.entries.len() - refused.len(),
+                    "serving the persisted mapping"
+                );
+            }
+            Ok(None) => {}
+            Err(e) => tracing::error!(error = %e, "persisted mapping unreadable; starting empty"),
+        }
+
+        let mount = Arc::new(
+            crate::fuse::mount(core, metrics, &config.mount, config.fuse.clone())
+                .with_context(|| format!("mounting {}", config.mount.display()))?,
+        );
+        tracing::info!(
+            mount = %config.mount.display(),
+            passthrough = mount.passthrough_active(),
+            "mounted"
+        );
+        shared
+            .passthrough
+            .store(mount.passthrough_active(), Ordering::Relaxed);
+        shared
+            .mount_dev
+            .store(std::fs::metadata(&config.mount)?.dev(), Ordering::Relaxed);
+        *shared.mount.lock().expect("mount slot") = Some(mount);
+
+        let listener = bind_socket(&config.socket)
+            .with_context(|| format!("listening on {}", config.socket.display()))?;
+        tracing::info!(socket = %config.socket.display(), "waiting for the agent");
+        let accept_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("agent-accept".into())
+            .spawn(move || accept_loop(accept_shared, listener))?;
+        let usage_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("agent-usage".into())
+            .spawn(move || usage_loop(usage_shared))?;
+        Ok(Self {
+            shared,
+            socket: config.socket,
+            _lock: lock,
+        })
+    }
+
+    /// Stops answering agents and unmounts (lazily if files are still open).
+    pub fn shutdown(&self) -> io::Result<()> {
+        self.shared.stopping.store(true, Ordering::Relaxed);
+        if let Some(peer) = self.shared.peer.lock().expect("peer").take() {
+            let _ = peer
+                .writer
+                .lock()
+                .expect("peer writer")
+                .shutdown(std::net::Shutdown::Both);
+        }
+        let _ = std::fs::remove_file(&self.socket);
+        let mount = self.shared.mount.lock().expect("mount slot").take();
+        match mount {
+            Some(m) => m.unmount(),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Whether a mount server holds the lock of this state directory (it may be serving blobs of
+/// stores no record names any more, and files may be open through it).
+pub fn running(state: &Path) -> bool {
+    let path = own_dir(state).join("lock");
+    match std::fs::OpenOptions::new().write(true).open(&path) {
+        Ok(file) => {
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockShared).is_err()
+        }
+        Err(_) => false,
+    }
+}
+
+fn lock_file(path: &Path) -> anyhow::Result<std::fs::File> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)?;
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
+        |_| {
+            anyhow::anyhow!(
+                "another mount server is using {} (lock {})",
+                path.parent().unwrap_or(path).display(),
+                path.display()
+            )
+        },
+    )?;
+    Ok(file)
+}
+
+/// The socket lives in a directory only root may enter (0700) and is itself 0600; the peer's
+/// uid is checked again on every connection (SO_PEERCRED), in case either was loosened.
+fn bind_socket(path: &Path) -> io::Result<UnixListener> {
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .ok_or_else(|| io::Error::other("socket path has no directory"))?;
+    std::fs::create_dir_all(parent)?;
+    std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700))?;
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
+    for stream in listener.incoming() {
+        if shared.stopping.load(Ordering::Relaxed) {
+            return;
+        }
+        match stream {
+            Ok(stream) => {
+                let shared = shared.clone();
+                let _ = std::thread::Builder::new()
+                    .name("agent-conn".into())
+                    .spawn(move || {
+                        if let Err(e) = serve_peer(&shared, stream) {
+                            tracing::warn!(error = %e, "agent connection ended");
+                        }
+                    });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting an agent connection");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+fn refuse(stream: &mut UnixStream, reason: String) -> io::Result<()> {
+    tracing::warn!(%reason, "agent connection refused");
+    protocol::write_message(stream, &ServerMessage::Refused { reason })
+}
+
+fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
+    let cred = rustix::net::sockopt::socket_peercred(&stream)?;
+    if cred.uid.as_raw() != 0 {
+        return refuse(
+            &mut stream,
+            format!(
+                "peer uid {} (pid {}) is not root: only root may tell the mount server what to serve",
+                cred.uid.as_raw(),
+                cred.pid.as_raw_nonzero()
+            ),
+        );
+    }
+    stream.set_read_timeout(Some(HELLO_DEADLINE))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let Some(line) = protocol::read_line(&mut reader, protocol::MAX_HELLO_BYTES)? else {
+        return Ok(());
+    };
+    match protocol::hello_version(&line) {
+        Ok(PROTOCOL_VERSION) => {}
+        Ok(v) => {
+            return refuse(
+                &mut stream,
+                format!(
+                    "agent speaks protocol version {v}, this mount server (modelfs {}) speaks version {PROTOCOL_VERSION}",
+                    env!("CARGO_PKG_VERSION")
+                ),
+            )
+        }
+        Err(reason) => return refuse(&mut stream, reason),
+    }
+    let agent = match serde_json::from_slice::<AgentMessage>(&line) {
+        Ok(AgentMessage::Hello { agent, .. }) => agent,
+        _ => return refuse(&mut stream, "malformed hello".into()),
+    };
+    stream.set_read_timeout(None)?;
+    send_welcome(shared, &stream)?;
+    let peer = Arc::new(Peer {
+        id: shared.next_peer.fetch_add(1, Ordering::Relaxed),
+        writer: Mutex::new(stream.try_clone()?),
+        reported: Mutex::new(None),
+        stats: Mutex::new(BTreeMap::new()),
+    });
+    // The newest agent wins: an upgraded agent may connect before the old one is gone.
+    if let Some(old) = shared.peer.lock().expect("peer").replace(peer.clone()) {
+        let _ = old
+            .writer
+            .lock()
+            .expect("peer writer")
+            .shutdown(std::net::Shutdown::Both);
+    }
+    tracing::info!(agent = %agent, pid = cred.pid.as_raw_nonzero(), "agent connected");
+    // Artifacts sent on this connection.
+    let mut artifacts: HashMap<ArtifactId, Arc<StoredArtifact>> = HashMap::new();
+    let result = loop {
+        let message = match protocol::read_message::<_, AgentMessage>(
+            &mut reader,
+            protocol::MAX_MESSAGE_BYTES,
+        ) {
+            Ok(Some(m)) => m,
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        };
+        match message {
+            AgentMessage::Hello { .. } => {
+                tracing::warn!("agent sent hello twice; ignored");
+            }
+            AgentMessage::Apply {
+                seq,
+                artifacts: new,
+                mapping,
+            } => {
+                let mut refused = Vec::new();
+                for a in new {
+                    match check_artifact(&a) {
+                        Ok(a) => {
+                            artifacts.insert(a.id.clone(), a);
+                        }
+                        Err(reason) => {
+                            tracing::error!(%reason, "artifact refused");
+                        }
+                    }
+                }
+                let (more, error) = shared.apply(&artifacts, &mapping);
+                refused.extend(more);
+                let generation = shared.core.generation();
+                peer.send(&ServerMessage::Applied {
+                    seq,
+                    generation,
+                    refused,
+                    error,
+                })?;
+                shared.report_usage(&peer, generation, true)?;
+            }
+        }
+    };
+    let mut current = shared.peer.lock().expect("peer");
+    if current.as_ref().is_some_and(|p| p.id == peer.id) {
+        *current = None;
+        tracing::info!("agent disconnected; serving the last mapping");
+    }
+    result
+}
+
+fn send_welcome(shared: &Shared, stream: &UnixStream) -> io::Result<()> {
+    let welcome = ServerMessage::Welcome {
+        protocol: PROTOCOL_VERSION,
+        server: env!("CARGO_PKG_VERSION").to_string(),
+        mount_dev: shared.mount_dev.load(Ordering::Relaxed),
+        passthrough: shared.passthrough.load(Ordering::Relaxed),
+    };
+    let mut bytes = serde_json::to_vec(&welcome).map_err(io::Error::other)?;
+    bytes.push(b'\n');
+    let fds = [shared.under.as_fd()];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
+    control.push(rustix::net::SendAncillaryMessage::ScmRights(&fds));
+    let sent = rustix::net::sendmsg(
+        stream,
+        &[IoSlice::new(&bytes)],
+        &mut control,
+        rustix::net::SendFlags::NOSIGNAL,
+    )?;
+    if sent < bytes.len() {
+        // The descriptor went with the first byte; the rest follows as plain data.
+        use std::io::Write;
+        let mut s = stream;
+        s.write_all(&bytes[sent..])?;
+    }
+    Ok(())
+}
+
+fn usage_loop(shared: Arc<Shared>) {
+    while !shared.stopping.load(Ordering::Relaxed) {
+        std::thread::sleep(USAGE_POLL);
+        let peer = shared.peer.lock().expect("peer").clone();
+        if let Some(peer) = peer {
+            let generation = shared.core.generation();
+            if let Err(e) = shared.report_usage(&peer, generation, false) {
+                tracing::debug!(error = %e, "usage report not delivered");
+            }
+            let counters = shared.metrics.fuse_snapshot();
+            let changed = {
+                let mut last = peer.stats.lock().expect("stats");
+                let changed = *last != counters;
+                *last = counters.clone();
+                changed
+            };
+            if changed {
+                let _ = peer.send(&ServerMessage::Stats {
+                    instance: shared.instance,
+                    counters,
+                });
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Sends the uses of stores when they changed since the last report (or always).
+    fn report_usage(&self, peer: &Peer, generation: u64, always: bool) -> io::Result<()> {
+        let epoch = self.core.usage_epoch();
+        {
+            let mut reported = peer.reported.lock().expect("reported");
+            if !always && *reported == Some((epoch, generation)) {
+                return Ok(());
+            }
+            *reported = Some((epoch, generation));
+        }
+        let usage = self.core.usage_beyond_mapping();
+        let mut stores: Vec<StoreId> = usage.stores.into_iter().collect();
+        stores.sort();
+        let blobs = usage
+            .blobs
+            .into_iter()
+            .map(|(s, b)| {
+                let mut b: Vec<_> = b.into_iter().collect();
+                b.sort();
+                (s, b)
+            })
+            .collect::<BTreeMap<_, _>>();
+        peer.send(&ServerMessage::Usage(WireUsage {
+            generation,
+            stores,
+            blobs,
+        }))
+    }
+
+    /// Applies a mapping: entries that cannot be served (unknown artifact, missing store or
+    /// blob, bad path) are left out with a reason; the others are served in one swap and the
+    /// result is persisted. A mapping the core refuses as a whole leaves the old one.
+    fn apply(
+        &self,
+        artifacts: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+        mapping: &WireMapping,
+    ) -> (Vec<RefusedEntry>, Option<String>) {
+        let mut refused = Vec::new();
+        let mut entries = Vec::with_capacity(mapping.entries.len());
+        let mut accepted = Vec::with_capacity(mapping.entries.len());
+        let mut used_artifacts = HashMap::new();
+        let served = self.served_artifacts.lock().expect("served").clone();
+        let mut verified = self.verified.lock().expect("verified");
+        let mut now_verified = HashSet::new();
+        for e in &mapping.entries {
+            match self.entry(e, artifacts, &served, &verified) {
+                Ok(entry) => {
+                    now_verified.insert((e.store.clone(), e.artifact.clone()));
+                    used_artifacts.insert(e.artifact.clone(), entry.artifact.clone());
+                    entries.push(entry);
+                    accepted.push(e.clone());
+                }
+                Err(reason) => refused.push(RefusedEntry {
+                    path: e.path.clone(),
+                    reason,
+                }),
+            }
+        }
+        let mut files = Vec::new();
+        let mut accepted_files = Vec::new();
+        for f in &mapping.files {
+            if f.path.iter().all(|s| valid_segment(s)) && !f.path.is_empty() {
+                files.push(InlineFile {
+                    path: f.path.clone(),
+                    content: f.content.clone().into(),
+                });
+                accepted_files.push(f.clone());
+            } else {
+                refused.push(RefusedEntry {
+                    path: f.path.clone(),
+                    reason: "invalid path".into(),
+                });
+            }
+        }
+        let inv = match self.core.apply_with_files(&entries, &files) {
+            Ok(inv) => inv,
+            Err(e) => return (refused, Some(e.to_string())),
+        };
+        match &*self.mount.lock().expect("mount slot") {
+            Some(m) => m.invalidate(inv),
+            None => self.core.detach_all(&inv),
+        }
+        *verified = now_verified;
+        drop(verified);
+        *self.served_artifacts.lock().expect("served") = used_artifacts.clone();
+        let persisted = WireMapping {
+            entries: accepted,
+            files: accepted_files,
+        };
+        if let Err(e) = self.persist(&persisted, &used_artifacts) {
+            tracing::error!(error = %e, "persisting the mapping failed; a restart would serve an older one");
+        }
+        for r in &refused {
+            tracing::error!(path = %r.path.join("/"), reason = %r.reason, "mapping entry refused");
+        }
+        (refused, None)
+    }
+
+    fn entry(
+        &self,
+        e: &WireEntry,
+        artifacts: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+        served: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+        verified: &HashSet<(StoreId, ArtifactId)>,
+    ) -> Result<MountEntry, String> {
+        if e.path.is_empty() || !e.path.iter().all(|s| valid_segment(s)) {
+            return Err("invalid path".into());
+        }
+        if !valid_store_id(&e.store) {
+            return Err(format!("invalid store id {:?}", e.store.as_str()));
+        }
+        let artifact = artifacts
+            .get(&e.artifact)
+            .or_else(|| served.get(&e.artifact))
+            .cloned()
+            .ok_or_else(|| format!("artifact {} was never sent", e.artifact))?;
+        let store = self
+            .state
+            .existing_store(&e.store)
+            .ok_or_else(|| format!("store {} does not exist", e.store))?;
+        if !verified.contains(&(e.store.clone(), e.artifact.clone())) {
+            for (entry, blob) in artifact.manifest.entries().iter().zip(&artifact.blobs) {
+                if !store.has_blob(blob, entry.size) {
+                    return Err(format!(
+                        "blob {blob} of {} ({} bytes) is missing from store {}",
+                        entry.path, entry.size, e.store
+                    ));
+                }
+            }
+        }
+        Ok(MountEntry {
+            path: e.path.clone(),
+            artifact,
+            store: self.core.store_handle(&e.store, store),
+        })
+    }
+
+    fn mapping_path(&self) -> PathBuf {
+        self.dir.join("mapping.json")
+    }
+
+    fn artifact_path(&self, id: &ArtifactId) -> PathBuf {
+        self.dir.join("artifacts").join(format!("{id}.json"))
+    }
+
+    /// Artifacts first (each written once), then the mapping that names them, then artifacts
+    /// no longer named are removed: a crash anywhere leaves a mapping whose artifacts exist.
+    fn persist(
+        &self,
+        mapping: &WireMapping,
+        artifacts: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+    ) -> io::Result<()> {
+        for (id, a) in artifacts {
+            let path = self.artifact_path(id);
+            if !path.exists() {
+                let bytes = serde_json::to_vec(&**a).map_err(io::Error::other)?;
+                crate::store::fsutil::atomic_write(&path, &bytes)?;
+            }
+        }
+        let doc = PersistedMapping {
+            protocol: PROTOCOL_VERSION,
+            mapping: mapping.clone(),
+        };
+        let bytes = serde_json::to_vec(&doc).map_err(io::Error::other)?;
+        crate::store::fsutil::atomic_write(&self.mapping_path(), &bytes)?;
+        for entry in std::fs::read_dir(self.dir.join("artifacts"))?.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let keep = name
+                .strip_suffix(".json")
+                .is_some_and(|id| artifacts.keys().any(|a| a.to_string() == id));
+            if !keep {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn load_persisted(
+        &self,
+    ) -> io::Result<Option<(HashMap<ArtifactId, Arc<StoredArtifact>>, WireMapping)>> {
+        let bytes = match std::fs::read(self.mapping_path()) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let doc: PersistedMapping = serde_json::from_slice(&bytes)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        let mut artifacts = HashMap::new();
+        for e in &doc.mapping.entries {
+            if artifacts.contains_key(&e.artifact) {
+                continue;
+            }
+            let loaded = std::fs::read(self.artifact_path(&e.artifact))
+                .map_err(|err| err.to_string())
+                .and_then(|b| {
+                    serde_json::from_slice::<StoredArtifact>(&b).map_err(|err| err.to_string())
+                })
+                .and_then(|a| check_artifact(&a));
+            match loaded {
+                Ok(a) => {
+                    artifacts.insert(e.artifact.clone(), a);
+                }
+                Err(err) => {
+                    tracing::error!(artifact = %e.artifact, error = %err, "persisted artifact unreadable")
+                }
+            }
+        }
+        Ok(Some((artifacts, doc.mapping)))
+    }
+}
+
+/// For tests and the `WireFile` conversion on the agent side.
+pub fn wire_files(files: &[InlineFile]) -> Vec<WireFile> {
+    files
+        .iter()
+        .map(|f| WireFile {
+            path: f.path.clone(),
+            content: f.content.to_vec(),
+        })
+        .collect()
+}

@@ -1,0 +1,631 @@
+//! The mount server / agent split (issue 10 part 1), with real FUSE and real processes: the
+//! agent is killed and upgraded under readers; the mount server is killed and serves its
+//! persisted mapping alone; bad peers and bad mappings are refused with a reason.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{cluster_model, files_of, http_get, make_model_dir, TestEnv, BIN};
+use sha2::{Digest, Sha256};
+
+/// Mount ID (first field of /proc/self/mountinfo) of the mount at `path`, if any.
+fn mount_id(path: &Path) -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let want = path.to_str().unwrap();
+    info.lines()
+        .filter(|l| l.split(' ').nth(4) == Some(want))
+        .filter_map(|l| l.split(' ').next()?.parse().ok())
+        .next_back()
+}
+
+fn wait_for(what: &str, timeout: Duration, mut pred: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if pred() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// The processes of one split deployment, started separately (as Kubernetes runs them).
+struct Split {
+    env: TestEnv,
+    socket: PathBuf,
+    listen: String,
+    log: PathBuf,
+    server: Option<Child>,
+    agent: Option<Child>,
+}
+
+impl Split {
+    fn new() -> Self {
+        let env = TestEnv::new();
+        let socket = env.root.path().join("run").join("agent.sock");
+        let log = env.root.path().join("split.log");
+        Split {
+            listen: format!("127.0.0.1:{}", common::free_port()),
+            env,
+            socket,
+            log,
+            server: None,
+            agent: None,
+        }
+    }
+
+    fn log_file(&self) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap()
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn start_server(&mut self) {
+        let started_before = self.log_text().matches("waiting for the agent").count();
+        let log = self.log_file();
+        let child = Command::new(BIN)
+            .arg("mount-server")
+            .arg("--mount")
+            .arg(&self.env.mount)
+            .arg("--state")
+            .arg(&self.env.state)
+            .arg("--mount-socket")
+            .arg(&self.socket)
+            .env("RUST_LOG", "info,modelfs=debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.server = Some(child);
+        // Logged once mounted and listening.
+        wait_for("the mount server", Duration::from_secs(30), || {
+            self.log_text().matches("waiting for the agent").count() > started_before
+        });
+    }
+
+    fn start_agent(&mut self, bin: &Path) {
+        let log = self.log_file();
+        let child = Command::new(bin)
+            .arg("agent")
+            .arg("--mount")
+            .arg(&self.env.mount)
+            .arg("--state")
+            .arg(&self.env.state)
+            .arg("--models")
+            .arg(&self.env.models)
+            .arg("--listen")
+            .arg(&self.listen)
+            .arg("--gc-grace-secs")
+            .arg("1")
+            .arg("--mount-socket")
+            .arg(&self.socket)
+            .env("RUST_LOG", "info,modelfs=debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.agent = Some(child);
+        let listen = self.listen.clone();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Some((200, _)) = http_get(&listen, "/readyz") {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("agent did not become ready; log:\n{}", self.log_text());
+    }
+
+    fn kill_agent(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    /// SIGTERM, as a rolling update does.
+    fn stop_agent(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            common::terminate(c.id());
+            c.wait().unwrap();
+        }
+    }
+
+    fn kill_server(&mut self) {
+        if let Some(mut c) = self.server.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    fn status(&self) -> serde_json::Value {
+        match http_get(&self.listen, "/v1/models") {
+            Some((200, body)) => serde_json::from_str(&body).unwrap(),
+            _ => serde_json::Value::Null,
+        }
+    }
+
+    fn wait_ready(&self, key: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if self.status()[key]["status"] == "Ready" {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{key} never Ready; log:\n{}", self.log_text());
+    }
+}
+
+impl Drop for Split {
+    fn drop(&mut self) {
+        self.kill_agent();
+        self.kill_server();
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(&self.env.mount)
+            .status();
+    }
+}
+
+/// A model directory with 20 small files and one larger one: path -> sha256.
+fn model_source(env: &TestEnv, name: &str, seed: u64) -> (PathBuf, BTreeMap<String, String>) {
+    let src = env.dir(name);
+    make_model_dir(&src, seed, 300_000);
+    for i in 0..20 {
+        std::fs::write(
+            src.join(format!("part-{i:02}.bin")),
+            common::bytes(seed * 1000 + i, 1000 + (i as usize) * 37),
+        )
+        .unwrap();
+    }
+    let files = files_of(&src);
+    (src, files)
+}
+
+/// Readers over the mount: fresh opens of random files, and long-held handles re-read from
+/// the start, both checking bytes.
+struct Readers {
+    stop: Arc<AtomicBool>,
+    opens: Arc<AtomicU64>,
+    held_reads: Arc<AtomicU64>,
+    threads: Vec<std::thread::JoinHandle<Vec<String>>>,
+}
+
+impl Readers {
+    fn start(files: Vec<(PathBuf, String)>) -> Readers {
+        let stop = Arc::new(AtomicBool::new(false));
+        let opens = Arc::new(AtomicU64::new(0));
+        let held_reads = Arc::new(AtomicU64::new(0));
+        let files = Arc::new(files);
+        let mut threads = Vec::new();
+        for t in 0..2u64 {
+            let (stop, opens, files) = (stop.clone(), opens.clone(), files.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut problems = Vec::new();
+                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ t;
+                while !stop.load(Ordering::Relaxed) && problems.len() < 20 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let (path, sha) = &files[(x % files.len() as u64) as usize];
+                    match std::fs::read(path) {
+                        Ok(data) if hex::encode(Sha256::digest(&data)) == *sha => {}
+                        Ok(_) => problems.push(format!("{}: wrong bytes", path.display())),
+                        Err(e) => problems.push(format!("open {}: {e}", path.display())),
+                    }
+                    opens.fetch_add(1, Ordering::Relaxed);
+                }
+                problems
+            }));
+        }
+        let held: Vec<(std::fs::File, PathBuf, String)> = files
+            .iter()
+            .map(|(p, sha)| (std::fs::File::open(p).unwrap(), p.clone(), sha.clone()))
+            .collect();
+        let (stop2, held_reads2) = (stop.clone(), held_reads.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut problems = Vec::new();
+            while !stop2.load(Ordering::Relaxed) && problems.len() < 20 {
+                for (file, path, sha) in &held {
+                    let len = file.metadata().map(|m| m.len()).unwrap_or(0) as usize;
+                    let mut buf = vec![0u8; len];
+                    match file.read_exact_at(&mut buf, 0) {
+                        Ok(()) if hex::encode(Sha256::digest(&buf)) == *sha => {}
+                        Ok(()) => problems.push(format!("held {}: wrong bytes", path.display())),
+                        Err(e) => problems.push(format!("held {}: {e}", path.display())),
+                    }
+                    held_reads2.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            problems
+        }));
+        Readers {
+            stop,
+            opens,
+            held_reads,
+            threads,
+        }
+    }
+
+    /// Waits until both kinds of reader made progress past what they had done now.
+    fn wait_progress(&self) {
+        let (o, h) = (
+            self.opens.load(Ordering::Relaxed),
+            self.held_reads.load(Ordering::Relaxed),
+        );
+        wait_for("reader progress", Duration::from_secs(30), || {
+            self.opens.load(Ordering::Relaxed) > o + 10
+                && self.held_reads.load(Ordering::Relaxed) > h + 10
+        });
+    }
+
+    fn finish(self) -> (u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        let problems: Vec<String> = self
+            .threads
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect();
+        assert!(problems.is_empty(), "readers saw problems: {problems:#?}");
+        (
+            self.opens.load(Ordering::Relaxed),
+            self.held_reads.load(Ordering::Relaxed),
+        )
+    }
+}
+
+#[test]
+fn agent_killed_50_times_and_upgraded_10_times_under_readers() {
+    let mut split = Split::new();
+    let mut all_files = Vec::new();
+    let mut yaml = String::new();
+    for (i, name) in ["alpha", "beta", "gamma"].iter().enumerate() {
+        let (src, files) = model_source(&split.env, name, i as u64 + 1);
+        yaml.push_str(&cluster_model(
+            name,
+            &format!("local://{}", src.display()),
+            "AlwaysDownload",
+            Some(&format!("models/{name}")),
+        ));
+        yaml.push_str("---\n");
+        for (rel, sha) in files {
+            all_files.push((split.env.mount.join("models").join(name).join(rel), sha));
+        }
+    }
+    split.env.write_models("models.yaml", &yaml);
+    // Two copies of the binary: an upgrade restarts the agent from the other file.
+    let old_bin = split.env.root.path().join("modelfs-old");
+    let new_bin = split.env.root.path().join("modelfs-new");
+    std::fs::copy(BIN, &old_bin).unwrap();
+    std::fs::copy(BIN, &new_bin).unwrap();
+    split.start_server();
+    split.start_agent(&old_bin);
+    for name in ["alpha", "beta", "gamma"] {
+        split.wait_ready(&format!("clusterbasemodel.{name}"));
+    }
+    let id = mount_id(&split.env.mount).expect("mounted");
+    let readers = Readers::start(all_files);
+    readers.wait_progress();
+
+    let (late_src, late_files) = model_source(&split.env, "late", 9);
+    for round in 0..50 {
+        split.kill_agent();
+        if round == 25 {
+            // A model added while no agent runs appears once one is back.
+            split.env.write_models(
+                "late.yaml",
+                &cluster_model(
+                    "late",
+                    &format!("local://{}", late_src.display()),
+                    "AlwaysDownload",
+                    Some("models/late"),
+                ),
+            );
+        }
+        readers.wait_progress();
+        assert_eq!(mount_id(&split.env.mount), Some(id), "round {round}");
+        split.start_agent(if round % 2 == 0 { &new_bin } else { &old_bin });
+        assert_eq!(mount_id(&split.env.mount), Some(id), "round {round}");
+    }
+    split.wait_ready("clusterbasemodel.late");
+    for (rel, sha) in &late_files {
+        let data = std::fs::read(split.env.mount.join("models/late").join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+    let connects_before = split.log_text().matches("agent connected").count();
+    for round in 0..10 {
+        // Upgrade: the old agent stops as in a rolling update, the other binary starts.
+        split.stop_agent();
+        readers.wait_progress();
+        split.start_agent(if round % 2 == 0 { &new_bin } else { &old_bin });
+        readers.wait_progress();
+        assert_eq!(mount_id(&split.env.mount), Some(id), "upgrade {round}");
+    }
+    let (opens, held) = readers.finish();
+    // Every agent start passed the protocol check.
+    assert_eq!(
+        split.log_text().matches("agent connected").count(),
+        connects_before + 10
+    );
+    assert!(!split.log_text().contains("connection refused"));
+    eprintln!("readers: {opens} fresh opens, {held} reads of held handles, no failure");
+}
+
+#[test]
+fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
+    let mut split = Split::new();
+    let (src, files) = model_source(&split.env, "m", 3);
+    split.env.write_models(
+        "m.yaml",
+        &cluster_model(
+            "m",
+            &format!("local://{}", src.display()),
+            "AlwaysDownload",
+            None,
+        ),
+    );
+    split.start_server();
+    split.start_agent(Path::new(BIN));
+    split.wait_ready("clusterbasemodel.m");
+    let first = mount_id(&split.env.mount).unwrap();
+    split.kill_agent();
+    split.kill_server();
+    // The dead connection: ENOTCONN until a new server cleans it up.
+    let err = std::fs::read_dir(&split.env.mount).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN));
+    split.start_server();
+    // A fresh mount (the kernel may reuse the mount id of the one it replaced).
+    assert!(mount_id(&split.env.mount).is_some());
+    let _ = first;
+    for (rel, sha) in &files {
+        let data = std::fs::read(split.env.mount.join("m").join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+    assert!(split
+        .log_text()
+        .contains("serving the persisted mapping models=1"));
+    // Exactly one mount left at the path (the stale one was removed).
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let at = info
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == split.env.mount.to_str())
+        .count();
+    assert_eq!(at, 1);
+}
+
+/// Sends `hello` with a protocol version and returns the server's first line.
+fn hello(socket: &Path, version: u32) -> String {
+    let mut s = UnixStream::connect(socket).unwrap();
+    writeln!(s, r#"{{"hello":{{"protocol":{version},"agent":"test"}}}}"#).unwrap();
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).unwrap();
+    line
+}
+
+#[test]
+fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
+    use modelfs::mountserver::client::{handshake, ConnectError};
+    use modelfs::mountserver::protocol::{self, AgentMessage, ServerMessage, WireMapping};
+
+    let mut split = Split::new();
+    let (src, files) = model_source(&split.env, "good", 4);
+    split.env.write_models(
+        "good.yaml",
+        &cluster_model(
+            "good",
+            &format!("local://{}", src.display()),
+            "AlwaysDownload",
+            None,
+        ),
+    );
+    split.start_server();
+    split.start_agent(Path::new(BIN));
+    split.wait_ready("clusterbasemodel.good");
+    let check_good = |split: &Split| {
+        for (rel, sha) in &files {
+            let data = std::fs::read(split.env.mount.join("good").join(rel)).unwrap();
+            assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+        }
+    };
+
+    // The socket is private to root.
+    let dir_mode = std::fs::metadata(split.socket.parent().unwrap())
+        .unwrap()
+        .permissions()
+        .mode();
+    let sock_mode = std::fs::metadata(&split.socket)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!((dir_mode & 0o777, sock_mode & 0o777), (0o700, 0o600));
+
+    // A wrong protocol version, with both versions in the reason.
+    let answer = hello(&split.socket, 999);
+    assert!(answer.contains("refused"), "{answer}");
+    assert!(answer.contains("protocol version 999"), "{answer}");
+    assert!(
+        answer.contains(&format!("version {}", protocol::PROTOCOL_VERSION)),
+        "{answer}"
+    );
+    assert!(matches!(
+        handshake(&split.socket, 998),
+        Err(ConnectError::Refused(r)) if r.contains("998")
+    ));
+    check_good(&split);
+
+    // A peer that is not root, even when the permissions were loosened by mistake.
+    for dir in [split.env.root.path(), split.socket.parent().unwrap()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::set_permissions(&split.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let script = format!(
+        "import socket\ns=socket.socket(socket.AF_UNIX)\ns.connect({:?})\ntry:\n    s.sendall(b'{{\"hello\":{{\"protocol\":{},\"agent\":\"nobody\"}}}}\\n')\nexcept OSError:\n    pass\nprint(s.makefile().readline())",
+        split.socket.to_str().unwrap(),
+        protocol::PROTOCOL_VERSION
+    );
+    let out = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(&script)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        answer.contains("refused") && answer.contains("uid 65534") && answer.contains("not root"),
+        "stdout {answer} stderr {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    check_good(&split);
+
+    // A mapping naming a missing blob (and one naming a missing store): those entries are
+    // refused with a reason; the good model keeps serving. The agent is stopped first so that
+    // it does not send its own mapping again.
+    split.kill_agent();
+    let state_dir = split.env.state.join("mount-server");
+    let persisted: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(state_dir.join("mapping.json")).unwrap()).unwrap();
+    let good_entry = persisted["mapping"]["entries"][0].clone();
+    let artifact_id = good_entry["artifact"].as_str().unwrap();
+    let artifact: modelfs::artifact::StoredArtifact = serde_json::from_slice(
+        &std::fs::read(
+            state_dir
+                .join("artifacts")
+                .join(format!("{artifact_id}.json")),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    // A store that exists but lacks the blobs.
+    std::fs::create_dir_all(split.env.state.join("stores/s99999999/blobs")).unwrap();
+    let mut entries: Vec<serde_json::Value> = vec![good_entry.clone()];
+    let mut broken = good_entry.clone();
+    broken["path"] = serde_json::json!(["broken"]);
+    broken["store"] = serde_json::json!("s99999999");
+    entries.push(broken);
+    let mut nostore = good_entry.clone();
+    nostore["path"] = serde_json::json!(["nostore"]);
+    nostore["store"] = serde_json::json!("s88888888");
+    entries.push(nostore);
+    let mapping: WireMapping =
+        serde_json::from_value(serde_json::json!({"entries": entries, "files": []})).unwrap();
+    let (mut stream, _welcome, rest) =
+        handshake(&split.socket, protocol::PROTOCOL_VERSION).unwrap();
+    protocol::write_message(
+        &mut stream,
+        &AgentMessage::Apply {
+            seq: 1,
+            artifacts: vec![artifact],
+            mapping,
+        },
+    )
+    .unwrap();
+    let mut reader = BufReader::new(std::io::Cursor::new(rest).chain(stream.try_clone().unwrap()));
+    let applied = loop {
+        match protocol::read_message::<_, ServerMessage>(&mut reader, 1 << 30)
+            .unwrap()
+            .expect("an answer")
+        {
+            ServerMessage::Applied { refused, error, .. } => break (refused, error),
+            _ => continue,
+        }
+    };
+    assert_eq!(applied.1, None);
+    let reasons: BTreeMap<String, String> = applied
+        .0
+        .iter()
+        .map(|r| (r.path.join("/"), r.reason.clone()))
+        .collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(
+        reasons["broken"].contains("missing from store s99999999"),
+        "{reasons:?}"
+    );
+    assert!(reasons["nostore"].contains("does not exist"), "{reasons:?}");
+    check_good(&split);
+    let listing: Vec<String> = std::fs::read_dir(&split.env.mount)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(listing, vec!["good".to_string()]);
+}
+
+#[test]
+fn serve_runs_the_agent_as_a_supervised_child() {
+    let env = TestEnv::new();
+    let (src, files) = model_source(&env, "m", 5);
+    env.write_models(
+        "m.yaml",
+        &cluster_model(
+            "m",
+            &format!("local://{}", src.display()),
+            "AlwaysDownload",
+            None,
+        ),
+    );
+    let d = common::Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    let id = mount_id(&env.mount).unwrap();
+    let children = |pid: u32| -> Vec<u32> {
+        let mut out = Vec::new();
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+            let text =
+                std::fs::read_to_string(task.unwrap().path().join("children")).unwrap_or_default();
+            out.extend(text.split_whitespace().map(|p| p.parse::<u32>().unwrap()));
+        }
+        out
+    };
+    let agent = children(d.pid());
+    assert_eq!(agent.len(), 1, "one agent child");
+    let pid = rustix::process::Pid::from_raw(agent[0] as i32).expect("a pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("SIGKILL the agent");
+    wait_for(
+        "the agent's death in the log",
+        Duration::from_secs(30),
+        || {
+            d.log_text()
+                .contains("agent died; restarting it reason=killed by signal 9 (SIGKILL)")
+        },
+    );
+    wait_for("a new agent", Duration::from_secs(30), || {
+        let now = children(d.pid());
+        now.len() == 1 && now != agent
+    });
+    d.wait_model("clusterbasemodel.m", "Ready");
+    for (rel, sha) in &files {
+        let data = std::fs::read(env.mount.join("m").join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+    assert_eq!(mount_id(&env.mount), Some(id));
+    // SIGTERM stops both and unmounts.
+    let agent = children(d.pid());
+    assert!(d.stop(), "clean exit");
+    assert!(mount_id(&env.mount).is_none());
+    assert!(
+        !Path::new(&format!("/proc/{}", agent[0])).exists() || {
+            // A zombie reaped by init shows no cmdline.
+            std::fs::read(format!("/proc/{}/cmdline", agent[0]))
+                .map(|c| c.is_empty())
+                .unwrap_or(true)
+        }
+    );
+}

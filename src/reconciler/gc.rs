@@ -13,7 +13,8 @@
 //! nobody resumes (older than `partial_max_age` in a store no fetch writes into), and artifact
 //! records no store holds.
 //!
-//! [`plan`] computes the garbage without touching anything; the daemon and `modelfs gc` execute
+//! Which stores are garbage is decided by [`super::decide::garbage_stores`]; [`plan`] adds what
+//! the disk holds and computes the garbage without touching anything; the daemon and `modelfs gc` execute
 //! it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -71,13 +72,12 @@ pub fn plan(
     partial_max_age: Duration,
 ) -> GcPlan {
     let mut out = GcPlan::default();
-    let users: BTreeSet<&StoreId> = records
-        .models
-        .values()
-        .filter_map(|m| m.store.as_ref())
-        .collect();
+    let garbage: BTreeSet<StoreId> =
+        super::decide::garbage_stores(records, |id| usage.store_busy(id))
+            .into_iter()
+            .collect();
     for (id, s) in &records.stores {
-        if s.owner.is_none() && !s.reserved && !users.contains(id) && !usage.store_busy(id) {
+        if garbage.contains(id) {
             out.stores.push(id.clone());
             out.bytes += state
                 .existing_store(id)

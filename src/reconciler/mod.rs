@@ -11,9 +11,10 @@
 //! # Life of a model
 //! `ensure` sees a new or changed spec (its *fingerprint* changed) and starts work: resolve the
 //! source to a manifest (skipped when only the policy or path changed: the served artifact's
-//! manifest is reused), then `decide` (see [`placement`]): serve from an existing holder, wait
+//! manifest is reused), then `decide` (see [`decide::placement`]): serve from an existing holder, wait
 //! for an in-flight fetch of the same artifact (single flight), or fetch into the model's own
-//! store. Until the new placement is complete and verified, the model keeps being served as
+//! store. The rules themselves are pure functions in [`decide`]; this module runs them and
+//! executes what they ask for. Until the new placement is complete and verified, the model keeps being served as
 //! before; then `serve` records the new placement and the mapping flips in one swap. This one
 //! path implements placement on create, source/revision changes and the four policy changes
 //! T-01..T-04 of SPEC section 3.2.
@@ -26,7 +27,7 @@
 //! copies) see the same cancellation as a flag and stop at their next check. A worker that
 //! panics is a bug: the model is `Failed` with the panic message, not retried.
 //! # Paths
-//! One rule decides path conflicts ([`placement::path_verdicts`]): nesting paths, or equal paths
+//! One rule decides path conflicts ([`decide::path_verdicts`]): nesting paths, or equal paths
 //! with different artifacts, and the later model (creation order, then key) loses. It is
 //! applied where placement happens (before work starts, when the artifact is known, when a
 //! fetch completes, right before the flip) and to the whole state after every event and at
@@ -45,13 +46,13 @@
 //! directory is a conflict ([`crate::fs::hf_cache::path_conflict`], checked with the other
 //! path conflicts); lingering snapshots that expire trigger a `remap` on the tick.
 
+pub mod decide;
 pub mod gc;
 mod model_config;
 mod persist;
-pub mod placement;
 mod status_doc;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -72,7 +73,7 @@ use crate::source::{FetchContext, Progress, Source, SourceConfig, SourceError};
 use crate::status::StatusDoc;
 use crate::store::{ModelPhase, ModelRecord, Records, StateDir, StoreId};
 
-use placement::{ClaimArtifact, ClaimKind, PathClaim, PathVerdict, Placement};
+use decide::{ClaimArtifact, ClaimKind, Effect, PathClaim, PathVerdict, Placement};
 
 /// A model that lost a path conflict: it stays `Failed` until the rule clears it (the model it
 /// lost to goes away or moves), then it gets its turn. Not durable: after a restart the model
@@ -730,11 +731,7 @@ impl Reconciler {
         rec.reason = Some(reason.to_string());
         // Unmapped (its path may be what is invalid) but its own store is kept: fixing the
         // object must not cost a download, and its children keep being served.
-        rec.artifact = None;
-        rec.sha = None;
-        rec.store = None;
-        rec.served_path = None;
-        rec.served_source = None;
+        decide::unmap(rec);
         self.wake_waiters();
         true
     }
@@ -882,8 +879,8 @@ impl Reconciler {
         self.wake_waiters();
     }
 
-    fn in_flight(&self, source: &str) -> placement::InFlight {
-        let mut out = placement::InFlight::default();
+    fn in_flight(&self, source: &str) -> decide::InFlight {
+        let mut out = decide::InFlight::default();
         for (k, w) in &self.works {
             match &w.stage {
                 Stage::Fetching { artifact, .. } => {
@@ -920,10 +917,9 @@ impl Reconciler {
             }
         }
         let in_flight = self.in_flight(&spec.source.to_string());
-        match placement::place(&self.records, key, spec.policy, &artifact, &in_flight) {
+        match decide::place(&self.records, key, spec.policy, &artifact, &in_flight) {
             Placement::Serve(store) => {
                 self.serve(key, store, artifact, manifest.revision.clone(), &spec);
-                self.remap_needed = true;
             }
             Placement::Wait(other) => {
                 tracing::info!(model = %key, waits_for = %other, "same artifact is being fetched; waiting for it");
@@ -1006,36 +1002,15 @@ impl Reconciler {
     }
 
     /// The store to fetch `artifact` into for `key`, and a seed store to hard-link known blobs
-    /// from. Normally the model's own store (blobs it already has are kept, so a new revision
-    /// fetches only changed files). But if other models are served from that store with another
-    /// artifact (children still on the old revision), the store is handed to them now, no byte
-    /// moving, and the new revision goes into a fresh store seeded from the old one: a parent
-    /// never holds a different artifact than its children.
+    /// from (see [`decide::fetch_target`]).
     fn fetch_target(
         &mut self,
         key: &ModelKey,
         artifact: &ArtifactId,
     ) -> (StoreId, Option<StoreId>) {
-        let Some(own) = self.records.owned_store(key).cloned() else {
-            let id = self.records.allocate_store(key);
-            // The record must exist before the directory, or a crash leaves a directory that
-            // garbage collection rightly removes as an orphan.
-            self.save();
-            return (id, None);
-        };
-        let split = self
-            .records
-            .users_of(&own)
-            .into_iter()
-            .any(|u| u != key && self.records.models[u].artifact.as_ref() != Some(artifact));
-        if !split {
-            return (own, None);
-        }
-        self.hand_over_or_release(&own, key, false);
-        let id = self.records.allocate_store(key);
-        self.save();
-        tracing::info!(model = %key, old = %own, new = %id, "children keep the old revision's store; fetching into a new one");
-        (id, Some(own))
+        let target = decide::fetch_target(&mut self.records, key, artifact);
+        self.execute(target.effects);
+        (target.store, target.seed)
     }
 
     /// Source digest -> blob of the complete artifacts of `stores`.
@@ -1117,7 +1092,6 @@ impl Reconciler {
                     match self.verdict_for(&key, &spec.path, ClaimArtifact::Known(id.clone())) {
                         PathVerdict::Clear => {
                             self.serve(&key, store, id, manifest.revision.clone(), &spec);
-                            self.remap_needed = true;
                         }
                         PathVerdict::Wait { on } => {
                             tracing::info!(model = %key, waits_for = %on, "fetched; an earlier model on the same path is resolving");
@@ -1159,7 +1133,8 @@ impl Reconciler {
     }
 
     /// Records that `key` is served from `store` (which holds `artifact` complete), releasing
-    /// or handing over the model's own store if it moved away from it (T-02, T-04).
+    /// or handing over the model's own store if it moved away from it (T-02, T-04; see
+    /// [`decide::serve`]).
     fn serve(
         &mut self,
         key: &ModelKey,
@@ -1170,167 +1145,58 @@ impl Reconciler {
     ) {
         self.works.remove(key);
         self.retries.remove(key);
-        let own = self.records.owned_store(key).cloned();
-        {
-            let rec = self.records.models.get_mut(key).expect("record");
-            let before = (
-                rec.store.clone(),
-                rec.artifact.clone(),
-                rec.served_path.clone(),
-            );
-            rec.artifact = Some(artifact.clone());
-            rec.sha = Some(sha);
-            rec.store = Some(store.clone());
-            rec.served_path = Some(spec.path.to_string());
-            rec.served_source = Some(spec.source.to_string());
-            rec.phase = ModelPhase::Ready;
-            rec.reason = None;
-            if before
-                != (
-                    rec.store.clone(),
-                    rec.artifact.clone(),
-                    rec.served_path.clone(),
-                )
-            {
-                tracing::info!(model = %key, %store, artifact = %artifact, "mapping changed");
-            }
+        let (changed, effects) = decide::serve(
+            &mut self.records,
+            key,
+            decide::Serve {
+                store: store.clone(),
+                artifact: artifact.clone(),
+                sha,
+                path: spec.path.to_string(),
+                source: spec.source.to_string(),
+            },
+        );
+        if changed {
+            tracing::info!(model = %key, %store, artifact = %artifact, "mapping changed");
         }
-        // Adopt a reserved store that has no owner.
-        if let Some(s) = self.records.stores.get_mut(&store) {
-            if s.owner.is_none() {
-                s.owner = Some(key.clone());
-                s.reserved = false;
-            }
-        }
-        if let Some(own) = own.filter(|o| *o != store) {
-            // Children of the old copy that the new store can serve move with the model, so
-            // no chain of parents forms (T-04).
-            let target_artifacts = self.records.stores[&store].artifacts.clone();
-            let users: Vec<ModelKey> = self.records.users_of(&own).into_iter().cloned().collect();
-            for u in users {
-                let m = self.records.models.get_mut(&u).expect("user record");
-                if m.artifact
-                    .as_ref()
-                    .is_some_and(|a| target_artifacts.contains(a))
-                {
-                    m.store = Some(store.clone());
-                }
-            }
-            self.hand_over_or_release(&own, key, false);
-        }
-        self.prune_store_artifacts(&store);
+        self.execute(effects);
+        self.remap_needed = true;
     }
 
-    /// The owner `key` leaves `store`. Ownership passes to a remaining user, deterministically:
-    /// the smallest ClusterBaseModel key (in every user's reuse scope), else the smallest key.
-    /// Users outside the new owner's scope (BaseModels of other namespaces) get a store of their
-    /// own per namespace, made of hard links to the same blobs: no bytes move, and no model is
-    /// ever reported as the child of another tenant's model. With no user left the store is
-    /// released (reserved if the leaving owner carried the reserve label).
-    fn hand_over_or_release(&mut self, store: &StoreId, key: &ModelKey, reserve: bool) {
-        let users: Vec<ModelKey> = self
-            .records
-            .users_of(store)
-            .into_iter()
-            .filter(|u| *u != key)
-            .cloned()
-            .collect();
-        let ns_of = |r: &Records, k: &ModelKey| r.models.get(k).and_then(|m| m.namespace.clone());
-        let leaving_ns = ns_of(&self.records, key);
-        let next = users
-            .iter()
-            .find(|u| ns_of(&self.records, u).is_none())
-            .or_else(|| users.first())
-            .cloned();
-        let Some(next) = next else {
-            if let Some(s) = self.records.stores.get_mut(store) {
-                s.owner = None;
-                s.reserved = reserve;
-                s.last_owner_namespace = leaving_ns;
-                tracing::info!(%store, reserved = reserve, "store released");
-            }
-            return;
-        };
-        tracing::info!(%store, from = %key, to = %next, "store ownership passes to a child");
-        if let Some(s) = self.records.stores.get_mut(store) {
-            s.owner = Some(next.clone());
-        }
-        let owner_ns = ns_of(&self.records, &next);
-        let mut groups: BTreeMap<String, Vec<ModelKey>> = BTreeMap::new();
-        for u in users {
-            if let Some(ns) = ns_of(&self.records, &u) {
-                if !placement::in_scope(Some(&ns), owner_ns.as_deref()) {
-                    groups.entry(ns).or_default().push(u);
+    /// Executes the disk work decisions asked for, in order (see [`decide::Effect`]). Runs on
+    /// the actor's own thread, never on the async runtime's workers.
+    fn execute(&mut self, effects: Vec<Effect>) {
+        for effect in effects {
+            match effect {
+                Effect::SaveRecords => {
+                    self.save();
                 }
-            }
-        }
-        for (_, members) in groups {
-            self.split_store(store, &members);
-        }
-    }
-
-    /// Gives `members` (users of `from`, one namespace, in key order) a store of their own made of
-    /// hard links to the blobs they serve; the first member owns it.
-    fn split_store(&mut self, from: &StoreId, members: &[ModelKey]) {
-        let artifacts: BTreeSet<ArtifactId> = members
-            .iter()
-            .filter_map(|m| self.records.models.get(m).and_then(|r| r.artifact.clone()))
-            .collect();
-        let id = self.records.allocate_store(&members[0]);
-        self.save();
-        let linked = (|| -> Result<(), String> {
-            let src = self
-                .state
-                .existing_store(from)
-                .ok_or("source store missing")?;
-            let dst = self.state.store(&id).map_err(|e| e.to_string())?;
-            for a in &artifacts {
-                let stored = self.artifact(a).ok_or("artifact record missing")?;
-                for blob in &stored.blobs {
-                    match std::fs::hard_link(src.blob_path(blob), dst.blob_path(blob)) {
-                        Ok(()) => {}
-                        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                        Err(e) => return Err(format!("linking blob {blob}: {e}")),
-                    }
+                Effect::LinkStore(split) => {
+                    let linked = self.link_store(&split);
+                    decide::finish_split(&mut self.records, &split, linked);
                 }
-            }
-            dst.sync().map_err(|e| e.to_string())
-        })();
-        match linked {
-            Ok(()) => {
-                let rec = self.records.stores.get_mut(&id).expect("new store");
-                rec.artifacts = artifacts;
-                for m in members {
-                    if let Some(r) = self.records.models.get_mut(m) {
-                        r.store = Some(id.clone());
-                    }
-                }
-                tracing::info!(from = %from, to = %id, owner = %members[0], "out-of-scope children moved to their own store (hard links)");
-            }
-            Err(e) => {
-                // They keep being served from the old store; only the reported parent is off.
-                tracing::error!(store = %id, error = %e, "could not split a store by namespace");
-                self.records.stores.get_mut(&id).expect("new store").owner = None;
             }
         }
     }
 
-    /// Forgets artifacts of a store that none of its users serves any more (an old revision):
-    /// they no longer qualify the store as a reuse holder of that artifact.
-    fn prune_store_artifacts(&mut self, store: &StoreId) {
-        let served: Vec<ArtifactId> = self
-            .records
-            .models
-            .values()
-            .filter(|m| m.store.as_ref() == Some(store))
-            .filter_map(|m| m.artifact.clone())
-            .collect();
-        if served.is_empty() {
-            return;
+    /// Makes `split.to` hold hard links to the blobs of `split.artifacts` in `split.from`.
+    fn link_store(&mut self, split: &decide::Split) -> Result<(), String> {
+        let src = self
+            .state
+            .existing_store(&split.from)
+            .ok_or("source store missing")?;
+        let dst = self.state.store(&split.to).map_err(|e| e.to_string())?;
+        for a in &split.artifacts {
+            let stored = self.artifact(a).ok_or("artifact record missing")?;
+            for blob in &stored.blobs {
+                match std::fs::hard_link(src.blob_path(blob), dst.blob_path(blob)) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                    Err(e) => return Err(format!("linking blob {blob}: {e}")),
+                }
+            }
         }
-        if let Some(s) = self.records.stores.get_mut(store) {
-            s.artifacts.retain(|a| served.contains(a));
-        }
+        dst.sync().map_err(|e| e.to_string())
     }
 
     /// A `vendor://` model: its files come with the serving runtime, so, as OME's agent does,
@@ -1339,19 +1205,8 @@ impl Reconciler {
     fn serve_without_files(&mut self, key: &ModelKey, spec: &ModelSpec) {
         self.cancel_work(key);
         self.retries.remove(key);
-        if let Some(own) = self.records.owned_store(key).cloned() {
-            let reserve = self.records.models.get(key).is_some_and(|m| m.reserve);
-            self.hand_over_or_release(&own, key, reserve);
-        }
-        if let Some(rec) = self.records.models.get_mut(key) {
-            rec.artifact = None;
-            rec.sha = None;
-            rec.store = None;
-            rec.served_path = None;
-            rec.served_source = Some(spec.source.to_string());
-            rec.phase = ModelPhase::Ready;
-            rec.reason = None;
-        }
+        let effects = decide::serve_without_files(&mut self.records, key, spec.source.to_string());
+        self.execute(effects);
         tracing::info!(model = %key, source = %spec.source, "vendor model: Ready with no files");
         self.wake_waiters();
     }
@@ -1360,13 +1215,9 @@ impl Reconciler {
         self.cancel_work(key);
         self.retries.remove(key);
         self.path_losers.remove(key);
-        let own = self.records.owned_store(key).cloned();
-        let reserve = self.records.models.get(key).is_some_and(|m| m.reserve);
         tracing::info!(model = %key, "model deleted");
-        if let Some(own) = own {
-            self.hand_over_or_release(&own, key, reserve);
-        }
-        self.records.models.remove(key);
+        let effects = decide::delete(&mut self.records, key);
+        self.execute(effects);
         self.wake_waiters();
     }
 
@@ -1390,15 +1241,12 @@ impl Reconciler {
                 .filter(|r| r.fingerprint == fp)
                 .map(|r| r.attempts + 1)
                 .unwrap_or(1);
-            let exp = self
-                .config
-                .retry_base
-                .saturating_mul(1u32 << attempts.min(16))
-                .min(self.config.retry_max);
-            // Jitter: 50..100% of the delay, so a node full of failing models does not retry
-            // in lockstep.
-            let jitter = 0.5 + 0.5 * (now_nanos_fraction());
-            let delay = exp.mul_f64(jitter);
+            let delay = decide::retry_delay(
+                self.config.retry_base,
+                self.config.retry_max,
+                attempts,
+                now_nanos_fraction(),
+            );
             reason = format!("{reason} (retry {attempts} in {}s)", delay.as_secs().max(1));
             self.retries.insert(
                 key.clone(),
@@ -1467,59 +1315,31 @@ impl Reconciler {
         }
     }
 
-    /// Every model's claims on paths below the mount, for [`placement::path_verdicts`]: where
-    /// it is served (with the served artifact) and, if different, where its spec wants it (with
-    /// the artifact of its work: pending while resolving, known once resolved; a loser keeps
-    /// the artifact it lost with). Invalid models claim nothing.
-    fn claims(&self) -> Vec<PathClaim> {
-        let mut out = Vec::with_capacity(self.records.models.len());
-        for (key, rec) in &self.records.models {
-            if rec.fingerprint.starts_with("invalid:") {
-                continue;
-            }
-            let served = match (&rec.artifact, &rec.store, &rec.served_path) {
-                (Some(a), Some(_), Some(p)) => MountPath::from_relative(p)
-                    .ok()
-                    .map(|path| (path, a.clone())),
-                _ => None,
-            };
-            let wanted_artifact = match self.works.get(key).map(|w| &w.stage) {
-                Some(Stage::Resolving) => Some(ClaimArtifact::Pending),
-                Some(Stage::Waiting { manifest }) => Some(ClaimArtifact::Known(manifest.id())),
-                Some(Stage::Fetching { artifact, .. }) => {
-                    Some(ClaimArtifact::Known(artifact.clone()))
-                }
-                None => None,
-            };
-            let wanted_artifact = wanted_artifact.unwrap_or_else(|| {
+    /// What `key`'s work claims on its wanted path: pending while resolving, known once
+    /// resolved; a loser keeps the artifact it lost with.
+    fn wanted_claim(&self, key: &ModelKey) -> decide::Wanted {
+        let artifact = match self.works.get(key).map(|w| &w.stage) {
+            Some(Stage::Resolving) => Some(ClaimArtifact::Pending),
+            Some(Stage::Waiting { manifest }) => Some(ClaimArtifact::Known(manifest.id())),
+            Some(Stage::Fetching { artifact, .. }) => Some(ClaimArtifact::Known(artifact.clone())),
+            None => None,
+        };
+        decide::Wanted {
+            working: self.works.contains_key(key),
+            artifact: artifact.unwrap_or_else(|| {
                 match self.path_losers.get(key).and_then(|l| l.artifact.clone()) {
                     Some(a) => ClaimArtifact::Known(a),
                     None => ClaimArtifact::Unknown,
                 }
-            });
-            let wanted = MountPath::from_relative(&rec.path).ok();
-            let settled =
-                !self.works.contains_key(key) && served.as_ref().map(|s| &s.0) == wanted.as_ref();
-            if let Some((path, artifact)) = served {
-                out.push(PathClaim {
-                    key: key.clone(),
-                    seq: rec.seq,
-                    kind: ClaimKind::Served,
-                    path,
-                    artifact: ClaimArtifact::Known(artifact),
-                });
-            }
-            if let Some(path) = wanted.filter(|_| !settled) {
-                out.push(PathClaim {
-                    key: key.clone(),
-                    seq: rec.seq,
-                    kind: ClaimKind::Wanted,
-                    path,
-                    artifact: wanted_artifact,
-                });
-            }
+            }),
         }
-        out
+    }
+
+    /// Every model's claims on paths below the mount (see [`decide::claims`]).
+    fn claims(&self) -> Vec<PathClaim> {
+        decide::claims(&self.records, self.records.models.keys(), |k| {
+            self.wanted_claim(k)
+        })
     }
 
     /// The rule's verdict on `key` serving `artifact` at `path` (its wanted claim), against
@@ -1530,17 +1350,8 @@ impl Reconciler {
         path: &MountPath,
         artifact: ClaimArtifact,
     ) -> PathVerdict {
-        let mut claims = self.claims();
-        claims.retain(|c| !(c.key == *key && c.kind == ClaimKind::Wanted));
         let seq = self.records.models.get(key).map_or(u64::MAX, |r| r.seq);
-        claims.push(PathClaim {
-            key: key.clone(),
-            seq,
-            kind: ClaimKind::Wanted,
-            path: path.clone(),
-            artifact,
-        });
-        path_verdicts_last(&claims)
+        decide::verdict_for(self.claims(), key, seq, path, artifact)
     }
 
     /// Applies the path rule to the whole state after an event (and at start-up): a served
@@ -1550,7 +1361,7 @@ impl Reconciler {
     /// changed) gets its turn.
     fn settle_paths(&mut self) {
         let claims = self.claims();
-        let verdicts = placement::path_verdicts(&claims);
+        let verdicts = decide::path_verdicts(&claims);
         let mut turns = Vec::new();
         for (c, v) in claims.iter().zip(verdicts) {
             match (c.kind, v) {
@@ -1559,13 +1370,10 @@ impl Reconciler {
                         continue;
                     };
                     let fp = rec.fingerprint.clone();
-                    let artifact = rec.artifact.take();
+                    let artifact = rec.artifact.clone();
                     // Unmapped; its own store (and any child on it) is kept, as for an invalid
                     // object: getting its turn back costs no download.
-                    rec.store = None;
-                    rec.sha = None;
-                    rec.served_path = None;
-                    rec.served_source = None;
+                    decide::unmap(rec);
                     tracing::warn!(model = %c.key, reason, "served model loses a path conflict; unmapped");
                     if self.works.contains_key(&c.key) {
                         // A change in progress decides again (through the rule) when resolved.
@@ -1734,61 +1542,11 @@ impl Reconciler {
     /// present are kept and not fetched again), and a store's artifact that is incomplete is
     /// forgotten. Only `stat`s: blobs under their final name were verified before the rename.
     fn recover(&mut self) {
-        let store_ids: Vec<StoreId> = self.records.stores.keys().cloned().collect();
-        for id in store_ids {
-            let artifacts: Vec<ArtifactId> =
-                self.records.stores[&id].artifacts.iter().cloned().collect();
-            for a in artifacts {
-                if !self.complete_in(&a, &id) {
-                    tracing::warn!(store = %id, artifact = %a, "artifact incomplete after restart; will fetch again");
-                    self.records
-                        .stores
-                        .get_mut(&id)
-                        .expect("store")
-                        .artifacts
-                        .remove(&a);
-                }
-            }
-        }
-        let keys: Vec<ModelKey> = self.records.models.keys().cloned().collect();
-        for key in keys {
-            let rec = &self.records.models[&key];
-            let ok = match (&rec.artifact, &rec.store) {
-                (Some(a), Some(s)) => self
-                    .records
-                    .stores
-                    .get(s)
-                    .is_some_and(|st| st.artifacts.contains(a)),
-                (None, None) => true,
-                _ => false,
-            };
-            if !ok {
-                let rec = self.records.models.get_mut(&key).expect("record");
-                rec.artifact = None;
-                rec.store = None;
-                rec.served_path = None;
-                rec.served_source = None;
-                rec.phase = ModelPhase::Updating;
-            } else if self.records.models[&key].phase == ModelPhase::Updating {
-                // Work in flight at the crash restarts when the desired state arrives; the
-                // model keeps its old placement meanwhile.
-            }
-        }
-        // A store whose owner is gone is released (owner records are removed atomically with
-        // the hand-over, so this only repairs hand-edited records).
-        let orphaned: Vec<StoreId> = self
-            .records
-            .stores
-            .iter()
-            .filter(|(_, s)| {
-                s.owner
-                    .as_ref()
-                    .is_some_and(|o| !self.records.models.contains_key(o))
-            })
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in orphaned {
-            self.records.stores.get_mut(&id).expect("store").owner = None;
+        let mut records = std::mem::take(&mut self.records);
+        let forgotten = decide::recover(&mut records, |a, s| self.complete_in(a, s));
+        self.records = records;
+        for (store, artifact) in forgotten {
+            tracing::warn!(%store, %artifact, "artifact incomplete after restart; will fetch again");
         }
     }
 
@@ -1856,13 +1614,6 @@ fn split_key(key: &ModelKey) -> (Option<String>, String) {
         Some((ns, name)) => (Some(ns.to_string()), name.to_string()),
         None => (None, s.to_string()),
     }
-}
-
-/// The verdict of the last claim.
-fn path_verdicts_last(claims: &[PathClaim]) -> PathVerdict {
-    placement::path_verdicts(claims)
-        .pop()
-        .unwrap_or(PathVerdict::Clear)
 }
 
 fn now_nanos_fraction() -> f64 {

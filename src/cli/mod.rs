@@ -368,7 +368,16 @@ async fn serve(args: ServeArgs) -> Result<()> {
         },
     ));
 
-    wait_for_signal().await?;
+    tokio::select! {
+        signal = wait_for_signal() => signal?,
+        // Nothing decides any more: end, so that the process is restarted (the mount goes
+        // too, as on any exit).
+        reason = reconciler.died() => {
+            drop(producer);
+            let _ = mount.unmount();
+            anyhow::bail!("the reconciler died: {reason}");
+        }
+    }
     tracing::info!("shutting down");
     drop(producer);
     reconciler.shutdown().await;

@@ -3,10 +3,20 @@
 //! tasks, placements and mapping flips.
 //!
 //! # Model
-//! A single actor task handles one event at a time (desired state changed, a resolve or fetch
-//! finished, a timer tick), so decisions never race each other and need no locks. Slow work
-//! (hashing, copying, downloading) runs in spawned tasks that report back with events; they
-//! never touch the records.
+//! A single actor handles one event at a time (desired state changed, a resolve or fetch
+//! finished, a timer tick), so decisions never race each other and need no locks. It asks the
+//! pure decision core ([`decide`]) what each event changes and executes the disk work that
+//! needs ([`decide::Effect`]: records saved before a store directory exists, hard links of a
+//! split store), in order. The actor runs on a thread of its own (the runtime's blocking pool),
+//! so its fsyncs, links and record writes never stall the async workers that serve HTTP,
+//! Kubernetes watches and downloads. Slow work (hashing, copying, downloading) runs in spawned
+//! tasks that report back with events; they never touch the records.
+//!
+//! If the actor itself dies (a panic: a bug), nothing would decide any more and the mapping
+//! would freeze: [`ReconcilerHandle::died`] resolves with the reason, and `modelfs serve` logs
+//! it and exits non-zero so that it is restarted. At runtime shutdown without
+//! [`ReconcilerHandle::shutdown`] (a test's simulated crash) the actor stops where it is,
+//! saving nothing, as a killed process would.
 //!
 //! # Life of a model
 //! `ensure` sees a new or changed spec (its *fingerprint* changed) and starts work: resolve the
@@ -176,6 +186,8 @@ enum Event {
         outcome: crate::modelconfig::Outcome,
     },
     Shutdown(tokio::sync::oneshot::Sender<()>),
+    /// See [`ReconcilerHandle::inject_panic`].
+    Panic(String),
 }
 
 enum Stage {
@@ -288,6 +300,19 @@ mod work_cancel_tests {
     }
 }
 
+/// Tells the actor that the runtime it spawns work on is shutting down (see `Reconciler::run`).
+struct RuntimeGone {
+    flag: Arc<AtomicBool>,
+    wake: mpsc::UnboundedSender<Event>,
+}
+
+impl Drop for RuntimeGone {
+    fn drop(&mut self) {
+        self.flag.store(true, Ordering::Release);
+        let _ = self.wake.send(Event::Tick);
+    }
+}
+
 struct Retry {
     fingerprint: String,
     attempts: u32,
@@ -298,6 +323,8 @@ struct Retry {
 #[derive(Clone)]
 pub struct ReconcilerHandle {
     tx: mpsc::UnboundedSender<Event>,
+    /// Why the actor died (a panic), once it has.
+    died: tokio::sync::watch::Receiver<Option<String>>,
     status: Arc<ArcSwap<StatusDoc>>,
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
@@ -327,6 +354,23 @@ impl ReconcilerHandle {
     /// Seconds since the actor last finished an event (liveness).
     pub fn seconds_since_heartbeat(&self) -> u64 {
         now_secs().saturating_sub(self.alive.load(Ordering::Relaxed))
+    }
+
+    /// Resolves, with the reason, if the actor died (it panicked: a bug). Nothing decides any
+    /// more after that, so the process must end and be restarted; pending forever otherwise.
+    pub async fn died(&self) -> String {
+        let mut died = self.died.clone();
+        let reason = match died.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or_default(),
+            Err(_) => std::future::pending().await,
+        };
+        reason
+    }
+
+    /// Makes the actor panic, as a bug would (tests of [`ReconcilerHandle::died`]).
+    #[doc(hidden)]
+    pub fn inject_panic(&self, message: &str) {
+        let _ = self.tx.send(Event::Panic(message.to_string()));
     }
 
     /// Stops all work at a safe point (fetches end between chunks; partial files stay for
@@ -389,7 +433,9 @@ pub struct Reconciler {
     gc_candidates: gc::Candidates,
     store_bytes: BTreeMap<StoreId, u64>,
     fetch_slots: Arc<Semaphore>,
-    tx: mpsc::UnboundedSender<Event>,
+    /// Where workers report (weak: the actor alone must not keep its own queue open; see
+    /// [`Reconciler::sender`]).
+    tx: mpsc::WeakUnboundedSender<Event>,
     status: Arc<ArcSwap<StatusDoc>>,
     status_changes: Arc<tokio::sync::watch::Sender<Arc<StatusDoc>>>,
     status_bytes: Vec<u8>,
@@ -445,7 +491,7 @@ impl Reconciler {
             model_configs_pending: std::collections::HashSet::new(),
             gc_candidates: gc::Candidates::default(),
             store_bytes: BTreeMap::new(),
-            tx: tx.clone(),
+            tx: tx.downgrade(),
             status: status.clone(),
             status_changes: status_changes.clone(),
             status_bytes: Vec::new(),
@@ -475,7 +521,15 @@ impl Reconciler {
         r.publish();
         let tick = r.config.tick;
         let ticker = tx.clone();
+        // Dropped with the ticker task: when the runtime shuts down under the actor (no
+        // `shutdown` first), the actor stops at once, saving nothing (see `run`).
+        let runtime_gone = RuntimeGone {
+            flag: Arc::new(AtomicBool::new(false)),
+            wake: tx.clone(),
+        };
+        let stopped = runtime_gone.flag.clone();
         tokio::spawn(async move {
+            let _runtime_gone = runtime_gone;
             let mut interval = tokio::time::interval(tick);
             loop {
                 interval.tick().await;
@@ -484,9 +538,22 @@ impl Reconciler {
                 }
             }
         });
-        tokio::spawn(r.run(rx));
+        let (died_tx, died) = tokio::sync::watch::channel(None);
+        let actor = tokio::task::spawn_blocking(move || r.run(rx, stopped));
+        // The actor's handle is kept: its death is a reason for the process to end.
+        tokio::spawn(async move {
+            if let Err(e) = actor.await {
+                let reason = match e.try_into_panic() {
+                    Ok(panic) => SourceError::from_panic(panic).to_string(),
+                    Err(e) => e.to_string(),
+                };
+                tracing::error!(reason, "the reconciler died; nothing decides any more");
+                let _ = died_tx.send(Some(reason));
+            }
+        });
         Ok(ReconcilerHandle {
             tx,
+            died,
             status,
             ready,
             alive,
@@ -494,8 +561,20 @@ impl Reconciler {
         })
     }
 
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>) {
-        while let Some(first) = rx.recv().await {
+    /// A sender for workers' reports. The handles and the ticker hold the strong senders; with
+    /// all of them gone nothing can be reported to anyone, and a closed sender is as good.
+    fn sender(&self) -> mpsc::UnboundedSender<Event> {
+        self.tx
+            .upgrade()
+            .unwrap_or_else(|| mpsc::unbounded_channel().0)
+    }
+
+    /// The actor's loop, on a blocking-pool thread: it may block on disk work.
+    fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>, runtime_gone: Arc<AtomicBool>) {
+        while let Some(first) = rx.blocking_recv() {
+            if runtime_gone.load(Ordering::Acquire) {
+                return;
+            }
             // Handle what is queued (up to MAX_BATCH events) before saving and publishing once:
             // a burst of events (a node's models arriving together) costs one records write,
             // not one each, while a steady stream still publishes every MAX_BATCH events.
@@ -505,14 +584,15 @@ impl Reconciler {
             while let Some(event) = next.take() {
                 match event {
                     Event::Shutdown(done) => {
-                        self.shut_down().await;
+                        self.shut_down();
                         let _ = done.send(());
                         return;
                     }
+                    Event::Panic(message) => panic!("{message}"),
                     other => changed |= self.handle(other),
                 }
                 handled += 1;
-                if handled < MAX_BATCH {
+                if handled < MAX_BATCH && !runtime_gone.load(Ordering::Acquire) {
                     next = rx.try_recv().ok();
                 }
             }
@@ -532,18 +612,18 @@ impl Reconciler {
     }
 
     /// Stops all work at a safe point and saves.
-    async fn shut_down(&mut self) {
+    fn shut_down(&mut self) {
         for w in self.works.values() {
             w.cancel.cancel();
         }
         // Fetch tasks end at once; wait (bounded) until all have let go of their slots. Partial
         // files are a verified-on-resume prefix whatever the point.
-        let _ = tokio::time::timeout(
+        let all = self.config.max_concurrent_fetches.max(1) as u32;
+        let slots = self.fetch_slots.clone();
+        let _ = tokio::runtime::Handle::current().block_on(tokio::time::timeout(
             Duration::from_secs(10),
-            self.fetch_slots
-                .acquire_many(self.config.max_concurrent_fetches.max(1) as u32),
-        )
-        .await;
+            slots.acquire_many_owned(all),
+        ));
         self.save();
         self.publish();
     }
@@ -623,7 +703,7 @@ impl Reconciler {
                 self.on_config_parsed(artifact, outcome);
                 true
             }
-            Event::Shutdown(_) => unreachable!("handled in run"),
+            Event::Shutdown(_) | Event::Panic(_) => unreachable!("handled in run"),
         };
         // A tick that changed nothing (the idle case) changed no claim either.
         if !tick || self.remap_needed {
@@ -851,7 +931,7 @@ impl Reconciler {
             self.decide(key, stored.manifest.clone());
             return true;
         }
-        let tx = self.tx.clone();
+        let tx = self.sender();
         let key2 = key.clone();
         let flag = cancel.flag.clone();
         cancel.spawn(async move { source.resolve(flag).await }, move |result| {
@@ -959,7 +1039,7 @@ impl Reconciler {
                 };
                 let source = w.source.clone();
                 let cancel = w.cancel.clone();
-                let tx = self.tx.clone();
+                let tx = self.sender();
                 let slots = self.fetch_slots.clone();
                 let key2 = key.clone();
                 let adopt = self.adopt_from(&spec);

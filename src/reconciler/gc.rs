@@ -24,9 +24,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
+use super::records::Records;
 use super::{Reconciler, Stage};
 use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
-use crate::store::{Records, StateDir, StoreId};
+use crate::store::{StateDir, StoreId};
 
 /// How the garbage collector learns about uses that the records do not show.
 pub trait Usage {
@@ -159,19 +160,17 @@ pub fn execute(state: &StateDir, plan: &GcPlan) -> Vec<String> {
         }
     }
     for dir in &plan.orphan_store_dirs {
-        if let Err(e) = std::fs::remove_dir_all(state.stores_dir().join(dir)) {
+        if let Err(e) = state.remove_store_dir(dir) {
             errors.push(format!("orphan store {dir}: {e}"));
         }
     }
     for (id, name) in &plan.blobs {
-        if let Some(store) = state.existing_store(id) {
-            if let Err(e) = std::fs::remove_file(store.blob_path_by_name(name)) {
-                errors.push(format!("blob {id}/{name}: {e}"));
-            }
+        if let Err(e) = state.remove_blob(id, name) {
+            errors.push(format!("blob {id}/{name}: {e}"));
         }
     }
     for p in &plan.partials {
-        if let Err(e) = std::fs::remove_file(p) {
+        if let Err(e) = state.remove_partial(p) {
             errors.push(format!("partial {}: {e}", p.display()));
         }
     }

@@ -60,6 +60,7 @@ pub mod decide;
 pub mod gc;
 mod model_config;
 mod persist;
+pub mod records;
 mod status_doc;
 
 use std::collections::{BTreeMap, HashMap};
@@ -81,7 +82,8 @@ use crate::manifest::{ModelKey, ModelSpec, MountPath, SourceUri};
 use crate::metrics::Metrics;
 use crate::source::{FetchContext, Progress, Source, SourceConfig, SourceError};
 use crate::status::StatusDoc;
-use crate::store::{ModelPhase, ModelRecord, Records, StateDir, StoreId};
+use crate::store::{StateDir, StoreId};
+use records::{ModelPhase, ModelRecord, Records};
 
 use decide::{ClaimArtifact, ClaimKind, Effect, PathClaim, PathVerdict, Placement};
 
@@ -464,7 +466,7 @@ impl Reconciler {
         fs: Arc<FsCore>,
         mount: Option<Arc<dyn MountSink>>,
         metrics: Arc<Metrics>,
-    ) -> Result<ReconcilerHandle, crate::store::records::RecordsError> {
+    ) -> Result<ReconcilerHandle, records::RecordsError> {
         let records = Records::load(&state.records_path())?;
         let (tx, rx) = mpsc::unbounded_channel();
         let status = Arc::new(ArcSwap::from_pointee(StatusDoc::new()));
@@ -1259,24 +1261,17 @@ impl Reconciler {
         }
     }
 
-    /// Makes `split.to` hold hard links to the blobs of `split.artifacts` in `split.from`.
+    /// Makes `split.to` hold hard links to the blobs of `split.artifacts` in `split.from` (the
+    /// store does the linking).
     fn link_store(&mut self, split: &decide::Split) -> Result<(), String> {
-        let src = self
-            .state
-            .existing_store(&split.from)
-            .ok_or("source store missing")?;
-        let dst = self.state.store(&split.to).map_err(|e| e.to_string())?;
+        let mut blobs = Vec::new();
         for a in &split.artifacts {
             let stored = self.artifact(a).ok_or("artifact record missing")?;
-            for blob in &stored.blobs {
-                match std::fs::hard_link(src.blob_path(blob), dst.blob_path(blob)) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                    Err(e) => return Err(format!("linking blob {blob}: {e}")),
-                }
-            }
+            blobs.extend(stored.blobs.iter().copied());
         }
-        dst.sync().map_err(|e| e.to_string())
+        self.state
+            .link_blobs(&split.from, &split.to, &blobs)
+            .map_err(|e| e.to_string())
     }
 
     /// A `vendor://` model: its files come with the serving runtime, so, as OME's agent does,

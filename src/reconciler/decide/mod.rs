@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use crate::artifact::ArtifactId;
 use crate::manifest::{ModelKey, MountPath};
-use crate::store::{ModelPhase, ModelRecord, Records, StoreId};
+use crate::reconciler::records::{ModelPhase, ModelRecord, Records};
+use crate::store::StoreId;
 
 pub use paths::{path_verdicts, ClaimArtifact, ClaimKind, PathClaim, PathVerdict};
 pub use placement::{in_scope, place, reuse_candidates, InFlight, Placement};

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 
 use crate::artifact::ArtifactId;
 use crate::manifest::{DownloadPolicy, ModelKey};
-use crate::store::{ModelPhase, Records, StoreId};
+use crate::reconciler::records::{ModelPhase, Records};
+use crate::store::StoreId;
 
 /// What to do with a model whose artifact is known.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -150,7 +151,7 @@ mod tests {
     use super::*;
     use crate::artifact::Sha256Digest;
     use crate::manifest::ModelKind;
-    use crate::store::{ModelRecord, StoreRecord};
+    use crate::reconciler::records::{ModelRecord, StoreRecord};
 
     fn key(ns: Option<&str>, name: &str) -> ModelKey {
         let kind = if ns.is_some() {

@@ -40,15 +40,25 @@
 //! One rule decides path conflicts ([`decide::path_verdicts`]): nesting paths, or equal paths
 //! with different artifacts, and the later model (creation order, then key) loses. It is
 //! applied where placement happens (before work starts, when the artifact is known, when a
-//! fetch completes, right before the flip) and to the whole state after every event and at
-//! start-up, so whatever the order in which resolves and fetches finish, and whatever older
-//! records say, the mapping never holds two conflicting models and a loser is never `Ready`.
-//! A loser waits without retries until the rule clears it, then gets its turn.
+//! fetch completes, right before the flip) and to the whole state after every batch of events
+//! and at start-up, so whatever the order in which resolves and fetches finish, and whatever
+//! older records say, the mapping never holds two conflicting models and a loser is never
+//! `Ready`. A loser waits without retries until the rule clears it, then gets its turn.
+//!
+//! # Scale
+//! Thousands of models arrive together (a node's first desired state, an import of a whole
+//! directory), so no event may cost work proportional to the number of models times anything.
+//! A placement's path check looks only at the models whose paths nest with its own (an index
+//! of paths, [`Reconciler::related_keys`]); a model that waits is woken only by the model it
+//! waits for ([`Reconciler::work_changed`]), not by every event; the whole-state passes (the
+//! path rule over all claims, the mapping swap, saving the records, the status document) run
+//! once per batch of up to `MAX_BATCH` queued events, not once per event.
 //!
 //! # Durability
-//! Records are saved after every event that changed them, always after the data they point at
-//! is durable (blobs synced, artifact file written): a SIGKILL leaves a state that start-up turns
-//! back into a consistent mapping by `stat`ing blobs, never re-hashing them.
+//! Records are saved after every batch of events that changed them, always after the data
+//! they point at is durable (blobs synced, artifact file written): a SIGKILL leaves a state
+//! that start-up turns back into a consistent mapping by `stat`ing blobs, never re-hashing
+//! them.
 //!
 //! # Hugging Face cache view
 //! `remap` also derives the cache view ([`crate::fs::hf_cache`]) from the served `hf://` models
@@ -63,7 +73,7 @@ mod persist;
 pub mod records;
 mod status_doc;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -425,9 +435,21 @@ pub struct Reconciler {
     /// Models that failed before this start and were given their one fresh attempt.
     attempted_since_start: std::collections::HashSet<ModelKey>,
     path_losers: BTreeMap<ModelKey, PathLoser>,
-    /// The records changed what is served; the mapping is rebuilt at the end of the event,
-    /// after the path rule has been applied (so it never sees a conflict).
+    /// The records changed what is served; the mapping is rebuilt once at the end of the batch
+    /// of events, after the path rule has been applied (so it never sees a conflict).
     remap_needed: bool,
+    /// Claims may have changed in this batch: the path rule runs over the state at its end.
+    settle_due: bool,
+    /// The first desired state of this batch: when it arrived and the mapping's generation then.
+    desired_received: Option<(Instant, u64)>,
+    /// Every model's wanted and served paths, by path (see [`Reconciler::index_paths`]).
+    path_index: BTreeMap<Vec<String>, BTreeSet<ModelKey>>,
+    indexed_paths: HashMap<ModelKey, Vec<Vec<String>>>,
+    /// Models waiting (single flight, or an earlier model resolving on the same path), by the
+    /// model whose work they wait for: only its changes wake them.
+    waiting_on: HashMap<ModelKey, BTreeSet<ModelKey>>,
+    /// Waiters to decide again before the event ends.
+    to_wake: BTreeSet<ModelKey>,
     artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
     /// What each served artifact's config files give (see [`model_config`]).
     model_configs: HashMap<ArtifactId, Arc<crate::modelconfig::Outcome>>,
@@ -488,6 +510,12 @@ impl Reconciler {
             attempted_since_start: std::collections::HashSet::new(),
             path_losers: BTreeMap::new(),
             remap_needed: false,
+            settle_due: false,
+            desired_received: None,
+            path_index: BTreeMap::new(),
+            indexed_paths: HashMap::new(),
+            waiting_on: HashMap::new(),
+            to_wake: BTreeSet::new(),
             artifacts: HashMap::new(),
             model_configs: HashMap::new(),
             model_configs_pending: std::collections::HashSet::new(),
@@ -514,6 +542,10 @@ impl Reconciler {
             .map(|d| HfCacheView::new(d.segments().to_vec(), r.config.hf_cache_linger));
         r.saved = serde_json::to_vec_pretty(&r.records).unwrap_or_default();
         r.recover();
+        let keys: Vec<ModelKey> = r.records.models.keys().cloned().collect();
+        for key in &keys {
+            r.index_paths(key);
+        }
         // Records written before the path rule was atomic may hold two served models that
         // conflict: the later one is unmapped and failed before anything is mounted.
         r.settle_paths();
@@ -586,6 +618,8 @@ impl Reconciler {
             while let Some(event) = next.take() {
                 match event {
                     Event::Shutdown(done) => {
+                        // The batch's decisions are applied before stopping.
+                        self.finish_batch();
                         self.shut_down();
                         let _ = done.send(());
                         return;
@@ -598,6 +632,7 @@ impl Reconciler {
                     next = rx.try_recv().ok();
                 }
             }
+            changed |= self.finish_batch();
             if changed {
                 // Records that failed to save wait for their backoff (the explicit saves that
                 // must precede a directory's creation do not).
@@ -667,6 +702,18 @@ impl Reconciler {
             }
             Event::Tick => {
                 let mut changed = self.retry_due();
+                // Waiters whose model's work ended without a wake-up (a safety net: every
+                // end of work wakes its waiters).
+                let stale: Vec<ModelKey> = self
+                    .waiting_on
+                    .keys()
+                    .filter(|k| !self.works.contains_key(*k))
+                    .cloned()
+                    .collect();
+                for k in stale {
+                    self.work_changed(&k);
+                }
+                self.wake_waiters();
                 self.gc_due |= changed;
                 // Download progress moves without events.
                 changed |= self
@@ -708,14 +755,27 @@ impl Reconciler {
             Event::Shutdown(_) | Event::Panic(_) => unreachable!("handled in run"),
         };
         // A tick that changed nothing (the idle case) changed no claim either.
-        if !tick || self.remap_needed {
+        self.settle_due |= !tick || self.remap_needed;
+        changed |= self.remap_needed;
+        if desired && self.desired_received.is_none() {
+            self.desired_received = Some((received, generation));
+        }
+        changed
+    }
+
+    /// After a batch of events: the path rule over the whole state, the waiters it woke, then
+    /// one mapping swap for all the batch's flips (a burst of fetches completing costs one
+    /// swap, not one each). Returns whether the mapping changed.
+    fn finish_batch(&mut self) -> bool {
+        if std::mem::take(&mut self.settle_due) {
             self.settle_paths();
+            self.wake_waiters();
         }
-        if std::mem::take(&mut self.remap_needed) {
+        let remapped = std::mem::take(&mut self.remap_needed);
+        if remapped {
             self.remap();
-            changed = true;
         }
-        if desired {
+        if let Some((received, generation)) = self.desired_received.take() {
             if self.fs.generation() != generation {
                 self.metrics
                     .mapping_update_seconds
@@ -723,7 +783,86 @@ impl Reconciler {
             }
             self.ready.store(true, Ordering::Relaxed);
         }
-        changed
+        #[cfg(debug_assertions)]
+        self.check_path_index();
+        remapped
+    }
+
+    /// Indexes `key`'s wanted and served paths (after its record changed them or went away),
+    /// so that the path rule for a path looks only at the models whose paths nest with it
+    /// ([`Reconciler::related_keys`]), not at every model. The index may hold stale entries
+    /// until the next call (harmless: claims come from the records), never miss a path.
+    fn index_paths(&mut self, key: &ModelKey) {
+        let mut new: Vec<Vec<String>> = Vec::new();
+        if let Some(rec) = self.records.models.get(key) {
+            for p in [Some(rec.path.as_str()), rec.served_path.as_deref()]
+                .into_iter()
+                .flatten()
+            {
+                if let Ok(path) = MountPath::from_relative(p) {
+                    let segs = path.segments().to_vec();
+                    if !new.contains(&segs) {
+                        new.push(segs);
+                    }
+                }
+            }
+        }
+        let old = self.indexed_paths.remove(key).unwrap_or_default();
+        for p in old.iter().filter(|p| !new.contains(p)) {
+            if let Some(keys) = self.path_index.get_mut(p) {
+                keys.remove(key);
+                if keys.is_empty() {
+                    self.path_index.remove(p);
+                }
+            }
+        }
+        for p in &new {
+            self.path_index
+                .entry(p.clone())
+                .or_default()
+                .insert(key.clone());
+        }
+        if !new.is_empty() {
+            self.indexed_paths.insert(key.clone(), new);
+        }
+    }
+
+    /// The models whose claims can decide the rule's verdict at `path`: those at or below its
+    /// topmost claimed ancestor (or itself). Paths that do not nest cannot conflict, so the
+    /// rest of the state never matters. O(log n + related).
+    fn related_keys(&self, path: &[String]) -> BTreeSet<ModelKey> {
+        let root_len = (1..path.len())
+            .find(|&n| self.path_index.contains_key(&path[..n]))
+            .unwrap_or(path.len());
+        let root = &path[..root_len];
+        let mut out = BTreeSet::new();
+        for (p, keys) in self.path_index.range(root.to_vec()..) {
+            if !p.starts_with(root) {
+                break;
+            }
+            out.extend(keys.iter().cloned());
+        }
+        out
+    }
+
+    /// Debug builds: the path index holds every path of every record.
+    #[cfg(debug_assertions)]
+    fn check_path_index(&self) {
+        for (key, rec) in &self.records.models {
+            for p in [Some(rec.path.as_str()), rec.served_path.as_deref()]
+                .into_iter()
+                .flatten()
+            {
+                if let Ok(path) = MountPath::from_relative(p) {
+                    assert!(
+                        self.path_index
+                            .get(path.segments())
+                            .is_some_and(|keys| keys.contains(key)),
+                        "path index misses {key} at {p}"
+                    );
+                }
+            }
+        }
     }
 
     /// Retries whose time has come (transient failures, path conflicts re-checked). Only these
@@ -747,7 +886,7 @@ impl Reconciler {
             };
         }
         if changed {
-            self.remap();
+            self.remap_needed = true;
         }
         changed
     }
@@ -887,6 +1026,7 @@ impl Reconciler {
                 tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
             }
         }
+        self.index_paths(key);
         if spec.source.is_vendor() {
             self.serve_without_files(key, spec);
             return true;
@@ -952,6 +1092,7 @@ impl Reconciler {
         if self.works.get(&key).is_none_or(|w| w.fingerprint != fp) {
             return;
         }
+        self.work_changed(&key);
         match result {
             Ok(m) => self.decide(&key, Arc::new(m)),
             Err(e) => self.fail(&key, &fp, &e),
@@ -961,14 +1102,14 @@ impl Reconciler {
         self.wake_waiters();
     }
 
-    fn in_flight(&self, source: &str) -> decide::InFlight {
+    fn in_flight(&self, source: &SourceUri) -> decide::InFlight {
         let mut out = decide::InFlight::default();
         for (k, w) in &self.works {
             match &w.stage {
                 Stage::Fetching { artifact, .. } => {
                     out.fetching.insert(k.clone(), artifact.clone());
                 }
-                Stage::Resolving if w.spec.source.to_string() == source => {
+                Stage::Resolving if w.spec.source == *source => {
                     out.resolving_same_source.push(k.clone())
                 }
                 _ => {}
@@ -988,9 +1129,7 @@ impl Reconciler {
             PathVerdict::Clear => {}
             PathVerdict::Wait { on } => {
                 tracing::info!(model = %key, waits_for = %on, path = %spec.path, "an earlier model on the same path is resolving; waiting for it");
-                if let Some(w) = self.works.get_mut(key) {
-                    w.stage = Stage::Waiting { manifest };
-                }
+                self.wait(key, on, manifest);
                 return;
             }
             PathVerdict::Conflict { reason, .. } => {
@@ -998,16 +1137,14 @@ impl Reconciler {
                 return;
             }
         }
-        let in_flight = self.in_flight(&spec.source.to_string());
+        let in_flight = self.in_flight(&spec.source);
         match decide::place(&self.records, key, spec.policy, &artifact, &in_flight) {
             Placement::Serve(store) => {
                 self.serve(key, store, artifact, manifest.revision.clone(), &spec);
             }
             Placement::Wait(other) => {
                 tracing::info!(model = %key, waits_for = %other, "same artifact is being fetched; waiting for it");
-                if let Some(w) = self.works.get_mut(key) {
-                    w.stage = Stage::Waiting { manifest };
-                }
+                self.wait(key, other, manifest);
             }
             Placement::Fetch => {
                 let (store, seed) = self.fetch_target(key, &artifact);
@@ -1177,9 +1314,7 @@ impl Reconciler {
                         }
                         PathVerdict::Wait { on } => {
                             tracing::info!(model = %key, waits_for = %on, "fetched; an earlier model on the same path is resolving");
-                            if let Some(w) = self.works.get_mut(&key) {
-                                w.stage = Stage::Waiting { manifest };
-                            }
+                            self.wait(&key, on, manifest);
                         }
                         PathVerdict::Conflict { reason, .. } => {
                             self.fail_conflict(&key, &fp, reason, Some(id))
@@ -1198,19 +1333,33 @@ impl Reconciler {
         self.wake_waiters();
     }
 
-    /// Models waiting for another model's fetch decide again after any fetch, resolve or deletion
-    /// ends: they map onto the result, keep waiting, or fetch themselves if it failed.
+    /// `key` waits for `on`'s work (its fetch of the same artifact, or its resolve on the same
+    /// path) with its own artifact known.
+    fn wait(&mut self, key: &ModelKey, on: ModelKey, manifest: Arc<Manifest>) {
+        if let Some(w) = self.works.get_mut(key) {
+            w.stage = Stage::Waiting { manifest };
+            self.waiting_on.entry(on).or_default().insert(key.clone());
+        }
+    }
+
+    /// `key`'s work moved on (resolved, fetched, failed, cancelled, served): the models waiting
+    /// for it decide again at the next [`Reconciler::wake_waiters`].
+    fn work_changed(&mut self, key: &ModelKey) {
+        if let Some(waiters) = self.waiting_on.remove(key) {
+            self.to_wake.extend(waiters);
+        }
+    }
+
+    /// Waiters whose model's work moved on decide again: they map onto the result, keep
+    /// waiting, or fetch themselves if it failed. Only those: an event costs its own waiters,
+    /// not every waiter of the node.
     fn wake_waiters(&mut self) {
-        let waiting: Vec<(ModelKey, Arc<Manifest>)> = self
-            .works
-            .iter()
-            .filter_map(|(k, w)| match &w.stage {
-                Stage::Waiting { manifest } => Some((k.clone(), manifest.clone())),
-                _ => None,
-            })
-            .collect();
-        for (k, m) in waiting {
-            self.decide(&k, m);
+        while let Some(k) = self.to_wake.pop_first() {
+            let manifest = match self.works.get(&k).map(|w| &w.stage) {
+                Some(Stage::Waiting { manifest }) => manifest.clone(),
+                _ => continue,
+            };
+            self.decide(&k, manifest);
         }
     }
 
@@ -1226,6 +1375,7 @@ impl Reconciler {
         spec: &ModelSpec,
     ) {
         self.works.remove(key);
+        self.work_changed(key);
         self.retries.remove(key);
         let (changed, effects) = decide::serve(
             &mut self.records,
@@ -1242,6 +1392,7 @@ impl Reconciler {
             tracing::info!(model = %key, %store, artifact = %artifact, "mapping changed");
         }
         self.execute(effects);
+        self.index_paths(key);
         self.remap_needed = true;
     }
 
@@ -1293,6 +1444,8 @@ impl Reconciler {
         tracing::info!(model = %key, "model deleted");
         let effects = decide::delete(&mut self.records, key);
         self.execute(effects);
+        self.index_paths(key);
+        self.work_changed(key);
         self.wake_waiters();
     }
 
@@ -1300,6 +1453,7 @@ impl Reconciler {
         if let Some(w) = self.works.remove(key) {
             w.cancel.cancel();
         }
+        self.work_changed(key);
     }
 
     fn fail(&mut self, key: &ModelKey, fp: &str, err: &SourceError) {
@@ -1417,8 +1571,8 @@ impl Reconciler {
         })
     }
 
-    /// The rule's verdict on `key` serving `artifact` at `path` (its wanted claim), against
-    /// every other model's claims.
+    /// The rule's verdict on `key` serving `artifact` at `path` (its wanted claim), against the
+    /// claims of the models whose paths nest with it (the others cannot matter).
     fn verdict_for(
         &self,
         key: &ModelKey,
@@ -1426,7 +1580,9 @@ impl Reconciler {
         artifact: ClaimArtifact,
     ) -> PathVerdict {
         let seq = self.records.models.get(key).map_or(u64::MAX, |r| r.seq);
-        decide::verdict_for(self.claims(), key, seq, path, artifact)
+        let related = self.related_keys(path.segments());
+        let claims = decide::claims(&self.records, &related, |k| self.wanted_claim(k));
+        decide::verdict_for(claims, key, seq, path, artifact)
     }
 
     /// Applies the path rule to the whole state after an event (and at start-up): a served

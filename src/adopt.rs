@@ -335,7 +335,12 @@ async fn adopt_before_fetch(
     let result =
         tokio::task::spawn_blocking(move || import_into(&from, &manifest, &store, &cancel))
             .await
-            .unwrap_or(Err(Cancelled))?;
+            // A panic goes on to the model's task, which fails the model with its message
+            // (a cancellation would be retried forever).
+            .unwrap_or_else(|e| match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(_) => Err(Cancelled),
+            })?;
     if result.linked + result.copied > 0 {
         tracing::info!(
             model = %key,

@@ -8,7 +8,8 @@ use anyhow::{Context, Result};
 
 use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use crate::reconciler::gc::{self, Usage};
-use crate::store::{ModelPhase, Records, StateDir, StoreId};
+use crate::reconciler::records::{ModelPhase, Records};
+use crate::store::{StateDir, StoreId};
 use std::sync::Arc;
 
 #[derive(clap::Args, Debug)]

@@ -560,7 +560,15 @@ async fn agent(args: ServeArgs) -> Result<()> {
         },
     ));
 
-    wait_for_signal().await?;
+    tokio::select! {
+        signal = wait_for_signal() => signal?,
+        // Nothing decides any more: end, so that the agent is restarted (by the mount server
+        // under `serve`, by Kubernetes otherwise). The mount and what it serves stay.
+        reason = reconciler.died() => {
+            drop(producer);
+            anyhow::bail!("the reconciler died: {reason}");
+        }
+    }
     tracing::info!("shutting down");
     drop(producer);
     reconciler.shutdown().await;

@@ -13,7 +13,8 @@
 //! nobody resumes (older than `partial_max_age` in a store no fetch writes into), and artifact
 //! records no store holds.
 //!
-//! [`plan`] computes the garbage without touching anything; the daemon and `modelfs gc` execute
+//! Which stores are garbage is decided by [`super::decide::garbage_stores`]; [`plan`] adds what
+//! the disk holds and computes the garbage without touching anything; the daemon and `modelfs gc` execute
 //! it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -23,9 +24,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
+use super::records::Records;
 use super::{Reconciler, Stage};
 use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
-use crate::store::{Records, StateDir, StoreId};
+use crate::store::{StateDir, StoreId};
 
 /// How the garbage collector learns about uses that the records do not show.
 pub trait Usage {
@@ -71,13 +73,12 @@ pub fn plan(
     partial_max_age: Duration,
 ) -> GcPlan {
     let mut out = GcPlan::default();
-    let users: BTreeSet<&StoreId> = records
-        .models
-        .values()
-        .filter_map(|m| m.store.as_ref())
-        .collect();
+    let garbage: BTreeSet<StoreId> =
+        super::decide::garbage_stores(records, |id| usage.store_busy(id))
+            .into_iter()
+            .collect();
     for (id, s) in &records.stores {
-        if s.owner.is_none() && !s.reserved && !users.contains(id) && !usage.store_busy(id) {
+        if garbage.contains(id) {
             out.stores.push(id.clone());
             out.bytes += state
                 .existing_store(id)
@@ -159,19 +160,17 @@ pub fn execute(state: &StateDir, plan: &GcPlan) -> Vec<String> {
         }
     }
     for dir in &plan.orphan_store_dirs {
-        if let Err(e) = std::fs::remove_dir_all(state.stores_dir().join(dir)) {
+        if let Err(e) = state.remove_store_dir(dir) {
             errors.push(format!("orphan store {dir}: {e}"));
         }
     }
     for (id, name) in &plan.blobs {
-        if let Some(store) = state.existing_store(id) {
-            if let Err(e) = std::fs::remove_file(store.blob_path_by_name(name)) {
-                errors.push(format!("blob {id}/{name}: {e}"));
-            }
+        if let Err(e) = state.remove_blob(id, name) {
+            errors.push(format!("blob {id}/{name}: {e}"));
         }
     }
     for p in &plan.partials {
-        if let Err(e) = std::fs::remove_file(p) {
+        if let Err(e) = state.remove_partial(p) {
             errors.push(format!("partial {}: {e}", p.display()));
         }
     }

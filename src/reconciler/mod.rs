@@ -3,17 +3,28 @@
 //! tasks, placements and mapping flips.
 //!
 //! # Model
-//! A single actor task handles one event at a time (desired state changed, a resolve or fetch
-//! finished, a timer tick), so decisions never race each other and need no locks. Slow work
-//! (hashing, copying, downloading) runs in spawned tasks that report back with events; they
-//! never touch the records.
+//! A single actor handles one event at a time (desired state changed, a resolve or fetch
+//! finished, a timer tick), so decisions never race each other and need no locks. It asks the
+//! pure decision core ([`decide`]) what each event changes and executes the disk work that
+//! needs ([`decide::Effect`]: records saved before a store directory exists, hard links of a
+//! split store), in order. The actor runs on a thread of its own (the runtime's blocking pool),
+//! so its fsyncs, links and record writes never stall the async workers that serve HTTP,
+//! Kubernetes watches and downloads. Slow work (hashing, copying, downloading) runs in spawned
+//! tasks that report back with events; they never touch the records.
+//!
+//! If the actor itself dies (a panic: a bug), nothing would decide any more and the mapping
+//! would freeze: [`ReconcilerHandle::died`] resolves with the reason, and `modelfs serve` logs
+//! it and exits non-zero so that it is restarted. At runtime shutdown without
+//! [`ReconcilerHandle::shutdown`] (a test's simulated crash) the actor stops where it is,
+//! saving nothing, as a killed process would.
 //!
 //! # Life of a model
 //! `ensure` sees a new or changed spec (its *fingerprint* changed) and starts work: resolve the
 //! source to a manifest (skipped when only the policy or path changed: the served artifact's
-//! manifest is reused), then `decide` (see [`placement`]): serve from an existing holder, wait
+//! manifest is reused), then `decide` (see [`decide::placement`]): serve from an existing holder, wait
 //! for an in-flight fetch of the same artifact (single flight), or fetch into the model's own
-//! store. Until the new placement is complete and verified, the model keeps being served as
+//! store. The rules themselves are pure functions in [`decide`]; this module runs them and
+//! executes what they ask for. Until the new placement is complete and verified, the model keeps being served as
 //! before; then `serve` records the new placement and the mapping flips in one swap. This one
 //! path implements placement on create, source/revision changes and the four policy changes
 //! T-01..T-04 of SPEC section 3.2.
@@ -26,18 +37,28 @@
 //! copies) see the same cancellation as a flag and stop at their next check. A worker that
 //! panics is a bug: the model is `Failed` with the panic message, not retried.
 //! # Paths
-//! One rule decides path conflicts ([`placement::path_verdicts`]): nesting paths, or equal paths
+//! One rule decides path conflicts ([`decide::path_verdicts`]): nesting paths, or equal paths
 //! with different artifacts, and the later model (creation order, then key) loses. It is
 //! applied where placement happens (before work starts, when the artifact is known, when a
-//! fetch completes, right before the flip) and to the whole state after every event and at
-//! start-up, so whatever the order in which resolves and fetches finish, and whatever older
-//! records say, the mapping never holds two conflicting models and a loser is never `Ready`.
-//! A loser waits without retries until the rule clears it, then gets its turn.
+//! fetch completes, right before the flip) and to the whole state after every batch of events
+//! and at start-up, so whatever the order in which resolves and fetches finish, and whatever
+//! older records say, the mapping never holds two conflicting models and a loser is never
+//! `Ready`. A loser waits without retries until the rule clears it, then gets its turn.
+//!
+//! # Scale
+//! Thousands of models arrive together (a node's first desired state, an import of a whole
+//! directory), so no event may cost work proportional to the number of models times anything.
+//! A placement's path check looks only at the models whose paths nest with its own (an index
+//! of paths, [`Reconciler::related_keys`]); a model that waits is woken only by the model it
+//! waits for ([`Reconciler::work_changed`]), not by every event; the whole-state passes (the
+//! path rule over all claims, the mapping swap, saving the records, the status document) run
+//! once per batch of up to `MAX_BATCH` queued events, not once per event.
 //!
 //! # Durability
-//! Records are saved after every event that changed them, always after the data they point at
-//! is durable (blobs synced, artifact file written): a SIGKILL leaves a state that start-up turns
-//! back into a consistent mapping by `stat`ing blobs, never re-hashing them.
+//! Records are saved after every batch of events that changed them, always after the data
+//! they point at is durable (blobs synced, artifact file written): a SIGKILL leaves a state
+//! that start-up turns back into a consistent mapping by `stat`ing blobs, never re-hashing
+//! them.
 //!
 //! # Hugging Face cache view
 //! `remap` also derives the cache view ([`crate::fs::hf_cache`]) from the served `hf://` models
@@ -45,10 +66,11 @@
 //! directory is a conflict ([`crate::fs::hf_cache::path_conflict`], checked with the other
 //! path conflicts); lingering snapshots that expire trigger a `remap` on the tick.
 
+pub mod decide;
 pub mod gc;
 mod model_config;
 mod persist;
-pub mod placement;
+pub mod records;
 mod status_doc;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -70,9 +92,10 @@ use crate::manifest::{ModelKey, ModelSpec, MountPath, SourceUri};
 use crate::metrics::Metrics;
 use crate::source::{FetchContext, Progress, Source, SourceConfig, SourceError};
 use crate::status::StatusDoc;
-use crate::store::{ModelPhase, ModelRecord, Records, StateDir, StoreId};
+use crate::store::{StateDir, StoreId};
+use records::{ModelPhase, ModelRecord, Records};
 
-use placement::{ClaimArtifact, ClaimKind, PathClaim, PathVerdict, Placement};
+use decide::{ClaimArtifact, ClaimKind, Effect, PathClaim, PathVerdict, Placement};
 
 /// A model that lost a path conflict: it stays `Failed` until the rule clears it (the model it
 /// lost to goes away or moves), then it gets its turn. Not durable: after a restart the model
@@ -167,6 +190,8 @@ enum Event {
         outcome: crate::modelconfig::Outcome,
     },
     Shutdown(tokio::sync::oneshot::Sender<()>),
+    /// See [`ReconcilerHandle::inject_panic`].
+    Panic(String),
 }
 
 enum Stage {
@@ -279,6 +304,19 @@ mod work_cancel_tests {
     }
 }
 
+/// Tells the actor that the runtime it spawns work on is shutting down (see `Reconciler::run`).
+struct RuntimeGone {
+    flag: Arc<AtomicBool>,
+    wake: mpsc::UnboundedSender<Event>,
+}
+
+impl Drop for RuntimeGone {
+    fn drop(&mut self) {
+        self.flag.store(true, Ordering::Release);
+        let _ = self.wake.send(Event::Tick);
+    }
+}
+
 struct Retry {
     fingerprint: String,
     attempts: u32,
@@ -289,6 +327,8 @@ struct Retry {
 #[derive(Clone)]
 pub struct ReconcilerHandle {
     tx: mpsc::UnboundedSender<Event>,
+    /// Why the actor died (a panic), once it has.
+    died: tokio::sync::watch::Receiver<Option<String>>,
     status: Arc<ArcSwap<StatusDoc>>,
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
@@ -318,6 +358,23 @@ impl ReconcilerHandle {
     /// Seconds since the actor last finished an event (liveness).
     pub fn seconds_since_heartbeat(&self) -> u64 {
         now_secs().saturating_sub(self.alive.load(Ordering::Relaxed))
+    }
+
+    /// Resolves, with the reason, if the actor died (it panicked: a bug). Nothing decides any
+    /// more after that, so the process must end and be restarted; pending forever otherwise.
+    pub async fn died(&self) -> String {
+        let mut died = self.died.clone();
+        let reason = match died.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or_default(),
+            Err(_) => std::future::pending().await,
+        };
+        reason
+    }
+
+    /// Makes the actor panic, as a bug would (tests of [`ReconcilerHandle::died`]).
+    #[doc(hidden)]
+    pub fn inject_panic(&self, message: &str) {
+        let _ = self.tx.send(Event::Panic(message.to_string()));
     }
 
     /// Stops all work at a safe point (fetches end between chunks; partial files stay for
@@ -370,9 +427,21 @@ pub struct Reconciler {
     /// Models that failed before this start and were given their one fresh attempt.
     attempted_since_start: std::collections::HashSet<ModelKey>,
     path_losers: BTreeMap<ModelKey, PathLoser>,
-    /// The records changed what is served; the mapping is rebuilt at the end of the event,
-    /// after the path rule has been applied (so it never sees a conflict).
+    /// The records changed what is served; the mapping is rebuilt once at the end of the batch
+    /// of events, after the path rule has been applied (so it never sees a conflict).
     remap_needed: bool,
+    /// Claims may have changed in this batch: the path rule runs over the state at its end.
+    settle_due: bool,
+    /// The first desired state of this batch: when it arrived and the mapping's generation then.
+    desired_received: Option<(Instant, u64)>,
+    /// Every model's wanted and served paths, by path (see [`Reconciler::index_paths`]).
+    path_index: BTreeMap<Vec<String>, BTreeSet<ModelKey>>,
+    indexed_paths: HashMap<ModelKey, Vec<Vec<String>>>,
+    /// Models waiting (single flight, or an earlier model resolving on the same path), by the
+    /// model whose work they wait for: only its changes wake them.
+    waiting_on: HashMap<ModelKey, BTreeSet<ModelKey>>,
+    /// Waiters to decide again before the event ends.
+    to_wake: BTreeSet<ModelKey>,
     artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
     /// What each served artifact's config files give (see [`model_config`]).
     model_configs: HashMap<ArtifactId, Arc<crate::modelconfig::Outcome>>,
@@ -380,7 +449,9 @@ pub struct Reconciler {
     gc_candidates: gc::Candidates,
     store_bytes: BTreeMap<StoreId, u64>,
     fetch_slots: Arc<Semaphore>,
-    tx: mpsc::UnboundedSender<Event>,
+    /// Where workers report (weak: the actor alone must not keep its own queue open; see
+    /// [`Reconciler::sender`]).
+    tx: mpsc::WeakUnboundedSender<Event>,
     status: Arc<ArcSwap<StatusDoc>>,
     status_changes: Arc<tokio::sync::watch::Sender<Arc<StatusDoc>>>,
     status_bytes: Vec<u8>,
@@ -409,7 +480,7 @@ impl Reconciler {
         fs: Arc<FsCore>,
         mount: Option<Arc<dyn MountSink>>,
         metrics: Arc<Metrics>,
-    ) -> Result<ReconcilerHandle, crate::store::records::RecordsError> {
+    ) -> Result<ReconcilerHandle, records::RecordsError> {
         let records = Records::load(&state.records_path())?;
         let (tx, rx) = mpsc::unbounded_channel();
         let status = Arc::new(ArcSwap::from_pointee(StatusDoc::new()));
@@ -431,12 +502,18 @@ impl Reconciler {
             attempted_since_start: std::collections::HashSet::new(),
             path_losers: BTreeMap::new(),
             remap_needed: false,
+            settle_due: false,
+            desired_received: None,
+            path_index: BTreeMap::new(),
+            indexed_paths: HashMap::new(),
+            waiting_on: HashMap::new(),
+            to_wake: BTreeSet::new(),
             artifacts: HashMap::new(),
             model_configs: HashMap::new(),
             model_configs_pending: std::collections::HashSet::new(),
             gc_candidates: gc::Candidates::default(),
             store_bytes: BTreeMap::new(),
-            tx: tx.clone(),
+            tx: tx.downgrade(),
             status: status.clone(),
             status_changes: status_changes.clone(),
             status_bytes: Vec::new(),
@@ -457,6 +534,10 @@ impl Reconciler {
             .map(|d| HfCacheView::new(d.segments().to_vec(), r.config.hf_cache_linger));
         r.saved = serde_json::to_vec_pretty(&r.records).unwrap_or_default();
         r.recover();
+        let keys: Vec<ModelKey> = r.records.models.keys().cloned().collect();
+        for key in &keys {
+            r.index_paths(key);
+        }
         // Records written before the path rule was atomic may hold two served models that
         // conflict: the later one is unmapped and failed before anything is mounted.
         r.settle_paths();
@@ -466,7 +547,15 @@ impl Reconciler {
         r.publish();
         let tick = r.config.tick;
         let ticker = tx.clone();
+        // Dropped with the ticker task: when the runtime shuts down under the actor (no
+        // `shutdown` first), the actor stops at once, saving nothing (see `run`).
+        let runtime_gone = RuntimeGone {
+            flag: Arc::new(AtomicBool::new(false)),
+            wake: tx.clone(),
+        };
+        let stopped = runtime_gone.flag.clone();
         tokio::spawn(async move {
+            let _runtime_gone = runtime_gone;
             let mut interval = tokio::time::interval(tick);
             loop {
                 interval.tick().await;
@@ -475,9 +564,22 @@ impl Reconciler {
                 }
             }
         });
-        tokio::spawn(r.run(rx));
+        let (died_tx, died) = tokio::sync::watch::channel(None);
+        let actor = tokio::task::spawn_blocking(move || r.run(rx, stopped));
+        // The actor's handle is kept: its death is a reason for the process to end.
+        tokio::spawn(async move {
+            if let Err(e) = actor.await {
+                let reason = match e.try_into_panic() {
+                    Ok(panic) => SourceError::from_panic(panic).to_string(),
+                    Err(e) => e.to_string(),
+                };
+                tracing::error!(reason, "the reconciler died; nothing decides any more");
+                let _ = died_tx.send(Some(reason));
+            }
+        });
         Ok(ReconcilerHandle {
             tx,
+            died,
             status,
             ready,
             alive,
@@ -485,8 +587,20 @@ impl Reconciler {
         })
     }
 
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>) {
-        while let Some(first) = rx.recv().await {
+    /// A sender for workers' reports. The handles and the ticker hold the strong senders; with
+    /// all of them gone nothing can be reported to anyone, and a closed sender is as good.
+    fn sender(&self) -> mpsc::UnboundedSender<Event> {
+        self.tx
+            .upgrade()
+            .unwrap_or_else(|| mpsc::unbounded_channel().0)
+    }
+
+    /// The actor's loop, on a blocking-pool thread: it may block on disk work.
+    fn run(mut self, mut rx: mpsc::UnboundedReceiver<Event>, runtime_gone: Arc<AtomicBool>) {
+        while let Some(first) = rx.blocking_recv() {
+            if runtime_gone.load(Ordering::Acquire) {
+                return;
+            }
             // Handle what is queued (up to MAX_BATCH events) before saving and publishing once:
             // a burst of events (a node's models arriving together) costs one records write,
             // not one each, while a steady stream still publishes every MAX_BATCH events.
@@ -496,17 +610,21 @@ impl Reconciler {
             while let Some(event) = next.take() {
                 match event {
                     Event::Shutdown(done) => {
-                        self.shut_down().await;
+                        // The batch's decisions are applied before stopping.
+                        self.finish_batch();
+                        self.shut_down();
                         let _ = done.send(());
                         return;
                     }
+                    Event::Panic(message) => panic!("{message}"),
                     other => changed |= self.handle(other),
                 }
                 handled += 1;
-                if handled < MAX_BATCH {
+                if handled < MAX_BATCH && !runtime_gone.load(Ordering::Acquire) {
                     next = rx.try_recv().ok();
                 }
             }
+            changed |= self.finish_batch();
             if changed {
                 // Records that failed to save wait for their backoff (the explicit saves that
                 // must precede a directory's creation do not).
@@ -523,18 +641,18 @@ impl Reconciler {
     }
 
     /// Stops all work at a safe point and saves.
-    async fn shut_down(&mut self) {
+    fn shut_down(&mut self) {
         for w in self.works.values() {
             w.cancel.cancel();
         }
         // Fetch tasks end at once; wait (bounded) until all have let go of their slots. Partial
         // files are a verified-on-resume prefix whatever the point.
-        let _ = tokio::time::timeout(
+        let all = self.config.max_concurrent_fetches.max(1) as u32;
+        let slots = self.fetch_slots.clone();
+        let _ = tokio::runtime::Handle::current().block_on(tokio::time::timeout(
             Duration::from_secs(10),
-            self.fetch_slots
-                .acquire_many(self.config.max_concurrent_fetches.max(1) as u32),
-        )
-        .await;
+            slots.acquire_many_owned(all),
+        ));
         self.save();
         self.publish();
     }
@@ -576,6 +694,18 @@ impl Reconciler {
             }
             Event::Tick => {
                 let mut changed = self.retry_due();
+                // Waiters whose model's work ended without a wake-up (a safety net: every
+                // end of work wakes its waiters).
+                let stale: Vec<ModelKey> = self
+                    .waiting_on
+                    .keys()
+                    .filter(|k| !self.works.contains_key(*k))
+                    .cloned()
+                    .collect();
+                for k in stale {
+                    self.work_changed(&k);
+                }
+                self.wake_waiters();
                 self.gc_due |= changed;
                 // Download progress moves without events.
                 changed |= self
@@ -614,17 +744,30 @@ impl Reconciler {
                 self.on_config_parsed(artifact, outcome);
                 true
             }
-            Event::Shutdown(_) => unreachable!("handled in run"),
+            Event::Shutdown(_) | Event::Panic(_) => unreachable!("handled in run"),
         };
         // A tick that changed nothing (the idle case) changed no claim either.
-        if !tick || self.remap_needed {
+        self.settle_due |= !tick || self.remap_needed;
+        changed |= self.remap_needed;
+        if desired && self.desired_received.is_none() {
+            self.desired_received = Some((received, generation));
+        }
+        changed
+    }
+
+    /// After a batch of events: the path rule over the whole state, the waiters it woke, then
+    /// one mapping swap for all the batch's flips (a burst of fetches completing costs one
+    /// swap, not one each). Returns whether the mapping changed.
+    fn finish_batch(&mut self) -> bool {
+        if std::mem::take(&mut self.settle_due) {
             self.settle_paths();
+            self.wake_waiters();
         }
-        if std::mem::take(&mut self.remap_needed) {
+        let remapped = std::mem::take(&mut self.remap_needed);
+        if remapped {
             self.remap();
-            changed = true;
         }
-        if desired {
+        if let Some((received, generation)) = self.desired_received.take() {
             if self.fs.generation() != generation {
                 self.metrics
                     .mapping_update_seconds
@@ -632,7 +775,86 @@ impl Reconciler {
             }
             self.ready.store(true, Ordering::Relaxed);
         }
-        changed
+        #[cfg(debug_assertions)]
+        self.check_path_index();
+        remapped
+    }
+
+    /// Indexes `key`'s wanted and served paths (after its record changed them or went away),
+    /// so that the path rule for a path looks only at the models whose paths nest with it
+    /// ([`Reconciler::related_keys`]), not at every model. The index may hold stale entries
+    /// until the next call (harmless: claims come from the records), never miss a path.
+    fn index_paths(&mut self, key: &ModelKey) {
+        let mut new: Vec<Vec<String>> = Vec::new();
+        if let Some(rec) = self.records.models.get(key) {
+            for p in [Some(rec.path.as_str()), rec.served_path.as_deref()]
+                .into_iter()
+                .flatten()
+            {
+                if let Ok(path) = MountPath::from_relative(p) {
+                    let segs = path.segments().to_vec();
+                    if !new.contains(&segs) {
+                        new.push(segs);
+                    }
+                }
+            }
+        }
+        let old = self.indexed_paths.remove(key).unwrap_or_default();
+        for p in old.iter().filter(|p| !new.contains(p)) {
+            if let Some(keys) = self.path_index.get_mut(p) {
+                keys.remove(key);
+                if keys.is_empty() {
+                    self.path_index.remove(p);
+                }
+            }
+        }
+        for p in &new {
+            self.path_index
+                .entry(p.clone())
+                .or_default()
+                .insert(key.clone());
+        }
+        if !new.is_empty() {
+            self.indexed_paths.insert(key.clone(), new);
+        }
+    }
+
+    /// The models whose claims can decide the rule's verdict at `path`: those at or below its
+    /// topmost claimed ancestor (or itself). Paths that do not nest cannot conflict, so the
+    /// rest of the state never matters. O(log n + related).
+    fn related_keys(&self, path: &[String]) -> BTreeSet<ModelKey> {
+        let root_len = (1..path.len())
+            .find(|&n| self.path_index.contains_key(&path[..n]))
+            .unwrap_or(path.len());
+        let root = &path[..root_len];
+        let mut out = BTreeSet::new();
+        for (p, keys) in self.path_index.range(root.to_vec()..) {
+            if !p.starts_with(root) {
+                break;
+            }
+            out.extend(keys.iter().cloned());
+        }
+        out
+    }
+
+    /// Debug builds: the path index holds every path of every record.
+    #[cfg(debug_assertions)]
+    fn check_path_index(&self) {
+        for (key, rec) in &self.records.models {
+            for p in [Some(rec.path.as_str()), rec.served_path.as_deref()]
+                .into_iter()
+                .flatten()
+            {
+                if let Ok(path) = MountPath::from_relative(p) {
+                    assert!(
+                        self.path_index
+                            .get(path.segments())
+                            .is_some_and(|keys| keys.contains(key)),
+                        "path index misses {key} at {p}"
+                    );
+                }
+            }
+        }
     }
 
     /// Retries whose time has come (transient failures, path conflicts re-checked). Only these
@@ -656,7 +878,7 @@ impl Reconciler {
             };
         }
         if changed {
-            self.remap();
+            self.remap_needed = true;
         }
         changed
     }
@@ -722,11 +944,7 @@ impl Reconciler {
         rec.reason = Some(reason.to_string());
         // Unmapped (its path may be what is invalid) but its own store is kept: fixing the
         // object must not cost a download, and its children keep being served.
-        rec.artifact = None;
-        rec.sha = None;
-        rec.store = None;
-        rec.served_path = None;
-        rec.served_source = None;
+        decide::unmap(rec);
         self.wake_waiters();
         true
     }
@@ -800,6 +1018,7 @@ impl Reconciler {
                 tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
             }
         }
+        self.index_paths(key);
         if spec.source.is_vendor() {
             self.serve_without_files(key, spec);
             return true;
@@ -856,7 +1075,7 @@ impl Reconciler {
             self.decide(key, stored.manifest.clone());
             return true;
         }
-        let tx = self.tx.clone();
+        let tx = self.sender();
         let key2 = key.clone();
         let flag = cancel.flag.clone();
         cancel.spawn(async move { source.resolve(flag).await }, move |result| {
@@ -875,6 +1094,7 @@ impl Reconciler {
         if self.works.get(&key).is_none_or(|w| w.fingerprint != fp) {
             return;
         }
+        self.work_changed(&key);
         match result {
             Ok(m) => self.decide(&key, Arc::new(m)),
             Err(e) => self.fail(&key, &fp, &e),
@@ -884,14 +1104,14 @@ impl Reconciler {
         self.wake_waiters();
     }
 
-    fn in_flight(&self, source: &str) -> placement::InFlight {
-        let mut out = placement::InFlight::default();
+    fn in_flight(&self, source: &SourceUri) -> decide::InFlight {
+        let mut out = decide::InFlight::default();
         for (k, w) in &self.works {
             match &w.stage {
                 Stage::Fetching { artifact, .. } => {
                     out.fetching.insert(k.clone(), artifact.clone());
                 }
-                Stage::Resolving if w.spec.source.to_string() == source => {
+                Stage::Resolving if w.spec.source == *source => {
                     out.resolving_same_source.push(k.clone())
                 }
                 _ => {}
@@ -911,9 +1131,7 @@ impl Reconciler {
             PathVerdict::Clear => {}
             PathVerdict::Wait { on } => {
                 tracing::info!(model = %key, waits_for = %on, path = %spec.path, "an earlier model on the same path is resolving; waiting for it");
-                if let Some(w) = self.works.get_mut(key) {
-                    w.stage = Stage::Waiting { manifest };
-                }
+                self.wait(key, on, manifest);
                 return;
             }
             PathVerdict::Conflict { reason, .. } => {
@@ -921,17 +1139,14 @@ impl Reconciler {
                 return;
             }
         }
-        let in_flight = self.in_flight(&spec.source.to_string());
-        match placement::place(&self.records, key, spec.policy, &artifact, &in_flight) {
+        let in_flight = self.in_flight(&spec.source);
+        match decide::place(&self.records, key, spec.policy, &artifact, &in_flight) {
             Placement::Serve(store) => {
                 self.serve(key, store, artifact, manifest.revision.clone(), &spec);
-                self.remap_needed = true;
             }
             Placement::Wait(other) => {
                 tracing::info!(model = %key, waits_for = %other, "same artifact is being fetched; waiting for it");
-                if let Some(w) = self.works.get_mut(key) {
-                    w.stage = Stage::Waiting { manifest };
-                }
+                self.wait(key, other, manifest);
             }
             Placement::Fetch => {
                 let (store, seed) = self.fetch_target(key, &artifact);
@@ -965,7 +1180,7 @@ impl Reconciler {
                 };
                 let source = w.source.clone();
                 let cancel = w.cancel.clone();
-                let tx = self.tx.clone();
+                let tx = self.sender();
                 let slots = self.fetch_slots.clone();
                 let key2 = key.clone();
                 let adopt = self.adopt_from(&spec);
@@ -1008,36 +1223,15 @@ impl Reconciler {
     }
 
     /// The store to fetch `artifact` into for `key`, and a seed store to hard-link known blobs
-    /// from. Normally the model's own store (blobs it already has are kept, so a new revision
-    /// fetches only changed files). But if other models are served from that store with another
-    /// artifact (children still on the old revision), the store is handed to them now, no byte
-    /// moving, and the new revision goes into a fresh store seeded from the old one: a parent
-    /// never holds a different artifact than its children.
+    /// from (see [`decide::fetch_target`]).
     fn fetch_target(
         &mut self,
         key: &ModelKey,
         artifact: &ArtifactId,
     ) -> (StoreId, Option<StoreId>) {
-        let Some(own) = self.records.owned_store(key).cloned() else {
-            let id = self.records.allocate_store(key);
-            // The record must exist before the directory, or a crash leaves a directory that
-            // garbage collection rightly removes as an orphan.
-            self.save();
-            return (id, None);
-        };
-        let split = self
-            .records
-            .users_of(&own)
-            .into_iter()
-            .any(|u| u != key && self.records.models[u].artifact.as_ref() != Some(artifact));
-        if !split {
-            return (own, None);
-        }
-        self.hand_over_or_release(&own, key, false);
-        let id = self.records.allocate_store(key);
-        self.save();
-        tracing::info!(model = %key, old = %own, new = %id, "children keep the old revision's store; fetching into a new one");
-        (id, Some(own))
+        let target = decide::fetch_target(&mut self.records, key, artifact);
+        self.execute(target.effects);
+        (target.store, target.seed)
     }
 
     /// Source digest -> blob of the complete artifacts of `stores`.
@@ -1119,13 +1313,10 @@ impl Reconciler {
                     match self.verdict_for(&key, &spec.path, ClaimArtifact::Known(id.clone())) {
                         PathVerdict::Clear => {
                             self.serve(&key, store, id, manifest.revision.clone(), &spec);
-                            self.remap_needed = true;
                         }
                         PathVerdict::Wait { on } => {
                             tracing::info!(model = %key, waits_for = %on, "fetched; an earlier model on the same path is resolving");
-                            if let Some(w) = self.works.get_mut(&key) {
-                                w.stage = Stage::Waiting { manifest };
-                            }
+                            self.wait(&key, on, manifest);
                         }
                         PathVerdict::Conflict { reason, .. } => {
                             self.fail_conflict(&key, &fp, reason, Some(id))
@@ -1144,24 +1335,39 @@ impl Reconciler {
         self.wake_waiters();
     }
 
-    /// Models waiting for another model's fetch decide again after any fetch, resolve or deletion
-    /// ends: they map onto the result, keep waiting, or fetch themselves if it failed.
+    /// `key` waits for `on`'s work (its fetch of the same artifact, or its resolve on the same
+    /// path) with its own artifact known.
+    fn wait(&mut self, key: &ModelKey, on: ModelKey, manifest: Arc<Manifest>) {
+        if let Some(w) = self.works.get_mut(key) {
+            w.stage = Stage::Waiting { manifest };
+            self.waiting_on.entry(on).or_default().insert(key.clone());
+        }
+    }
+
+    /// `key`'s work moved on (resolved, fetched, failed, cancelled, served): the models waiting
+    /// for it decide again at the next [`Reconciler::wake_waiters`].
+    fn work_changed(&mut self, key: &ModelKey) {
+        if let Some(waiters) = self.waiting_on.remove(key) {
+            self.to_wake.extend(waiters);
+        }
+    }
+
+    /// Waiters whose model's work moved on decide again: they map onto the result, keep
+    /// waiting, or fetch themselves if it failed. Only those: an event costs its own waiters,
+    /// not every waiter of the node.
     fn wake_waiters(&mut self) {
-        let waiting: Vec<(ModelKey, Arc<Manifest>)> = self
-            .works
-            .iter()
-            .filter_map(|(k, w)| match &w.stage {
-                Stage::Waiting { manifest } => Some((k.clone(), manifest.clone())),
-                _ => None,
-            })
-            .collect();
-        for (k, m) in waiting {
-            self.decide(&k, m);
+        while let Some(k) = self.to_wake.pop_first() {
+            let manifest = match self.works.get(&k).map(|w| &w.stage) {
+                Some(Stage::Waiting { manifest }) => manifest.clone(),
+                _ => continue,
+            };
+            self.decide(&k, manifest);
         }
     }
 
     /// Records that `key` is served from `store` (which holds `artifact` complete), releasing
-    /// or handing over the model's own store if it moved away from it (T-02, T-04).
+    /// or handing over the model's own store if it moved away from it (T-02, T-04; see
+    /// [`decide::serve`]).
     fn serve(
         &mut self,
         key: &ModelKey,
@@ -1171,168 +1377,54 @@ impl Reconciler {
         spec: &ModelSpec,
     ) {
         self.works.remove(key);
+        self.work_changed(key);
         self.retries.remove(key);
-        let own = self.records.owned_store(key).cloned();
-        {
-            let rec = self.records.models.get_mut(key).expect("record");
-            let before = (
-                rec.store.clone(),
-                rec.artifact.clone(),
-                rec.served_path.clone(),
-            );
-            rec.artifact = Some(artifact.clone());
-            rec.sha = Some(sha);
-            rec.store = Some(store.clone());
-            rec.served_path = Some(spec.path.to_string());
-            rec.served_source = Some(spec.source.to_string());
-            rec.phase = ModelPhase::Ready;
-            rec.reason = None;
-            if before
-                != (
-                    rec.store.clone(),
-                    rec.artifact.clone(),
-                    rec.served_path.clone(),
-                )
-            {
-                tracing::info!(model = %key, %store, artifact = %artifact, "mapping changed");
-            }
+        let (changed, effects) = decide::serve(
+            &mut self.records,
+            key,
+            decide::Serve {
+                store: store.clone(),
+                artifact: artifact.clone(),
+                sha,
+                path: spec.path.to_string(),
+                source: spec.source.to_string(),
+            },
+        );
+        if changed {
+            tracing::info!(model = %key, %store, artifact = %artifact, "mapping changed");
         }
-        // Adopt a reserved store that has no owner.
-        if let Some(s) = self.records.stores.get_mut(&store) {
-            if s.owner.is_none() {
-                s.owner = Some(key.clone());
-                s.reserved = false;
-            }
-        }
-        if let Some(own) = own.filter(|o| *o != store) {
-            // Children of the old copy that the new store can serve move with the model, so
-            // no chain of parents forms (T-04).
-            let target_artifacts = self.records.stores[&store].artifacts.clone();
-            let users: Vec<ModelKey> = self.records.users_of(&own).into_iter().cloned().collect();
-            for u in users {
-                let m = self.records.models.get_mut(&u).expect("user record");
-                if m.artifact
-                    .as_ref()
-                    .is_some_and(|a| target_artifacts.contains(a))
-                {
-                    m.store = Some(store.clone());
-                }
-            }
-            self.hand_over_or_release(&own, key, false);
-        }
-        self.prune_store_artifacts(&store);
+        self.execute(effects);
+        self.index_paths(key);
+        self.remap_needed = true;
     }
 
-    /// The owner `key` leaves `store`. Ownership passes to a remaining user, deterministically:
-    /// the smallest ClusterBaseModel key (in every user's reuse scope), else the smallest key.
-    /// Users outside the new owner's scope (BaseModels of other namespaces) get a store of their
-    /// own per namespace, made of hard links to the same blobs: no bytes move, and no model is
-    /// ever reported as the child of another tenant's model. With no user left the store is
-    /// released (reserved if the leaving owner carried the reserve label).
-    fn hand_over_or_release(&mut self, store: &StoreId, key: &ModelKey, reserve: bool) {
-        let users: Vec<ModelKey> = self
-            .records
-            .users_of(store)
-            .into_iter()
-            .filter(|u| *u != key)
-            .cloned()
-            .collect();
-        let ns_of = |r: &Records, k: &ModelKey| r.models.get(k).and_then(|m| m.namespace.clone());
-        let leaving_ns = ns_of(&self.records, key);
-        let next = users
-            .iter()
-            .find(|u| ns_of(&self.records, u).is_none())
-            .or_else(|| users.first())
-            .cloned();
-        let Some(next) = next else {
-            if let Some(s) = self.records.stores.get_mut(store) {
-                s.owner = None;
-                s.reserved = reserve;
-                s.last_owner_namespace = leaving_ns;
-                tracing::info!(%store, reserved = reserve, "store released");
-            }
-            return;
-        };
-        tracing::info!(%store, from = %key, to = %next, "store ownership passes to a child");
-        if let Some(s) = self.records.stores.get_mut(store) {
-            s.owner = Some(next.clone());
-        }
-        let owner_ns = ns_of(&self.records, &next);
-        let mut groups: BTreeMap<String, Vec<ModelKey>> = BTreeMap::new();
-        for u in users {
-            if let Some(ns) = ns_of(&self.records, &u) {
-                if !placement::in_scope(Some(&ns), owner_ns.as_deref()) {
-                    groups.entry(ns).or_default().push(u);
+    /// Executes the disk work decisions asked for, in order (see [`decide::Effect`]). Runs on
+    /// the actor's own thread, never on the async runtime's workers.
+    fn execute(&mut self, effects: Vec<Effect>) {
+        for effect in effects {
+            match effect {
+                Effect::SaveRecords => {
+                    self.save();
                 }
-            }
-        }
-        for (_, members) in groups {
-            self.split_store(store, &members);
-        }
-    }
-
-    /// Gives `members` (users of `from`, one namespace, in key order) a store of their own made of
-    /// hard links to the blobs they serve; the first member owns it.
-    fn split_store(&mut self, from: &StoreId, members: &[ModelKey]) {
-        let artifacts: BTreeSet<ArtifactId> = members
-            .iter()
-            .filter_map(|m| self.records.models.get(m).and_then(|r| r.artifact.clone()))
-            .collect();
-        let id = self.records.allocate_store(&members[0]);
-        self.save();
-        let linked = (|| -> Result<(), String> {
-            let src = self
-                .state
-                .existing_store(from)
-                .ok_or("source store missing")?;
-            let dst = self.state.store(&id).map_err(|e| e.to_string())?;
-            for a in &artifacts {
-                let stored = self.artifact(a).ok_or("artifact record missing")?;
-                for blob in &stored.blobs {
-                    match std::fs::hard_link(src.blob_path(blob), dst.blob_path(blob)) {
-                        Ok(()) => {}
-                        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                        Err(e) => return Err(format!("linking blob {blob}: {e}")),
-                    }
+                Effect::LinkStore(split) => {
+                    let linked = self.link_store(&split);
+                    decide::finish_split(&mut self.records, &split, linked);
                 }
-            }
-            dst.sync().map_err(|e| e.to_string())
-        })();
-        match linked {
-            Ok(()) => {
-                let rec = self.records.stores.get_mut(&id).expect("new store");
-                rec.artifacts = artifacts;
-                for m in members {
-                    if let Some(r) = self.records.models.get_mut(m) {
-                        r.store = Some(id.clone());
-                    }
-                }
-                tracing::info!(from = %from, to = %id, owner = %members[0], "out-of-scope children moved to their own store (hard links)");
-            }
-            Err(e) => {
-                // They keep being served from the old store; only the reported parent is off.
-                tracing::error!(store = %id, error = %e, "could not split a store by namespace");
-                self.records.stores.get_mut(&id).expect("new store").owner = None;
             }
         }
     }
 
-    /// Forgets artifacts of a store that none of its users serves any more (an old revision):
-    /// they no longer qualify the store as a reuse holder of that artifact.
-    fn prune_store_artifacts(&mut self, store: &StoreId) {
-        let served: Vec<ArtifactId> = self
-            .records
-            .models
-            .values()
-            .filter(|m| m.store.as_ref() == Some(store))
-            .filter_map(|m| m.artifact.clone())
-            .collect();
-        if served.is_empty() {
-            return;
+    /// Makes `split.to` hold hard links to the blobs of `split.artifacts` in `split.from` (the
+    /// store does the linking).
+    fn link_store(&mut self, split: &decide::Split) -> Result<(), String> {
+        let mut blobs = Vec::new();
+        for a in &split.artifacts {
+            let stored = self.artifact(a).ok_or("artifact record missing")?;
+            blobs.extend(stored.blobs.iter().copied());
         }
-        if let Some(s) = self.records.stores.get_mut(store) {
-            s.artifacts.retain(|a| served.contains(a));
-        }
+        self.state
+            .link_blobs(&split.from, &split.to, &blobs)
+            .map_err(|e| e.to_string())
     }
 
     /// A `vendor://` model: its files come with the serving runtime, so, as OME's agent does,
@@ -1341,19 +1433,8 @@ impl Reconciler {
     fn serve_without_files(&mut self, key: &ModelKey, spec: &ModelSpec) {
         self.cancel_work(key);
         self.retries.remove(key);
-        if let Some(own) = self.records.owned_store(key).cloned() {
-            let reserve = self.records.models.get(key).is_some_and(|m| m.reserve);
-            self.hand_over_or_release(&own, key, reserve);
-        }
-        if let Some(rec) = self.records.models.get_mut(key) {
-            rec.artifact = None;
-            rec.sha = None;
-            rec.store = None;
-            rec.served_path = None;
-            rec.served_source = Some(spec.source.to_string());
-            rec.phase = ModelPhase::Ready;
-            rec.reason = None;
-        }
+        let effects = decide::serve_without_files(&mut self.records, key, spec.source.to_string());
+        self.execute(effects);
         tracing::info!(model = %key, source = %spec.source, "vendor model: Ready with no files");
         self.wake_waiters();
     }
@@ -1362,13 +1443,11 @@ impl Reconciler {
         self.cancel_work(key);
         self.retries.remove(key);
         self.path_losers.remove(key);
-        let own = self.records.owned_store(key).cloned();
-        let reserve = self.records.models.get(key).is_some_and(|m| m.reserve);
         tracing::info!(model = %key, "model deleted");
-        if let Some(own) = own {
-            self.hand_over_or_release(&own, key, reserve);
-        }
-        self.records.models.remove(key);
+        let effects = decide::delete(&mut self.records, key);
+        self.execute(effects);
+        self.index_paths(key);
+        self.work_changed(key);
         self.wake_waiters();
     }
 
@@ -1376,6 +1455,7 @@ impl Reconciler {
         if let Some(w) = self.works.remove(key) {
             w.cancel.cancel();
         }
+        self.work_changed(key);
     }
 
     fn fail(&mut self, key: &ModelKey, fp: &str, err: &SourceError) {
@@ -1392,15 +1472,12 @@ impl Reconciler {
                 .filter(|r| r.fingerprint == fp)
                 .map(|r| r.attempts + 1)
                 .unwrap_or(1);
-            let exp = self
-                .config
-                .retry_base
-                .saturating_mul(1u32 << attempts.min(16))
-                .min(self.config.retry_max);
-            // Jitter: 50..100% of the delay, so a node full of failing models does not retry
-            // in lockstep.
-            let jitter = 0.5 + 0.5 * (now_nanos_fraction());
-            let delay = exp.mul_f64(jitter);
+            let delay = decide::retry_delay(
+                self.config.retry_base,
+                self.config.retry_max,
+                attempts,
+                now_nanos_fraction(),
+            );
             reason = format!("{reason} (retry {attempts} in {}s)", delay.as_secs().max(1));
             self.retries.insert(
                 key.clone(),
@@ -1469,80 +1546,45 @@ impl Reconciler {
         }
     }
 
-    /// Every model's claims on paths below the mount, for [`placement::path_verdicts`]: where
-    /// it is served (with the served artifact) and, if different, where its spec wants it (with
-    /// the artifact of its work: pending while resolving, known once resolved; a loser keeps
-    /// the artifact it lost with). Invalid models claim nothing.
-    fn claims(&self) -> Vec<PathClaim> {
-        let mut out = Vec::with_capacity(self.records.models.len());
-        for (key, rec) in &self.records.models {
-            if rec.fingerprint.starts_with("invalid:") {
-                continue;
-            }
-            let served = match (&rec.artifact, &rec.store, &rec.served_path) {
-                (Some(a), Some(_), Some(p)) => MountPath::from_relative(p)
-                    .ok()
-                    .map(|path| (path, a.clone())),
-                _ => None,
-            };
-            let wanted_artifact = match self.works.get(key).map(|w| &w.stage) {
-                Some(Stage::Resolving) => Some(ClaimArtifact::Pending),
-                Some(Stage::Waiting { manifest }) => Some(ClaimArtifact::Known(manifest.id())),
-                Some(Stage::Fetching { artifact, .. }) => {
-                    Some(ClaimArtifact::Known(artifact.clone()))
-                }
-                None => None,
-            };
-            let wanted_artifact = wanted_artifact.unwrap_or_else(|| {
+    /// What `key`'s work claims on its wanted path: pending while resolving, known once
+    /// resolved; a loser keeps the artifact it lost with.
+    fn wanted_claim(&self, key: &ModelKey) -> decide::Wanted {
+        let artifact = match self.works.get(key).map(|w| &w.stage) {
+            Some(Stage::Resolving) => Some(ClaimArtifact::Pending),
+            Some(Stage::Waiting { manifest }) => Some(ClaimArtifact::Known(manifest.id())),
+            Some(Stage::Fetching { artifact, .. }) => Some(ClaimArtifact::Known(artifact.clone())),
+            None => None,
+        };
+        decide::Wanted {
+            working: self.works.contains_key(key),
+            artifact: artifact.unwrap_or_else(|| {
                 match self.path_losers.get(key).and_then(|l| l.artifact.clone()) {
                     Some(a) => ClaimArtifact::Known(a),
                     None => ClaimArtifact::Unknown,
                 }
-            });
-            let wanted = MountPath::from_relative(&rec.path).ok();
-            let settled =
-                !self.works.contains_key(key) && served.as_ref().map(|s| &s.0) == wanted.as_ref();
-            if let Some((path, artifact)) = served {
-                out.push(PathClaim {
-                    key: key.clone(),
-                    seq: rec.seq,
-                    kind: ClaimKind::Served,
-                    path,
-                    artifact: ClaimArtifact::Known(artifact),
-                });
-            }
-            if let Some(path) = wanted.filter(|_| !settled) {
-                out.push(PathClaim {
-                    key: key.clone(),
-                    seq: rec.seq,
-                    kind: ClaimKind::Wanted,
-                    path,
-                    artifact: wanted_artifact,
-                });
-            }
+            }),
         }
-        out
     }
 
-    /// The rule's verdict on `key` serving `artifact` at `path` (its wanted claim), against
-    /// every other model's claims.
+    /// Every model's claims on paths below the mount (see [`decide::claims`]).
+    fn claims(&self) -> Vec<PathClaim> {
+        decide::claims(&self.records, self.records.models.keys(), |k| {
+            self.wanted_claim(k)
+        })
+    }
+
+    /// The rule's verdict on `key` serving `artifact` at `path` (its wanted claim), against the
+    /// claims of the models whose paths nest with it (the others cannot matter).
     fn verdict_for(
         &self,
         key: &ModelKey,
         path: &MountPath,
         artifact: ClaimArtifact,
     ) -> PathVerdict {
-        let mut claims = self.claims();
-        claims.retain(|c| !(c.key == *key && c.kind == ClaimKind::Wanted));
         let seq = self.records.models.get(key).map_or(u64::MAX, |r| r.seq);
-        claims.push(PathClaim {
-            key: key.clone(),
-            seq,
-            kind: ClaimKind::Wanted,
-            path: path.clone(),
-            artifact,
-        });
-        path_verdicts_last(&claims)
+        let related = self.related_keys(path.segments());
+        let claims = decide::claims(&self.records, &related, |k| self.wanted_claim(k));
+        decide::verdict_for(claims, key, seq, path, artifact)
     }
 
     /// Applies the path rule to the whole state after an event (and at start-up): a served
@@ -1552,7 +1594,7 @@ impl Reconciler {
     /// changed) gets its turn.
     fn settle_paths(&mut self) {
         let claims = self.claims();
-        let verdicts = placement::path_verdicts(&claims);
+        let verdicts = decide::path_verdicts(&claims);
         let mut turns = Vec::new();
         for (c, v) in claims.iter().zip(verdicts) {
             match (c.kind, v) {
@@ -1561,13 +1603,10 @@ impl Reconciler {
                         continue;
                     };
                     let fp = rec.fingerprint.clone();
-                    let artifact = rec.artifact.take();
+                    let artifact = rec.artifact.clone();
                     // Unmapped; its own store (and any child on it) is kept, as for an invalid
                     // object: getting its turn back costs no download.
-                    rec.store = None;
-                    rec.sha = None;
-                    rec.served_path = None;
-                    rec.served_source = None;
+                    decide::unmap(rec);
                     tracing::warn!(model = %c.key, reason, "served model loses a path conflict; unmapped");
                     if self.works.contains_key(&c.key) {
                         // A change in progress decides again (through the rule) when resolved.
@@ -1736,61 +1775,11 @@ impl Reconciler {
     /// present are kept and not fetched again), and a store's artifact that is incomplete is
     /// forgotten. Only `stat`s: blobs under their final name were verified before the rename.
     fn recover(&mut self) {
-        let store_ids: Vec<StoreId> = self.records.stores.keys().cloned().collect();
-        for id in store_ids {
-            let artifacts: Vec<ArtifactId> =
-                self.records.stores[&id].artifacts.iter().cloned().collect();
-            for a in artifacts {
-                if !self.complete_in(&a, &id) {
-                    tracing::warn!(store = %id, artifact = %a, "artifact incomplete after restart; will fetch again");
-                    self.records
-                        .stores
-                        .get_mut(&id)
-                        .expect("store")
-                        .artifacts
-                        .remove(&a);
-                }
-            }
-        }
-        let keys: Vec<ModelKey> = self.records.models.keys().cloned().collect();
-        for key in keys {
-            let rec = &self.records.models[&key];
-            let ok = match (&rec.artifact, &rec.store) {
-                (Some(a), Some(s)) => self
-                    .records
-                    .stores
-                    .get(s)
-                    .is_some_and(|st| st.artifacts.contains(a)),
-                (None, None) => true,
-                _ => false,
-            };
-            if !ok {
-                let rec = self.records.models.get_mut(&key).expect("record");
-                rec.artifact = None;
-                rec.store = None;
-                rec.served_path = None;
-                rec.served_source = None;
-                rec.phase = ModelPhase::Updating;
-            } else if self.records.models[&key].phase == ModelPhase::Updating {
-                // Work in flight at the crash restarts when the desired state arrives; the
-                // model keeps its old placement meanwhile.
-            }
-        }
-        // A store whose owner is gone is released (owner records are removed atomically with
-        // the hand-over, so this only repairs hand-edited records).
-        let orphaned: Vec<StoreId> = self
-            .records
-            .stores
-            .iter()
-            .filter(|(_, s)| {
-                s.owner
-                    .as_ref()
-                    .is_some_and(|o| !self.records.models.contains_key(o))
-            })
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in orphaned {
-            self.records.stores.get_mut(&id).expect("store").owner = None;
+        let mut records = std::mem::take(&mut self.records);
+        let forgotten = decide::recover(&mut records, |a, s| self.complete_in(a, s));
+        self.records = records;
+        for (store, artifact) in forgotten {
+            tracing::warn!(%store, %artifact, "artifact incomplete after restart; will fetch again");
         }
     }
 
@@ -1858,13 +1847,6 @@ fn split_key(key: &ModelKey) -> (Option<String>, String) {
         Some((ns, name)) => (Some(ns.to_string()), name.to_string()),
         None => (None, s.to_string()),
     }
-}
-
-/// The verdict of the last claim.
-fn path_verdicts_last(claims: &[PathClaim]) -> PathVerdict {
-    placement::path_verdicts(claims)
-        .pop()
-        .unwrap_or(PathVerdict::Clear)
 }
 
 fn now_nanos_fraction() -> f64 {

@@ -73,9 +73,17 @@ impl Reconciler {
                     .collect(),
             );
             self.model_configs_pending.insert(id.clone());
-            let tx = self.tx.clone();
+            let tx = self.sender();
             tokio::task::spawn_blocking(move || {
-                let outcome = derive(&files);
+                // A parser panic is a bug: reported as the config's problem (a warning on the
+                // model, logged), never a parse that stays pending forever.
+                let outcome = std::panic::catch_unwind(|| derive(&files)).unwrap_or_else(|panic| {
+                    Outcome::Broken(
+                        crate::source::SourceError::from_panic(panic)
+                            .to_string()
+                            .replace("a worker", "the config parser"),
+                    )
+                });
                 let _ = tx.send(Event::ConfigParsed {
                     artifact: id,
                     outcome,

@@ -7,10 +7,11 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
+use super::records::ModelPhase;
 use super::{Reconciler, Stage};
 use crate::manifest::ModelKey;
 use crate::status::{rfc3339, ModelStatus, ProgressStatus, StatusDoc};
-use crate::store::{ModelPhase, StoreId};
+use crate::store::StoreId;
 
 impl Reconciler {
     fn abs_path(&self, rel: &str) -> String {

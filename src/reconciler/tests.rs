@@ -1,1 +1,66 @@
+//! Tests of the actor around the decision core (the core's own tables are in `decide`).
 
+use super::*;
+
+fn start(state: &std::path::Path) -> ReconcilerHandle {
+    Reconciler::start(
+        ReconcilerConfig {
+            tick: Duration::from_millis(10),
+            ..ReconcilerConfig::default()
+        },
+        StateDir::open(state).unwrap(),
+        Arc::new(FsCore::new()),
+        None,
+        Arc::new(Metrics::new()),
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_actor_is_reported_with_its_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let handle = start(dir.path());
+    handle.set_desired(DesiredState::default());
+    handle.inject_panic("decision invariant broken");
+    let reason = tokio::time::timeout(Duration::from_secs(30), handle.died())
+        .await
+        .expect("the death is reported");
+    assert!(reason.contains("decision invariant broken"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_actor_is_not_reported_dead_and_shuts_down_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let handle = start(dir.path());
+    handle.set_desired(DesiredState::default());
+    // Events are handled in order: the desired state before the shutdown.
+    handle.shutdown().await;
+    assert!(handle.is_ready());
+    // After a clean shutdown the actor is gone without dying.
+    assert!(handle.died.borrow().is_none());
+    assert!(dir.path().join("status.json").exists());
+}
+
+#[test]
+fn runtime_shutdown_stops_the_actor_without_waiting() {
+    // As a SIGKILL in the crash tests: the runtime goes away under a running actor whose
+    // handle is still held; the shutdown must not wait for the actor's thread.
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let handle = {
+        let _guard = runtime.enter();
+        start(dir.path())
+    };
+    handle.set_desired(DesiredState::default());
+    let started = Instant::now();
+    runtime.shutdown_timeout(Duration::from_secs(60));
+    assert!(
+        started.elapsed() < Duration::from_secs(50),
+        "the actor kept the runtime from shutting down"
+    );
+    drop(handle);
+}

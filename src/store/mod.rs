@@ -1,4 +1,6 @@
-//! Blob stores and the daemon's durable records.
+//! Blob stores: content-addressed blobs per store, their linking and deletion, and the state
+//! directory's files. The durable records (who owns which store, what each model serves) belong
+//! to the reconciler ([`crate::reconciler::records`]).
 //!
 //! Layout of `--state DIR`:
 //!
@@ -27,18 +29,45 @@
 
 pub mod blob;
 pub mod fsutil;
-pub mod records;
 
 #[cfg(test)]
 mod proptests;
 
+use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use crate::artifact::{ArtifactId, StoredArtifact};
+use serde::{Deserialize, Serialize};
+
+use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 
 pub use blob::{BlobWriter, StagedBlob, Store, StoreError};
-pub use records::{ModelPhase, ModelRecord, Records, StoreId, StoreRecord};
+
+/// Name of a store directory.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct StoreId(String);
+
+impl StoreId {
+    pub fn from_seq(seq: u64) -> Self {
+        Self(format!("s{seq:08}"))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+    /// Store directory names are only ever produced by [`StoreId::from_seq`].
+    pub fn parse_dir_name(name: &str) -> Option<Self> {
+        let digits = name.strip_prefix('s')?;
+        (digits.len() >= 8 && digits.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| Self(name.to_string()))
+    }
+}
+
+impl fmt::Display for StoreId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
 
 /// The `--state` directory.
 #[derive(Clone, Debug)]
@@ -87,6 +116,77 @@ impl StateDir {
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             other => other,
         }
+    }
+
+    /// Makes store `to` (created if needed) hold hard links to `blobs` of store `from`: a
+    /// second store of the same bytes, no byte copied. Durable when it returns (the new
+    /// directory entries are synced). A blob already in `to` is kept.
+    pub fn link_blobs(
+        &self,
+        from: &StoreId,
+        to: &StoreId,
+        blobs: &[Sha256Digest],
+    ) -> io::Result<()> {
+        let src = self.existing_store(from).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::NotFound, format!("store {from} is missing"))
+        })?;
+        let dst = self.store(to)?;
+        for blob in blobs {
+            match std::fs::hard_link(src.blob_path(blob), dst.blob_path(blob)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("linking blob {blob}: {e}"),
+                    ))
+                }
+            }
+        }
+        dst.sync().map_err(io::Error::other)
+    }
+
+    /// Removes one blob (by file name, as garbage collection lists them) from a store.
+    pub fn remove_blob(&self, store: &StoreId, name: &str) -> io::Result<()> {
+        if name.contains('/') || name.starts_with('.') {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{name:?} is not a blob name"),
+            ));
+        }
+        let Some(s) = self.existing_store(store) else {
+            return Ok(());
+        };
+        match std::fs::remove_file(s.blob_path_by_name(name)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Removes a partial download (a path [`Store::partial_files`] listed) of a store.
+    pub fn remove_partial(&self, path: &Path) -> io::Result<()> {
+        if !path.starts_with(self.stores_dir()) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not in a store", path.display()),
+            ));
+        }
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Removes a directory under `stores/` that is a store's by name but that no record names
+    /// (left by a crash between its creation and the records that would name it).
+    pub fn remove_store_dir(&self, name: &str) -> io::Result<()> {
+        let Some(id) = StoreId::parse_dir_name(name) else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{name:?} is not a store directory"),
+            ));
+        };
+        self.remove_store(&id)
     }
 
     /// Names of the store directories present on disk.
@@ -177,7 +277,36 @@ impl StateDir {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+    use crate::artifact::{FileDigest, Manifest, ManifestEntry};
+
+    #[test]
+    fn linking_shares_the_inode_and_removal_stays_in_the_store() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::open(dir.path()).unwrap();
+        let (a, b) = (StoreId::from_seq(1), StoreId::from_seq(2));
+        let blob = Sha256Digest([7; 32]);
+        let src = state.store(&a).unwrap();
+        std::fs::write(src.blob_path(&blob), b"bytes").unwrap();
+        state.link_blobs(&a, &b, &[blob]).unwrap();
+        state.link_blobs(&a, &b, &[blob]).unwrap();
+        let dst = state.existing_store(&b).unwrap();
+        let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
+        assert_eq!(ino(&src.blob_path(&blob)), ino(&dst.blob_path(&blob)));
+        let missing = state.link_blobs(&a, &b, &[Sha256Digest([8; 32])]);
+        assert!(missing.unwrap_err().to_string().contains("linking blob"));
+        assert!(state.remove_blob(&b, "../../x").is_err());
+        state.remove_blob(&b, &blob.to_hex()).unwrap();
+        state.remove_blob(&b, &blob.to_hex()).unwrap();
+        assert!(!dst.blob_path(&blob).exists() && src.blob_path(&blob).exists());
+        assert!(state
+            .remove_partial(&dir.path().join("records.json"))
+            .is_err());
+        assert!(state.remove_store_dir("..").is_err());
+        std::fs::create_dir_all(state.stores_dir().join("s00000009/blobs")).unwrap();
+        state.remove_store_dir("s00000009").unwrap();
+        assert_eq!(state.store_dirs().unwrap(), vec!["s00000001", "s00000002"]);
+    }
 
     #[test]
     fn removing_an_artifact_removes_its_parsed_config_and_ids_ignore_it() {

@@ -11,9 +11,8 @@ use proptest::prelude::*;
 use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest, StoredArtifact};
 use crate::manifest::{ModelKey, ModelKind};
 use crate::proptest_support::{apply, bounded, config, mutations, CASE_LIMIT};
+use crate::reconciler::records::{ModelPhase, ModelRecord, Records, StoreRecord};
 use crate::status::{ModelStatus, StatusDoc};
-use crate::store::{ModelPhase, ModelRecord};
-use crate::store::{Records, StoreRecord};
 
 const JSON_TOKENS: &[&str] = &[
     "{",

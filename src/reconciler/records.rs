@@ -1,5 +1,6 @@
-//! The daemon's durable records: which models exist, what each one serves, and which stores
-//! exist and who owns them.
+//! The reconciler's durable records: which models exist, what each one serves, and which
+//! stores exist and who owns them. They belong to the reconciler (policies, phases, ownership);
+//! the store ([`crate::store`]) knows only blobs and store directories.
 //!
 //! Kept as one JSON document replaced atomically (write, fsync, rename, fsync directory) rather
 //! than in an embedded database. The document is small (a few hundred bytes per model: file lists
@@ -10,7 +11,6 @@
 //! leaves either the previous or the next document.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::io;
 use std::path::Path;
 
@@ -18,37 +18,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::artifact::ArtifactId;
 use crate::manifest::{DownloadPolicy, ModelKey};
-
-use super::fsutil;
+use crate::store::{fsutil, StoreId};
 
 /// Version of the records format; bumped on incompatible changes.
 pub const RECORDS_FORMAT: u32 = 1;
-
-/// Name of a store directory.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct StoreId(String);
-
-impl StoreId {
-    pub fn from_seq(seq: u64) -> Self {
-        Self(format!("s{seq:08}"))
-    }
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-    /// Store directory names are only ever produced by [`StoreId::from_seq`].
-    pub fn parse_dir_name(name: &str) -> Option<Self> {
-        let digits = name.strip_prefix('s')?;
-        (digits.len() >= 8 && digits.bytes().all(|b| b.is_ascii_digit()))
-            .then(|| Self(name.to_string()))
-    }
-}
-
-impl fmt::Display for StoreId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub enum ModelPhase {

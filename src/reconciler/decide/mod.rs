@@ -1,0 +1,490 @@
+//! The decision core: what the records become when something happens, and which disk work that
+//! needs. Pure: no I/O, no clock, no tasks. Every rule of SPEC sections 3 and 4 lives here
+//! (placement and single flight in [`placement`], the one path-conflict rule in [`paths`],
+//! flips, hand-over, deletion, store splits, recovery and which stores are garbage below), so
+//! each is unit-tested with tables of records (see `tests.rs`).
+//!
+//! The reconciler's actor ([`super::Reconciler`]) owns the records and the work in flight: for
+//! each event it asks these functions what to change, applies what they return, and executes
+//! the [`Effect`]s they ask for, in order, on its own thread (off the async runtime), feeding
+//! the outcomes back (for example [`finish_split`]). Everything a decision needs to know about
+//! work in flight is passed in ([`InFlight`], the wanted claims of [`claims`]).
+
+pub mod paths;
+pub mod placement;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use crate::artifact::ArtifactId;
+use crate::manifest::{ModelKey, MountPath};
+use crate::reconciler::records::{ModelPhase, ModelRecord, Records};
+use crate::store::StoreId;
+
+pub use paths::{path_verdicts, ClaimArtifact, ClaimKind, PathClaim, PathVerdict};
+pub use placement::{in_scope, place, reuse_candidates, InFlight, Placement};
+
+/// Disk work a decision needs. The actor executes effects in the order given, before the next
+/// event, so a decision can rely on them (and on the records saved before them).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Write the records now: a store directory is created next, and a crash must never leave
+    /// a directory that no record names (garbage collection would rightly remove it).
+    SaveRecords,
+    /// Hard-link the blobs of `artifacts` from one store into a new one, then report the
+    /// outcome to [`finish_split`].
+    LinkStore(Split),
+}
+
+/// Users of one store that move to a store of their own (see [`hand_over_or_release`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Split {
+    pub from: StoreId,
+    pub to: StoreId,
+    /// The models that move, in key order; the first owns the new store.
+    pub members: Vec<ModelKey>,
+    /// What they serve: the blobs of these artifacts are linked.
+    pub artifacts: BTreeSet<ArtifactId>,
+}
+
+/// The model leaves the mount: it serves nothing (its own store, if any, is kept, and so are
+/// children served from it).
+pub fn unmap(rec: &mut ModelRecord) {
+    rec.artifact = None;
+    rec.sha = None;
+    rec.store = None;
+    rec.served_path = None;
+    rec.served_source = None;
+}
+
+/// Where a model is served from, once a decision to serve it is made.
+#[derive(Clone, Debug)]
+pub struct Serve {
+    pub store: StoreId,
+    pub artifact: ArtifactId,
+    /// Resolved revision reported as `artifact.sha`.
+    pub sha: String,
+    /// The spec's path and source, now served.
+    pub path: String,
+    pub source: String,
+}
+
+/// Records that `key` is served from `serve.store` (which holds the artifact complete): the
+/// flip of SPEC section 3.2. If the model moved away from its own store (T-02, T-04), the
+/// children of that store that the new store can serve move with it (no chains of parents)
+/// and the old store is handed over or released. Returns whether what the model serves changed,
+/// and the effects.
+pub fn serve(records: &mut Records, key: &ModelKey, serve: Serve) -> (bool, Vec<Effect>) {
+    let own = records.owned_store(key).cloned();
+    let store = serve.store.clone();
+    let Some(rec) = records.models.get_mut(key) else {
+        return (false, Vec::new());
+    };
+    let before = (
+        rec.store.clone(),
+        rec.artifact.clone(),
+        rec.served_path.clone(),
+    );
+    rec.artifact = Some(serve.artifact);
+    rec.sha = Some(serve.sha);
+    rec.store = Some(store.clone());
+    rec.served_path = Some(serve.path);
+    rec.served_source = Some(serve.source);
+    rec.phase = ModelPhase::Ready;
+    rec.reason = None;
+    let changed = before
+        != (
+            rec.store.clone(),
+            rec.artifact.clone(),
+            rec.served_path.clone(),
+        );
+    // A reserved store that has no owner is adopted by its first user.
+    if let Some(s) = records.stores.get_mut(&store) {
+        if s.owner.is_none() {
+            s.owner = Some(key.clone());
+            s.reserved = false;
+        }
+    }
+    let mut effects = Vec::new();
+    if let Some(own) = own.filter(|o| *o != store) {
+        let target_artifacts = records
+            .stores
+            .get(&store)
+            .map(|s| s.artifacts.clone())
+            .unwrap_or_default();
+        let users: Vec<ModelKey> = records.users_of(&own).into_iter().cloned().collect();
+        for u in users {
+            let m = records.models.get_mut(&u).expect("user record");
+            if m.artifact
+                .as_ref()
+                .is_some_and(|a| target_artifacts.contains(a))
+            {
+                m.store = Some(store.clone());
+            }
+        }
+        effects = hand_over_or_release(records, &own, key, false);
+    }
+    prune_store_artifacts(records, &store);
+    (changed, effects)
+}
+
+/// The owner `key` leaves `store`. Ownership passes to a remaining user, deterministically: the
+/// smallest ClusterBaseModel key (in every user's reuse scope), else the smallest key. Users
+/// outside the new owner's scope (BaseModels of other namespaces) get a store of their own per
+/// namespace, made of hard links to the same blobs ([`Effect::LinkStore`]): no bytes move, and
+/// no model is ever reported as the child of another tenant's model. With no user left the
+/// store is released (reserved if the leaving owner carried the reserve label).
+pub fn hand_over_or_release(
+    records: &mut Records,
+    store: &StoreId,
+    key: &ModelKey,
+    reserve: bool,
+) -> Vec<Effect> {
+    let users: Vec<ModelKey> = records
+        .users_of(store)
+        .into_iter()
+        .filter(|u| *u != key)
+        .cloned()
+        .collect();
+    let ns_of = |r: &Records, k: &ModelKey| r.models.get(k).and_then(|m| m.namespace.clone());
+    let leaving_ns = ns_of(records, key);
+    let next = users
+        .iter()
+        .find(|u| ns_of(records, u).is_none())
+        .or_else(|| users.first())
+        .cloned();
+    let Some(next) = next else {
+        if let Some(s) = records.stores.get_mut(store) {
+            s.owner = None;
+            s.reserved = reserve;
+            s.last_owner_namespace = leaving_ns;
+            tracing::info!(%store, reserved = reserve, "store released");
+        }
+        return Vec::new();
+    };
+    tracing::info!(%store, from = %key, to = %next, "store ownership passes to a child");
+    if let Some(s) = records.stores.get_mut(store) {
+        s.owner = Some(next.clone());
+    }
+    let owner_ns = ns_of(records, &next);
+    let mut groups: BTreeMap<String, Vec<ModelKey>> = BTreeMap::new();
+    for u in users {
+        if let Some(ns) = ns_of(records, &u) {
+            if !in_scope(Some(&ns), owner_ns.as_deref()) {
+                groups.entry(ns).or_default().push(u);
+            }
+        }
+    }
+    let mut effects = Vec::new();
+    for (_, members) in groups {
+        let split = begin_split(records, store, members);
+        effects.push(Effect::SaveRecords);
+        effects.push(Effect::LinkStore(split));
+    }
+    effects
+}
+
+/// Allocates the store that `members` (users of `from`, one namespace, in key order) move to;
+/// they keep being served from `from` until [`finish_split`] reports the links made.
+fn begin_split(records: &mut Records, from: &StoreId, members: Vec<ModelKey>) -> Split {
+    let artifacts: BTreeSet<ArtifactId> = members
+        .iter()
+        .filter_map(|m| records.models.get(m).and_then(|r| r.artifact.clone()))
+        .collect();
+    let to = records.allocate_store(&members[0]);
+    Split {
+        from: from.clone(),
+        to,
+        members,
+        artifacts,
+    }
+}
+
+/// The outcome of an [`Effect::LinkStore`]: the members move to their new store, or (it could
+/// not be made) they stay where they are and the new store is released (garbage).
+pub fn finish_split(records: &mut Records, split: &Split, linked: Result<(), String>) {
+    match linked {
+        Ok(()) => {
+            if let Some(rec) = records.stores.get_mut(&split.to) {
+                rec.artifacts = split.artifacts.clone();
+            }
+            for m in &split.members {
+                if let Some(r) = records.models.get_mut(m) {
+                    r.store = Some(split.to.clone());
+                }
+            }
+            tracing::info!(from = %split.from, to = %split.to, owner = %split.members[0], "out-of-scope children moved to their own store (hard links)");
+        }
+        Err(e) => {
+            // They keep being served from the old store; only the reported parent is off.
+            tracing::error!(store = %split.to, error = %e, "could not split a store by namespace");
+            if let Some(rec) = records.stores.get_mut(&split.to) {
+                rec.owner = None;
+            }
+        }
+    }
+}
+
+/// Forgets artifacts of a store that none of its users serves any more (an old revision): they
+/// no longer qualify the store as a reuse holder of that artifact.
+pub fn prune_store_artifacts(records: &mut Records, store: &StoreId) {
+    let served: BTreeSet<ArtifactId> = records
+        .users_of(store)
+        .into_iter()
+        .filter_map(|k| records.models.get(k).and_then(|m| m.artifact.clone()))
+        .collect();
+    if served.is_empty() {
+        return;
+    }
+    if let Some(s) = records.stores.get_mut(store) {
+        s.artifacts.retain(|a| served.contains(a));
+    }
+}
+
+/// The store to fetch into, and what to do first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FetchTarget {
+    pub store: StoreId,
+    /// A store to hard-link known blobs from (the model's previous store, handed to children).
+    pub seed: Option<StoreId>,
+    pub effects: Vec<Effect>,
+}
+
+/// The store to fetch `artifact` into for `key`. Normally the model's own store (blobs it
+/// already has are kept, so a new revision fetches only changed files). But if other models
+/// are served from that store with another artifact (children still on the old revision), the
+/// store is handed to them now, no byte moving, and the new revision goes into a fresh store
+/// seeded from the old one: a parent never holds a different artifact than its children.
+pub fn fetch_target(records: &mut Records, key: &ModelKey, artifact: &ArtifactId) -> FetchTarget {
+    let Some(own) = records.owned_store(key).cloned() else {
+        let store = records.allocate_store(key);
+        return FetchTarget {
+            store,
+            seed: None,
+            effects: vec![Effect::SaveRecords],
+        };
+    };
+    let split = records.users_of(&own).into_iter().any(|u| {
+        u != key && records.models.get(u).and_then(|m| m.artifact.as_ref()) != Some(artifact)
+    });
+    if !split {
+        return FetchTarget {
+            store: own,
+            seed: None,
+            effects: Vec::new(),
+        };
+    }
+    let mut effects = hand_over_or_release(records, &own, key, false);
+    let store = records.allocate_store(key);
+    effects.push(Effect::SaveRecords);
+    tracing::info!(model = %key, old = %own, new = %store, "children keep the old revision's store; fetching into a new one");
+    FetchTarget {
+        store,
+        seed: Some(own),
+        effects,
+    }
+}
+
+/// Deletion of `key` (SPEC section 3.3): its record goes; a store it owns passes to one of its
+/// children (the others follow in the status, no bytes move) or, with no user left, is released
+/// (kept as reserved under the reserve label, else garbage after the grace period).
+pub fn delete(records: &mut Records, key: &ModelKey) -> Vec<Effect> {
+    let own = records.owned_store(key).cloned();
+    let reserve = records.models.get(key).is_some_and(|m| m.reserve);
+    let effects = match own {
+        Some(own) => hand_over_or_release(records, &own, key, reserve),
+        None => Vec::new(),
+    };
+    records.models.remove(key);
+    effects
+}
+
+/// A model that serves no files (`vendor://`): Ready at once, nothing mapped; a copy it owned
+/// before is handed to its children or released.
+pub fn serve_without_files(records: &mut Records, key: &ModelKey, source: String) -> Vec<Effect> {
+    let mut effects = Vec::new();
+    if let Some(own) = records.owned_store(key).cloned() {
+        let reserve = records.models.get(key).is_some_and(|m| m.reserve);
+        effects = hand_over_or_release(records, &own, key, reserve);
+    }
+    if let Some(rec) = records.models.get_mut(key) {
+        unmap(rec);
+        rec.served_source = Some(source);
+        rec.phase = ModelPhase::Ready;
+        rec.reason = None;
+    }
+    effects
+}
+
+/// Makes records consistent with the disk after a crash. `complete(artifact, store)` says
+/// whether every blob of the artifact is in the store. An incomplete artifact is forgotten by
+/// its store; a placement on one is dropped (the model is `Updating` and fetched again;
+/// verified blobs present are reused); a store whose owner record is gone loses its owner.
+/// Returns the forgotten (store, artifact) pairs.
+pub fn recover(
+    records: &mut Records,
+    mut complete: impl FnMut(&ArtifactId, &StoreId) -> bool,
+) -> Vec<(StoreId, ArtifactId)> {
+    let mut forgotten = Vec::new();
+    for (id, store) in records.stores.iter_mut() {
+        let incomplete: Vec<ArtifactId> = store
+            .artifacts
+            .iter()
+            .filter(|a| !complete(a, id))
+            .cloned()
+            .collect();
+        for a in incomplete {
+            store.artifacts.remove(&a);
+            forgotten.push((id.clone(), a));
+        }
+    }
+    let stores = &records.stores;
+    for rec in records.models.values_mut() {
+        let ok = match (&rec.artifact, &rec.store) {
+            (Some(a), Some(s)) => stores.get(s).is_some_and(|st| st.artifacts.contains(a)),
+            (None, None) => true,
+            _ => false,
+        };
+        if !ok {
+            unmap(rec);
+            rec.phase = ModelPhase::Updating;
+        }
+    }
+    // Owner records are removed atomically with the hand-over, so this only repairs
+    // hand-edited records.
+    let models = &records.models;
+    for store in records.stores.values_mut() {
+        if store
+            .owner
+            .as_ref()
+            .is_some_and(|o| !models.contains_key(o))
+        {
+            store.owner = None;
+        }
+    }
+    forgotten
+}
+
+/// Stores that garbage collection may remove (SPEC section 3.3): no owner, not reserved, no
+/// model served from them, and not `busy` (an open file, a mapping not yet retired, a fetch).
+pub fn garbage_stores(records: &Records, busy: impl Fn(&StoreId) -> bool) -> Vec<StoreId> {
+    let used: BTreeSet<&StoreId> = records
+        .models
+        .values()
+        .filter_map(|m| m.store.as_ref())
+        .collect();
+    records
+        .stores
+        .iter()
+        .filter(|(id, s)| s.owner.is_none() && !s.reserved && !used.contains(id) && !busy(id))
+        .map(|(id, _)| id.clone())
+        .collect()
+}
+
+/// The parent of `key` as reported (SPEC section 2): the owner of the store it is served from.
+pub fn parent_of<'a>(records: &'a Records, key: &ModelKey) -> Option<&'a ModelKey> {
+    let store = records.models.get(key)?.store.as_ref()?;
+    records.stores.get(store)?.owner.as_ref()
+}
+
+/// The children of `key`: the other models served from the store it owns and is served from.
+pub fn children_of<'a>(records: &'a Records, key: &ModelKey) -> Vec<&'a ModelKey> {
+    let Some(own) = records.owned_store(key) else {
+        return Vec::new();
+    };
+    if records.models.get(key).and_then(|m| m.store.as_ref()) != Some(own) {
+        return Vec::new();
+    }
+    records
+        .users_of(own)
+        .into_iter()
+        .filter(|u| *u != key)
+        .collect()
+}
+
+/// The delay before retry number `attempts` of a transient failure: `base` doubling per
+/// attempt up to `max`, scaled by `jitter` (0..1 maps to 50..100%), so a node full of failing
+/// models does not retry in lockstep.
+pub fn retry_delay(base: Duration, max: Duration, attempts: u32, jitter: f64) -> Duration {
+    let exp = base.saturating_mul(1u32 << attempts.min(16)).min(max);
+    exp.mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
+}
+
+/// What a model's work claims on its wanted path, as the reconciler knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Wanted {
+    /// Work is in progress for the model's spec (then a served claim on the spec's path does
+    /// not settle it).
+    pub working: bool,
+    pub artifact: ClaimArtifact,
+}
+
+/// Every model's claims on paths below the mount, for [`path_verdicts`]: where it is served
+/// (with the served artifact) and, if different, where its spec wants it (with the artifact of
+/// its work, from `wanted`). Invalid models claim nothing.
+pub fn claims<'a>(
+    records: &Records,
+    keys: impl IntoIterator<Item = &'a ModelKey>,
+    wanted: impl Fn(&ModelKey) -> Wanted,
+) -> Vec<PathClaim> {
+    let mut out = Vec::new();
+    for key in keys {
+        let Some(rec) = records.models.get(key) else {
+            continue;
+        };
+        if rec.fingerprint.starts_with("invalid:") {
+            continue;
+        }
+        let served = match (&rec.artifact, &rec.store, &rec.served_path) {
+            (Some(a), Some(_), Some(p)) => MountPath::from_relative(p)
+                .ok()
+                .map(|path| (path, a.clone())),
+            _ => None,
+        };
+        let w = wanted(key);
+        let wanted_path = MountPath::from_relative(&rec.path).ok();
+        let settled = !w.working && served.as_ref().map(|s| &s.0) == wanted_path.as_ref();
+        if let Some((path, artifact)) = served {
+            out.push(PathClaim {
+                key: key.clone(),
+                seq: rec.seq,
+                kind: ClaimKind::Served,
+                path,
+                artifact: ClaimArtifact::Known(artifact),
+            });
+        }
+        if let Some(path) = wanted_path.filter(|_| !settled) {
+            out.push(PathClaim {
+                key: key.clone(),
+                seq: rec.seq,
+                kind: ClaimKind::Wanted,
+                path,
+                artifact: w.artifact,
+            });
+        }
+    }
+    out
+}
+
+/// The rule's verdict on `key` serving `artifact` at `path` (its wanted claim) against `others`
+/// (the claims of the models it could conflict with; its own wanted claim among them is
+/// replaced).
+pub fn verdict_for(
+    mut others: Vec<PathClaim>,
+    key: &ModelKey,
+    seq: u64,
+    path: &MountPath,
+    artifact: ClaimArtifact,
+) -> PathVerdict {
+    others.retain(|c| !(c.key == *key && c.kind == ClaimKind::Wanted));
+    others.push(PathClaim {
+        key: key.clone(),
+        seq,
+        kind: ClaimKind::Wanted,
+        path: path.clone(),
+        artifact,
+    });
+    path_verdicts(&others).pop().unwrap_or(PathVerdict::Clear)
+}

@@ -113,6 +113,16 @@ pub fn object_identity(location: &str, size: u64, version: &str) -> [u8; 32] {
 }
 
 impl FileDigest {
+    /// A file name stem for store work files of this digest (`sha256-<hex>`, `gitsha1-<hex>`,
+    /// `object-<hex of the identity>`).
+    pub fn file_stem(&self) -> String {
+        match self {
+            FileDigest::Sha256(d) => format!("sha256-{}", hex::encode(d)),
+            FileDigest::GitSha1(d) => format!("gitsha1-{}", hex::encode(d)),
+            FileDigest::Object { identity, .. } => format!("object-{}", hex::encode(identity)),
+        }
+    }
+
     /// Whether the bytes of a file can be checked against this digest (adopting an old file
     /// needs that; a download also has the object's version and size).
     pub fn checks_content(&self) -> bool {

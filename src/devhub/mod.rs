@@ -195,6 +195,35 @@ pub enum FaultKind {
     EndlessPages,
 }
 
+/// The fault rules of a look-alike, in the order they were added.
+#[derive(Default)]
+pub struct FaultRules(Mutex<Vec<Fault>>);
+
+impl FaultRules {
+    pub fn add(&self, fault: Fault) {
+        self.0.lock().unwrap().push(fault);
+    }
+
+    pub fn clear(&self) {
+        self.0.lock().unwrap().clear();
+    }
+
+    /// The fault for a request to `path` of `target`: the first rule that matches and has
+    /// requests left, which this request uses up by one.
+    pub fn take(&self, target: FaultTarget, path: &str) -> Option<FaultKind> {
+        let mut faults = self.0.lock().unwrap();
+        let i = faults.iter().position(|f| {
+            f.count > 0 && f.target == target && f.path.as_deref().is_none_or(|p| path.contains(p))
+        })?;
+        faults[i].count -= 1;
+        let kind = faults[i].kind.clone();
+        if faults[i].count == 0 {
+            faults.remove(i);
+        }
+        Some(kind)
+    }
+}
+
 /// One fault rule: the next `count` matching requests get `kind`.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Fault {
@@ -262,7 +291,7 @@ pub struct Hub {
     repos: Mutex<HashMap<String, Repo>>,
     /// LFS content by sha256 (what the CDN serves), with the first path it was added under.
     by_sha256: Mutex<HashMap<[u8; 32], CdnEntry>>,
-    faults: Mutex<Vec<Fault>>,
+    faults: FaultRules,
     counters: Counters,
     /// `http://host:port` of the CDN listener, when there is one.
     cdn: Mutex<Option<String>>,
@@ -310,7 +339,7 @@ impl Hub {
             config,
             repos: Mutex::default(),
             by_sha256: Mutex::default(),
-            faults: Mutex::default(),
+            faults: FaultRules::default(),
             counters: Counters::default(),
             cdn: Mutex::default(),
             ignore_range: Default::default(),
@@ -360,11 +389,11 @@ impl Hub {
     }
 
     pub fn add_fault(&self, fault: Fault) {
-        self.faults.lock().unwrap().push(fault);
+        self.faults.add(fault);
     }
 
     pub fn clear_faults(&self) {
-        self.faults.lock().unwrap().clear();
+        self.faults.clear();
     }
 
     pub fn stats(&self) -> HubStats {
@@ -382,15 +411,7 @@ impl Hub {
     }
 
     fn take_fault(&self, target: FaultTarget, path: &str) -> Option<FaultKind> {
-        let mut faults = self.faults.lock().unwrap();
-        let i = faults.iter().position(|f| {
-            f.count > 0 && f.target == target && f.path.as_deref().is_none_or(|p| path.contains(p))
-        })?;
-        faults[i].count -= 1;
-        let kind = faults[i].kind.clone();
-        if faults[i].count == 0 {
-            faults.remove(i);
-        }
+        let kind = self.faults.take(target, path)?;
         self.counters.faults_applied.fetch_add(1, Ordering::Relaxed);
         Some(kind)
     }

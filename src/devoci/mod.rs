@@ -54,7 +54,7 @@ use bytes::Bytes;
 use md5::{Digest, Md5};
 use serde::{Deserialize, Serialize};
 
-use crate::devhub::{Fault, FaultKind, FaultTarget};
+use crate::devhub::{Fault, FaultKind, FaultRules, FaultTarget};
 use crate::source::oci::sign;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
@@ -177,7 +177,7 @@ pub struct OciDev {
     buckets: Mutex<Buckets>,
     /// keyId -> DER RSAPublicKey.
     keys: Mutex<HashMap<String, Vec<u8>>>,
-    faults: Mutex<Vec<Fault>>,
+    faults: FaultRules,
     counters: Counters,
     instance: Mutex<Option<InstanceIdentity>>,
 }
@@ -215,7 +215,7 @@ impl OciDev {
             config,
             buckets: Mutex::default(),
             keys: Mutex::default(),
-            faults: Mutex::default(),
+            faults: FaultRules::default(),
             counters: Counters::default(),
             instance: Mutex::default(),
         })
@@ -282,11 +282,11 @@ impl OciDev {
     }
 
     pub fn add_fault(&self, fault: Fault) {
-        self.faults.lock().unwrap().push(fault);
+        self.faults.add(fault);
     }
 
     pub fn clear_faults(&self) {
-        self.faults.lock().unwrap().clear();
+        self.faults.clear();
     }
 
     pub fn stats(&self) -> OciStats {
@@ -307,15 +307,7 @@ impl OciDev {
     }
 
     fn take_fault(&self, target: FaultTarget, path: &str) -> Option<FaultKind> {
-        let mut faults = self.faults.lock().unwrap();
-        let i = faults.iter().position(|f| {
-            f.count > 0 && f.target == target && f.path.as_deref().is_none_or(|p| path.contains(p))
-        })?;
-        faults[i].count -= 1;
-        let kind = faults[i].kind.clone();
-        if faults[i].count == 0 {
-            faults.remove(i);
-        }
+        let kind = self.faults.take(target, path)?;
         self.counters.faults_applied.fetch_add(1, Ordering::Relaxed);
         Some(kind)
     }

@@ -87,14 +87,36 @@ impl Store {
             .unwrap_or(false)
     }
 
+    /// Links the inode of the open `file` as `tmp/<name>` (replacing any earlier one);
+    /// `None` when it is on another filesystem (`EXDEV`). /proc/self/fd/N names exactly the
+    /// inode that was opened (and checked where it was opened); following it links that
+    /// inode, wherever its path points by now.
+    fn link_open_file(&self, file: &File, name: String) -> Result<Option<PathBuf>, StoreError> {
+        let tmp = self.root.join("tmp").join(name);
+        let _ = std::fs::remove_file(&tmp);
+        let proc_path = format!("/proc/self/fd/{}", file.as_raw_fd());
+        let cwd = rustix::fs::CWD;
+        match rustix::fs::linkat(
+            cwd,
+            &proc_path,
+            cwd,
+            &tmp,
+            rustix::fs::AtFlags::SYMLINK_FOLLOW,
+        ) {
+            Ok(()) => Ok(Some(tmp)),
+            Err(e) if e == rustix::io::Errno::XDEV => Ok(None),
+            Err(e) => Err(StoreError::io(
+                format!("linking into {}", tmp.display()),
+                e.into(),
+            )),
+        }
+    }
+
     /// Where the partial download of a file with this source digest lives.
     pub fn partial_path(&self, digest: &FileDigest) -> PathBuf {
-        let name = match digest {
-            FileDigest::Sha256(d) => format!("sha256-{}.part", hex::encode(d)),
-            FileDigest::GitSha1(d) => format!("gitsha1-{}.part", hex::encode(d)),
-            FileDigest::Object { identity, .. } => format!("object-{}.part", hex::encode(identity)),
-        };
-        self.root.join("tmp").join(name)
+        self.root
+            .join("tmp")
+            .join(format!("{}.part", digest.file_stem()))
     }
 
     /// Starts writing a blob from scratch (any partial file is discarded).
@@ -267,38 +289,11 @@ impl Store {
         size: u64,
         cancel: &AtomicBool,
     ) -> Result<(Sha256Digest, bool), StoreError> {
-        let name = match expected {
-            FileDigest::Sha256(d) => format!("adopt-sha256-{}", hex::encode(d)),
-            FileDigest::GitSha1(d) => format!("adopt-gitsha1-{}", hex::encode(d)),
-            FileDigest::Object { identity, .. } => {
-                format!("adopt-object-{}", hex::encode(identity))
-            }
+        let Some(tmp) = self.link_open_file(file, format!("adopt-{}", expected.file_stem()))?
+        else {
+            let sha = self.copy_in(file, expected, size, cancel)?;
+            return Ok((sha, false));
         };
-        let tmp = self.root.join("tmp").join(name);
-        let _ = std::fs::remove_file(&tmp);
-        // /proc/self/fd/N names exactly the inode that was opened (and checked to lie beneath
-        // the models root); following it links that inode, wherever its path points by now.
-        let proc_path = format!("/proc/self/fd/{}", file.as_raw_fd());
-        let cwd = rustix::fs::CWD;
-        match rustix::fs::linkat(
-            cwd,
-            &proc_path,
-            cwd,
-            &tmp,
-            rustix::fs::AtFlags::SYMLINK_FOLLOW,
-        ) {
-            Ok(()) => {}
-            Err(e) if e == rustix::io::Errno::XDEV => {
-                let sha = self.copy_in(file, expected, size, cancel)?;
-                return Ok((sha, false));
-            }
-            Err(e) => {
-                return Err(StoreError::io(
-                    format!("linking into {}", tmp.display()),
-                    e.into(),
-                ))
-            }
-        }
         let verified = (|| {
             let stat_err = |e| StoreError::io("stat of an adopted file", e);
             // Taken after the link, which itself changes the inode's ctime.
@@ -349,33 +344,9 @@ impl Store {
         cancel: &AtomicBool,
         buf: &mut Vec<u8>,
     ) -> Result<Option<StagedBlob>, StoreError> {
-        let name = match expected {
-            FileDigest::Sha256(d) => format!("link-sha256-{}", hex::encode(d)),
-            FileDigest::GitSha1(d) => format!("link-gitsha1-{}", hex::encode(d)),
-            FileDigest::Object { identity, .. } => {
-                format!("link-object-{}", hex::encode(identity))
-            }
+        let Some(tmp) = self.link_open_file(file, format!("link-{}", expected.file_stem()))? else {
+            return Ok(None);
         };
-        let tmp = self.root.join("tmp").join(name);
-        let _ = std::fs::remove_file(&tmp);
-        let proc_path = format!("/proc/self/fd/{}", file.as_raw_fd());
-        let cwd = rustix::fs::CWD;
-        match rustix::fs::linkat(
-            cwd,
-            &proc_path,
-            cwd,
-            &tmp,
-            rustix::fs::AtFlags::SYMLINK_FOLLOW,
-        ) {
-            Ok(()) => {}
-            Err(e) if e == rustix::io::Errno::XDEV => return Ok(None),
-            Err(e) => {
-                return Err(StoreError::io(
-                    format!("linking into {}", tmp.display()),
-                    e.into(),
-                ))
-            }
-        }
         let verified = (|| {
             let stat_err = |e| StoreError::io("stat of a linked file", e);
             let stamp = |m: &std::fs::Metadata| (m.len(), m.mtime(), m.mtime_nsec());

@@ -287,6 +287,9 @@ pub fn main() -> Result<()> {
     match cli.command {
         Command::Serve(args) => {
             init_tracing(args.log_json);
+            // Bad flags stop `serve` before anything is mounted, rather than an agent that
+            // fails at start and is restarted forever.
+            args.proxy.proxies()?;
             let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
             let mut agent_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
             match agent_args.iter().position(|a| a == "serve") {

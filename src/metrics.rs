@@ -42,6 +42,7 @@ pub const FUSE_OPS: &[&str] = &[
     "opendir",
     "read",
     "readdir",
+    "readdirplus",
     "release",
     "removexattr",
     "rename",

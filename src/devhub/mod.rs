@@ -197,21 +197,29 @@ pub enum FaultKind {
 
 /// The fault rules of a look-alike, in the order they were added.
 #[derive(Default)]
-pub struct FaultRules(Mutex<Vec<Fault>>);
+pub struct FaultRules {
+    rules: Mutex<Vec<Fault>>,
+    applied: AtomicU64,
+}
 
 impl FaultRules {
     pub fn add(&self, fault: Fault) {
-        self.0.lock().unwrap().push(fault);
+        self.rules.lock().unwrap().push(fault);
     }
 
     pub fn clear(&self) {
-        self.0.lock().unwrap().clear();
+        self.rules.lock().unwrap().clear();
+    }
+
+    /// Faults applied so far.
+    pub fn applied(&self) -> u64 {
+        self.applied.load(Ordering::Relaxed)
     }
 
     /// The fault for a request to `path` of `target`: the first rule that matches and has
     /// requests left, which this request uses up by one.
     pub fn take(&self, target: FaultTarget, path: &str) -> Option<FaultKind> {
-        let mut faults = self.0.lock().unwrap();
+        let mut faults = self.rules.lock().unwrap();
         let i = faults.iter().position(|f| {
             f.count > 0 && f.target == target && f.path.as_deref().is_none_or(|p| path.contains(p))
         })?;
@@ -220,6 +228,7 @@ impl FaultRules {
         if faults[i].count == 0 {
             faults.remove(i);
         }
+        self.applied.fetch_add(1, Ordering::Relaxed);
         Some(kind)
     }
 }
@@ -277,7 +286,6 @@ struct Counters {
     bytes_served: AtomicU64,
     file_requests: AtomicU64,
     api_requests: AtomicU64,
-    faults_applied: AtomicU64,
     cdn_requests_with_auth: AtomicU64,
     authorized_requests: AtomicU64,
     refused_requests: AtomicU64,
@@ -403,17 +411,11 @@ impl Hub {
             bytes_served: l(&c.bytes_served),
             file_requests: l(&c.file_requests),
             api_requests: l(&c.api_requests),
-            faults_applied: l(&c.faults_applied),
+            faults_applied: self.faults.applied(),
             cdn_requests_with_auth: l(&c.cdn_requests_with_auth),
             authorized_requests: l(&c.authorized_requests),
             refused_requests: l(&c.refused_requests),
         }
-    }
-
-    fn take_fault(&self, target: FaultTarget, path: &str) -> Option<FaultKind> {
-        let kind = self.faults.take(target, path)?;
-        self.counters.faults_applied.fetch_add(1, Ordering::Relaxed);
-        Some(kind)
     }
 
     /// Serves on `addr` (use port 0 for a random port); with `cdn_addr`, LFS files are
@@ -488,7 +490,7 @@ impl Hub {
     /// (`what` is `{org}/{name}/{revision|tree}/{rev}`).
     fn api_start(&self, what: &str) -> Option<FaultKind> {
         self.counters.api_requests.fetch_add(1, Ordering::Relaxed);
-        self.take_fault(FaultTarget::Api, what)
+        self.faults.take(FaultTarget::Api, what)
     }
 
     /// Checks access and finds the commit of an `/api/` request. Returns the repository name
@@ -1028,7 +1030,7 @@ async fn serve_file(
     let mut fault = None;
     if *method == Method::GET {
         hub.counters.file_requests.fetch_add(1, Ordering::Relaxed);
-        fault = hub.take_fault(FaultTarget::File, path);
+        fault = hub.faults.take(FaultTarget::File, path);
         match fault {
             Some(FaultKind::Status {
                 status,

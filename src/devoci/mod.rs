@@ -146,7 +146,6 @@ struct Counters {
     ranged_requests: AtomicU64,
     bytes_served: AtomicU64,
     refused_signatures: AtomicU64,
-    faults_applied: AtomicU64,
     request_ids: AtomicU64,
     metadata_requests: AtomicU64,
     federations: AtomicU64,
@@ -300,16 +299,10 @@ impl OciDev {
             ranged_requests: l(&c.ranged_requests),
             bytes_served: l(&c.bytes_served),
             refused_signatures: l(&c.refused_signatures),
-            faults_applied: l(&c.faults_applied),
+            faults_applied: self.faults.applied(),
             metadata_requests: l(&c.metadata_requests),
             federations: l(&c.federations),
         }
-    }
-
-    fn take_fault(&self, target: FaultTarget, path: &str) -> Option<FaultKind> {
-        let kind = self.faults.take(target, path)?;
-        self.counters.faults_applied.fetch_add(1, Ordering::Relaxed);
-        Some(kind)
     }
 
     pub async fn serve(self: &Arc<Self>, addr: SocketAddr) -> std::io::Result<RunningOciDev> {
@@ -677,7 +670,10 @@ async fn list(server: &Arc<OciDev>, ns: &str, bucket: &str, uri: &Uri) -> Respon
         .list_requests
         .fetch_add(1, Ordering::Relaxed);
     let q = query_params(uri);
-    if let Some(f) = server.take_fault(FaultTarget::Api, &format!("{ns}/{bucket}/list")) {
+    if let Some(f) = server
+        .faults
+        .take(FaultTarget::Api, &format!("{ns}/{bucket}/list"))
+    {
         if let Some(r) = early_fault(server, &f).await {
             return r;
         }
@@ -818,7 +814,7 @@ async fn object(
     } else {
         FaultTarget::File
     };
-    let fault = server.take_fault(target, name);
+    let fault = server.faults.take(target, name);
     if let Some(f) = &fault {
         if let Some(r) = early_fault(server, f).await {
             return r;

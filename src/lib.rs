@@ -1,45 +1,21 @@
 //! modelfs: a read-only FUSE filesystem that serves machine-learning model files on GPU nodes.
 //!
-//! Data flows one way: sources -> store -> mapping -> mount. The reconciler decides; the other
-//! layers execute.
+//! This package is the `modelfs` binary: its command line ([`cli`]) wires up the crates of the
+//! workspace, and its integration tests (`tests/`) drive the binary and the crates together.
+//! The layers, each a crate whose dependency list Cargo enforces (lower layers never name the
+//! ones above):
 //!
-//! * [`manifest`]: OME `BaseModel` / `ClusterBaseModel` objects, validated into model specs.
-//! * [`adopt`]: the files an old agent left under the models root, reached beneath the mount.
-//! * [`source`]: resolve a model's source to an artifact and fetch its blobs into a store.
-//! * [`store`]: content-addressed blob stores and the daemon's durable records.
-//! * [`fs`]: the filesystem core (mapping table, trees, inodes, open files), FUSE-free.
-//! * [`fuse`]: the thin `fuser` adapter over [`fs`].
-//! * [`mountserver`]: the mount server process (FUSE session, mapping, open files) and the
-//!   agent's socket to it: the mount outlives agent crashes and upgrades.
-//! * [`reconciler`]: the policy state machine: placement, flips, deletion, garbage collection.
-//! * [`standalone`]: desired state from a directory of YAML files.
-//! * [`kube`]: desired state from the Kubernetes API; OME-compatible node status.
-//! * [`http`], [`metrics`], [`status`]: what operators see.
+//! * `modelfs-ome`: OME `BaseModel` / `ClusterBaseModel` objects validated into model specs,
+//!   model configs, the node status document.
+//! * `modelfs-core`: artifacts (a model's files and digests) and content-addressed blob stores.
+//! * `modelfs-mount`: the FUSE-free filesystem core (`vfs`), the `fuser` adapter and the mount
+//!   server process; no network crates: the mount outlives agent crashes and upgrades.
+//! * `modelfs-agent`: the reconciler, sources, adoption, standalone and Kubernetes desired state,
+//!   HTTP and metrics, and the client of the mount server.
 //!
-//! `devhub` is a loopback Hugging Face hub for tests and benchmarks, not part of the daemon;
-//! `devoci` is the same for OCI Object Storage.
+//! Dev-only crates: `modelfs-devhub` (loopback Hugging Face hub and OCI Object Storage
+//! look-alikes, a dev-dependency here) and `modelfs-proptest-support`.
 
 #![forbid(unsafe_code)]
 
-pub mod adopt;
-pub mod artifact;
 pub mod cli;
-#[doc(hidden)]
-pub mod devhub;
-#[doc(hidden)]
-pub mod devoci;
-pub mod fs;
-pub mod fuse;
-pub mod http;
-pub mod kube;
-pub mod manifest;
-pub mod metrics;
-pub mod modelconfig;
-pub mod mountserver;
-#[cfg(test)]
-pub(crate) mod proptest_support;
-pub mod reconciler;
-pub mod source;
-pub mod standalone;
-pub mod status;
-pub mod store;

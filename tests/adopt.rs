@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use common::hub::*;
 use common::*;
-use modelfs::devhub::files_from_dir;
+use modelfs_devhub::hf::files_from_dir;
 use sha2::{Digest, Sha256};
 
 /// Everything below `dir` without following symlinks: relative path -> description (kind,

@@ -7,7 +7,7 @@
 //!
 //! A SIGKILL loses no written byte (the page cache survives the process), so each crash is also
 //! made a power cut: the daemon logs every store `syncfs` (`MODELFS_SYNC_LOG`, see
-//! `modelfs::store::fsutil::log_syncfs`), and after the kill every store file written after the
+//! `modelfs_core::store::fsutil::log_syncfs`), and after the kill every store file written after the
 //! latest logged sync began loses its bytes (zero-filled, size kept, the worst a filesystem may
 //! show). The imports stage many small files and publish them in batches with one sync, so the
 //! kills land between blob writes and the batched sync; no name in `blobs/` may hold lost bytes,
@@ -24,7 +24,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use common::*;
-use modelfs::source::local::LocalSource;
+use modelfs_agent::source::local::LocalSource;
 
 struct Rng(u64);
 

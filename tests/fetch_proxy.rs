@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use common::hub::*;
 use common::*;
-use modelfs::devhub::HubFile;
+use modelfs_devhub::hf::HubFile;
 use objstore_common::proxy::Proxy;
 
 const KEY: &str = "clusterbasemodel.llm";

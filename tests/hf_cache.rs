@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::hub::*;
 use common::*;
-use modelfs::devhub::files_from_dir;
+use modelfs_devhub::hf::files_from_dir;
 use serde_json::Value;
 
 /// Environment of a Python client that may only read the view.

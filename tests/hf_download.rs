@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::hub::*;
 use common::*;
-use modelfs::devhub::{Fault, FaultKind, FaultTarget, HubFile};
+use modelfs_devhub::hf::{Fault, FaultKind, FaultTarget, HubFile};
 use sha2::{Digest, Sha256};
 
 const TOKEN: &str = "hf_TestTokenDoNotLog_8c1f2e";

@@ -5,45 +5,50 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use common::*;
+use modelfs_devhub::hf::{files_from_dir, Hub, HubConfig, RunningHub};
 
-const HUB: &str = env!("CARGO_BIN_EXE_modelfs-hub");
 const TOKEN: &str = "hf_PythonClientToken_51d0";
 
+/// The hub served in this process (as `modelfs-hub` would serve it), with its runtime.
 struct HubProcess {
-    child: Child,
     url: String,
+    _running: RunningHub,
+    _rt: tokio::runtime::Runtime,
 }
 
-impl Drop for HubProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start_hub(args: &[String]) -> HubProcess {
-    let mut child = Command::new(HUB)
-        .args(args)
-        .env("MODELFS_HUB_TOKEN", TOKEN)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn modelfs-hub");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
+/// A hub with LFS redirects to a CDN address: `repos` as `(org/name, refs, DIR)`, `gated`
+/// repositories needing [`TOKEN`]; files of 1 MiB and more are LFS files (`modelfs-hub`'s
+/// default).
+fn start_hub(page_size: usize, repos: &[(&str, &[&str], &Path)], gated: &[&str]) -> HubProcess {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
         .unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("listening ")
-        .unwrap_or_else(|| panic!("unexpected hub output {line:?}"))
-        .to_string();
-    HubProcess { child, url }
+    let hub = Hub::new(HubConfig {
+        page_size,
+        ..HubConfig::default()
+    });
+    for (repo, refs, dir) in repos {
+        hub.add_commit(repo, refs, files_from_dir(dir, 1 << 20).unwrap());
+    }
+    for repo in gated {
+        hub.set_gated(repo, TOKEN);
+    }
+    let cdn: SocketAddr = "127.0.0.2:0".parse().unwrap();
+    let running = rt
+        .block_on(hub.serve("127.0.0.1:0".parse().unwrap(), Some(cdn)))
+        .unwrap();
+    HubProcess {
+        url: running.url(),
+        _running: running,
+        _rt: rt,
+    }
 }
 
 fn snapshot_download(
@@ -99,18 +104,14 @@ fn huggingface_hub_snapshot_download_matches_the_repository() {
     }
     let gated = env.dir("gated");
     make_model_dir(&gated, 22, 1 << 20);
-    let hub = start_hub(&[
-        "--cdn".into(),
-        "127.0.0.2:0".into(),
-        "--page-size".into(),
-        "4".into(),
-        "--repo".into(),
-        format!("org/model@main,v1={}", src.display()),
-        "--repo".into(),
-        format!("org/gated={}", gated.display()),
-        "--gated".into(),
-        "org/gated".into(),
-    ]);
+    let hub = start_hub(
+        4,
+        &[
+            ("org/model", &["main", "v1"], &src),
+            ("org/gated", &["main"], &gated),
+        ],
+        &["org/gated"],
+    );
 
     let out = env.root.path().join("dl-model");
     let r = snapshot_download(&hub, "org/model", "v1", &out, None);

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::hub::*;
 use common::*;
-use modelfs::devhub::{Fault, FaultKind, FaultTarget, HubFile};
+use modelfs_devhub::hf::{Fault, FaultKind, FaultTarget, HubFile};
 
 /// Long enough to outlive any test: a request held this long never answers.
 const FOREVER: u64 = 3600;

@@ -17,8 +17,8 @@ use common::{files_of, make_model_dir, Readers};
 use fake_apiserver::FakeApiServer;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube_common::*;
-use modelfs::devhub::files_from_dir;
-use modelfs::manifest::ModelKind;
+use modelfs_devhub::hf::files_from_dir;
+use modelfs_ome::ModelKind;
 use serde_json::{json, Value};
 
 const EVENTS: &str = "apis/events.k8s.io/v1/events";
@@ -75,7 +75,7 @@ impl OmeController {
             (ModelKind::BaseModel, BASE_MODEL_FINALIZER),
             (ModelKind::ClusterBaseModel, CLUSTER_BASE_MODEL_FINALIZER),
         ] {
-            let resource = modelfs::kube::producer::model_resource(kind);
+            let resource = modelfs_agent::kubernetes::producer::model_resource(kind);
             let api: Api<DynamicObject> = Api::all_with(self.client.clone(), &resource);
             let Ok(objects) = api.list(&ListParams::default()).await else {
                 continue;
@@ -413,7 +413,7 @@ async fn schemes_tokens_and_ome_metrics() {
     assert_eq!(base64(b"ab"), "YWI=");
     let server = FakeApiServer::start().await;
     let data = tempfile::tempdir().unwrap();
-    let hub = modelfs::devhub::Hub::new(modelfs::devhub::HubConfig::default());
+    let hub = modelfs_devhub::hf::Hub::new(modelfs_devhub::hf::HubConfig::default());
     let mut repos: BTreeMap<&str, PathBuf> = BTreeMap::new();
     for (i, repo) in ["gpt2", "org/public", "org/gated", "org/gated-env"]
         .into_iter()
@@ -650,16 +650,16 @@ async fn progress_is_written_with_omes_phases_at_the_configured_interval() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("config.json"), b"{\"model_type\":\"llama\"}").unwrap();
     std::fs::write(dir.join("weights.bin"), common::bytes(5, 3 << 20)).unwrap();
-    let hub = modelfs::devhub::Hub::new(modelfs::devhub::HubConfig::default());
+    let hub = modelfs_devhub::hf::Hub::new(modelfs_devhub::hf::HubConfig::default());
     hub.add_commit("org/big", &["main"], files_from_dir(&dir, 1 << 10).unwrap());
     // About six seconds of download.
-    hub.add_fault(modelfs::devhub::Fault {
-        kind: modelfs::devhub::FaultKind::Slow {
+    hub.add_fault(modelfs_devhub::hf::Fault {
+        kind: modelfs_devhub::hf::FaultKind::Slow {
             bytes_per_sec: 512 << 10,
         },
         count: 1000,
         path: Some("weights".into()),
-        target: modelfs::devhub::FaultTarget::File,
+        target: modelfs_devhub::hf::FaultTarget::File,
     });
     let running = hub
         .clone()

@@ -363,11 +363,11 @@ fn a_hub_listing_with_control_characters_fails_for_good() {
         vec![
             (
                 "config.json".to_string(),
-                modelfs::devhub::HubFile::memory(b"{}".to_vec(), false),
+                modelfs_devhub::hf::HubFile::memory(b"{}".to_vec(), false),
             ),
             (
                 "docs/ring\u{7}.md".to_string(),
-                modelfs::devhub::HubFile::memory(b"x".to_vec(), false),
+                modelfs_devhub::hf::HubFile::memory(b"x".to_vec(), false),
             ),
         ],
     );

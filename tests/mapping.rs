@@ -103,11 +103,8 @@ fn records_with_two_served_models_on_one_path_are_repaired_at_restart() {
     // What the old, non-atomic rule could persist: b Ready and served at a's path with other
     // bytes, its fingerprint matching its spec (so nothing would ever look at it again).
     let b_yaml = cluster_model("b", &uri(&src_b), "AlwaysDownload", Some("x"));
-    let spec = match modelfs::manifest::parse_documents(&b_yaml)
-        .unwrap()
-        .remove(0)
-    {
-        modelfs::manifest::Document::Model(Ok(object)) => object.to_spec(&env.mount).unwrap(),
+    let spec = match modelfs_ome::parse_documents(&b_yaml).unwrap().remove(0) {
+        modelfs_ome::Document::Model(Ok(object)) => object.to_spec(&env.mount).unwrap(),
         other => panic!("not a model: {other:?}"),
     };
     let records_path = env.state.join("records.json");
@@ -117,7 +114,7 @@ fn records_with_two_served_models_on_one_path_are_repaired_at_restart() {
     assert_eq!(b["phase"], "Ready");
     b["path"] = "x".into();
     b["served_path"] = "x".into();
-    b["fingerprint"] = modelfs::reconciler::fingerprint(&spec, None).into();
+    b["fingerprint"] = modelfs_agent::reconciler::fingerprint(&spec, None).into();
     std::fs::write(&records_path, serde_json::to_vec_pretty(&records).unwrap()).unwrap();
     env.write_models("both.yaml", &yaml("x"));
 

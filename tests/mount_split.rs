@@ -423,8 +423,8 @@ fn hello(socket: &Path, version: u32) -> String {
 
 #[test]
 fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
-    use modelfs::mountserver::client::{handshake, ConnectError};
-    use modelfs::mountserver::protocol::{self, AgentMessage, ServerMessage, WireMapping};
+    use modelfs_agent::mount_client::{handshake, ConnectError};
+    use modelfs_mount::protocol::{self, AgentMessage, ServerMessage, WireMapping};
 
     let mut split = Split::new();
     let (src, files) = model_source(&split.env, "good", 4);
@@ -506,7 +506,7 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
         serde_json::from_slice(&std::fs::read(state_dir.join("mapping.json")).unwrap()).unwrap();
     let good_entry = persisted["mapping"]["entries"][0].clone();
     let artifact_id = good_entry["artifact"].as_str().unwrap();
-    let artifact: modelfs::artifact::StoredArtifact = serde_json::from_slice(
+    let artifact: modelfs_core::artifact::StoredArtifact = serde_json::from_slice(
         &std::fs::read(
             state_dir
                 .join("artifacts")

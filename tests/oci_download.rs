@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
-use modelfs::devhub::{Fault, FaultKind, FaultTarget};
-use modelfs::devoci::{DevObject, InstanceIdentity, OciDev, OciDevConfig, RunningOciDev};
-use modelfs::source::oci::sign::{rsa_public_key_from_pem, RequestToSign, SigningKey};
+use modelfs_agent::source::oci::sign::{rsa_public_key_from_pem, RequestToSign, SigningKey};
+use modelfs_devhub::hf::{Fault, FaultKind, FaultTarget};
+use modelfs_devhub::oci::{DevObject, InstanceIdentity, OciDev, OciDevConfig, RunningOciDev};
 use sha2::{Digest, Sha256};
 
 const TENANCY: &str = "ocid1.tenancy.oc1..aaaadevtenancy";

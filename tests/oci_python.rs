@@ -1,4 +1,4 @@
-//! The OCI Object Storage look-alike (`modelfs-oci-dev`) against the official `oci` Python SDK:
+//! The OCI Object Storage look-alike (`modelfs_devhub::oci`, served by `modelfs-oci-dev`) against the official `oci` Python SDK:
 //! with the SDK's own request signer and a freshly generated API key, listing (through
 //! pagination), GET, ranged GET and HEAD must give exactly the objects, their MD5 headers and
 //! the multipart MD5; a request signed with another key, or by a stale clock, is refused with
@@ -7,46 +7,69 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use common::*;
+use modelfs_agent::source::oci::sign::rsa_public_key_from_pem;
+use modelfs_devhub::oci::{OciDev, OciDevConfig, RunningOciDev};
 use serde_json::Value;
 
-const DEV: &str = env!("CARGO_BIN_EXE_modelfs-oci-dev");
 const TENANCY: &str = "ocid1.tenancy.oc1..aaaatestenancy";
 const USER: &str = "ocid1.user.oc1..aaaatestuser";
 
+/// The look-alike served in this process (as `modelfs-oci-dev` would serve it), with its
+/// runtime.
 struct DevProcess {
-    child: Child,
     url: String,
+    _running: RunningOciDev,
+    _rt: tokio::runtime::Runtime,
 }
 
-impl Drop for DevProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Serves the files of `dir` as objects `<prefix>/<path>` of bucket `namespace/bucket` (files
+/// of at least `multipart_threshold` bytes as multipart uploads), accepting signatures of the
+/// API key `key_id` whose public key is the PEM file `public_key`.
+struct DevSetup<'a> {
+    namespace: &'a str,
+    bucket: &'a str,
+    prefix: &'a str,
+    dir: &'a Path,
+    key_id: String,
+    public_key: &'a str,
+    page_size: usize,
+    multipart_threshold: u64,
 }
 
-fn start_dev(args: &[String]) -> DevProcess {
-    let mut child = Command::new(DEV)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn modelfs-oci-dev");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
+fn start_dev(setup: DevSetup) -> DevProcess {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
         .unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("listening ")
-        .unwrap_or_else(|| panic!("unexpected output {line:?}"))
-        .to_string();
-    DevProcess { child, url }
+    let server = OciDev::new(OciDevConfig {
+        page_size: setup.page_size,
+        ..OciDevConfig::default()
+    });
+    server.create_bucket(setup.namespace, setup.bucket);
+    server
+        .put_dir(
+            setup.namespace,
+            setup.bucket,
+            setup.prefix,
+            setup.dir,
+            Some(setup.multipart_threshold),
+        )
+        .unwrap();
+    let pem = std::fs::read_to_string(setup.public_key).unwrap();
+    server.add_key(&setup.key_id, rsa_public_key_from_pem(&pem).unwrap());
+    let running = rt
+        .block_on(server.serve("127.0.0.1:0".parse().unwrap()))
+        .unwrap();
+    DevProcess {
+        url: running.url(),
+        _running: running,
+        _rt: rt,
+    }
 }
 
 /// Generates an RSA key pair with openssl; returns (private path, public path, fingerprint).
@@ -175,16 +198,16 @@ fn the_official_oci_sdk_lists_gets_and_heads_with_its_own_signer() {
         .unwrap();
     }
     let want = files_of(&src);
-    let dev = start_dev(&[
-        "--bucket".into(),
-        format!("testns/models/llama={}", src.display()),
-        "--key".into(),
-        format!("{TENANCY}/{USER}/{}={}", good.2, good.1),
-        "--page-size".into(),
-        "3".into(),
-        "--multipart-threshold".into(),
-        (1 << 20).to_string(),
-    ]);
+    let dev = start_dev(DevSetup {
+        namespace: "testns",
+        bucket: "models",
+        prefix: "llama",
+        dir: &src,
+        key_id: format!("{TENANCY}/{USER}/{}", good.2),
+        public_key: &good.1,
+        page_size: 3,
+        multipart_threshold: 1 << 20,
+    });
 
     let out = run_sdk(&dev, &good, "full", &[]);
     assert_eq!(out["namespace"], "testns");

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::hub::*;
 use common::*;
-use modelfs::devhub::files_from_dir;
+use modelfs_devhub::hf::files_from_dir;
 
 fn parent(e: &serde_json::Value) -> String {
     e["config"]["artifact"]["parentPath"]

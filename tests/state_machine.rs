@@ -9,13 +9,13 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use modelfs::fs::{FsCore, Kind, ROOT_INO};
-use modelfs::manifest::{DownloadPolicy, ModelKey, ModelKind, ModelSpec, MountPath, SourceUri};
-use modelfs::metrics::Metrics;
-use modelfs::reconciler::{DesiredState, Reconciler, ReconcilerConfig, ReconcilerHandle};
-use modelfs::source::local::LocalSource;
-use modelfs::status::StatusDoc;
-use modelfs::store::StateDir;
+use modelfs_agent::metrics::Metrics;
+use modelfs_agent::reconciler::{DesiredState, Reconciler, ReconcilerConfig, ReconcilerHandle};
+use modelfs_agent::source::local::LocalSource;
+use modelfs_core::store::StateDir;
+use modelfs_mount::vfs::{FsCore, Kind, ROOT_INO};
+use modelfs_ome::status::StatusDoc;
+use modelfs_ome::{DownloadPolicy, ModelKey, ModelKind, ModelSpec, MountPath, SourceUri};
 use proptest::prelude::*;
 
 /// (namespace, name) of the models the tests play with: two cluster models, two BaseModels in

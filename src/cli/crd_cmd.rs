@@ -1,12 +1,12 @@
 //! `modelfs crd`: print (or write) the CustomResourceDefinitions of BaseModel and
-//! ClusterBaseModel, generated from the manifest types ([`crate::manifest::crd`]).
+//! ClusterBaseModel, generated from the manifest types ([`modelfs_ome::crd`]).
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
-use crate::manifest::crd;
+use modelfs_ome::crd;
 
 #[derive(clap::Args, Debug)]
 pub struct CrdArgs {

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
-use crate::reconciler::gc::{self, Usage};
-use crate::reconciler::records::{ModelPhase, Records};
-use crate::store::{StateDir, StoreId};
+use modelfs_agent::reconciler::gc::{self, Usage};
+use modelfs_agent::reconciler::records::{ModelPhase, Records};
+use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
+use modelfs_core::store::{StateDir, StoreId};
 use std::sync::Arc;
 
 #[derive(clap::Args, Debug)]
@@ -68,7 +68,7 @@ pub fn run(args: GcArgs) -> Result<()> {
     } else {
         Some(super::lock_state(&args.state).context("stop the daemon first, or use --dry-run")?)
     };
-    if !args.dry_run && crate::mountserver::server::running(&args.state) {
+    if !args.dry_run && modelfs_mount::server::running(&args.state) {
         anyhow::bail!(
             "a mount server is serving {} (its open files are not in the records): stop it first, or use --dry-run",
             args.state.display()

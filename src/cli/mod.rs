@@ -14,16 +14,16 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
-use crate::fs::FsCore;
-use crate::fuse::{FuseConfig, PassthroughMode};
-use crate::http::HttpState;
-use crate::metrics::Metrics;
-use crate::reconciler::{MountSink, Reconciler, ReconcilerConfig};
-use crate::source::hf::{DownloadTuning, HfConfig};
-use crate::source::proxy::{Proxies, ProxyUrl};
-use crate::source::{SourceConfig, Token};
-use crate::standalone::ModelsDirConfig;
-use crate::store::StateDir;
+use modelfs_agent::http::HttpState;
+use modelfs_agent::metrics::Metrics;
+use modelfs_agent::reconciler::{MountSink, Reconciler, ReconcilerConfig};
+use modelfs_agent::source::hf::{DownloadTuning, HfConfig};
+use modelfs_agent::source::proxy::{Proxies, ProxyUrl};
+use modelfs_agent::source::{SourceConfig, Token};
+use modelfs_agent::standalone::ModelsDirConfig;
+use modelfs_core::store::StateDir;
+use modelfs_mount::fuse::{FuseConfig, PassthroughMode};
+use modelfs_mount::vfs::FsCore;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -83,7 +83,7 @@ pub struct ServeArgs {
     allow_local_sources: bool,
     /// Kubernetes mode: seconds between node ConfigMap writes that only update download
     /// progress (OME's agent writes every 30 s; each write wakes OME's controllers).
-    #[arg(long, default_value_t = crate::kube::status_sink::DEFAULT_PROGRESS_INTERVAL.as_secs())]
+    #[arg(long, default_value_t = modelfs_agent::kubernetes::status_sink::DEFAULT_PROGRESS_INTERVAL.as_secs())]
     progress_interval_secs: u64,
     /// HTTP address for probes, metrics and status.
     #[arg(long, default_value = "127.0.0.1:8080")]
@@ -101,7 +101,7 @@ pub struct ServeArgs {
     /// Directory of the Hugging Face cache view, relative to the mount; empty for no view.
     /// With HF_HUB_CACHE=<mount>/<dir> HF_HUB_OFFLINE=1, Hugging Face libraries resolve the
     /// ids of Ready hf:// models from the mount. No model path may lie in it.
-    #[arg(long, default_value = crate::fs::hf_cache::DEFAULT_DIR)]
+    #[arg(long, default_value = modelfs_mount::vfs::hf_cache::DEFAULT_DIR)]
     hf_cache_dir: String,
     /// Seconds a snapshot stays in the Hugging Face cache view after no model serves it (for
     /// readers that resolved it just before a change).
@@ -209,7 +209,7 @@ pub struct MountServerArgs {
 #[derive(clap::Args, Debug)]
 struct HfArgs {
     /// Hugging Face endpoint.
-    #[arg(long, env = "HF_ENDPOINT", default_value = crate::source::hf::DEFAULT_ENDPOINT)]
+    #[arg(long, env = "HF_ENDPOINT", default_value = modelfs_agent::source::hf::DEFAULT_ENDPOINT)]
     hf_endpoint: String,
     /// Files of one model downloaded at once.
     #[arg(long, default_value_t = DownloadTuning::default().max_files)]
@@ -318,7 +318,7 @@ pub fn main() -> Result<()> {
         }
         Command::Agent(args) => {
             init_tracing(args.log_json);
-            crate::mountserver::supervise::exit_with_supervisor()?;
+            modelfs_mount::supervise::exit_with_supervisor()?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .thread_name("modelfs")
@@ -379,9 +379,7 @@ fn lock_state(state: &Path) -> Result<std::fs::File> {
 fn socket_path(state: &Path, flag: Option<&Path>) -> Result<PathBuf> {
     match flag {
         Some(p) => absolute(p),
-        None => Ok(crate::mountserver::server::default_socket(&absolute(
-            state,
-        )?)),
+        None => Ok(modelfs_mount::server::default_socket(&absolute(state)?)),
     }
 }
 
@@ -392,7 +390,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         .enable_all()
         .build()?;
     let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
-    let config = crate::mountserver::server::ServerConfig {
+    let config = modelfs_mount::server::ServerConfig {
         mount: absolute(&args.mount)?,
         state: absolute(&args.state)?,
         socket,
@@ -402,10 +400,13 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
             ..FuseConfig::default()
         },
     };
-    let server = crate::mountserver::server::MountServer::start(config, Arc::new(Metrics::new()))?;
+    let server = modelfs_mount::server::MountServer::start(
+        config,
+        Arc::new(modelfs_mount::metrics::FuseMetrics::new()),
+    )?;
     let supervisor = match agent {
         Some(agent_args) => Some(
-            crate::mountserver::supervise::Supervisor::start(
+            modelfs_mount::supervise::Supervisor::start(
                 std::env::current_exe().context("finding the modelfs binary")?,
                 agent_args,
             )
@@ -469,17 +470,17 @@ async fn agent(args: ServeArgs) -> Result<()> {
     let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
     let (connect_core, connect_metrics) = (core.clone(), metrics.clone());
     let (mount, welcome, mount_dev) = tokio::task::spawn_blocking(move || {
-        crate::mountserver::client::RemoteMount::connect(connect_core, connect_metrics, &socket)
+        modelfs_agent::mount_client::RemoteMount::connect(connect_core, connect_metrics, &socket)
     })
     .await
     .context("connecting to the mount server")??;
-    let under_mount = Arc::new(crate::adopt::UnderMount::from_fd(
+    let under_mount = Arc::new(modelfs_agent::adopt::UnderMount::from_fd(
         welcome.under,
         &mount_dir,
         &models_root_dir,
     ));
     let mounted = Arc::new(AtomicBool::new(true));
-    let health = Arc::new(crate::http::HealthChecks {
+    let health = Arc::new(modelfs_agent::http::HealthChecks {
         state_dir: args.state.clone(),
         mount_dir: mount_dir.clone(),
         mount_dev,
@@ -516,9 +517,9 @@ async fn agent(args: ServeArgs) -> Result<()> {
             .context("connecting to the Kubernetes API server")?;
         tracing::info!(node = %node_name, namespace = %args.namespace, "Kubernetes mode");
         Producer::Kube {
-            _tasks: crate::kube::start(
+            _tasks: modelfs_agent::kubernetes::start(
                 client,
-                crate::kube::KubeConfig {
+                modelfs_agent::kubernetes::KubeConfig {
                     node_name,
                     namespace: args.namespace.clone(),
                     models_root_dir,
@@ -531,7 +532,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
     } else {
         let models = args.models.clone().context("--models is required")?;
         Producer::Standalone {
-            _watcher: crate::standalone::watch(
+            _watcher: modelfs_agent::standalone::watch(
                 ModelsDirConfig {
                     dir: models.clone(),
                     models_root_dir,
@@ -550,7 +551,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
         .with_context(|| format!("listening on {}", args.listen))?;
     tracing::info!(listen = %args.listen, "http endpoint up");
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
-    let http = tokio::spawn(crate::http::serve(
+    let http = tokio::spawn(modelfs_agent::http::serve(
         listener,
         HttpState {
             metrics,
@@ -586,10 +587,10 @@ async fn agent(args: ServeArgs) -> Result<()> {
 /// Where the desired state comes from; dropping it stops it.
 enum Producer {
     Standalone {
-        _watcher: crate::standalone::ModelsDirWatcher,
+        _watcher: modelfs_agent::standalone::ModelsDirWatcher,
     },
     Kube {
-        _tasks: crate::kube::KubeTasks,
+        _tasks: modelfs_agent::kubernetes::KubeTasks,
     },
 }
 
@@ -613,11 +614,11 @@ async fn wait_for_signal() -> Result<()> {
 }
 
 /// `--hf-cache-dir`: a relative path below the mount, or empty for no view.
-fn hf_cache_dir(arg: &str) -> Result<Option<crate::manifest::MountPath>> {
+fn hf_cache_dir(arg: &str) -> Result<Option<modelfs_ome::MountPath>> {
     if arg.is_empty() {
         return Ok(None);
     }
-    crate::manifest::MountPath::from_relative(arg)
+    modelfs_ome::MountPath::from_relative(arg)
         .map(Some)
         .with_context(|| format!("--hf-cache-dir {arg:?} must be a relative path below the mount"))
 }

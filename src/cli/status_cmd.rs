@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 
-use crate::status::StatusDoc;
+use modelfs_ome::status::StatusDoc;
 
 #[derive(clap::Args, Debug)]
 pub struct StatusArgs {
@@ -148,7 +148,7 @@ pub fn table(doc: &StatusDoc) -> String {
     out
 }
 
-fn model_column(e: &crate::status::ModelStatus) -> String {
+fn model_column(e: &modelfs_ome::status::ModelStatus) -> String {
     let c = &e.config;
     if c.has_derived() {
         let arch = if c.model_architecture.is_empty() {

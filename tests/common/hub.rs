@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 
-use modelfs::devhub::{Fault, FaultKind, FaultTarget, Hub, HubConfig, RunningHub};
+use modelfs_devhub::hf::{Fault, FaultKind, FaultTarget, Hub, HubConfig, RunningHub};
 
 use super::{Daemon, TestEnv};
 

@@ -554,7 +554,7 @@ fn delete_object(
         return Ok(object);
     }
     object["metadata"]["deletionTimestamp"] =
-        json!(modelfs::status::rfc3339(std::time::SystemTime::now()));
+        json!(modelfs_ome::status::rfc3339(std::time::SystemTime::now()));
     object["metadata"]["deletionGracePeriodSeconds"] = json!(0);
     if let Some(generation) = object["metadata"]["generation"].as_i64() {
         object["metadata"]["generation"] = json!(generation + 1);

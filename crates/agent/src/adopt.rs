@@ -30,7 +30,7 @@
 //! store lacks, the old file at the same relative path is opened; if it is a regular file of the
 //! manifest's size, it is hard-linked into the store and the linked inode is verified against the
 //! manifest digest (sha256 or git blob sha1) before it is renamed into `blobs/`
-//! ([`crate::store::Store::import_file`]; a copy across filesystems). Files that are missing,
+//! ([`modelfs_core::store::Store::import_file`]; a copy across filesystems). Files that are missing,
 //! of another size or with another digest are simply left to the fetch, which downloads exactly
 //! those. Adoption never fails a model: at worst it downloads what it could not adopt.
 //!
@@ -57,10 +57,10 @@ use std::sync::Arc;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
 
-use crate::artifact::{FileDigest, Manifest, Sha256Digest};
-use crate::manifest::ModelKey;
 use crate::source::{FetchContext, Source, SourceError};
-use crate::store::Store;
+use modelfs_core::artifact::{FileDigest, Manifest, Sha256Digest};
+use modelfs_core::store::Store;
+use modelfs_ome::ModelKey;
 
 /// Most symlinks followed while resolving one path (the kernel's limit).
 const MAX_SYMLINKS: usize = 40;
@@ -364,9 +364,9 @@ mod tests {
     use sha2::{Digest, Sha256};
 
     use super::*;
-    use crate::artifact::ManifestEntry;
+    use modelfs_core::artifact::ManifestEntry;
 
-    use crate::artifact::git_blob_sha1 as git_sha1;
+    use modelfs_core::artifact::git_blob_sha1 as git_sha1;
 
     /// A models root known under two names (as mounted, and the host path in model objects).
     fn root() -> (tempfile::TempDir, PathBuf, UnderMount) {

@@ -14,51 +14,17 @@
 //! (OME observes a fixed 30 s estimate per rate-limited download). OME's Go runtime gauges
 //! (`go_*`) have no equivalent.
 //!
-//! Bytes read are counted only for read-through opens: with passthrough the kernel reads the blob
-//! directly and the daemon never sees the bytes (that is the point), so `passthrough_opens` is the
-//! signal for that path.
+//! The FUSE counters (`modelfs_fuse_requests_total`, `modelfs_open_files`, ...) are counted by
+//! the mount server and defined there ([`modelfs_mount::metrics::FuseMetrics`]); the agent adds
+//! the snapshots the mount server reports ([`Metrics::fuse`]) and exports them with the rest.
 
-use std::collections::BTreeMap;
-
+use modelfs_mount::metrics::FuseMetrics;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-
-/// The operations the FUSE adapter counts.
-pub const FUSE_OPS: &[&str] = &[
-    "create",
-    "fallocate",
-    "getattr",
-    "getxattr",
-    "link",
-    "listxattr",
-    "lookup",
-    "mkdir",
-    "mknod",
-    "open",
-    "opendir",
-    "read",
-    "readdir",
-    "readdirplus",
-    "release",
-    "removexattr",
-    "rename",
-    "rmdir",
-    "setattr",
-    "setxattr",
-    "statfs",
-    "symlink",
-    "unlink",
-    "write",
-];
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OpLabel {
-    pub op: &'static str,
-}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StatusLabel {
@@ -252,13 +218,8 @@ pub struct Metrics {
     registry: Registry,
     /// OME's model-agent metrics, exported beside these.
     pub ome: OmeMetrics,
-    pub fuse_requests: Family<OpLabel, Counter>,
-    pub fuse_errors: Family<OpLabel, Counter>,
-    pub read_bytes: Counter,
-    pub passthrough_opens: Counter,
-    pub read_through_opens: Counter,
-    pub passthrough_fallbacks: Counter,
-    pub kernel_invalidations: Counter,
+    /// The mount server's FUSE counters, as it last reported them.
+    pub fuse: FuseMetrics,
     pub mapping_changes: Counter,
     pub models: Family<StatusLabel, Gauge>,
     pub store_bytes: Family<StoreLabel, Gauge>,
@@ -266,7 +227,6 @@ pub struct Metrics {
     pub fetched_files: Family<SourceLabel, Counter>,
     /// `local://` files that entered a store as hard links (immutable sources), not copies.
     pub local_linked_files: Counter,
-    pub open_files: Gauge,
     /// From a desired-state change reaching the reconciler to the new mapping being live, for
     /// changes that need no fetch (policy flips, deletions, re-points).
     pub mapping_update_seconds: Histogram,
@@ -292,20 +252,13 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("modelfs");
         let m = Self {
-            fuse_requests: Family::default(),
-            fuse_errors: Family::default(),
-            read_bytes: Counter::default(),
-            passthrough_opens: Counter::default(),
-            read_through_opens: Counter::default(),
-            passthrough_fallbacks: Counter::default(),
-            kernel_invalidations: Counter::default(),
+            fuse: FuseMetrics::new(),
             mapping_changes: Counter::default(),
             models: Family::default(),
             store_bytes: Family::default(),
             fetched_bytes: Family::default(),
             fetched_files: Family::default(),
             local_linked_files: Counter::default(),
-            open_files: Gauge::default(),
             // 10 us .. ~5 s.
             mapping_update_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
             manifest_rescans: Counter::default(),
@@ -316,41 +269,7 @@ impl Metrics {
             registry: Registry::default(),
             ome: OmeMetrics::new(),
         };
-        registry.register(
-            "fuse_requests",
-            "FUSE requests handled, by operation",
-            m.fuse_requests.clone(),
-        );
-        registry.register(
-            "fuse_errors",
-            "FUSE requests answered with an error, by operation",
-            m.fuse_errors.clone(),
-        );
-        registry.register(
-            "read_bytes",
-            "Bytes served by read-through reads (passthrough reads bypass the daemon)",
-            m.read_bytes.clone(),
-        );
-        registry.register(
-            "passthrough_opens",
-            "Opens served with kernel passthrough",
-            m.passthrough_opens.clone(),
-        );
-        registry.register(
-            "read_through_opens",
-            "Opens served by the daemon's read handler",
-            m.read_through_opens.clone(),
-        );
-        registry.register(
-            "passthrough_fallbacks",
-            "Opens that asked for passthrough and fell back to read-through",
-            m.passthrough_fallbacks.clone(),
-        );
-        registry.register(
-            "kernel_invalidations",
-            "Kernel entry/inode invalidations sent after mapping changes",
-            m.kernel_invalidations.clone(),
-        );
+        m.fuse.register(&mut registry);
         registry.register(
             "mapping_changes",
             "Atomic swaps of the mount's mapping",
@@ -376,11 +295,6 @@ impl Metrics {
             "local_linked_files",
             "local:// files hard-linked into stores instead of copied (read-only, root-owned sources)",
             m.local_linked_files.clone(),
-        );
-        registry.register(
-            "open_files",
-            "Files open through the mount",
-            m.open_files.clone(),
         );
         registry.register(
             "mapping_update_seconds",
@@ -424,88 +338,6 @@ impl Metrics {
             .expect("writing to a String cannot fail");
         out
     }
-
-    /// The FUSE adapter's counters by name (`fuse_requests/<op>`, `fuse_errors/<op>`, ...),
-    /// zeros left out: the mount server reports them, the agent exports them
-    /// ([`Metrics::add_fuse_snapshot`]).
-    pub fn fuse_snapshot(&self) -> BTreeMap<String, u64> {
-        let mut out = BTreeMap::new();
-        for op in FUSE_OPS {
-            let label = OpLabel { op };
-            out.insert(
-                format!("fuse_requests/{op}"),
-                self.fuse_requests.get_or_create(&label).get(),
-            );
-            out.insert(
-                format!("fuse_errors/{op}"),
-                self.fuse_errors.get_or_create(&label).get(),
-            );
-        }
-        out.insert("read_bytes".into(), self.read_bytes.get());
-        out.insert("passthrough_opens".into(), self.passthrough_opens.get());
-        out.insert("read_through_opens".into(), self.read_through_opens.get());
-        out.insert(
-            "passthrough_fallbacks".into(),
-            self.passthrough_fallbacks.get(),
-        );
-        out.insert(
-            "kernel_invalidations".into(),
-            self.kernel_invalidations.get(),
-        );
-        out.insert("open_files".into(), self.open_files.get().max(0) as u64);
-        out.retain(|_, v| *v > 0);
-        out
-    }
-
-    /// Adds what a mount server's counters moved from `previous` to `now` (`previous` empty for
-    /// a new server); the open files gauge takes the new value.
-    pub fn add_fuse_snapshot(&self, previous: &BTreeMap<String, u64>, now: &BTreeMap<String, u64>) {
-        for (name, value) in now {
-            let delta = value.saturating_sub(previous.get(name).copied().unwrap_or(0));
-            let (family, op) = match name.split_once('/') {
-                Some((family, op)) => (family, FUSE_OPS.iter().find(|o| **o == op)),
-                None => (name.as_str(), None),
-            };
-            match (family, op) {
-                ("fuse_requests", Some(op)) => {
-                    self.fuse_requests
-                        .get_or_create(&OpLabel { op })
-                        .inc_by(delta);
-                }
-                ("fuse_errors", Some(op)) => {
-                    self.fuse_errors
-                        .get_or_create(&OpLabel { op })
-                        .inc_by(delta);
-                }
-                ("read_bytes", None) => {
-                    self.read_bytes.inc_by(delta);
-                }
-                ("passthrough_opens", None) => {
-                    self.passthrough_opens.inc_by(delta);
-                }
-                ("read_through_opens", None) => {
-                    self.read_through_opens.inc_by(delta);
-                }
-                ("passthrough_fallbacks", None) => {
-                    self.passthrough_fallbacks.inc_by(delta);
-                }
-                ("kernel_invalidations", None) => {
-                    self.kernel_invalidations.inc_by(delta);
-                }
-                _ => {}
-            }
-        }
-        self.open_files
-            .set(now.get("open_files").copied().unwrap_or(0) as i64);
-    }
-
-    pub fn request(&self, op: &'static str) {
-        self.fuse_requests.get_or_create(&OpLabel { op }).inc();
-    }
-
-    pub fn error(&self, op: &'static str) {
-        self.fuse_errors.get_or_create(&OpLabel { op }).inc();
-    }
 }
 
 #[cfg(test)]
@@ -515,8 +347,8 @@ mod tests {
     #[test]
     fn every_metric_is_exported() {
         let m = Metrics::new();
-        m.request("lookup");
-        m.error("lookup");
+        m.fuse.request("lookup");
+        m.fuse.error("lookup");
         m.mapping_update_seconds.observe(0.001);
         m.fetched_bytes
             .get_or_create(&SourceLabel {

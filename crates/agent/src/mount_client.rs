@@ -15,13 +15,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::protocol::{
+use crate::metrics::Metrics;
+use modelfs_core::artifact::ArtifactId;
+use modelfs_mount::protocol::{
     self, AgentMessage, ServerMessage, WireEntry, WireMapping, WireUsage, PROTOCOL_VERSION,
 };
-use super::MountSink;
-use crate::artifact::ArtifactId;
-use crate::fs::{FsCore, Invalidation, RemoteUsage};
-use crate::metrics::Metrics;
+use modelfs_mount::vfs::{FsCore, Invalidation, RemoteUsage};
+use modelfs_mount::MountSink;
 
 /// What the server said when it accepted the agent.
 #[derive(Debug)]
@@ -345,7 +345,7 @@ fn run_connection(shared: &Arc<Shared>, stream: &UnixStream, rest: Vec<u8>) -> i
             artifacts,
             mapping: WireMapping {
                 entries,
-                files: super::server::wire_files(&applied.files),
+                files: modelfs_mount::server::wire_files(&applied.files),
             },
         };
         if let Err(e) = protocol::write_message(&mut writer, &message) {
@@ -406,7 +406,7 @@ fn read_loop<R: BufRead>(shared: &Shared, r: &mut R) -> io::Result<()> {
                 if last.0 != instance {
                     *last = (instance, BTreeMap::new());
                 }
-                shared.metrics.add_fuse_snapshot(&last.1, &counters);
+                shared.metrics.fuse.add_snapshot(&last.1, &counters);
                 last.1 = counters;
             }
             ServerMessage::Welcome { .. } | ServerMessage::Refused { .. } => {

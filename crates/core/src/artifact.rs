@@ -408,9 +408,9 @@ impl StoredArtifact {
     }
 }
 
-/// The git blob sha1 of `bytes` (`sha1("blob <len>\0" + bytes)`), as test data.
-#[cfg(test)]
-pub(crate) fn git_blob_sha1(bytes: &[u8]) -> [u8; 20] {
+/// The git blob sha1 of `bytes` (`sha1("blob <len>\0" + bytes)`), as test data (also for the
+/// tests of the crates above this one).
+pub fn git_blob_sha1(bytes: &[u8]) -> [u8; 20] {
     use sha1::{Digest as _, Sha1};
     let mut h = Sha1::new();
     h.update(format!("blob {}\0", bytes.len()).as_bytes());

@@ -5,7 +5,7 @@
 //! the SDK's own signer, and a request signed with a wrong key refused.
 //!
 //! What it speaks (the subset a downloader uses):
-//! * **Every request must be signed** ([`crate::source::oci::sign`]): `Authorization:
+//! * **Every request must be signed** ([`modelfs_agent::source::oci::sign`]): `Authorization:
 //!   Signature ...` with `rsa-sha256` over at least `date (request-target) host`, a `date`
 //!   within five minutes of its clock, and a `keyId` it knows: `<tenancy>/<user>/<fingerprint>`
 //!   of an added API key, or `ST$<token>` of an added session token. Anything else is `401`
@@ -31,7 +31,7 @@
 //! `{"token": ...}` and from then on accepts `ST$<token>` signatures by the session key the
 //! request named.
 //!
-//! Faults ([`crate::devhub::Fault`], the hub look-alike's rules): target `file` applies to
+//! Faults ([`crate::hf::Fault`], the hub look-alike's rules): target `file` applies to
 //! object GETs, `api` to listings and HEADs; kinds `status` (with `Retry-After`), `truncate`,
 //! `corrupt`, `slow`, `stall_headers`. A [`DevObject`] can also lie about its MD5. Counters
 //! ([`OciStats`]) report requests, bytes served, ranged requests and refused signatures. Over
@@ -54,8 +54,8 @@ use bytes::Bytes;
 use md5::{Digest, Md5};
 use serde::{Deserialize, Serialize};
 
-use crate::devhub::{Fault, FaultKind, FaultRules, FaultTarget};
-use crate::source::oci::sign;
+use crate::hf::{Fault, FaultKind, FaultRules, FaultTarget};
+use modelfs_agent::source::oci::sign;
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 

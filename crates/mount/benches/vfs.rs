@@ -5,9 +5,9 @@ use std::ffi::OsStr;
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use modelfs::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest, StoredArtifact};
-use modelfs::fs::{FsCore, MountEntry, ROOT_INO};
-use modelfs::store::{Store, StoreId};
+use modelfs_core::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest, StoredArtifact};
+use modelfs_core::store::{Store, StoreId};
+use modelfs_mount::vfs::{FsCore, MountEntry, ROOT_INO};
 
 fn artifact(files: usize, salt: u8) -> Arc<StoredArtifact> {
     let entries: Vec<ManifestEntry> = (0..files)

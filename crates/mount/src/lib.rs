@@ -1,4 +1,21 @@
-//! Two processes, one mount: the **mount server** holds the FUSE session, the mapping and the
+//! `modelfs-mount`: the mount side of modelfs. The FUSE-free filesystem core ([`vfs`]: mapping
+//! table, trees, inodes, open files), the thin `fuser` adapter over it ([`fuse`]) and its
+//! counters ([`metrics`]), and the mount server process ([`server`], [`protocol`],
+//! [`supervise`]) that holds the FUSE session while the agent comes and goes.
+//!
+//! # Place in the workspace
+//!
+//! It depends on `modelfs-core` (artifacts, blob stores) and on nothing that speaks to a
+//! network or parses user input: no HTTP client or server, no Kubernetes client, no object
+//! store client, no async runtime, no OME types. Cargo enforces what the design promises: the
+//! process that must never die runs only this code. The agent (`modelfs-agent`) depends on this
+//! crate, never the other way: it applies mappings to its own [`vfs::FsCore`] and speaks
+//! [`protocol`] to the server; the mount side owns the [`MountSink`] trait the agent's
+//! reconciler sends changes to.
+//!
+//! # Two processes, one mount
+//!
+//! The **mount server** holds the FUSE session, the mapping and the
 //! open files; the **agent** (reconciler, sources, Kubernetes, HTTP) tells it what to serve.
 //!
 //! # Why
@@ -34,9 +51,9 @@
 //! agent speaks.
 //!
 //! # Garbage collection across the socket
-//! The agent's reconciler still applies every mapping to its own [`crate::fs::FsCore`] (no
-//! kernel behind it) and asks it what is in use; [`client::RemoteMount`] sends the mapping and
-//! feeds the server's usage reports into that core ([`crate::fs::RemoteUsage`]): the stores held
+//! The agent's reconciler still applies every mapping to its own [`crate::vfs::FsCore`] (no
+//! kernel behind it) and asks it what is in use; the agent's `mount_client::RemoteMount` sends the mapping and
+//! feeds the server's usage reports into that core ([`crate::vfs::RemoteUsage`]): the stores held
 //! by open files and retired slots the kernel was not yet told about, with the blobs those may
 //! read. Until the server has confirmed the latest mapping and reported after it (and whenever
 //! it is away) every store counts as in use: GC waits, it never guesses.
@@ -70,15 +87,19 @@
 //! `modelfs agent` (same arguments) as its child ([`supervise`]): restarted with backoff, each
 //! death logged with its reason, killed with its parent (`PR_SET_PDEATHSIG`).
 
-pub mod client;
+#![forbid(unsafe_code)]
+
+pub mod fuse;
+pub mod metrics;
 pub mod protocol;
 pub mod server;
 pub mod supervise;
+pub mod vfs;
 
-use crate::fs::Invalidation;
+use crate::vfs::Invalidation;
 
 /// Where mapping changes go after the reconciler applied them to its core: the kernel's caches
-/// (an in-process FUSE mount), or the mount server ([`client::RemoteMount`]).
+/// (an in-process FUSE mount), or the mount server (the agent's `mount_client::RemoteMount`).
 pub trait MountSink: Send + Sync {
     fn invalidate(&self, list: Vec<Invalidation>);
 }
@@ -93,9 +114,9 @@ impl MountSink for crate::fuse::MountHandle {
 mod tests {
     use std::collections::{HashMap, HashSet};
 
-    use crate::artifact::Sha256Digest;
-    use crate::fs::{FsCore, RemoteUsage};
-    use crate::store::StoreId;
+    use crate::vfs::{FsCore, RemoteUsage};
+    use modelfs_core::artifact::Sha256Digest;
+    use modelfs_core::store::StoreId;
 
     #[test]
     fn remote_uses_hold_stores_and_blobs_until_reported_gone() {

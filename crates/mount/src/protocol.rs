@@ -3,7 +3,7 @@
 //! 1. The agent sends `hello` with its protocol version. The server checks it before anything
 //!    else (parsing only the version field, so that any future shape of `hello` still gets a
 //!    clear answer) and answers `welcome`, with the descriptor of the directory underneath the
-//!    mount attached (`SCM_RIGHTS`, see [`crate::adopt`]), or `refused` with the reason and
+//!    mount attached (`SCM_RIGHTS`, see `modelfs_agent::adopt`), or `refused` with the reason and
 //!    closes the connection.
 //! 2. The agent sends `apply` with the whole mapping (entries name artifacts and stores by id;
 //!    the artifacts' manifests travel once per connection). Applying the same mapping twice
@@ -20,8 +20,8 @@ use std::io::{self, BufRead, Write};
 
 use serde::{Deserialize, Serialize};
 
-use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
-use crate::store::StoreId;
+use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
+use modelfs_core::store::StoreId;
 
 /// The protocol this build speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -74,7 +74,7 @@ pub enum ServerMessage {
         error: Option<String>,
     },
     Usage(WireUsage),
-    /// The FUSE counters of this server instance ([`crate::metrics::Metrics::fuse_snapshot`]),
+    /// The FUSE counters of this server instance ([`crate::metrics::FuseMetrics::snapshot`]),
     /// sent when they moved: the agent exports them on its `/metrics`.
     Stats {
         instance: u64,
@@ -109,7 +109,7 @@ pub struct RefusedEntry {
     pub reason: String,
 }
 
-/// Uses beyond the mapping (see [`crate::fs::RemoteUsage`]).
+/// Uses beyond the mapping (see [`crate::vfs::RemoteUsage`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WireUsage {
     /// Mapping generation of the server when measured.

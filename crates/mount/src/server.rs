@@ -1,5 +1,5 @@
 //! The mount server process: FUSE session, mapping, open files, the persisted mapping and the
-//! agent socket (module docs of [`crate::mountserver`]).
+//! agent socket (module docs of [`crate`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufReader, IoSlice};
@@ -18,11 +18,11 @@ use super::protocol::{
     self, AgentMessage, RefusedEntry, ServerMessage, WireEntry, WireFile, WireMapping, WireUsage,
     PROTOCOL_VERSION,
 };
-use crate::artifact::{ArtifactId, Manifest, StoredArtifact};
-use crate::fs::{FsCore, InlineFile, MountEntry};
 use crate::fuse::{FuseConfig, MountHandle};
-use crate::metrics::Metrics;
-use crate::store::{StateDir, StoreId};
+use crate::metrics::FuseMetrics;
+use crate::vfs::{FsCore, InlineFile, MountEntry};
+use modelfs_core::artifact::{ArtifactId, Manifest, StoredArtifact};
+use modelfs_core::store::{StateDir, StoreId};
 
 /// How often the usage of stores is compared with what the agent was last told.
 const USAGE_POLL: Duration = Duration::from_millis(100);
@@ -88,7 +88,7 @@ struct Shared {
     peer: Mutex<Option<Arc<Peer>>>,
     next_peer: AtomicU64,
     stopping: AtomicBool,
-    metrics: Arc<Metrics>,
+    metrics: Arc<FuseMetrics>,
     /// Tells this server's counters from a restarted one's.
     instance: u64,
 }
@@ -131,7 +131,7 @@ fn check_artifact(a: &StoredArtifact) -> Result<Arc<StoredArtifact>, String> {
 impl MountServer {
     /// Cleans a stale mount, opens the directory underneath, serves the persisted mapping,
     /// mounts, and listens on the socket.
-    pub fn start(config: ServerConfig, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+    pub fn start(config: ServerConfig, metrics: Arc<FuseMetrics>) -> anyhow::Result<Self> {
         use anyhow::Context;
         std::fs::create_dir_all(&config.state)
             .with_context(|| format!("creating {}", config.state.display()))?;
@@ -467,7 +467,7 @@ fn usage_loop(shared: Arc<Shared>) {
             if let Err(e) = shared.report_usage(&peer, generation, false) {
                 tracing::debug!(error = %e, "usage report not delivered");
             }
-            let counters = shared.metrics.fuse_snapshot();
+            let counters = shared.metrics.snapshot();
             let changed = {
                 let mut last = peer.stats.lock().expect("stats");
                 let changed = *last != counters;
@@ -641,7 +641,7 @@ impl Shared {
             let path = self.artifact_path(id);
             if !path.exists() {
                 let bytes = serde_json::to_vec(&**a).map_err(io::Error::other)?;
-                crate::store::fsutil::atomic_write(&path, &bytes)?;
+                modelfs_core::store::fsutil::atomic_write(&path, &bytes)?;
             }
         }
         let doc = PersistedMapping {
@@ -649,7 +649,7 @@ impl Shared {
             mapping: mapping.clone(),
         };
         let bytes = serde_json::to_vec(&doc).map_err(io::Error::other)?;
-        crate::store::fsutil::atomic_write(&self.mapping_path(), &bytes)?;
+        modelfs_core::store::fsutil::atomic_write(&self.mapping_path(), &bytes)?;
         for entry in std::fs::read_dir(self.dir.join("artifacts"))?.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();

@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use super::ome::ModelKind;
+use super::objects::ModelKind;
 
 /// Longest object name Kubernetes accepts (DNS-1123 subdomain).
 pub const MAX_NAME_LEN: usize = 253;

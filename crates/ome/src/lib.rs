@@ -1,4 +1,17 @@
-//! OME model manifests: parsing, validation and the values derived from them.
+//! `modelfs-ome`: OME's vocabulary. The `BaseModel` / `ClusterBaseModel` objects (parsing,
+//! validation and the values derived from them, at the crate root), the model configs derived
+//! from a model's files ([`modelconfig`]) and the node status document ([`status`]).
+//!
+//! # Place in the workspace
+//!
+//! The bottom layer, beside `modelfs-core`: it depends on no other modelfs crate and on no
+//! network or runtime crate (serde, YAML, JSON Schema and the Kubernetes API types only), so
+//! everything above it (the agent, the CLI, the tests) shares one definition of what a model
+//! object means and what its status says. It reads no files but the ones it is handed, and
+//! nothing here knows about blobs, stores or mounts: a model's *files* are `modelfs-core`'s
+//! `artifact::Manifest`, not to be confused with the model objects here.
+//!
+//! # Model objects
 //!
 //! Input is OME's `ome.io/v1beta1` `BaseModel` and `ClusterBaseModel` objects, from YAML files
 //! in standalone mode or from the API server in Kubernetes mode. Output is a [`ModelSpec`] per
@@ -6,7 +19,7 @@
 //!
 //! # Layers and what each one checks
 //!
-//! * [`ome`]: serde types mirroring the CRDs. They accept every CRD field and keep unknown ones
+//! * [`objects`]: serde types mirroring the CRDs. They accept every CRD field and keep unknown ones
 //!   (`extra` maps), so nothing is lost when an object is read and written back. They check
 //!   only what the CRD schema checks (types, required nested fields, the `downloadPolicy`
 //!   enum). Fields whose absence needs a specific keyed message (`metadata.name`,
@@ -37,22 +50,26 @@
 //! Conflicts between models (nesting or equal paths: [`MountPath::nests_with`]; duplicate
 //! keys across files), resolving relative `local://` paths
 //! ([`SourceUri::resolve_local_relative`]), node targeting with `nodeSelector` and
-//! `nodeAffinity` (typed in [`ome::NodeAffinity`], operators left as strings), and reading the
+//! `nodeAffinity` (typed in [`objects::NodeAffinity`], operators left as strings), and reading the
 //! token Secret ([`ModelSpec::token_secret`], [`ModelSpec::token_secret_entry`]).
+
+#![forbid(unsafe_code)]
 
 pub mod crd;
 pub mod key;
 pub mod model;
-pub mod ome;
+pub mod modelconfig;
+pub mod objects;
 pub mod parse;
 pub mod path;
 pub mod source;
+pub mod status;
 
 // The types callers name most; everything else is reachable through the submodules
-// (`manifest::ome::NodeAffinity`, `manifest::source::is_commit_hash`, ...).
+// (`modelfs_ome::objects::NodeAffinity`, `modelfs_ome::source::is_commit_hash`, ...).
 pub use key::{KeyError, ModelKey};
 pub use model::{ModelError, ModelSpec};
-pub use ome::{DownloadPolicy, ModelKind, ModelObject, OME_API_VERSION};
+pub use objects::{DownloadPolicy, ModelKind, ModelObject, OME_API_VERSION};
 pub use parse::{
     deserialize_model_object, parse_documents, Document, ManifestError, MAX_DOCUMENTS_PER_FILE,
 };
@@ -65,11 +82,14 @@ mod test_support {
     use std::path::PathBuf;
 
     /// The shared fixtures: `$MODELFS_FIXTURES_DIR`, else `../shared/fixtures` next to the
-    /// crate.
+    /// repository.
     pub(crate) fn fixtures_dir() -> PathBuf {
         match std::env::var_os("MODELFS_FIXTURES_DIR") {
             Some(dir) => PathBuf::from(dir),
-            None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures")),
+            None => PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../../shared/fixtures"
+            )),
         }
     }
 

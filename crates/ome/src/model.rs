@@ -6,7 +6,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::key::{KeyError, ModelKey};
-use super::ome::{
+use super::objects::{
     DownloadPolicy, ModelKind, ModelObject, StorageSpec, OME_API_VERSION, RESERVE_ARTIFACT_LABEL,
 };
 use super::path::{resolve_model_path, MountPath, PathError};
@@ -185,8 +185,8 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
-    use crate::manifest::ome::{BaseModelSpec, ObjectMeta};
-    use crate::manifest::parse::{parse_documents, Document, ManifestError};
+    use crate::objects::{BaseModelSpec, ObjectMeta};
+    use crate::parse::{parse_documents, Document, ManifestError};
 
     fn yaml_files_below(dir: &Path, found: &mut Vec<PathBuf>) {
         for entry in walkdir::WalkDir::new(dir) {
@@ -222,7 +222,7 @@ mod tests {
     /// source and path, and serializes back to exactly the parsed YAML.
     #[test]
     fn every_fixture_parses_and_converts() {
-        let models_dir = crate::manifest::test_support::fixtures_dir().join("ome-models");
+        let models_dir = crate::test_support::fixtures_dir().join("ome-models");
         let mut files = Vec::new();
         yaml_files_below(&models_dir, &mut files);
         files.sort();

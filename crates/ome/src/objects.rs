@@ -520,7 +520,7 @@ impl ModelObject {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::parse::{parse_documents, Document};
+    use crate::parse::{parse_documents, Document};
 
     /// Builds a plausible value for an OpenAPI v3 schema node: every declared property, one
     /// entry for maps, one element for lists, the first enum value for enums.
@@ -577,7 +577,7 @@ mod tests {
             ("ome.io_basemodels.yaml", ModelKind::BaseModel),
             ("ome.io_clusterbasemodels.yaml", ModelKind::ClusterBaseModel),
         ] {
-            let crd = crate::manifest::test_support::read_ome_crd(file_name);
+            let crd = crate::test_support::read_ome_crd(file_name);
             assert_eq!(crd["spec"]["names"]["kind"], kind.as_str());
             let versions = crd["spec"]["versions"]
                 .as_array()

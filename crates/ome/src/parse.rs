@@ -17,7 +17,7 @@
 
 use serde_json::Value;
 
-use super::ome::{ModelKind, ModelObject, OME_API_VERSION};
+use super::objects::{ModelKind, ModelObject, OME_API_VERSION};
 
 /// Document kinds that wrap a list of objects in `items` (what `kubectl get -o yaml` prints).
 const LIST_KINDS: [&str; 3] = ["List", "BaseModelList", "ClusterBaseModelList"];

@@ -9,7 +9,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::ome::ModelKind;
+use super::objects::ModelKind;
 
 /// Longest file name Linux accepts (`NAME_MAX`).
 pub const MAX_SEGMENT_BYTES: usize = 255;

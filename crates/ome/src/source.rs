@@ -26,7 +26,7 @@ pub enum SourceUri {
     },
     /// `s3://<bucket>[@<region>]/<prefix>`, `gs://<bucket>/<prefix>`,
     /// `az://<container>/<prefix>` or `az://<account>.blob.core.windows.net/<container>/<prefix>`:
-    /// the objects below a prefix of an object store (see [`crate::source::objstore`]).
+    /// the objects below a prefix of an object store (see `modelfs_agent::source::objstore`).
     ObjectStore {
         scheme: ObjectScheme,
         /// Bucket (container for Azure).

@@ -1,11 +1,15 @@
-//! Shared settings of the property-based tests of the parsers that take outside input
-//! (manifest YAML, Hugging Face answers and headers, status and records JSON).
+//! `modelfs-proptest-support`: shared settings of the property-based tests of the parsers that
+//! take outside input (manifest YAML, Hugging Face answers and headers, status and records JSON).
+//! Those tests live in several crates (`modelfs-ome`, `modelfs-agent`), so their settings are a
+//! crate of their own; a dev-dependency only, never part of the product.
 //!
 //! Cases per property: `MODELFS_FUZZ_CASES` (default 256, what the test suite runs); the long
 //! mode is the same tests with more cases, e.g.
-//! `MODELFS_FUZZ_CASES=20000 cargo test --lib proptests -- --test-threads=2`.
+//! `MODELFS_FUZZ_CASES=20000 cargo test --workspace --lib proptests -- --test-threads=2`.
 //! Every case runs under [`bounded`], so an input that makes a parser loop or explode fails the
 //! test instead of hanging it.
+
+#![forbid(unsafe_code)]
 
 use std::time::Duration;
 
@@ -13,7 +17,7 @@ use proptest::prelude::*;
 use proptest::test_runner::Config;
 
 /// Cases per property from `MODELFS_FUZZ_CASES`.
-pub(crate) fn config() -> Config {
+pub fn config() -> Config {
     let cases = std::env::var("MODELFS_FUZZ_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -28,11 +32,11 @@ pub(crate) fn config() -> Config {
 
 /// Time one case may take (debug build, a loaded machine): far above any sane parse, far below
 /// a hang.
-pub(crate) const CASE_LIMIT: Duration = Duration::from_secs(20);
+pub const CASE_LIMIT: Duration = Duration::from_secs(20);
 
 /// Runs `f` on its own thread and returns its result; panics if it takes longer than `limit`
 /// (a hang) and passes a panic of `f` on.
-pub(crate) fn bounded<T: Send + 'static>(
+pub fn bounded<T: Send + 'static>(
     what: &str,
     limit: Duration,
     f: impl FnOnce() -> T + Send + 'static,
@@ -62,7 +66,7 @@ pub(crate) fn bounded<T: Send + 'static>(
 
 /// One edit of a byte string.
 #[derive(Clone, Debug)]
-pub(crate) enum Mutation {
+pub enum Mutation {
     /// Replace the byte at (position modulo length).
     Replace(usize, u8),
     Insert(usize, Vec<u8>),
@@ -75,7 +79,7 @@ pub(crate) enum Mutation {
 
 /// A few edits; `tokens` are format-specific fragments worth inserting (YAML indicators, JSON
 /// punctuation, huge numbers...).
-pub(crate) fn mutations(tokens: &'static [&'static str]) -> impl Strategy<Value = Vec<Mutation>> {
+pub fn mutations(tokens: &'static [&'static str]) -> impl Strategy<Value = Vec<Mutation>> {
     let token = proptest::sample::select(tokens).prop_map(|t| t.as_bytes().to_vec());
     let insert = prop_oneof![token, proptest::collection::vec(any::<u8>(), 1..8)];
     let one = prop_oneof![
@@ -89,7 +93,7 @@ pub(crate) fn mutations(tokens: &'static [&'static str]) -> impl Strategy<Value 
     proptest::collection::vec(one, 1..6)
 }
 
-pub(crate) fn apply(mut bytes: Vec<u8>, edits: &[Mutation]) -> Vec<u8> {
+pub fn apply(mut bytes: Vec<u8>, edits: &[Mutation]) -> Vec<u8> {
     for edit in edits {
         let len = bytes.len();
         let at = |i: usize| if len == 0 { 0 } else { i % (len + 1) };

@@ -35,7 +35,7 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use serde_json::Value;
 
 use super::targeting::{targets, NodeFacts};
-use crate::manifest::{deserialize_model_object, ModelKey, ModelKind, ModelSpec, SourceUri};
+use modelfs_ome::{deserialize_model_object, ModelKey, ModelKind, ModelSpec, SourceUri};
 
 /// One model object as received from the API server.
 #[derive(Clone, Debug)]
@@ -85,7 +85,7 @@ fn metadata_str<'a>(value: &'a Value, field: &str) -> Option<&'a str> {
 
 fn reference(kind: ModelKind, value: &Value) -> ObjectReference {
     ObjectReference {
-        api_version: Some(crate::manifest::OME_API_VERSION.to_owned()),
+        api_version: Some(modelfs_ome::OME_API_VERSION.to_owned()),
         kind: Some(kind.as_str().to_owned()),
         name: metadata_str(value, "name").map(str::to_owned),
         namespace: match kind {
@@ -118,7 +118,7 @@ fn plan_one(object: &RawObject, node: &NodeFacts, config: &PlanConfig, plan: &mu
     // List items from the API server carry no apiVersion/kind; the watch they came from says.
     if let Some(map) = value.as_object_mut() {
         map.entry("apiVersion")
-            .or_insert_with(|| Value::from(crate::manifest::OME_API_VERSION));
+            .or_insert_with(|| Value::from(modelfs_ome::OME_API_VERSION));
         map.insert("kind".to_owned(), Value::from(kind.as_str()));
     }
     let name = metadata_str(&value, "name").unwrap_or_default().to_owned();

@@ -18,7 +18,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::manifest::ModelKind;
+use modelfs_ome::ModelKind;
 
 /// Prefix (domain) of OME's node label keys.
 pub const LABEL_DOMAIN: &str = "models.ome.io";

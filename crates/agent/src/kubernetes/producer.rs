@@ -40,9 +40,9 @@ use kube::Client;
 
 use super::desired::{plan, PlanConfig, RawObject, SecretRef};
 use super::targeting::NodeFacts;
-use crate::manifest::{ModelKey, ModelKind};
 use crate::reconciler::{DesiredState, ReconcilerHandle};
 use crate::source::Token;
+use modelfs_ome::{ModelKey, ModelKind};
 
 /// Model object references by key, shared with the status writer (for Events).
 pub type References = Arc<Mutex<BTreeMap<ModelKey, ObjectReference>>>;
@@ -78,7 +78,7 @@ pub fn model_resource(kind: ModelKind) -> ApiResource {
     ApiResource {
         group: "ome.io".to_owned(),
         version: "v1beta1".to_owned(),
-        api_version: crate::manifest::OME_API_VERSION.to_owned(),
+        api_version: modelfs_ome::OME_API_VERSION.to_owned(),
         kind: kind.as_str().to_owned(),
         plural: plural.to_owned(),
     }

@@ -31,9 +31,9 @@ use serde_json::{json, Map, Value};
 
 use super::producer::model_resource;
 use super::status_sink::split_model_key;
-use crate::manifest::ModelKind;
 use crate::reconciler::ReconcilerHandle;
-use crate::status::ModelConfigStatus;
+use modelfs_ome::status::ModelConfigStatus;
+use modelfs_ome::ModelKind;
 
 /// The merge patch of `spec` that OME's back-fill would apply, or an empty map.
 pub fn spec_patch(spec: &Value, config: &ModelConfigStatus) -> Map<String, Value> {
@@ -224,7 +224,7 @@ async fn backfill(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::modelconfig::{derive, MemFiles, Outcome};
+    use modelfs_ome::modelconfig::{derive, MemFiles, Outcome};
 
     fn derived() -> ModelConfigStatus {
         let config = br#"{"model_type":"llama","architectures":["LlamaForCausalLM"],

@@ -59,9 +59,9 @@ use super::names::{
     NODE_CONFIGMAP_LABEL, NODE_NAME_ANNOTATION, STATUS_CONFIGMAP_LABEL,
 };
 use super::producer::References;
-use crate::manifest::ModelKind;
 use crate::reconciler::ReconcilerHandle;
-use crate::status::{ModelStatus, StatusDoc};
+use modelfs_ome::status::{ModelStatus, StatusDoc};
+use modelfs_ome::ModelKind;
 
 /// Name this daemon reports as the ConfigMap's manager and as the Events' controller.
 pub const MANAGER: &str = "modelfs";

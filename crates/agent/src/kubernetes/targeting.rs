@@ -18,7 +18,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::manifest::ome::{NodeAffinity, NodeSelectorRequirement, NodeSelectorTerm, StorageSpec};
+use modelfs_ome::objects::{NodeAffinity, NodeSelectorRequirement, NodeSelectorTerm, StorageSpec};
 
 /// The facts about a node that targeting reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

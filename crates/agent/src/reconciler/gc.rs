@@ -26,8 +26,8 @@ use serde::Serialize;
 
 use super::records::Records;
 use super::{Reconciler, Stage};
-use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
-use crate::store::{StateDir, StoreId};
+use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
+use modelfs_core::store::{StateDir, StoreId};
 
 /// How the garbage collector learns about uses that the records do not show.
 pub trait Usage {
@@ -130,7 +130,8 @@ pub fn plan(
     if let Ok(dirs) = state.store_dirs() {
         for dir in dirs {
             if StoreId::parse_dir_name(&dir).is_some_and(|id| !records.stores.contains_key(&id)) {
-                out.bytes += crate::store::fsutil::disk_usage(&state.stores_dir().join(&dir));
+                out.bytes +=
+                    modelfs_core::store::fsutil::disk_usage(&state.stores_dir().join(&dir));
                 out.orphan_store_dirs.push(dir);
             }
         }

@@ -61,9 +61,9 @@
 //! them.
 //!
 //! # Hugging Face cache view
-//! `remap` also derives the cache view ([`crate::fs::hf_cache`]) from the served `hf://` models
+//! `remap` also derives the cache view ([`modelfs_mount::vfs::hf_cache`]) from the served `hf://` models
 //! and hands it to the core in the same snapshot. A model path that nests with the view's
-//! directory is a conflict ([`crate::fs::hf_cache::path_conflict`], checked with the other
+//! directory is a conflict ([`modelfs_mount::vfs::hf_cache::path_conflict`], checked with the other
 //! path conflicts); lingering snapshots that expire trigger a `remap` on the tick.
 
 pub mod decide;
@@ -85,14 +85,14 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 
-use crate::artifact::{ArtifactId, Manifest, Sha256Digest, StoredArtifact};
-use crate::fs::hf_cache::{HfCacheView, HfServed};
-use crate::fs::{FsCore, MountEntry};
-use crate::manifest::{ModelKey, ModelSpec, MountPath, SourceUri};
 use crate::metrics::Metrics;
 use crate::source::{FetchContext, Progress, Source, SourceConfig, SourceError};
-use crate::status::StatusDoc;
-use crate::store::{StateDir, StoreId};
+use modelfs_core::artifact::{ArtifactId, Manifest, Sha256Digest, StoredArtifact};
+use modelfs_core::store::{StateDir, StoreId};
+use modelfs_mount::vfs::hf_cache::{HfCacheView, HfServed};
+use modelfs_mount::vfs::{FsCore, MountEntry};
+use modelfs_ome::status::StatusDoc;
+use modelfs_ome::{ModelKey, ModelSpec, MountPath, SourceUri};
 use records::{ModelPhase, ModelRecord, Records};
 
 use decide::{ClaimArtifact, ClaimKind, Effect, PathClaim, PathVerdict, Placement};
@@ -112,8 +112,8 @@ const MAX_BATCH: usize = 64;
 /// Longest time between two garbage collection passes when nothing changes.
 const GC_BACKSTOP: Duration = Duration::from_secs(600);
 
-/// Where mapping changes go (the mount side owns the trait: see [`crate::mountserver`]).
-pub use crate::mountserver::MountSink;
+/// Where mapping changes go (the mount side owns the trait: see [`modelfs_mount`]).
+pub use modelfs_mount::MountSink;
 
 #[derive(Clone, Debug)]
 pub struct ReconcilerConfig {
@@ -133,7 +133,7 @@ pub struct ReconcilerConfig {
     /// Source settings shared by all models (Hugging Face endpoint, default token, tuning).
     pub sources: SourceConfig,
     /// Directory of the Hugging Face cache view below the mount (`None`: no view); see
-    /// [`crate::fs::hf_cache`].
+    /// [`modelfs_mount::vfs::hf_cache`].
     pub hf_cache_dir: Option<MountPath>,
     /// How long a snapshot stays in the view after no model serves it.
     pub hf_cache_linger: Duration,
@@ -187,7 +187,7 @@ enum Event {
     /// The config files of a complete artifact were parsed.
     ConfigParsed {
         artifact: ArtifactId,
-        outcome: crate::modelconfig::Outcome,
+        outcome: modelfs_ome::modelconfig::Outcome,
     },
     Shutdown(tokio::sync::oneshot::Sender<()>),
     /// See [`ReconcilerHandle::inject_panic`].
@@ -444,7 +444,7 @@ pub struct Reconciler {
     to_wake: BTreeSet<ModelKey>,
     artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
     /// What each served artifact's config files give (see [`model_config`]).
-    model_configs: HashMap<ArtifactId, Arc<crate::modelconfig::Outcome>>,
+    model_configs: HashMap<ArtifactId, Arc<modelfs_ome::modelconfig::Outcome>>,
     model_configs_pending: std::collections::HashSet<ArtifactId>,
     gc_candidates: gc::Candidates,
     store_bytes: BTreeMap<StoreId, u64>,
@@ -1155,7 +1155,7 @@ impl Reconciler {
                     Err(e) => {
                         let err = SourceError::Store {
                             path: store.to_string(),
-                            source: crate::store::StoreError::io("creating store", e),
+                            source: modelfs_core::store::StoreError::io("creating store", e),
                         };
                         self.fail(key, &fp, &err);
                         return;
@@ -1215,7 +1215,7 @@ impl Reconciler {
     fn adopt_from(&self, spec: &ModelSpec) -> Option<crate::adopt::AdoptFrom> {
         let under = self.config.sources.under_mount.clone()?;
         let local = match &spec.source {
-            crate::manifest::SourceUri::Local { path } => under.relative_of(path),
+            modelfs_ome::SourceUri::Local { path } => under.relative_of(path),
             _ => None,
         };
         let dir = local.unwrap_or_else(|| spec.path.segments().iter().collect());
@@ -1283,7 +1283,7 @@ impl Reconciler {
                 if let Err(e) = self.state.save_artifact(&stored) {
                     let err = SourceError::Store {
                         path: "artifact record".into(),
-                        source: crate::store::StoreError::io("saving artifact", e),
+                        source: modelfs_core::store::StoreError::io("saving artifact", e),
                     };
                     if current {
                         self.fail(&key, &fp, &err);
@@ -1528,7 +1528,7 @@ impl Reconciler {
     /// Why `path` cannot be a model path: it nests with the Hugging Face cache view.
     fn hf_cache_conflict(&self, path: &MountPath) -> Option<String> {
         let dir = self.config.hf_cache_dir.as_ref()?;
-        crate::fs::hf_cache::path_conflict(path.segments(), dir.segments())
+        modelfs_mount::vfs::hf_cache::path_conflict(path.segments(), dir.segments())
     }
 
     /// Fails `key` because its path lies in or around the cache view's directory. Not a path

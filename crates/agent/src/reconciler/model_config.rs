@@ -1,4 +1,4 @@
-//! Config parsing per artifact (see [`crate::modelconfig`]).
+//! Config parsing per artifact (see [`modelfs_ome::modelconfig`]).
 //!
 //! The fields OME derives from `config.json` depend only on an artifact's bytes, so they are
 //! computed once per artifact, the first time a model is served from it complete and verified,
@@ -16,10 +16,10 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::{Event, Reconciler};
-use crate::artifact::ArtifactId;
-use crate::manifest::ModelKey;
-use crate::modelconfig::{derive, Outcome, PathFiles};
-use crate::status::ModelStatus;
+use modelfs_core::artifact::ArtifactId;
+use modelfs_ome::modelconfig::{derive, Outcome, PathFiles};
+use modelfs_ome::status::ModelStatus;
+use modelfs_ome::ModelKey;
 
 /// Bumped when the derivation changes, so that cached results are recomputed.
 const PARSER_VERSION: u32 = 1;
@@ -34,7 +34,7 @@ impl Reconciler {
     /// Starts a parse for every served artifact that has no result yet (loading the cached one
     /// when there is).
     pub(super) fn request_model_configs(&mut self) {
-        let wanted: Vec<(ArtifactId, crate::store::StoreId)> = self
+        let wanted: Vec<(ArtifactId, modelfs_core::store::StoreId)> = self
             .records
             .models
             .values()

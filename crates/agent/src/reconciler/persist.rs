@@ -109,7 +109,7 @@ impl Reconciler {
         if bytes == self.saved {
             return true;
         }
-        let result = crate::store::fsutil::atomic_write(&self.state.records_path(), &bytes);
+        let result = modelfs_core::store::fsutil::atomic_write(&self.state.records_path(), &bytes);
         let ok = result.is_ok();
         self.records_writes.record(&result, &self.metrics);
         if ok {
@@ -147,8 +147,10 @@ impl Reconciler {
     }
 
     fn write_status_file(&mut self) {
-        let result =
-            crate::store::fsutil::atomic_write(&self.state.status_path(), &self.status_bytes);
+        let result = modelfs_core::store::fsutil::atomic_write(
+            &self.state.status_path(),
+            &self.status_bytes,
+        );
         self.status_file_stale = result.is_err();
         self.status_writes.record(&result, &self.metrics);
     }

@@ -1,6 +1,6 @@
 //! The reconciler's durable records: which models exist, what each one serves, and which
 //! stores exist and who owns them. They belong to the reconciler (policies, phases, ownership);
-//! the store ([`crate::store`]) knows only blobs and store directories.
+//! the store ([`modelfs_core::store`]) knows only blobs and store directories.
 //!
 //! Kept as one JSON document replaced atomically (write, fsync, rename, fsync directory) rather
 //! than in an embedded database. The document is small (a few hundred bytes per model: file lists
@@ -16,9 +16,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::artifact::ArtifactId;
-use crate::manifest::{DownloadPolicy, ModelKey};
-use crate::store::{fsutil, StoreId};
+use modelfs_core::artifact::ArtifactId;
+use modelfs_core::store::{fsutil, StoreId};
+use modelfs_ome::{DownloadPolicy, ModelKey};
 
 /// Version of the records format; bumped on incompatible changes.
 pub const RECORDS_FORMAT: u32 = 1;
@@ -233,6 +233,9 @@ impl Records {
 }
 
 #[cfg(test)]
+mod proptests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -242,7 +245,7 @@ mod tests {
         let path = dir.path().join("records.json");
         assert_eq!(Records::load(&path).unwrap(), Records::default());
         let mut r = Records::default();
-        let key = ModelKey::new(crate::manifest::ModelKind::ClusterBaseModel, None, "a").unwrap();
+        let key = ModelKey::new(modelfs_ome::ModelKind::ClusterBaseModel, None, "a").unwrap();
         let id = r.allocate_store(&key);
         assert_eq!(id.as_str(), "s00000001");
         assert_eq!(StoreId::parse_dir_name("s00000001"), Some(id.clone()));

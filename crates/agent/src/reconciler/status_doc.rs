@@ -9,9 +9,9 @@ use std::time::SystemTime;
 
 use super::records::ModelPhase;
 use super::{Reconciler, Stage};
-use crate::manifest::ModelKey;
-use crate::status::{rfc3339, ModelStatus, ProgressStatus, StatusDoc};
-use crate::store::StoreId;
+use modelfs_core::store::StoreId;
+use modelfs_ome::status::{rfc3339, ModelStatus, ProgressStatus, StatusDoc};
+use modelfs_ome::ModelKey;
 
 impl Reconciler {
     fn abs_path(&self, rel: &str) -> String {

@@ -14,7 +14,7 @@
 //! * A copy is written, hashed and verified in one pass over the bytes, with one read buffer per
 //!   worker sized to the file (a 50-byte file costs one `read`, no 1 MiB allocation).
 //! * Verified files are staged in `tmp/` unsynced and published in batches
-//!   ([`crate::store::Store::publish`]: one `syncfs`, the renames into `blobs/`, one directory
+//!   ([`modelfs_core::store::Store::publish`]: one `syncfs`, the renames into `blobs/`, one directory
 //!   fsync) of at most [`BATCH_FILES`] files or [`BATCH_BYTES`] bytes, the last batch before the
 //!   fetch returns. The reconciler records an artifact (and the model `Ready`) only after the
 //!   fetch returned, so a crash at any point leaves a record that points at synced blobs or no
@@ -73,9 +73,11 @@ use rustix::io::Errno;
 use sha2::{Digest, Sha256};
 
 use super::{FetchContext, SourceError};
-use crate::artifact::{validate_relative_path, FileDigest, Manifest, ManifestEntry, Sha256Digest};
 use crate::metrics::SourceScheme;
-use crate::store::{StagedBlob, StoreError};
+use modelfs_core::artifact::{
+    validate_relative_path, FileDigest, Manifest, ManifestEntry, Sha256Digest,
+};
+use modelfs_core::store::{StagedBlob, StoreError};
 
 const CHUNK: usize = 1 << 20;
 
@@ -696,8 +698,8 @@ impl LocalSource {
                 }
                 Ok(None) => {} // another filesystem: copied below
                 Err(
-                    crate::store::StoreError::SizeMismatch { .. }
-                    | crate::store::StoreError::DigestMismatch { .. },
+                    modelfs_core::store::StoreError::SizeMismatch { .. }
+                    | modelfs_core::store::StoreError::DigestMismatch { .. },
                 ) => return Err(changed()),
                 Err(other) => return Err(store_err(other)),
             }
@@ -751,7 +753,7 @@ impl LocalSource {
             if let Err(e) = writer.write_all(&buf[..n]) {
                 writer.discard();
                 return Err(match e {
-                    crate::store::StoreError::SizeMismatch { .. } => changed(),
+                    modelfs_core::store::StoreError::SizeMismatch { .. } => changed(),
                     other => store_err(other),
                 });
             }
@@ -763,8 +765,8 @@ impl LocalSource {
         match writer.stage() {
             Ok(staged) => Ok(staged),
             Err(
-                crate::store::StoreError::SizeMismatch { .. }
-                | crate::store::StoreError::DigestMismatch { .. },
+                modelfs_core::store::StoreError::SizeMismatch { .. }
+                | modelfs_core::store::StoreError::DigestMismatch { .. },
             ) => Err(changed()),
             Err(other) => Err(store_err(other)),
         }
@@ -860,7 +862,7 @@ struct Batch {
 
 impl Import {
     /// Adds a staged blob to the batch; a full batch is published by the worker that filled it.
-    fn add(&self, blob: StagedBlob, store: &crate::store::Store) -> Result<(), StoreError> {
+    fn add(&self, blob: StagedBlob, store: &modelfs_core::store::Store) -> Result<(), StoreError> {
         let full = {
             let mut batch = self.batch.lock().expect("poisoned");
             batch.bytes += blob.size();
@@ -886,7 +888,7 @@ mod tests {
 
     use super::*;
     use crate::source::{KnownBlobs, Progress};
-    use crate::store::Store;
+    use modelfs_core::store::Store;
 
     fn write(path: &Path, data: &[u8], mode: u32) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();

@@ -19,10 +19,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::artifact::{ArtifactError, FileDigest, Manifest, ManifestEntry, Sha256Digest};
-use crate::manifest::SourceUri;
 use crate::metrics::{Metrics, SourceLabel, SourceScheme};
-use crate::store::{Store, StoreError};
+use modelfs_core::artifact::{ArtifactError, FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use modelfs_core::store::{Store, StoreError};
+use modelfs_ome::SourceUri;
 use pipeline::TransferError;
 
 #[derive(Debug, thiserror::Error)]

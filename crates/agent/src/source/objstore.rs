@@ -16,7 +16,7 @@
 //!
 //! # Identity and integrity
 //! Object stores vouch for no sha256 before the download. Each file's digest is
-//! [`FileDigest::Object`](crate::artifact::FileDigest::Object): its location, size and ETag (or
+//! [`FileDigest::Object`](modelfs_core::artifact::FileDigest::Object): its location, size and ETag (or
 //! version id), so a changed object is a new artifact and `ReuseIfExists` maps only onto a
 //! copy of the same object versions. Every range is requested with `If-Match: <ETag>`, so the
 //! bytes of one file all come from the version that was listed; the size is checked and the
@@ -53,9 +53,9 @@ use super::pipeline::{
     self, manifest_from_listing, ListedObject, RangeBody, RangeSource, TransferError, Transfers,
 };
 use super::{FetchContext, SourceConfig, SourceError, Token};
-use crate::artifact::{object_identity, FileDigest, Manifest, ManifestEntry, Sha256Digest};
-use crate::manifest::source::ObjectScheme;
 use crate::metrics::SourceScheme;
+use modelfs_core::artifact::{object_identity, FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use modelfs_ome::source::ObjectScheme;
 
 /// One object-store source as a model sees it.
 #[derive(Clone, Debug)]

@@ -13,7 +13,7 @@
 //! * **Large files as parallel ranges** (`range_streams` requests of `chunk_size` each). The
 //!   ranges are requested concurrently but handed to the writer *in order* (`buffered`), so the
 //!   partial file is always a contiguous prefix: it is hashed while written, and a crash leaves a
-//!   prefix that [`Store::resume_writer`](crate::store::Store::resume_writer) re-hashes and
+//!   prefix that [`Store::resume_writer`](modelfs_core::store::Store::resume_writer) re-hashes and
 //!   continues with a range from its end. At most `range_streams` chunks per file wait in memory.
 //! * **Verified before published.** The writer (a blocking thread per file) streams into
 //!   `tmp/<digest>.part`; `commit` checks size and the source's digest and renames into `blobs/`
@@ -48,10 +48,10 @@ use futures_util::stream::BoxStream;
 use futures_util::{stream, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
 use crate::metrics::SourceScheme;
 use crate::source::{FetchContext, Progress, SourceError, ThrottleObserver};
-use crate::store::StoreError;
+use modelfs_core::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use modelfs_core::store::StoreError;
 
 /// Download tuning, shared by all remote sources. The defaults were measured against a local
 /// hub on a 2-core machine (see `BENCHMARKS.md`, "Hugging Face download") and are meant to be
@@ -455,7 +455,7 @@ pub fn manifest_from_listing(
         let rel = if dir.is_empty() {
             object.key.as_str()
         } else if object.key == dir {
-            return Err(crate::artifact::ArtifactError::BadPath {
+            return Err(modelfs_core::artifact::ArtifactError::BadPath {
                 path: object.key.clone(),
                 why: "the object is the model's prefix itself (a key that is both a file and a directory)",
             }
@@ -477,7 +477,7 @@ pub fn manifest_from_listing(
             path: rel.to_string(),
             size: object.size,
             digest: FileDigest::Object {
-                identity: crate::artifact::object_identity(
+                identity: modelfs_core::artifact::object_identity(
                     &format!("{location}/{}", object.key),
                     object.size,
                     &object.version,

@@ -24,17 +24,17 @@ use std::time::Duration;
 
 use notify::{RecursiveMode, Watcher};
 
-use crate::manifest::{parse_documents, Document, ManifestError, ModelKey, ModelSpec};
 use crate::metrics::Metrics;
 use crate::reconciler::{DesiredState, ReconcilerHandle};
 use crate::source::Token;
+use modelfs_ome::{parse_documents, Document, ManifestError, ModelKey, ModelSpec};
 
 /// `spec.storage.parameters` entry that carries a source token in standalone manifests. It is
 /// moved out of the spec into [`DesiredState::tokens`] so no spec ever holds a secret.
 pub const TOKEN_PARAMETER: &str = "token";
 
 /// Largest manifest file that is read. An OME model object is well under 2 KiB, so this holds
-/// thousands of models (more than [`crate::manifest::MAX_DOCUMENTS_PER_FILE`]), while a runaway
+/// thousands of models (more than [`modelfs_ome::MAX_DOCUMENTS_PER_FILE`]), while a runaway
 /// generator or a file dropped here by mistake (a model's weights) costs no memory or parse
 /// time. A larger file is unusable like an invalid one: it keeps the models it defined before.
 pub const MAX_MANIFEST_FILE_BYTES: u64 = 4 << 20;

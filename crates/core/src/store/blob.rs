@@ -303,7 +303,7 @@ impl Store {
             // Size and mtime, not ctime: ctime also moves when another model adopts the same
             // old file at the same time (links, renames of its links), which is no change of
             // the bytes. A writer moves mtime; one that resets it afterwards is out of scope
-            // (see `crate::adopt`).
+            // (see `modelfs_agent::adopt`).
             let stamp = |m: &std::fs::Metadata| (m.len(), m.mtime(), m.mtime_nsec());
             let changed = stamp(&before) != stamp(&after);
             if changed {
@@ -331,7 +331,7 @@ impl Store {
     }
 
     /// Stages `file` (open for reading, a `local://` source file that may be linked, see
-    /// `crate::source::local`) as a blob without copying it: a hard link into `tmp/`, then the
+    /// `modelfs_agent::source::local`) as a blob without copying it: a hard link into `tmp/`, then the
     /// bytes of the linked inode are verified against `expected` with its size and
     /// modification time unchanged over the check, as [`Store::import_file`] does. Returns
     /// `None` when the file is on another filesystem (`EXDEV`: copy it instead). Nothing is

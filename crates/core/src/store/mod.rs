@@ -1,6 +1,6 @@
 //! Blob stores: content-addressed blobs per store, their linking and deletion, and the state
 //! directory's files. The durable records (who owns which store, what each model serves) belong
-//! to the reconciler ([`crate::reconciler::records`]).
+//! to the reconciler (`modelfs_agent::reconciler::records`).
 //!
 //! Layout of `--state DIR`:
 //!
@@ -29,9 +29,6 @@
 
 pub mod blob;
 pub mod fsutil;
-
-#[cfg(test)]
-mod proptests;
 
 use std::fmt;
 use std::io;

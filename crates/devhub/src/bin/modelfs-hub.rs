@@ -1,5 +1,5 @@
 //! `modelfs-hub`: a Hugging Face-compatible hub on loopback, for tests and benchmarks only
-//! (see `modelfs::devhub`). Not shipped to nodes.
+//! (see `modelfs_devhub::hf`). Not shipped to nodes.
 //!
 //! ```text
 //! modelfs-hub --repo org/name[@ref1,ref2]=DIR [--repo ...] [--gated org/name] [--page-size N]
@@ -9,7 +9,7 @@
 //! read from env `MODELFS_HUB_TOKEN`.
 //!
 //! Hostile mode: each `--fault` installs a fault rule at start (the JSON of
-//! `modelfs::devhub::Fault`, as `POST /_hub/faults` takes), for example a listing whose
+//! `modelfs_devhub::hf::Fault`, as `POST /_hub/faults` takes), for example a listing whose
 //! pagination never ends, a revision request that never answers, or a 5xx whose body never
 //! comes; `--ignore-range` makes it a server that ignores `Range`:
 //!
@@ -26,7 +26,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use modelfs::devhub::{files_from_dir, Fault, Hub, HubConfig};
+use modelfs_devhub::hf::{files_from_dir, Fault, Hub, HubConfig};
 
 #[derive(Parser)]
 #[command(

@@ -1,5 +1,5 @@
 //! `modelfs-oci-dev`: an OCI Object Storage look-alike on loopback, for tests and benchmarks
-//! only (see `modelfs::devoci`). Not shipped to nodes.
+//! only (see `modelfs_devhub::oci`). Not shipped to nodes.
 //!
 //! ```text
 //! modelfs-oci-dev --bucket NS/BUCKET[/PREFIX]=DIR [--bucket ...] --key KEYID=PUBLIC.pem [--key ...]
@@ -16,9 +16,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use modelfs::devhub::Fault;
-use modelfs::devoci::{OciDev, OciDevConfig};
-use modelfs::source::oci::sign::rsa_public_key_from_pem;
+use modelfs_agent::source::oci::sign::rsa_public_key_from_pem;
+use modelfs_devhub::hf::Fault;
+use modelfs_devhub::oci::{OciDev, OciDevConfig};
 
 #[derive(Parser)]
 #[command(

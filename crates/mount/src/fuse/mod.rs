@@ -47,8 +47,8 @@ use fuser::{
     Request, SessionACL,
 };
 
-use crate::fs::{Attr, FsCore, FsError, Invalidation, Kind, OpenBlob};
-use crate::metrics::Metrics;
+use crate::metrics::FuseMetrics;
+use crate::vfs::{Attr, FsCore, FsError, Invalidation, Kind, OpenBlob};
 
 pub use mountpoint::{clean_stale_mount, MountpointError};
 
@@ -122,7 +122,7 @@ struct BackingCache {
 
 struct ModelFs {
     core: Arc<FsCore>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<FuseMetrics>,
     config: FuseConfig,
     /// Set in `init` when the kernel accepted passthrough; cleared when the daemon turns out to
     /// lack the privilege for it, so later opens skip the doomed attempt.
@@ -705,7 +705,7 @@ impl Drop for MountHandle {
 /// first) and starts serving requests on `config.threads` threads.
 pub fn mount(
     core: Arc<FsCore>,
-    metrics: Arc<Metrics>,
+    metrics: Arc<FuseMetrics>,
     mountpoint: &Path,
     config: FuseConfig,
 ) -> Result<MountHandle, MountError> {

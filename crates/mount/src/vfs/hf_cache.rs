@@ -43,7 +43,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{InlineFile, MountEntry, StoreHandle};
-use crate::artifact::StoredArtifact;
+use modelfs_core::artifact::StoredArtifact;
 
 /// Default directory of the view below the mount (`--hf-cache-dir`).
 pub const DEFAULT_DIR: &str = ".hf-cache";
@@ -220,8 +220,8 @@ mod tests {
 
     use super::super::{Attr, FsCore, FsError, Kind, ROOT_INO};
     use super::*;
-    use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
-    use crate::store::{Store, StoreId};
+    use modelfs_core::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+    use modelfs_core::store::{Store, StoreId};
 
     const C1: &str = "1111111111111111111111111111111111111111";
     const C2: &str = "2222222222222222222222222222222222222222";

@@ -62,8 +62,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
 
-use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
-use crate::store::{Store, StoreId};
+use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
+use modelfs_core::store::{Store, StoreId};
 
 pub use tree::{ModelTree, NodeKind};
 
@@ -325,7 +325,7 @@ pub struct FsCore {
     /// file, a retired slot forgotten by the kernel): garbage collection runs when it moved.
     usage_epoch: AtomicU64,
     /// The entries and files of the last successful [`FsCore::apply_with_files`]: what the
-    /// agent sends to the mount server ([`crate::mountserver`]).
+    /// agent sends to the mount server ([`crate`]).
     last_applied: Mutex<Arc<AppliedMapping>>,
     /// Uses of stores that another process serving this mapping reports (the mount server's
     /// open files and retired slots, seen from the agent).

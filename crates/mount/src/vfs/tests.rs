@@ -4,8 +4,8 @@ use std::ffi::OsStr;
 use proptest::prelude::*;
 
 use super::*;
-use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
-use crate::store::Store;
+use modelfs_core::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use modelfs_core::store::Store;
 
 /// An artifact whose files hold `content(path)`, with blobs written into `store`.
 fn artifact(store: &Store, files: &[(&str, &[u8])]) -> Arc<StoredArtifact> {

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use crate::artifact::{Sha256Digest, StoredArtifact};
+use modelfs_core::artifact::{Sha256Digest, StoredArtifact};
 
 #[derive(Debug)]
 pub struct TreeNode {
@@ -140,7 +140,7 @@ impl ModelTree {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::artifact::{FileDigest, Manifest, ManifestEntry};
+    use modelfs_core::artifact::{FileDigest, Manifest, ManifestEntry};
 
     #[test]
     fn breadth_first_name_ordered_indices() {

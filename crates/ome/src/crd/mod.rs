@@ -2,7 +2,7 @@
 //! types (`modelfs crd`).
 //!
 //! OME installs these CRDs itself; modelfs ships equivalent ones (`deploy/crds/`) for clusters
-//! that run modelfs without OME. They must not drift from what [`super::ome`] parses, so the
+//! that run modelfs without OME. They must not drift from what [`super::objects`] parses, so the
 //! `spec` schema is not written by hand: `schemars` derives a JSON Schema from
 //! [`BaseModelSpec`] and [`structural_schema`] rewrites it into the structural form the API server
 //! requires (inlined references, one `type` per node, `nullable` instead of `null` branches,
@@ -37,7 +37,7 @@ use serde_json::{json, Value};
 
 pub use structural::structural_schema;
 
-use super::ome::{BaseModelSpec, ModelKind};
+use super::objects::{BaseModelSpec, ModelKind};
 
 /// API group of OME's model objects.
 pub const GROUP: &str = "ome.io";

@@ -199,7 +199,7 @@ fn envelope_matches_ome() {
         "named as OME names its files"
     );
     for (crd, file_name) in generated().iter().zip(&file_names) {
-        let ome = crate::manifest::test_support::read_ome_crd(file_name);
+        let ome = crate::test_support::read_ome_crd(file_name);
         assert_eq!(crd["apiVersion"], ome["apiVersion"]);
         assert_eq!(crd["kind"], "CustomResourceDefinition");
         assert_eq!(crd["metadata"]["name"], ome["metadata"]["name"]);
@@ -297,7 +297,7 @@ fn every_ome_spec_property_exists_with_the_same_type() {
         .iter()
         .zip(["ome.io_basemodels.yaml", "ome.io_clusterbasemodels.yaml"])
     {
-        let ome = crate::manifest::test_support::read_ome_crd(file_name);
+        let ome = crate::test_support::read_ome_crd(file_name);
         let theirs = &ome["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
         let storage = theirs["properties"]["storage"]["properties"]
             .as_object()
@@ -329,7 +329,7 @@ fn yaml_stream_reads_back_as_the_crds() {
 /// `deploy/crds/` holds exactly what `modelfs crd --output-dir` writes.
 #[test]
 fn committed_crds_are_up_to_date() {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/crds"));
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/crds"));
     for crd in custom_resource_definitions().expect("CRDs generate") {
         let path = dir.join(file_name(&crd));
         let committed = std::fs::read_to_string(&path).unwrap_or_default();

@@ -12,7 +12,10 @@ use super::*;
 fn fixtures_dir() -> PathBuf {
     match std::env::var_os("MODELFS_FIXTURES_DIR") {
         Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures")),
+        None => PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../../shared/fixtures"
+        )),
     }
     .join("hf-configs")
 }

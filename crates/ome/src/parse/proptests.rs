@@ -1,15 +1,15 @@
 //! Property-based tests of the manifest parser: any text, and mutations of valid manifests
 //! (OME's own model files among them), parses into documents or fails with a reason, never
 //! panics and never hangs; what parses goes through validation (`to_spec`) the same way.
-//! Settings and the long mode: [`crate::proptest_support`].
+//! Settings and the long mode: [`modelfs_proptest_support`].
 
 use std::path::Path;
 
 use proptest::prelude::*;
 
 use super::*;
-use crate::manifest::test_support::fixtures_dir;
-use crate::proptest_support::{apply, bounded, config, mutations, CASE_LIMIT};
+use crate::test_support::fixtures_dir;
+use modelfs_proptest_support::{apply, bounded, config, mutations, CASE_LIMIT};
 
 const SAMPLE: &str = "\
 apiVersion: ome.io/v1beta1

@@ -18,10 +18,10 @@ mod tests;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use crate::artifact::ArtifactId;
-use crate::manifest::{ModelKey, MountPath};
 use crate::reconciler::records::{ModelPhase, ModelRecord, Records};
-use crate::store::StoreId;
+use modelfs_core::artifact::ArtifactId;
+use modelfs_core::store::StoreId;
+use modelfs_ome::{ModelKey, MountPath};
 
 pub use paths::{path_verdicts, ClaimArtifact, ClaimKind, PathClaim, PathVerdict};
 pub use placement::{in_scope, place, reuse_candidates, InFlight, Placement};

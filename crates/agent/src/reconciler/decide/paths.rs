@@ -5,8 +5,8 @@
 
 use std::collections::HashMap;
 
-use crate::artifact::ArtifactId;
-use crate::manifest::{ModelKey, MountPath};
+use modelfs_core::artifact::ArtifactId;
+use modelfs_ome::{ModelKey, MountPath};
 
 /// What a path claim serves, as far as the equal-path rule needs to know.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -134,8 +134,8 @@ pub fn path_verdicts(claims: &[PathClaim]) -> Vec<PathVerdict> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::artifact::Sha256Digest;
-    use crate::manifest::ModelKind;
+    use modelfs_core::artifact::Sha256Digest;
+    use modelfs_ome::ModelKind;
 
     fn key(ns: Option<&str>, name: &str) -> ModelKey {
         let kind = if ns.is_some() {

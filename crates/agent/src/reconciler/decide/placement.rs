@@ -3,10 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use crate::artifact::ArtifactId;
-use crate::manifest::{DownloadPolicy, ModelKey};
 use crate::reconciler::records::{ModelPhase, Records};
-use crate::store::StoreId;
+use modelfs_core::artifact::ArtifactId;
+use modelfs_core::store::StoreId;
+use modelfs_ome::{DownloadPolicy, ModelKey};
 
 /// What to do with a model whose artifact is known.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -149,9 +149,9 @@ pub fn place(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::artifact::Sha256Digest;
-    use crate::manifest::ModelKind;
     use crate::reconciler::records::{ModelRecord, StoreRecord};
+    use modelfs_core::artifact::Sha256Digest;
+    use modelfs_ome::ModelKind;
 
     fn key(ns: Option<&str>, name: &str) -> ModelKey {
         let kind = if ns.is_some() {

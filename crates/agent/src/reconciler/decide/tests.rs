@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use super::*;
-use crate::artifact::Sha256Digest;
-use crate::manifest::{DownloadPolicy, ModelKind};
+use modelfs_core::artifact::Sha256Digest;
+use modelfs_ome::{DownloadPolicy, ModelKind};
 
 use DownloadPolicy::{AlwaysDownload as Always, ReuseIfExists as Reuse};
 

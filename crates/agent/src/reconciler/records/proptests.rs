@@ -2,17 +2,17 @@
 //! artifact files (`artifacts/<id>.json`), and status entries (`status.json`, read by
 //! `modelfs status`, and the node ConfigMap's per-model JSON values, which other writers share).
 //! Arbitrary and mutated inputs either parse or give a reason; none panics or hangs. Settings
-//! and the long mode: [`crate::proptest_support`].
+//! and the long mode: [`modelfs_proptest_support`].
 
 use std::sync::Arc;
 
 use proptest::prelude::*;
 
-use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest, StoredArtifact};
-use crate::manifest::{ModelKey, ModelKind};
-use crate::proptest_support::{apply, bounded, config, mutations, CASE_LIMIT};
 use crate::reconciler::records::{ModelPhase, ModelRecord, Records, StoreRecord};
-use crate::status::{ModelStatus, StatusDoc};
+use modelfs_core::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest, StoredArtifact};
+use modelfs_ome::status::{ModelStatus, StatusDoc};
+use modelfs_ome::{ModelKey, ModelKind};
+use modelfs_proptest_support::{apply, bounded, config, mutations, CASE_LIMIT};
 
 const JSON_TOKENS: &[&str] = &[
     "{",

@@ -14,10 +14,10 @@ use reqwest::{Response, StatusCode};
 
 use super::client::network;
 use super::HfSource;
-use crate::artifact::{Manifest, ManifestEntry, Sha256Digest};
 use crate::metrics::SourceScheme;
 use crate::source::pipeline::{self, BodyStream, RangeBody, RangeSource, TransferError};
 use crate::source::{FetchContext, SourceError};
+use modelfs_core::artifact::{Manifest, ManifestEntry, Sha256Digest};
 
 /// Fetches every entry the store lacks; returns the sha256 blob of every entry.
 pub async fn fetch(

@@ -43,8 +43,8 @@ use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::Deserialize;
 
 use super::{FetchContext, SourceError, Token};
-use crate::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest, MAX_ENTRIES};
-use crate::manifest::source::is_commit_hash;
+use modelfs_core::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest, MAX_ENTRIES};
+use modelfs_ome::source::is_commit_hash;
 
 pub use crate::source::pipeline::DownloadTuning;
 use crate::source::pipeline::TransferError;
@@ -282,7 +282,7 @@ impl HfSource {
                 }
             }
             if entries.len() > MAX_ENTRIES {
-                return Err(crate::artifact::ArtifactError::TooManyEntries {
+                return Err(modelfs_core::artifact::ArtifactError::TooManyEntries {
                     count: entries.len(),
                 }
                 .into());

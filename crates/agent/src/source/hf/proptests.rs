@@ -2,7 +2,7 @@
 //! listing JSON (through the same types and checks as `resolve`, down to `Manifest::new`),
 //! `Link` pagination headers, `Content-Range` and `Retry-After`. Arbitrary and mutated inputs
 //! either parse or give a reason; none panics or hangs. Settings and the long mode:
-//! [`crate::proptest_support`].
+//! [`modelfs_proptest_support`].
 
 use proptest::prelude::*;
 use reqwest::header::{HeaderMap, HeaderValue, LINK};
@@ -10,7 +10,7 @@ use reqwest::header::{HeaderMap, HeaderValue, LINK};
 use super::client::{next_link, parse_retry_after};
 use super::download::parse_content_range_start;
 use super::*;
-use crate::proptest_support::{apply, bounded, config, mutations, CASE_LIMIT};
+use modelfs_proptest_support::{apply, bounded, config, mutations, CASE_LIMIT};
 
 const REVISION: &str =
     r#"{"id":"org/repo","sha":"0123456789abcdef0123456789abcdef01234567","siblings":[]}"#;

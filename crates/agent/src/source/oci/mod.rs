@@ -42,8 +42,8 @@ use super::pipeline::{
     self, BodyStream, ListedObject, RangeBody, RangeSource, TransferError, Transfers,
 };
 use super::{FetchContext, SourceError, Token};
-use crate::artifact::{Manifest, ManifestEntry, Sha256Digest};
 use crate::metrics::SourceScheme;
+use modelfs_core::artifact::{Manifest, ManifestEntry, Sha256Digest};
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 

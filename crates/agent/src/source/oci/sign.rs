@@ -13,7 +13,7 @@
 //!
 //! The service rejects a `date` more than five minutes from its clock. Both the client side
 //! ([`SigningKey`]) and the verifier of the development look-alike
-//! ([`crate::devoci`]: [`parse_authorization`], [`verify`]) live here, so the two sides share the
+//! (`modelfs_devhub::oci`: [`parse_authorization`], [`verify`]) live here, so the two sides share the
 //! one signing-string builder and a test drives the look-alike with the official `oci` Python
 //! SDK to prove that builder matches the service.
 

@@ -21,7 +21,7 @@ WORK=${WORK:-$(mktemp -d /tmp/modelfs-bench-hf.XXXXXX)}
 MODELFS_FLAGS=${MODELFS_FLAGS:-}
 TOOLS=${TOOLS:-curl huggingface_hub modelfs}
 
-cargo build --release --quiet --bin modelfs --bin modelfs-hub
+cargo build --release --quiet -p modelfs -p modelfs-devhub --bin modelfs --bin modelfs-hub
 BIN=$TARGET/release/modelfs
 HUB=$TARGET/release/modelfs-hub
 

@@ -7,7 +7,7 @@
 #
 # Needs root. Usage: scripts/bench-import.sh [models] [files-per-model] [mode] [binary]
 #   mode: 0644 (default: files owned by root and writable by their owner: copied into the store)
-#         or 0444 (read-only for everyone and owned by root: hard-linked, see src/source/local.rs)
+#         or 0444 (read-only for everyone and owned by root: hard-linked, see crates/agent/src/source/local.rs)
 #   binary defaults to a release build (built here).
 # Files are 1 to 100 bytes (about 50 on average), 1,000 per directory, every model its own
 # source directory with its own bytes; models are ClusterBaseModels in manifest files of 50.

@@ -11,7 +11,7 @@
 //! handles were opened after a flip to another store (same bytes, other file).
 //!
 //! Without passthrough, `read` is a `pread` on the blob and opens return `FOPEN_KEEP_CACHE`:
-//! a file's content never changes under its inode number (see `fs`), so the page cache can stay
+//! a file's content never changes under its inode number (see `vfs`), so the page cache can stay
 //! valid between opens. mmap works through the page cache in both modes.
 //!
 //! # Listings

@@ -6,17 +6,17 @@
 //! # Place in the workspace
 //!
 //! It depends on `modelfs-core` (artifacts, blob stores) and on nothing that speaks to a
-//! network or parses user input: no HTTP client or server, no Kubernetes client, no object
-//! store client, no async runtime, no OME types. Cargo enforces what the design promises: the
-//! process that must never die runs only this code. The agent (`modelfs-agent`) depends on this
+//! network: no HTTP client or server, no Kubernetes client, no object-store client, no async
+//! runtime; nor does it know OME's types. Cargo enforces what the design promises: the process
+//! that must never die runs only this code (and std, fuser, rustix). The agent (`modelfs-agent`) depends on this
 //! crate, never the other way: it applies mappings to its own [`vfs::FsCore`] and speaks
 //! [`protocol`] to the server; the mount side owns the [`MountSink`] trait the agent's
 //! reconciler sends changes to.
 //!
 //! # Two processes, one mount
 //!
-//! The **mount server** holds the FUSE session, the mapping and the
-//! open files; the **agent** (reconciler, sources, Kubernetes, HTTP) tells it what to serve.
+//! The **mount server** holds the FUSE session, the mapping and the open files; the **agent**
+//! (reconciler, sources, Kubernetes, HTTP) tells it what to serve.
 //!
 //! # Why
 //! OME's inference pods mount their model's hostPath without mount propagation: a pod keeps the

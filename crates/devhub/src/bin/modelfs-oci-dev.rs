@@ -11,6 +11,8 @@
 //! Prints `listening http://ADDR` on stdout once it serves. Faults are the hub look-alike's
 //! JSON rules (`POST /_oci/faults` takes a list); `GET /_oci/stats` reports counters.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 

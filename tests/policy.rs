@@ -366,18 +366,21 @@ fn deleting_a_parent_hands_its_store_to_a_child_and_deleting_all_empties_the_sta
     env.remove_models("kids.yaml");
     d.wait_gone("clusterbasemodel.k1");
     d.wait_gone("clusterbasemodel.k2");
-    d.wait_until("state empty", Duration::from_secs(30), |_| {
-        sh(&format!(
-            "du -sb '{}' | cut -f1",
-            env.state.join("stores").display()
-        )) == empty_usage
-    });
-    assert_eq!(
-        std::fs::read_dir(env.state.join("artifacts"))
-            .unwrap()
-            .count(),
-        0,
-        "artifact records left"
+    // Collection removes the stores first and the artifact records after them: wait for both
+    // (a timeout here means a store or an artifact record was left behind).
+    d.wait_until(
+        "stores and artifact records empty",
+        Duration::from_secs(30),
+        |_| {
+            sh(&format!(
+                "du -sb '{}' | cut -f1",
+                env.state.join("stores").display()
+            )) == empty_usage
+                && std::fs::read_dir(env.state.join("artifacts"))
+                    .unwrap()
+                    .count()
+                    == 0
+        },
     );
 }
 

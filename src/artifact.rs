@@ -343,6 +343,11 @@ impl Manifest {
         &self.entries
     }
 
+    /// The revision and the entries, to validate them again without a copy.
+    pub fn into_parts(self) -> (String, Vec<ManifestEntry>) {
+        (self.revision, self.entries)
+    }
+
     pub fn total_size(&self) -> u64 {
         self.entries.iter().map(|e| e.size).sum()
     }

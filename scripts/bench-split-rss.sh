@@ -10,7 +10,10 @@
 # The binary defaults to a release build (built here); pass target/debug/modelfs to measure a
 # debug build.
 # Environment:
-#   PHASES="import restart agent find"  which of the phases after the import to run
+#   PHASES="restart agent find"         which of the phases after the import to run
+#   SMAPS=1                             also split each RSS by kind (binary, anonymous, stacks)
+#   KILL_AT_END=1                       SIGKILL both processes at the end (a heap profiler then
+#                                       shows what was in use as not freed)
 #   SERVER_WRAP / AGENT_WRAP            a command prefix (e.g. "heaptrack -o /tmp/agent"): then
 #                                       `modelfs mount-server` and `modelfs agent` are started
 #                                       as two processes instead of `modelfs serve`
@@ -19,7 +22,7 @@ cd "$(dirname "$0")/.."
 N=${1:-1000}
 F=${2:-100}
 BIN=${3:-}
-PHASES=${PHASES:-import restart agent find}
+PHASES=${PHASES-restart agent find}
 if [ -z "$BIN" ]; then
     cargo build --release --quiet
     BIN=target/release/modelfs
@@ -94,31 +97,43 @@ wait_ready() {
     done
     echo "  all $N Ready after $((SECONDS - t0)) s"
 }
-# The process that runs modelfs itself (below a wrapper such as heaptrack, if any).
+# The modelfs process running subcommand $1 on this run's state (below a wrapper such as
+# heaptrack, if any).
 modelfs_pid() {
-    local p=$1
-    for _ in 1 2 3 4 5; do
-        if [ "$(readlink /proc/"$p"/exe 2>/dev/null)" = "$BIN" ]; then echo "$p"; return; fi
-        p=$(cat /proc/"$p"/task/*/children 2>/dev/null | tr ' ' '\n' | grep -v '^$' | head -1)
-        [ -z "$p" ] && break
+    local p
+    for p in /proc/[0-9]*; do
+        [ "$(readlink "$p/exe" 2>/dev/null)" = "$BIN" ] || continue
+        tr '\0' ' ' <"$p/cmdline" 2>/dev/null | grep -q -- " $1 .*--state $WORK/state" || continue
+        echo "${p#/proc/}"
+        return
     done
-    echo "$1"
 }
-server_pid() { modelfs_pid "$PID"; }
-agent_pid() {
-    if [ -n "$APID" ]; then
-        modelfs_pid "$APID"
-    else
-        cat /proc/"$PID"/task/*/children | tr ' ' '\n' | grep -v '^$' | head -1
-    fi
+server_pid() {
+    if [ -n "$APID" ]; then modelfs_pid mount-server; else echo "$PID"; fi
 }
+agent_pid() { modelfs_pid agent; }
 mem() {
     [ -n "$1" ] && [ -e /proc/"$1"/status ] || { echo "-"; return; }
     awk '/VmRSS/ {r = $2} /VmHWM/ {h = $2} END {printf "%.1f MiB (peak %.1f MiB)", r / 1024, h / 1024}' /proc/"$1"/status
 }
+# Resident memory by kind (SMAPS=1): the binary's own pages, heap and other anonymous memory,
+# thread stacks, other files.
+breakdown() {
+    [ -n "$1" ] && [ -e /proc/"$1"/smaps ] || return 0
+    awk -v bin="$BIN" '
+        /^[0-9a-f]+-[0-9a-f]+ / { name = $6; kind = (name == bin) ? "binary" : (name == "[heap]" || name == "") ? "anon" : (name ~ /^\[stack/) ? "stack" : "files" }
+        /^Rss:/ { kb[kind] += $2 }
+        END { printf "binary %.1f, anon+heap %.1f, stacks %.1f, other files %.1f MiB", kb["binary"]/1024, kb["anon"]/1024, kb["stack"]/1024, kb["files"]/1024 }
+    ' /proc/"$1"/smaps
+    echo ", $(ls /proc/"$1"/task | wc -l) threads"
+}
 report() {
     sleep 5
     echo "  $1: mount server $(mem "$(server_pid)"), agent $(mem "$(agent_pid)")"
+    if [ -n "${SMAPS:-}" ]; then
+        echo "    mount server: $(breakdown "$(server_pid)")"
+        echo "    agent: $(breakdown "$(agent_pid)")"
+    fi
 }
 stop_all() {
     # The modelfs processes themselves: a wrapper may not pass the signal on.
@@ -155,4 +170,12 @@ for phase in $PHASES; do
     esac
 done
 echo "load average $(cut -d' ' -f1-3 /proc/loadavg)"
-stop_all
+if [ -n "${KILL_AT_END:-}" ]; then
+    # A profiler then reports what was in use at the end as not freed.
+    kill -KILL "$(agent_pid)" "$(server_pid)" || true
+    [ -n "$APID" ] && { wait "$APID" || true; APID=; }
+    wait "$PID" || true
+    PID=
+else
+    stop_all
+fi

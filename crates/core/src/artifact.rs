@@ -332,6 +332,9 @@ impl Manifest {
                 prefix_end += pos + 1;
             }
         }
+        // Kept for as long as the artifact is served: no growth slack (a listing parsed
+        // from JSON or collected from a walk carries up to half its length again).
+        entries.shrink_to_fit();
         Ok(Self {
             revision,
             entries,
@@ -341,6 +344,11 @@ impl Manifest {
 
     pub fn entries(&self) -> &[ManifestEntry] {
         &self.entries
+    }
+
+    /// The revision and the entries, to validate them again without a copy.
+    pub fn into_parts(self) -> (String, Vec<ManifestEntry>) {
+        (self.revision, self.entries)
     }
 
     pub fn total_size(&self) -> u64 {
@@ -385,10 +393,11 @@ pub struct StoredArtifact {
 impl StoredArtifact {
     pub fn new(
         manifest: impl Into<Arc<Manifest>>,
-        blobs: Vec<Sha256Digest>,
+        mut blobs: Vec<Sha256Digest>,
         completed_at: u64,
     ) -> Result<Self, ArtifactError> {
         let manifest = manifest.into();
+        blobs.shrink_to_fit();
         if blobs.len() != manifest.entries().len() {
             return Err(ArtifactError::BlobCountMismatch {
                 entries: manifest.entries().len(),
@@ -401,6 +410,15 @@ impl StoredArtifact {
             blobs,
             completed_at,
         })
+    }
+
+    /// Drops the growth slack of a freshly parsed artifact (JSON arrays are read into
+    /// doubling vectors) before it is kept for as long as it is served.
+    pub fn shrink_to_fit(&mut self) {
+        if let Some(manifest) = Arc::get_mut(&mut self.manifest) {
+            manifest.entries.shrink_to_fit();
+        }
+        self.blobs.shrink_to_fit();
     }
 
     pub fn files(&self) -> impl Iterator<Item = (&ManifestEntry, &Sha256Digest)> {

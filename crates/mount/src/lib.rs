@@ -52,7 +52,8 @@
 //!
 //! # Garbage collection across the socket
 //! The agent's reconciler still applies every mapping to its own [`crate::vfs::FsCore`] (no
-//! kernel behind it) and asks it what is in use; the agent's `mount_client::RemoteMount` sends the mapping and
+//! kernel behind it, so it never builds a directory tree: its slots share the reconciler's
+//! artifacts) and asks it what is in use; the agent's `mount_client::RemoteMount` sends the mapping and
 //! feeds the server's usage reports into that core ([`crate::vfs::RemoteUsage`]): the stores held
 //! by open files and retired slots the kernel was not yet told about, with the blobs those may
 //! read. Until the server has confirmed the latest mapping and reported after it (and whenever

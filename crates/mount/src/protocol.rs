@@ -149,16 +149,45 @@ pub fn read_line<R: BufRead>(r: &mut R, limit: u64) -> io::Result<Option<Vec<u8>
     Ok(Some(line))
 }
 
-/// Reads and parses one message; `None` at end of stream.
+/// Reads and parses one message; `None` at end of stream. Parsed as it is read, without the
+/// whole line in a buffer first: the whole mapping of 100,000 files is tens of MB of JSON, and
+/// a buffer of that size left the mount server's heap that much larger after a reconnect.
 pub fn read_message<R: BufRead, M: serde::de::DeserializeOwned>(
     r: &mut R,
     limit: u64,
 ) -> io::Result<Option<M>> {
-    match read_line(r, limit)? {
-        None => Ok(None),
-        Some(line) => serde_json::from_slice(&line)
-            .map(Some)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e)),
+    if r.fill_buf()?.is_empty() {
+        return Ok(None);
+    }
+    let mut bounded = io::Read::take(&mut *r, limit + 1);
+    let parsed = {
+        let mut de = serde_json::Deserializer::from_reader(&mut bounded);
+        M::deserialize(&mut de)
+    };
+    let message = parsed.map_err(|e| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            if bounded.limit() == 0 {
+                format!("message longer than {limit} bytes")
+            } else if e.is_eof() {
+                "connection closed in the middle of a message".to_string()
+            } else {
+                e.to_string()
+            },
+        )
+    })?;
+    // A message is one line: the value, then its newline.
+    let mut newline = [0u8; 1];
+    match io::Read::read(&mut bounded, &mut newline)? {
+        1 if newline[0] == b'\n' => Ok(Some(message)),
+        0 if bounded.limit() == 0 => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("message longer than {limit} bytes"),
+        )),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "a message must end its line",
+        )),
     }
 }
 
@@ -195,5 +224,33 @@ mod tests {
         let mut r = io::Cursor::new(b"0123\nab".to_vec());
         assert_eq!(read_line(&mut r, 4).unwrap(), Some(b"0123".to_vec()));
         assert!(read_line(&mut r, 4).is_err(), "truncated message");
+    }
+
+    #[test]
+    fn messages_are_parsed_line_by_line_as_they_are_read() {
+        let read = |bytes: &[u8], limit| {
+            let mut r = io::BufReader::with_capacity(3, io::Cursor::new(bytes.to_vec()));
+            let mut out = Vec::new();
+            loop {
+                match read_message::<_, serde_json::Value>(&mut r, limit) {
+                    Ok(Some(v)) => out.push(v.to_string()),
+                    Ok(None) => return Ok(out),
+                    Err(e) => return Err((out, e.to_string())),
+                }
+            }
+        };
+        assert_eq!(
+            read(b"{\"a\":[1,2]}\n{\"b\":{}}\n", 64).unwrap(),
+            [r#"{"a":[1,2]}"#, r#"{"b":{}}"#]
+        );
+        let (got, err) = read(b"{\"a\":1}\n{\"b\":[1,2,3,4,5,6,7,8,9]}\n", 12).unwrap_err();
+        assert_eq!(got, [r#"{"a":1}"#]);
+        assert!(err.contains("longer than 12"), "{err}");
+        let (_, err) = read(b"{\"a\":[1,", 64).unwrap_err();
+        assert!(err.contains("closed in the middle"), "{err}");
+        let (_, err) = read(b"{\"a\":1} {\"b\":2}\n", 64).unwrap_err();
+        assert!(err.contains("end its line"), "{err}");
+        let (_, err) = read(b"{\"a\":1}", 64).unwrap_err();
+        assert!(err.contains("end its line"), "{err}");
     }
 }

@@ -417,7 +417,8 @@ pub struct Reconciler {
     config: ReconcilerConfig,
     state: StateDir,
     records: Records,
-    saved: Vec<u8>,
+    /// Digest of the records as last saved (the whole document is not kept to compare with).
+    saved: Option<Sha256Digest>,
     fs: Arc<FsCore>,
     mount: Option<Arc<dyn MountSink>>,
     metrics: Arc<Metrics>,
@@ -454,7 +455,8 @@ pub struct Reconciler {
     tx: mpsc::WeakUnboundedSender<Event>,
     status: Arc<ArcSwap<StatusDoc>>,
     status_changes: Arc<tokio::sync::watch::Sender<Arc<StatusDoc>>>,
-    status_bytes: Vec<u8>,
+    /// Digest of the status document last published.
+    status_digest: Option<Sha256Digest>,
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
     last_gc: Instant,
@@ -492,7 +494,7 @@ impl Reconciler {
             config,
             state,
             records,
-            saved: Vec::new(),
+            saved: None,
             fs,
             mount,
             metrics,
@@ -516,7 +518,7 @@ impl Reconciler {
             tx: tx.downgrade(),
             status: status.clone(),
             status_changes: status_changes.clone(),
-            status_bytes: Vec::new(),
+            status_digest: None,
             ready: ready.clone(),
             alive: alive.clone(),
             last_gc: Instant::now(),
@@ -532,7 +534,9 @@ impl Reconciler {
             .hf_cache_dir
             .as_ref()
             .map(|d| HfCacheView::new(d.segments().to_vec(), r.config.hf_cache_linger));
-        r.saved = serde_json::to_vec_pretty(&r.records).unwrap_or_default();
+        r.saved = serde_json::to_vec_pretty(&r.records)
+            .ok()
+            .map(|b| Sha256Digest::of(&b));
         r.recover();
         let keys: Vec<ModelKey> = r.records.models.keys().cloned().collect();
         for key in &keys {

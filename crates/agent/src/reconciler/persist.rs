@@ -10,6 +10,7 @@
 use std::time::{Duration, Instant};
 
 use super::Reconciler;
+use modelfs_core::artifact::Sha256Digest;
 
 const FIRST_RETRY: Duration = Duration::from_secs(1);
 const MAX_RETRY: Duration = Duration::from_secs(60);
@@ -106,14 +107,16 @@ impl Reconciler {
                 return false;
             }
         };
-        if bytes == self.saved {
+        // A digest, not the bytes: the records of 10,000 models are megabytes.
+        let digest = Sha256Digest::of(&bytes);
+        if self.saved == Some(digest) {
             return true;
         }
         let result = modelfs_core::store::fsutil::atomic_write(&self.state.records_path(), &bytes);
         let ok = result.is_ok();
         self.records_writes.record(&result, &self.metrics);
         if ok {
-            self.saved = bytes;
+            self.saved = Some(digest);
         }
         ok
     }
@@ -126,7 +129,8 @@ impl Reconciler {
         self.request_model_configs();
         let doc = self.status_doc();
         let bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
-        if bytes == self.status_bytes {
+        let digest = Sha256Digest::of(&bytes);
+        if self.status_digest == Some(digest) {
             return;
         }
         for status in ["Ready", "Updating", "Failed"] {
@@ -139,18 +143,21 @@ impl Reconciler {
         let doc = std::sync::Arc::new(doc);
         self.status.store(doc.clone());
         self.status_changes.send_replace(doc);
-        self.status_bytes = bytes;
+        self.status_digest = Some(digest);
         self.status_file_stale = true;
         if self.status_writes.due() {
-            self.write_status_file();
+            self.write_status_bytes(&bytes);
         }
     }
 
+    /// Writes the published document again (a retry after a failed write).
     fn write_status_file(&mut self) {
-        let result = modelfs_core::store::fsutil::atomic_write(
-            &self.state.status_path(),
-            &self.status_bytes,
-        );
+        let bytes = serde_json::to_vec_pretty(&**self.status.load()).unwrap_or_default();
+        self.write_status_bytes(&bytes);
+    }
+
+    fn write_status_bytes(&mut self, bytes: &[u8]) {
+        let result = modelfs_core::store::fsutil::atomic_write(&self.state.status_path(), bytes);
         self.status_file_stale = result.is_err();
         self.status_writes.record(&result, &self.metrics);
     }

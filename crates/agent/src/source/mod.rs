@@ -446,6 +446,14 @@ pub enum Source {
     Object(objstore::ObjectSource),
 }
 
+/// Local resolves (a walk and a hash of every file, on a blocking thread each) running at
+/// once in the whole process. Unbounded, the models of a first start all resolved at once:
+/// 1,000 `local://` models meant 512 blocking threads (tokio's limit), each a stack and a share
+/// of the allocator's arenas that kept their memory after the import, for no speed on a few
+/// cores (each resolve already hashes several files at once, see [`local`]). Fetches are
+/// bounded by the reconciler (`--max-concurrent-fetches`).
+static LOCAL_RESOLVES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
+
 impl Source {
     /// Builds the source for a validated URI with the model's own token (if any; the source's
     /// default applies otherwise) and `spec.storage.parameters`. Schemes without an
@@ -520,6 +528,8 @@ impl Source {
         match self {
             Source::Local(s) => {
                 let s = s.clone();
+                // Waiting here holds no thread; the semaphore is never closed.
+                let _permit = LOCAL_RESOLVES.acquire().await;
                 tokio::task::spawn_blocking(move || s.resolve(&cancel))
                     .await
                     .unwrap_or_else(|e| Err(SourceError::from_join(e)))

@@ -7,6 +7,14 @@
 //! mix. Building a snapshot is O(models + path segments): the per-file trees are immutable and
 //! shared, so re-pointing a 10,000-file model costs the same as a 10-file one.
 //!
+//! # Memory
+//! Per file, the core adds nothing to the artifact it is given until the kernel asks: a slot
+//! shares the mapping's `Arc<StoredArtifact>` and builds its [`ModelTree`] on the first
+//! request that needs it. Blob uses (garbage collection) are read from the artifact. So the
+//! agent's core, which no kernel talks to, holds no tree at all, and the mount server holds
+//! trees only for the models walked since they were mapped, at 8 bytes a file (see
+//! [`tree`]).
+//!
 //! # Inode numbers
 //! `ino = slot << 32 | node`. A *slot* is one (model path, artifact) pair, numbered on first use
 //! and never renumbered while mounted; `node` is the breadth-first, name-ordered index in the
@@ -56,7 +64,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
@@ -232,8 +240,11 @@ pub struct InlineFile {
 #[derive(Debug)]
 struct Slot {
     id: u32,
-    artifact: ArtifactId,
-    tree: Arc<ModelTree>,
+    /// Shared with the mapping's entry (and the agent's records): the slot adds no per-file
+    /// state of its own until the kernel asks for the tree.
+    artifact: Arc<StoredArtifact>,
+    /// Built on the first request that needs it (see [`Slot::tree`]).
+    tree: OnceLock<ModelTree>,
     mtime: SystemTime,
     /// Lookup count the kernel holds on this slot's inodes (FUSE `lookup` minus `forget`).
     kernel_refs: AtomicU64,
@@ -257,6 +268,15 @@ enum SlotState {
 }
 
 impl Slot {
+    /// The directory tree, built on first use. Only the kernel's requests need it (lookups,
+    /// attributes, listings, opens): a core that no kernel talks to (the agent's, see
+    /// [`crate`]) never builds one, and the mount server builds the trees of the
+    /// models that are actually walked. Blob uses come from the artifact itself.
+    fn tree(&self) -> &ModelTree {
+        self.tree
+            .get_or_init(|| ModelTree::from_artifact(&self.artifact))
+    }
+
     fn retired_store(&self) -> Option<Arc<StoreHandle>> {
         match &*self.state.lock().expect("slot lock") {
             SlotState::Retired(s) => Some(s.clone()),
@@ -447,13 +467,10 @@ impl FsCore {
                     continue;
                 };
                 out.stores.insert(store.id.clone());
-                let blobs = out.blobs.entry(store.id.clone()).or_default();
-                for idx in 0..slot.tree.len() as u32 {
-                    if let Some(NodeKind::File { blob, .. }) = slot.tree.node(idx).map(|n| &n.kind)
-                    {
-                        blobs.insert(*blob);
-                    }
-                }
+                out.blobs
+                    .entry(store.id.clone())
+                    .or_default()
+                    .extend(slot.artifact.blobs.iter().copied());
             }
         }
         for h in self.handles.iter() {
@@ -523,12 +540,9 @@ impl FsCore {
                     None => continue,
                 },
             };
-            let blobs = out.entry(store).or_default();
-            for idx in 0..slot.tree.len() as u32 {
-                if let Some(NodeKind::File { blob, .. }) = slot.tree.node(idx).map(|n| &n.kind) {
-                    blobs.insert(*blob);
-                }
-            }
+            out.entry(store)
+                .or_default()
+                .extend(slot.artifact.blobs.iter().copied());
         }
         for h in self.handles.iter() {
             if let Some(store) = &h.store {
@@ -621,8 +635,8 @@ impl FsCore {
                     .or_insert_with(|| {
                         Arc::new(Slot {
                             id: *slot_id,
-                            artifact: entry.artifact.id.clone(),
-                            tree: Arc::new(ModelTree::from_artifact(&entry.artifact)),
+                            artifact: entry.artifact.clone(),
+                            tree: OnceLock::new(),
                             mtime: UNIX_EPOCH + Duration::from_secs(entry.artifact.completed_at),
                             kernel_refs: AtomicU64::new(0),
                             state: Mutex::new(SlotState::Live),
@@ -653,7 +667,7 @@ impl FsCore {
                 if !new.models.contains_key(id) {
                     *m.slot.state.lock().expect("slot lock") = SlotState::Retired(m.store.clone());
                     reg.slot_ids
-                        .remove(&(m.path.clone(), m.slot.artifact.clone()));
+                        .remove(&(m.path.clone(), m.slot.artifact.id.clone()));
                     if m.slot.kernel_refs.load(Ordering::Acquire) == 0 {
                         slots.remove(id);
                     }
@@ -823,7 +837,7 @@ impl FsCore {
     }
 
     fn node_attr(slot: &Slot, node: u32) -> Result<Attr, FsError> {
-        let n = slot.tree.node(node).ok_or(FsError::NotFound)?;
+        let n = slot.tree().node(node).ok_or(FsError::NotFound)?;
         let ino = model_ino(slot.id, node);
         Ok(match &n.kind {
             NodeKind::Dir { subdirs, .. } => Attr {
@@ -870,11 +884,11 @@ impl FsCore {
         if slot.is_detached() {
             return Err(FsError::Stale);
         }
-        let children_of = slot.tree.node(node).ok_or(FsError::NotFound)?;
+        let children_of = slot.tree().node(node).ok_or(FsError::NotFound)?;
         if !matches!(children_of.kind, NodeKind::Dir { .. }) {
             return Err(FsError::NotDir);
         }
-        let child = slot.tree.child(node, name).ok_or(FsError::NotFound)?;
+        let child = slot.tree().child(node, name).ok_or(FsError::NotFound)?;
         slot.kernel_refs.fetch_add(1, Ordering::AcqRel);
         Self::node_attr(&slot, child)
     }
@@ -1041,25 +1055,32 @@ impl FsCore {
         if plus && slot.is_detached() {
             return Err(FsError::Stale);
         }
-        let children = slot.tree.children(node).ok_or(FsError::NotDir)?;
+        let children = slot.tree().children(node).ok_or(FsError::NotDir)?;
         let parent = if node == ModelTree::ROOT {
             self.model_parent_dir(slot_id)
         } else {
-            model_ino(slot_id, slot.tree.node(node).map(|n| n.parent).unwrap_or(0))
+            model_ino(
+                slot_id,
+                slot.tree().node(node).map(|n| n.parent).unwrap_or(0),
+            )
         };
         if dots(Self::node_attr(&slot, node)?, parent, &mut add) {
             return Ok(());
         }
-        let start = children.partition_point(|c| model_ino(slot_id, *c) <= after);
-        for child in &children[start..] {
-            let n = slot.tree.node(*child).ok_or(FsError::NotFound)?;
-            let child_ino = model_ino(slot_id, *child);
+        // Children are contiguous and ascending: resume after `after`.
+        let first_after = match after.checked_sub(model_ino(slot_id, 0)) {
+            Some(d) => u32::try_from(d + 1).unwrap_or(u32::MAX),
+            None => 0,
+        };
+        for child in children.start.max(first_after)..children.end {
+            let n = slot.tree().node(child).ok_or(FsError::NotFound)?;
+            let child_ino = model_ino(slot_id, child);
             let kind = match n.kind {
                 NodeKind::Dir { .. } => Kind::Dir,
                 NodeKind::File { .. } => Kind::File,
             };
             let attr = if plus {
-                Self::node_attr(&slot, *child)?
+                Self::node_attr(&slot, child)?
             } else {
                 PLACEHOLDER_ATTR
             };
@@ -1111,7 +1132,7 @@ impl FsCore {
                 }
             }
         };
-        let n = slot.tree.node(node).ok_or(FsError::NotFound)?;
+        let n = slot.tree().node(node).ok_or(FsError::NotFound)?;
         let (size, blob) = match &n.kind {
             NodeKind::File { size, blob } => (*size, *blob),
             NodeKind::Dir { .. } => return Err(FsError::IsDir),
@@ -1276,9 +1297,18 @@ fn sealed_memfd(content: &[u8]) -> io::Result<File> {
 /// model root in its synthesized parent `parent`. Entries the kernel never cached cost one
 /// `ENOENT` answer each.
 fn delete_tree(slot: &Slot, parent: u64, root_name: &str) -> Vec<Invalidation> {
-    let mut out = Vec::with_capacity(slot.tree.len());
-    for idx in (1..slot.tree.len() as u32).rev() {
-        if let Some(n) = slot.tree.node(idx) {
+    // A tree never built was never asked for: the kernel holds none of its inodes below the
+    // root (lookups and `readdirplus` build it before handing any out).
+    let Some(tree) = slot.tree.get() else {
+        return vec![Invalidation::Delete {
+            parent,
+            child: model_ino(slot.id, ModelTree::ROOT),
+            name: root_name.to_string(),
+        }];
+    };
+    let mut out = Vec::with_capacity(tree.len());
+    for idx in (1..tree.len() as u32).rev() {
+        if let Some(n) = tree.node(idx) {
             out.push(Invalidation::Delete {
                 parent: model_ino(slot.id, n.parent),
                 child: model_ino(slot.id, idx),

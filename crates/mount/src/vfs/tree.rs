@@ -5,33 +5,73 @@
 //! a node's index is deterministic for a given manifest, and children indices ascend with names:
 //! inode order equals name order, which keeps `readdir` offsets stable and lookups a binary
 //! search.
+//!
+//! # Size
+//! A mount of 100,000 files holds 100,000 nodes for as long as it is served, so a node is
+//! kept small: 8 bytes for a file, no allocation of its own. Breadth-first numbering puts a
+//! directory's children next to each other, so a directory stores the range of its children
+//! instead of a list. A file's name, size and blob are not copied: the node points at its
+//! manifest entry in the artifact the tree shares with the mapping (the name is the entry
+//! path's last segment). Only directories, a few per model, own their name.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
 
 use modelfs_core::artifact::{Sha256Digest, StoredArtifact};
 
+/// One node: its parent and what it is, in 8 bytes (see the module docs).
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    parent: u32,
+    /// A file's index in the manifest, or a directory's index in `dirs` with [`DIR_BIT`] set.
+    index: u32,
+}
+
+/// Marks [`Node::index`] as a directory. Manifests have at most
+/// [`modelfs_core::artifact::MAX_ENTRIES`] entries, far below it.
+const DIR_BIT: u32 = 1 << 31;
+
 #[derive(Debug)]
-pub struct TreeNode {
-    pub name: Box<str>,
+struct DirNode {
+    name: Box<str>,
+    /// Node indices of the children, contiguous and in name order.
+    children: Range<u32>,
+    subdirs: u32,
+}
+
+/// What a node is, as [`ModelTree::node`] reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NodeKind {
+    Dir { subdirs: u32 },
+    File { size: u64, blob: Sha256Digest },
+}
+
+/// One node as [`ModelTree::node`] reports it.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeRef<'a> {
+    pub name: &'a str,
     pub parent: u32,
     pub kind: NodeKind,
 }
 
 #[derive(Debug)]
-pub enum NodeKind {
-    Dir { children: Vec<u32>, subdirs: u32 },
-    File { size: u64, blob: Sha256Digest },
-}
-
-#[derive(Debug)]
 pub struct ModelTree {
-    nodes: Vec<TreeNode>,
+    artifact: Arc<StoredArtifact>,
+    nodes: Vec<Node>,
+    dirs: Vec<DirNode>,
     total_size: u64,
 }
 
-enum Building {
-    Dir(BTreeMap<String, Building>),
-    File(u64, Sha256Digest),
+/// A directory while the tree is built: children by name, borrowed from the manifest.
+#[derive(Default)]
+struct Building<'a> {
+    children: BTreeMap<&'a str, Child<'a>>,
+}
+
+enum Child<'a> {
+    Dir(Building<'a>),
+    File(u32),
 }
 
 impl ModelTree {
@@ -40,72 +80,99 @@ impl ModelTree {
 
     /// The manifest was validated when it was created (no clashes, no dot segments), so every
     /// entry inserts cleanly.
-    pub fn from_artifact(artifact: &StoredArtifact) -> Self {
-        let mut root = BTreeMap::new();
-        for (entry, blob) in artifact.files() {
+    pub fn from_artifact(artifact: &Arc<StoredArtifact>) -> Self {
+        let entries = artifact.manifest.entries();
+        let mut root = Building::default();
+        for (i, entry) in entries.iter().enumerate() {
             let mut dir = &mut root;
             let mut segments = entry.path.split('/').peekable();
             while let Some(seg) = segments.next() {
                 if segments.peek().is_none() {
-                    dir.insert(seg.to_string(), Building::File(entry.size, *blob));
+                    dir.children.insert(seg, Child::File(i as u32));
                     break;
                 }
                 let next = dir
-                    .entry(seg.to_string())
-                    .or_insert_with(|| Building::Dir(BTreeMap::new()));
+                    .children
+                    .entry(seg)
+                    .or_insert_with(|| Child::Dir(Building::default()));
                 dir = match next {
-                    Building::Dir(d) => d,
+                    Child::Dir(d) => d,
                     // Unreachable for a validated manifest; keep the file, drop the clash.
-                    Building::File(..) => break,
+                    Child::File(..) => break,
                 };
             }
         }
 
-        let mut nodes = vec![TreeNode {
-            name: "".into(),
+        let mut nodes = Vec::with_capacity(entries.len() + 1);
+        nodes.push(Node {
             parent: Self::ROOT,
-            kind: NodeKind::Dir {
-                children: Vec::new(),
-                subdirs: 0,
-            },
+            index: DIR_BIT,
+        });
+        let mut dirs = vec![DirNode {
+            name: "".into(),
+            children: 0..0,
+            subdirs: 0,
         }];
-        let mut queue = VecDeque::from([(Self::ROOT, root)]);
-        while let Some((dir_idx, entries)) = queue.pop_front() {
-            let mut children = Vec::with_capacity(entries.len());
+        // (index in `dirs`, node index, contents)
+        let mut queue = VecDeque::from([(0usize, Self::ROOT, root)]);
+        while let Some((dir_idx, parent, building)) = queue.pop_front() {
+            let first = nodes.len() as u32;
             let mut subdirs = 0;
-            for (name, child) in entries {
-                let idx = nodes.len() as u32;
-                children.push(idx);
+            for (name, child) in building.children {
                 match child {
-                    Building::File(size, blob) => nodes.push(TreeNode {
-                        name: name.into(),
-                        parent: dir_idx,
-                        kind: NodeKind::File { size, blob },
+                    Child::File(entry) => nodes.push(Node {
+                        parent,
+                        index: entry,
                     }),
-                    Building::Dir(sub) => {
+                    Child::Dir(sub) => {
                         subdirs += 1;
-                        nodes.push(TreeNode {
+                        let idx = dirs.len();
+                        dirs.push(DirNode {
                             name: name.into(),
-                            parent: dir_idx,
-                            kind: NodeKind::Dir {
-                                children: Vec::new(),
-                                subdirs: 0,
-                            },
+                            children: 0..0,
+                            subdirs: 0,
                         });
-                        queue.push_back((idx, sub));
+                        queue.push_back((idx, nodes.len() as u32, sub));
+                        nodes.push(Node {
+                            parent,
+                            index: DIR_BIT | idx as u32,
+                        });
                     }
                 }
             }
-            nodes[dir_idx as usize].kind = NodeKind::Dir { children, subdirs };
+            dirs[dir_idx].children = first..nodes.len() as u32;
+            dirs[dir_idx].subdirs = subdirs;
         }
+        nodes.shrink_to_fit();
+        dirs.shrink_to_fit();
         Self {
+            artifact: artifact.clone(),
             nodes,
+            dirs,
             total_size: artifact.manifest.total_size(),
         }
     }
 
-    pub fn node(&self, idx: u32) -> Option<&TreeNode> {
-        self.nodes.get(idx as usize)
+    pub fn node(&self, idx: u32) -> Option<NodeRef<'_>> {
+        let n = self.nodes.get(idx as usize)?;
+        Some(if n.index & DIR_BIT != 0 {
+            let d = &self.dirs[(n.index & !DIR_BIT) as usize];
+            NodeRef {
+                name: &d.name,
+                parent: n.parent,
+                kind: NodeKind::Dir { subdirs: d.subdirs },
+            }
+        } else {
+            let entry = &self.artifact.manifest.entries()[n.index as usize];
+            NodeRef {
+                name: last_segment(&entry.path),
+                parent: n.parent,
+                kind: NodeKind::File {
+                    size: entry.size,
+                    blob: self.artifact.blobs[n.index as usize],
+                },
+            }
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -120,21 +187,46 @@ impl ModelTree {
         self.total_size
     }
 
-    /// Children of a directory node, in name order (and index order).
-    pub fn children(&self, idx: u32) -> Option<&[u32]> {
-        match &self.node(idx)?.kind {
-            NodeKind::Dir { children, .. } => Some(children),
-            NodeKind::File { .. } => None,
+    /// Bytes the tree itself holds (its nodes and directories), without the artifact it
+    /// shares: what serving one more model of this artifact costs, per file.
+    pub fn heap_bytes(&self) -> usize {
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.dirs.capacity() * std::mem::size_of::<DirNode>()
+            + self.dirs.iter().map(|d| d.name.len()).sum::<usize>()
+    }
+
+    /// Children of a directory node: contiguous indices, in name order.
+    pub fn children(&self, idx: u32) -> Option<Range<u32>> {
+        let n = self.nodes.get(idx as usize)?;
+        (n.index & DIR_BIT != 0).then(|| self.dirs[(n.index & !DIR_BIT) as usize].children.clone())
+    }
+
+    fn name(&self, idx: u32) -> &str {
+        let n = &self.nodes[idx as usize];
+        if n.index & DIR_BIT != 0 {
+            &self.dirs[(n.index & !DIR_BIT) as usize].name
+        } else {
+            last_segment(&self.artifact.manifest.entries()[n.index as usize].path)
         }
     }
 
     pub fn child(&self, dir: u32, name: &str) -> Option<u32> {
         let children = self.children(dir)?;
-        children
-            .binary_search_by(|c| self.nodes[*c as usize].name.as_ref().cmp(name))
-            .ok()
-            .map(|i| children[i])
+        let (mut lo, mut hi) = (children.start, children.end);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.name(mid).cmp(name) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Some(mid),
+            }
+        }
+        None
     }
+}
+
+fn last_segment(path: &str) -> &str {
+    path.rsplit_once('/').map_or(path, |(_, name)| name)
 }
 
 #[cfg(test)]
@@ -159,9 +251,10 @@ mod tests {
             .iter()
             .map(|e| Sha256Digest::of(e.path.as_bytes()))
             .collect();
-        let tree = ModelTree::from_artifact(&StoredArtifact::new(manifest, blobs, 0).unwrap());
+        let tree =
+            ModelTree::from_artifact(&Arc::new(StoredArtifact::new(manifest, blobs, 0).unwrap()));
         let names: Vec<&str> = (0..tree.len() as u32)
-            .map(|i| tree.node(i).unwrap().name.as_ref())
+            .map(|i| tree.node(i).unwrap().name)
             .collect();
         assert_eq!(names, ["", "a", "b", "c", "y", "z", "x"]);
         assert_eq!(tree.child(0, "b"), Some(2));
@@ -170,5 +263,77 @@ mod tests {
         assert_eq!(tree.child(0, "x"), None);
         assert_eq!(tree.child(1, "x"), None, "a file has no children");
         assert_eq!(tree.total_size(), 1 + 3 + 5 + 1);
+    }
+
+    fn artifact_of(paths: &[String]) -> Arc<StoredArtifact> {
+        let entries = paths
+            .iter()
+            .map(|p| ManifestEntry {
+                path: p.clone(),
+                size: p.len() as u64,
+                digest: FileDigest::Sha256(Sha256Digest::of(p.as_bytes()).0),
+            })
+            .collect();
+        let manifest = Manifest::new("r".into(), entries).unwrap();
+        let blobs = manifest
+            .entries()
+            .iter()
+            .map(|e| Sha256Digest::of(e.path.as_bytes()))
+            .collect();
+        Arc::new(StoredArtifact::new(manifest, blobs, 0).unwrap())
+    }
+
+    #[test]
+    fn names_sizes_and_blobs_come_from_the_manifest() {
+        // "a.txt" sorts before "a/b" as a path but after "a" as a name.
+        let paths = ["a.txt", "a/b", "a-b", "a/c/d"].map(String::from);
+        let artifact = artifact_of(&paths);
+        let tree = ModelTree::from_artifact(&artifact);
+        let root: Vec<&str> = tree
+            .children(ModelTree::ROOT)
+            .unwrap()
+            .map(|i| tree.node(i).unwrap().name)
+            .collect();
+        assert_eq!(root, ["a", "a-b", "a.txt"]);
+        let a = tree.child(ModelTree::ROOT, "a").unwrap();
+        assert_eq!(
+            tree.node(a).unwrap().kind,
+            NodeKind::Dir { subdirs: 1 },
+            "a holds b and the directory c"
+        );
+        let d = tree.child(tree.child(a, "c").unwrap(), "d").unwrap();
+        let node = tree.node(d).unwrap();
+        assert_eq!(node.name, "d");
+        assert_eq!(
+            node.kind,
+            NodeKind::File {
+                size: 5,
+                blob: Sha256Digest::of(b"a/c/d")
+            }
+        );
+        assert_eq!(tree.children(d), None, "a file has no children");
+        for i in 1..tree.len() as u32 {
+            let parent = tree.node(i).unwrap().parent;
+            assert!(tree.children(parent).unwrap().contains(&i));
+        }
+    }
+
+    /// The tree costs 8 bytes per file (plus the few directories), whatever the file names:
+    /// names, sizes and blobs stay in the artifact it shares with the mapping. A regression
+    /// to per-file strings or lists shows here, without measuring a process.
+    #[test]
+    fn a_file_costs_eight_bytes_of_tree() {
+        let paths: Vec<String> = (0..10_000)
+            .map(|i| {
+                format!(
+                    "layer-{:03}/shard-with-a-long-name-{i:06}.safetensors",
+                    i / 100
+                )
+            })
+            .collect();
+        let tree = ModelTree::from_artifact(&artifact_of(&paths));
+        assert_eq!(tree.len(), 1 + 100 + 10_000);
+        let per_file = tree.heap_bytes() as f64 / paths.len() as f64;
+        assert!(per_file <= 8.5, "{per_file} bytes of tree per file");
     }
 }

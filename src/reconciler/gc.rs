@@ -77,7 +77,7 @@ pub fn plan(
         super::decide::garbage_stores(records, |id| usage.store_busy(id))
             .into_iter()
             .collect();
-    for (id, s) in &records.stores {
+    for (id, s) in records.stores() {
         if garbage.contains(id) {
             out.stores.push(id.clone());
             out.bytes += state
@@ -129,18 +129,23 @@ pub fn plan(
     }
     if let Ok(dirs) = state.store_dirs() {
         for dir in dirs {
-            if StoreId::parse_dir_name(&dir).is_some_and(|id| !records.stores.contains_key(&id)) {
+            if StoreId::parse_dir_name(&dir).is_some_and(|id| !records.stores().contains_key(&id)) {
                 out.bytes += crate::store::fsutil::disk_usage(&state.stores_dir().join(&dir));
                 out.orphan_store_dirs.push(dir);
             }
         }
     }
     let held: BTreeSet<&ArtifactId> = records
-        .stores
+        .stores()
         .iter()
         .filter(|(id, _)| !out.stores.contains(id))
         .flat_map(|(_, s)| s.artifacts.iter())
-        .chain(records.models.values().filter_map(|m| m.artifact.as_ref()))
+        .chain(
+            records
+                .models()
+                .values()
+                .filter_map(|m| m.artifact.as_ref()),
+        )
         .collect();
     for a in state.artifact_ids().unwrap_or_default() {
         if !held.contains(&a) {
@@ -285,7 +290,7 @@ impl Reconciler {
             return false;
         }
         for id in &ripe.stores {
-            self.records.stores.remove(id);
+            self.records.remove_store(id);
             self.store_bytes.remove(id);
             self.metrics
                 .store_bytes

@@ -189,6 +189,9 @@ enum Event {
         artifact: ArtifactId,
         outcome: crate::modelconfig::Outcome,
     },
+    /// The mount server left these entries of the mapping out (a missing blob or store), with
+    /// its reasons: the models served there are `Failed` and retried.
+    MountRefused(Vec<crate::mountserver::protocol::RefusedEntry>),
     Shutdown(tokio::sync::oneshot::Sender<()>),
     /// See [`ReconcilerHandle::inject_panic`].
     Panic(String),
@@ -424,6 +427,8 @@ pub struct Reconciler {
     desired: Option<DesiredState>,
     works: BTreeMap<ModelKey, Work>,
     retries: HashMap<ModelKey, Retry>,
+    /// How often the mount server refused each model (with the fingerprint it had then).
+    mount_refusals: HashMap<ModelKey, (String, u32)>,
     /// Models that failed before this start and were given their one fresh attempt.
     attempted_since_start: std::collections::HashSet<ModelKey>,
     path_losers: BTreeMap<ModelKey, PathLoser>,
@@ -499,6 +504,7 @@ impl Reconciler {
             desired: None,
             works: BTreeMap::new(),
             retries: HashMap::new(),
+            mount_refusals: HashMap::new(),
             attempted_since_start: std::collections::HashSet::new(),
             path_losers: BTreeMap::new(),
             remap_needed: false,
@@ -533,8 +539,17 @@ impl Reconciler {
             .as_ref()
             .map(|d| HfCacheView::new(d.segments().to_vec(), r.config.hf_cache_linger));
         r.saved = serde_json::to_vec_pretty(&r.records).unwrap_or_default();
+        if let Some(mount) = &r.mount {
+            // Weak: the listener must not keep the actor's queue open (see `sender`).
+            let reports = tx.downgrade();
+            mount.on_refused(Box::new(move |entries| {
+                if let Some(tx) = reports.upgrade() {
+                    let _ = tx.send(Event::MountRefused(entries));
+                }
+            }));
+        }
         r.recover();
-        let keys: Vec<ModelKey> = r.records.models.keys().cloned().collect();
+        let keys: Vec<ModelKey> = r.records.models().keys().cloned().collect();
         for key in &keys {
             r.index_paths(key);
         }
@@ -744,6 +759,10 @@ impl Reconciler {
                 self.on_config_parsed(artifact, outcome);
                 true
             }
+            Event::MountRefused(entries) => {
+                self.gc_due = true;
+                self.on_mount_refused(entries)
+            }
             Event::Shutdown(_) | Event::Panic(_) => unreachable!("handled in run"),
         };
         // A tick that changed nothing (the idle case) changed no claim either.
@@ -786,7 +805,7 @@ impl Reconciler {
     /// until the next call (harmless: claims come from the records), never miss a path.
     fn index_paths(&mut self, key: &ModelKey) {
         let mut new: Vec<Vec<String>> = Vec::new();
-        if let Some(rec) = self.records.models.get(key) {
+        if let Some(rec) = self.records.models().get(key) {
             for p in [Some(rec.path.as_str()), rec.served_path.as_deref()]
                 .into_iter()
                 .flatten()
@@ -837,10 +856,16 @@ impl Reconciler {
         out
     }
 
-    /// Debug builds: the path index holds every path of every record.
+    /// Debug builds: the path index holds every path of every record, and the records'
+    /// indexes agree with a full scan.
     #[cfg(debug_assertions)]
     fn check_path_index(&self) {
-        for (key, rec) in &self.records.models {
+        assert_eq!(
+            self.records.index(),
+            &records::RecordsIndex::build(self.records.models(), self.records.stores()),
+            "records index out of step"
+        );
+        for (key, rec) in self.records.models() {
             for p in [Some(rec.path.as_str()), rec.served_path.as_deref()]
                 .into_iter()
                 .flatten()
@@ -891,7 +916,7 @@ impl Reconciler {
         };
         let gone: Vec<ModelKey> = self
             .records
-            .models
+            .models()
             .keys()
             .filter(|k| !desired.models.contains_key(*k))
             .cloned()
@@ -919,7 +944,7 @@ impl Reconciler {
         );
         if self
             .records
-            .models
+            .models()
             .get(key)
             .is_some_and(|r| r.fingerprint == fp)
         {
@@ -928,23 +953,24 @@ impl Reconciler {
         self.cancel_work(key);
         self.retries.remove(key);
         self.path_losers.remove(key);
-        let seq = match self.records.models.get(key) {
+        let seq = match self.records.models().get(key) {
             Some(r) => r.seq,
             None => self.records.allocate_model_seq(),
         };
         let (namespace, name) = split_key(key);
-        let rec = self
-            .records
-            .models
-            .entry(key.clone())
-            .or_insert_with(|| ModelRecord::new(seq, name, namespace, ModelPhase::Failed));
+        if !self.records.models().contains_key(key) {
+            let rec = ModelRecord::new(seq, name, namespace, ModelPhase::Failed);
+            self.records.insert_model(key.clone(), rec);
+        }
+        let mut rec = self.records.model_mut(key).expect("model record");
         tracing::warn!(model = %key, reason, "invalid model object");
         rec.fingerprint = fp;
         rec.phase = ModelPhase::Failed;
         rec.reason = Some(reason.to_string());
         // Unmapped (its path may be what is invalid) but its own store is kept: fixing the
         // object must not cost a download, and its children keep being served.
-        decide::unmap(rec);
+        decide::unmap(&mut rec);
+        drop(rec);
         self.wake_waiters();
         true
     }
@@ -973,7 +999,8 @@ impl Reconciler {
             }
             None => {}
         }
-        match self.records.models.get_mut(key) {
+        let mut is_new = false;
+        match self.records.model_mut(key) {
             Some(rec) if rec.fingerprint == fp => match rec.phase {
                 ModelPhase::Ready if !in_cache_view => return false,
                 // Served, but the view directory now covers its path (a changed flag).
@@ -989,7 +1016,7 @@ impl Reconciler {
                 },
                 ModelPhase::Updating => {}
             },
-            Some(rec) => {
+            Some(mut rec) => {
                 rec.fingerprint = fp.clone();
                 rec.source = spec.source.to_string();
                 rec.policy = spec.policy;
@@ -1001,22 +1028,23 @@ impl Reconciler {
                 rec.reason = None;
                 self.retries.remove(key);
             }
-            None => {
-                let seq = self.records.allocate_model_seq();
-                let mut rec = ModelRecord::new(
-                    seq,
-                    spec.name.clone(),
-                    spec.namespace.clone(),
-                    ModelPhase::Updating,
-                );
-                rec.fingerprint = fp.clone();
-                rec.source = spec.source.to_string();
-                rec.policy = spec.policy;
-                rec.path = spec.path.to_string();
-                rec.reserve = spec.reserve_artifact;
-                self.records.models.insert(key.clone(), rec);
-                tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
-            }
+            None => is_new = true,
+        }
+        if is_new {
+            let seq = self.records.allocate_model_seq();
+            let mut rec = ModelRecord::new(
+                seq,
+                spec.name.clone(),
+                spec.namespace.clone(),
+                ModelPhase::Updating,
+            );
+            rec.fingerprint = fp.clone();
+            rec.source = spec.source.to_string();
+            rec.policy = spec.policy;
+            rec.path = spec.path.to_string();
+            rec.reserve = spec.reserve_artifact;
+            self.records.insert_model(key.clone(), rec);
+            tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
         }
         self.index_paths(key);
         if spec.source.is_vendor() {
@@ -1053,9 +1081,9 @@ impl Reconciler {
                     return true;
                 }
             };
-        self.records.models.get_mut(key).expect("record").phase = ModelPhase::Updating;
+        self.records.model_mut(key).expect("record").phase = ModelPhase::Updating;
         let cancel = WorkCancel::default();
-        let rec = &self.records.models[key];
+        let rec = &self.records.models()[key];
         // Same source as the served artifact: only policy, path or label changed. No resolve.
         let known = match (rec.artifact.clone(), rec.served_source.clone()) {
             (Some(a), Some(src)) if src == spec.source.to_string() => self.artifact(&a),
@@ -1244,7 +1272,7 @@ impl Reconciler {
         let ids: Vec<ArtifactId> = stores
             .iter()
             .flatten()
-            .filter_map(|s| self.records.stores.get(s))
+            .filter_map(|s| self.records.stores().get(s))
             .flat_map(|s| s.artifacts.iter().cloned())
             .collect();
         for a in ids {
@@ -1292,7 +1320,7 @@ impl Reconciler {
                 }
                 let id = stored.id.clone();
                 self.artifacts.insert(id.clone(), Arc::new(stored));
-                if let Some(s) = self.records.stores.get_mut(&store) {
+                if let Some(mut s) = self.records.store_mut(&store) {
                     s.artifacts.insert(id.clone());
                 }
                 self.update_store_bytes(&store);
@@ -1442,6 +1470,7 @@ impl Reconciler {
     fn delete(&mut self, key: &ModelKey) {
         self.cancel_work(key);
         self.retries.remove(key);
+        self.mount_refusals.remove(key);
         self.path_losers.remove(key);
         tracing::info!(model = %key, "model deleted");
         let effects = decide::delete(&mut self.records, key);
@@ -1462,9 +1491,13 @@ impl Reconciler {
         if let Some(outcome) = err.ome_outcome() {
             self.metrics.ome.record(ome_labels(key), outcome);
         }
+        self.fail_with(key, fp, err.to_string(), err.is_transient());
+    }
+
+    /// `key` is `Failed` with `reason`; a transient failure is retried with backoff (the
+    /// reason says when), a permanent one waits for a change of the spec.
+    fn fail_with(&mut self, key: &ModelKey, fp: &str, mut reason: String, transient: bool) {
         self.cancel_work(key);
-        let transient = err.is_transient();
-        let mut reason = err.to_string();
         if transient {
             let attempts = self
                 .retries
@@ -1491,10 +1524,94 @@ impl Reconciler {
             self.retries.remove(key);
         }
         tracing::warn!(model = %key, reason, "model failed");
-        if let Some(rec) = self.records.models.get_mut(key) {
+        if let Some(mut rec) = self.records.model_mut(key) {
             rec.phase = ModelPhase::Failed;
             rec.reason = Some(reason);
         }
+    }
+
+    /// The mount server refused to serve these mapping entries (module docs of
+    /// [`crate::mountserver`]): each model served at a refused path is unmapped and `Failed`
+    /// with the server's reason, and retried like any transient failure. If the store really
+    /// lacks blobs of the artifact (deleted behind the daemon's back), the store forgets the
+    /// artifact, so the retry fetches what is missing instead of being refused again; every
+    /// model served from that copy is failed with it. Returns whether anything changed.
+    fn on_mount_refused(
+        &mut self,
+        entries: Vec<crate::mountserver::protocol::RefusedEntry>,
+    ) -> bool {
+        let mut failed: BTreeMap<ModelKey, String> = BTreeMap::new();
+        for entry in entries {
+            let Some(keys) = self.path_index.get(&entry.path) else {
+                continue;
+            };
+            let served: Vec<(ModelKey, ArtifactId, StoreId)> = keys
+                .iter()
+                .filter_map(|k| {
+                    let rec = self.records.models().get(k)?;
+                    let path = MountPath::from_relative(rec.served_path.as_deref()?).ok()?;
+                    (path.segments() == entry.path.as_slice())
+                        .then(|| Some((k.clone(), rec.artifact.clone()?, rec.store.clone()?)))
+                        .flatten()
+                })
+                .collect();
+            for (key, artifact, store) in served {
+                let reason = format!("the mount server refused to serve it: {}", entry.reason);
+                if !self.complete_in(&artifact, &store) {
+                    tracing::warn!(%store, %artifact, "artifact incomplete on disk; will fetch again");
+                    if let Some(mut s) = self.records.store_mut(&store) {
+                        s.artifacts.remove(&artifact);
+                    }
+                    let users: Vec<ModelKey> =
+                        self.records.users_of(&store).into_iter().cloned().collect();
+                    for user in users {
+                        if self.records.models()[&user].artifact.as_ref() == Some(&artifact) {
+                            failed.entry(user).or_insert_with(|| reason.clone());
+                        }
+                    }
+                }
+                failed.entry(key).or_insert(reason);
+            }
+        }
+        let changed = !failed.is_empty();
+        for (key, reason) in failed {
+            let Some(mut rec) = self.records.model_mut(&key) else {
+                continue;
+            };
+            decide::unmap(&mut rec);
+            let fp = rec.fingerprint.clone();
+            drop(rec);
+            self.index_paths(&key);
+            if self.works.contains_key(&key) {
+                // A change in progress serves the model anew when it completes.
+                continue;
+            }
+            // Serving again ends the retry; the count of refusals keeps the backoff growing
+            // while the server keeps refusing the model.
+            let refusals = match self.mount_refusals.get(&key) {
+                Some((f, n)) if *f == fp => n + 1,
+                _ => 1,
+            };
+            self.mount_refusals
+                .insert(key.clone(), (fp.clone(), refusals));
+            if refusals > 1 {
+                self.retries.insert(
+                    key.clone(),
+                    Retry {
+                        fingerprint: fp.clone(),
+                        attempts: refusals - 1,
+                        at: Instant::now(),
+                    },
+                );
+            }
+            self.fail_with(&key, &fp, reason, true);
+            self.work_changed(&key);
+        }
+        if changed {
+            self.remap_needed = true;
+            self.wake_waiters();
+        }
+        changed
     }
 
     /// `key` lost the path rule: it is `Failed` with the reason (naming the model it lost to)
@@ -1516,7 +1633,7 @@ impl Reconciler {
                 artifact,
             },
         );
-        if let Some(rec) = self.records.models.get_mut(key) {
+        if let Some(mut rec) = self.records.model_mut(key) {
             if rec.reason.as_deref() != Some(reason.as_str()) {
                 tracing::warn!(model = %key, reason, "path conflict");
             }
@@ -1537,7 +1654,7 @@ impl Reconciler {
     fn fail_in_cache_view(&mut self, key: &ModelKey, reason: String) {
         self.cancel_work(key);
         self.retries.remove(key);
-        if let Some(rec) = self.records.models.get_mut(key) {
+        if let Some(mut rec) = self.records.model_mut(key) {
             if rec.reason.as_deref() != Some(reason.as_str()) {
                 tracing::warn!(model = %key, reason, "path conflict with the cache view");
             }
@@ -1568,7 +1685,7 @@ impl Reconciler {
 
     /// Every model's claims on paths below the mount (see [`decide::claims`]).
     fn claims(&self) -> Vec<PathClaim> {
-        decide::claims(&self.records, self.records.models.keys(), |k| {
+        decide::claims(&self.records, self.records.models().keys(), |k| {
             self.wanted_claim(k)
         })
     }
@@ -1581,7 +1698,7 @@ impl Reconciler {
         path: &MountPath,
         artifact: ClaimArtifact,
     ) -> PathVerdict {
-        let seq = self.records.models.get(key).map_or(u64::MAX, |r| r.seq);
+        let seq = self.records.models().get(key).map_or(u64::MAX, |r| r.seq);
         let related = self.related_keys(path.segments());
         let claims = decide::claims(&self.records, &related, |k| self.wanted_claim(k));
         decide::verdict_for(claims, key, seq, path, artifact)
@@ -1599,19 +1716,20 @@ impl Reconciler {
         for (c, v) in claims.iter().zip(verdicts) {
             match (c.kind, v) {
                 (ClaimKind::Served, PathVerdict::Conflict { reason, .. }) => {
-                    let Some(rec) = self.records.models.get_mut(&c.key) else {
+                    let Some(mut rec) = self.records.model_mut(&c.key) else {
                         continue;
                     };
                     let fp = rec.fingerprint.clone();
                     let artifact = rec.artifact.clone();
                     // Unmapped; its own store (and any child on it) is kept, as for an invalid
                     // object: getting its turn back costs no download.
-                    decide::unmap(rec);
+                    decide::unmap(&mut rec);
                     tracing::warn!(model = %c.key, reason, "served model loses a path conflict; unmapped");
                     if self.works.contains_key(&c.key) {
                         // A change in progress decides again (through the rule) when resolved.
                         rec.reason = Some(reason);
                     } else {
+                        drop(rec);
                         self.fail_conflict(&c.key, &fp, reason, artifact);
                     }
                     self.remap_needed = true;
@@ -1626,7 +1744,7 @@ impl Reconciler {
                         self.fail_conflict(&c.key, &fp, reason, artifact);
                     } else if self.path_losers.contains_key(&c.key) {
                         // Still losing, maybe to another model now: keep the reason current.
-                        if let Some(rec) = self.records.models.get_mut(&c.key) {
+                        if let Some(mut rec) = self.records.model_mut(&c.key) {
                             rec.reason = Some(reason);
                         }
                     }
@@ -1691,7 +1809,7 @@ impl Reconciler {
     /// artifact, and the earliest of them (by creation order, then key) supplies the store.
     fn remap(&mut self) {
         let mut served: Vec<(u64, ModelKey, MountPath, ArtifactId, StoreId)> = Vec::new();
-        for (key, rec) in &self.records.models {
+        for (key, rec) in self.records.models() {
             let (Some(a), Some(s), Some(p)) = (&rec.artifact, &rec.store, &rec.served_path) else {
                 continue;
             };
@@ -1729,7 +1847,7 @@ impl Reconciler {
                 }
             };
             if self.hf_cache.is_some() {
-                let source = self.records.models[&key].served_source.as_deref();
+                let source = self.records.models()[&key].served_source.as_deref();
                 if let Some(Ok(SourceUri::HuggingFace { repo, revision })) =
                     source.map(SourceUri::parse)
                 {
@@ -1799,7 +1917,7 @@ impl Reconciler {
     // ----- persistence and status ----------------------------------------------------------
 
     fn refresh_store_bytes(&mut self) {
-        let ids: Vec<StoreId> = self.records.stores.keys().cloned().collect();
+        let ids: Vec<StoreId> = self.records.stores().keys().cloned().collect();
         self.store_bytes.clear();
         for id in ids {
             self.update_store_bytes(&id);

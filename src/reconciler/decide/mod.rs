@@ -79,29 +79,31 @@ pub struct Serve {
 pub fn serve(records: &mut Records, key: &ModelKey, serve: Serve) -> (bool, Vec<Effect>) {
     let own = records.owned_store(key).cloned();
     let store = serve.store.clone();
-    let Some(rec) = records.models.get_mut(key) else {
-        return (false, Vec::new());
-    };
-    let before = (
-        rec.store.clone(),
-        rec.artifact.clone(),
-        rec.served_path.clone(),
-    );
-    rec.artifact = Some(serve.artifact);
-    rec.sha = Some(serve.sha);
-    rec.store = Some(store.clone());
-    rec.served_path = Some(serve.path);
-    rec.served_source = Some(serve.source);
-    rec.phase = ModelPhase::Ready;
-    rec.reason = None;
-    let changed = before
-        != (
+    let changed = {
+        let Some(mut rec) = records.model_mut(key) else {
+            return (false, Vec::new());
+        };
+        let before = (
             rec.store.clone(),
             rec.artifact.clone(),
             rec.served_path.clone(),
         );
+        rec.artifact = Some(serve.artifact);
+        rec.sha = Some(serve.sha);
+        rec.store = Some(store.clone());
+        rec.served_path = Some(serve.path);
+        rec.served_source = Some(serve.source);
+        rec.phase = ModelPhase::Ready;
+        rec.reason = None;
+        before
+            != (
+                rec.store.clone(),
+                rec.artifact.clone(),
+                rec.served_path.clone(),
+            )
+    };
     // A reserved store that has no owner is adopted by its first user.
-    if let Some(s) = records.stores.get_mut(&store) {
+    if let Some(mut s) = records.store_mut(&store) {
         if s.owner.is_none() {
             s.owner = Some(key.clone());
             s.reserved = false;
@@ -110,13 +112,13 @@ pub fn serve(records: &mut Records, key: &ModelKey, serve: Serve) -> (bool, Vec<
     let mut effects = Vec::new();
     if let Some(own) = own.filter(|o| *o != store) {
         let target_artifacts = records
-            .stores
+            .stores()
             .get(&store)
             .map(|s| s.artifacts.clone())
             .unwrap_or_default();
         let users: Vec<ModelKey> = records.users_of(&own).into_iter().cloned().collect();
         for u in users {
-            let m = records.models.get_mut(&u).expect("user record");
+            let mut m = records.model_mut(&u).expect("user record");
             if m.artifact
                 .as_ref()
                 .is_some_and(|a| target_artifacts.contains(a))
@@ -148,7 +150,7 @@ pub fn hand_over_or_release(
         .filter(|u| *u != key)
         .cloned()
         .collect();
-    let ns_of = |r: &Records, k: &ModelKey| r.models.get(k).and_then(|m| m.namespace.clone());
+    let ns_of = |r: &Records, k: &ModelKey| r.models().get(k).and_then(|m| m.namespace.clone());
     let leaving_ns = ns_of(records, key);
     let next = users
         .iter()
@@ -156,7 +158,7 @@ pub fn hand_over_or_release(
         .or_else(|| users.first())
         .cloned();
     let Some(next) = next else {
-        if let Some(s) = records.stores.get_mut(store) {
+        if let Some(mut s) = records.store_mut(store) {
             s.owner = None;
             s.reserved = reserve;
             s.last_owner_namespace = leaving_ns;
@@ -165,7 +167,7 @@ pub fn hand_over_or_release(
         return Vec::new();
     };
     tracing::info!(%store, from = %key, to = %next, "store ownership passes to a child");
-    if let Some(s) = records.stores.get_mut(store) {
+    if let Some(mut s) = records.store_mut(store) {
         s.owner = Some(next.clone());
     }
     let owner_ns = ns_of(records, &next);
@@ -191,7 +193,7 @@ pub fn hand_over_or_release(
 fn begin_split(records: &mut Records, from: &StoreId, members: Vec<ModelKey>) -> Split {
     let artifacts: BTreeSet<ArtifactId> = members
         .iter()
-        .filter_map(|m| records.models.get(m).and_then(|r| r.artifact.clone()))
+        .filter_map(|m| records.models().get(m).and_then(|r| r.artifact.clone()))
         .collect();
     let to = records.allocate_store(&members[0]);
     Split {
@@ -207,11 +209,11 @@ fn begin_split(records: &mut Records, from: &StoreId, members: Vec<ModelKey>) ->
 pub fn finish_split(records: &mut Records, split: &Split, linked: Result<(), String>) {
     match linked {
         Ok(()) => {
-            if let Some(rec) = records.stores.get_mut(&split.to) {
+            if let Some(mut rec) = records.store_mut(&split.to) {
                 rec.artifacts = split.artifacts.clone();
             }
             for m in &split.members {
-                if let Some(r) = records.models.get_mut(m) {
+                if let Some(mut r) = records.model_mut(m) {
                     r.store = Some(split.to.clone());
                 }
             }
@@ -220,7 +222,7 @@ pub fn finish_split(records: &mut Records, split: &Split, linked: Result<(), Str
         Err(e) => {
             // They keep being served from the old store; only the reported parent is off.
             tracing::error!(store = %split.to, error = %e, "could not split a store by namespace");
-            if let Some(rec) = records.stores.get_mut(&split.to) {
+            if let Some(mut rec) = records.store_mut(&split.to) {
                 rec.owner = None;
             }
         }
@@ -233,12 +235,12 @@ pub fn prune_store_artifacts(records: &mut Records, store: &StoreId) {
     let served: BTreeSet<ArtifactId> = records
         .users_of(store)
         .into_iter()
-        .filter_map(|k| records.models.get(k).and_then(|m| m.artifact.clone()))
+        .filter_map(|k| records.models().get(k).and_then(|m| m.artifact.clone()))
         .collect();
     if served.is_empty() {
         return;
     }
-    if let Some(s) = records.stores.get_mut(store) {
+    if let Some(mut s) = records.store_mut(store) {
         s.artifacts.retain(|a| served.contains(a));
     }
 }
@@ -267,7 +269,7 @@ pub fn fetch_target(records: &mut Records, key: &ModelKey, artifact: &ArtifactId
         };
     };
     let split = records.users_of(&own).into_iter().any(|u| {
-        u != key && records.models.get(u).and_then(|m| m.artifact.as_ref()) != Some(artifact)
+        u != key && records.models().get(u).and_then(|m| m.artifact.as_ref()) != Some(artifact)
     });
     if !split {
         return FetchTarget {
@@ -292,12 +294,12 @@ pub fn fetch_target(records: &mut Records, key: &ModelKey, artifact: &ArtifactId
 /// (kept as reserved under the reserve label, else garbage after the grace period).
 pub fn delete(records: &mut Records, key: &ModelKey) -> Vec<Effect> {
     let own = records.owned_store(key).cloned();
-    let reserve = records.models.get(key).is_some_and(|m| m.reserve);
+    let reserve = records.models().get(key).is_some_and(|m| m.reserve);
     let effects = match own {
         Some(own) => hand_over_or_release(records, &own, key, reserve),
         None => Vec::new(),
     };
-    records.models.remove(key);
+    records.remove_model(key);
     effects
 }
 
@@ -306,11 +308,11 @@ pub fn delete(records: &mut Records, key: &ModelKey) -> Vec<Effect> {
 pub fn serve_without_files(records: &mut Records, key: &ModelKey, source: String) -> Vec<Effect> {
     let mut effects = Vec::new();
     if let Some(own) = records.owned_store(key).cloned() {
-        let reserve = records.models.get(key).is_some_and(|m| m.reserve);
+        let reserve = records.models().get(key).is_some_and(|m| m.reserve);
         effects = hand_over_or_release(records, &own, key, reserve);
     }
-    if let Some(rec) = records.models.get_mut(key) {
-        unmap(rec);
+    if let Some(mut rec) = records.model_mut(key) {
+        unmap(&mut rec);
         rec.served_source = Some(source);
         rec.phase = ModelPhase::Ready;
         rec.reason = None;
@@ -328,41 +330,50 @@ pub fn recover(
     mut complete: impl FnMut(&ArtifactId, &StoreId) -> bool,
 ) -> Vec<(StoreId, ArtifactId)> {
     let mut forgotten = Vec::new();
-    for (id, store) in records.stores.iter_mut() {
-        let incomplete: Vec<ArtifactId> = store
+    let ids: Vec<StoreId> = records.stores().keys().cloned().collect();
+    for id in &ids {
+        let incomplete: Vec<ArtifactId> = records.stores()[id]
             .artifacts
             .iter()
             .filter(|a| !complete(a, id))
             .cloned()
             .collect();
+        if incomplete.is_empty() {
+            continue;
+        }
+        let mut store = records.store_mut(id).expect("store record");
         for a in incomplete {
             store.artifacts.remove(&a);
             forgotten.push((id.clone(), a));
         }
     }
-    let stores = &records.stores;
-    for rec in records.models.values_mut() {
-        let ok = match (&rec.artifact, &rec.store) {
-            (Some(a), Some(s)) => stores.get(s).is_some_and(|st| st.artifacts.contains(a)),
-            (None, None) => true,
-            _ => false,
-        };
-        if !ok {
-            unmap(rec);
-            rec.phase = ModelPhase::Updating;
-        }
+    let stores = records.stores();
+    let dropped: Vec<ModelKey> = records
+        .models()
+        .iter()
+        .filter(|(_, rec)| match (&rec.artifact, &rec.store) {
+            (Some(a), Some(s)) => !stores.get(s).is_some_and(|st| st.artifacts.contains(a)),
+            (None, None) => false,
+            _ => true,
+        })
+        .map(|(k, _)| k.clone())
+        .collect();
+    for key in &dropped {
+        let mut rec = records.model_mut(key).expect("model record");
+        unmap(&mut rec);
+        rec.phase = ModelPhase::Updating;
     }
     // Owner records are removed atomically with the hand-over, so this only repairs
     // hand-edited records.
-    let models = &records.models;
-    for store in records.stores.values_mut() {
-        if store
-            .owner
-            .as_ref()
-            .is_some_and(|o| !models.contains_key(o))
-        {
-            store.owner = None;
-        }
+    let models = records.models();
+    let orphaned: Vec<StoreId> = records
+        .stores()
+        .iter()
+        .filter(|(_, s)| s.owner.as_ref().is_some_and(|o| !models.contains_key(o)))
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in &orphaned {
+        records.store_mut(id).expect("store record").owner = None;
     }
     forgotten
 }
@@ -370,23 +381,20 @@ pub fn recover(
 /// Stores that garbage collection may remove (SPEC section 3.3): no owner, not reserved, no
 /// model served from them, and not `busy` (an open file, a mapping not yet retired, a fetch).
 pub fn garbage_stores(records: &Records, busy: impl Fn(&StoreId) -> bool) -> Vec<StoreId> {
-    let used: BTreeSet<&StoreId> = records
-        .models
-        .values()
-        .filter_map(|m| m.store.as_ref())
-        .collect();
     records
-        .stores
+        .stores()
         .iter()
-        .filter(|(id, s)| s.owner.is_none() && !s.reserved && !used.contains(id) && !busy(id))
+        .filter(|(id, s)| {
+            s.owner.is_none() && !s.reserved && records.user_count(id) == 0 && !busy(id)
+        })
         .map(|(id, _)| id.clone())
         .collect()
 }
 
 /// The parent of `key` as reported (SPEC section 2): the owner of the store it is served from.
 pub fn parent_of<'a>(records: &'a Records, key: &ModelKey) -> Option<&'a ModelKey> {
-    let store = records.models.get(key)?.store.as_ref()?;
-    records.stores.get(store)?.owner.as_ref()
+    let store = records.models().get(key)?.store.as_ref()?;
+    records.stores().get(store)?.owner.as_ref()
 }
 
 /// The children of `key`: the other models served from the store it owns and is served from.
@@ -394,7 +402,7 @@ pub fn children_of<'a>(records: &'a Records, key: &ModelKey) -> Vec<&'a ModelKey
     let Some(own) = records.owned_store(key) else {
         return Vec::new();
     };
-    if records.models.get(key).and_then(|m| m.store.as_ref()) != Some(own) {
+    if records.models().get(key).and_then(|m| m.store.as_ref()) != Some(own) {
         return Vec::new();
     }
     records
@@ -431,7 +439,7 @@ pub fn claims<'a>(
 ) -> Vec<PathClaim> {
     let mut out = Vec::new();
     for key in keys {
-        let Some(rec) = records.models.get(key) else {
+        let Some(rec) = records.models().get(key) else {
             continue;
         };
         if rec.fingerprint.starts_with("invalid:") {

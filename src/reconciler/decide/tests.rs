@@ -59,7 +59,7 @@ fn add_model(r: &mut Records, name: &str, phase: ModelPhase) -> ModelKey {
     let mut rec = ModelRecord::new(seq, name.to_string(), ns_of(name), phase);
     rec.path = name.to_string();
     rec.fingerprint = format!("fp-{name}");
-    r.models.insert(k.clone(), rec);
+    r.insert_model(k.clone(), rec);
     k
 }
 
@@ -75,17 +75,17 @@ fn build(setup: &[Setup]) -> Records {
                 };
                 let k = add_model(&mut r, n, phase);
                 let id = r.allocate_store(&k);
-                r.stores.get_mut(&id).unwrap().artifacts.insert(art(a));
-                let rec = r.models.get_mut(&k).unwrap();
+                r.store_mut(&id).unwrap().artifacts.insert(art(a));
+                let mut rec = r.model_mut(&k).unwrap();
                 rec.store = Some(id);
                 rec.artifact = Some(art(a));
                 rec.served_path = Some(n.to_string());
                 rec.reserve = matches!(s, Setup::HolderReserving(..));
             }
             Setup::Child(n, of) => {
-                let parent = r.models[&key(of)].clone();
+                let parent = r.models()[&key(of)].clone();
                 let k = add_model(&mut r, n, ModelPhase::Ready);
-                let rec = r.models.get_mut(&k).unwrap();
+                let mut rec = r.model_mut(&k).unwrap();
                 rec.policy = Reuse;
                 rec.store = parent.store;
                 rec.artifact = parent.artifact;
@@ -97,7 +97,7 @@ fn build(setup: &[Setup]) -> Records {
             Setup::Reserved(ns, a) => {
                 let gone = key("gone");
                 let id = r.allocate_store(&gone);
-                let s = r.stores.get_mut(&id).unwrap();
+                let mut s = r.store_mut(&id).unwrap();
                 s.owner = None;
                 s.reserved = true;
                 s.last_owner_namespace = (!ns.is_empty()).then(|| ns.to_string());
@@ -114,13 +114,13 @@ fn build(setup: &[Setup]) -> Records {
 /// take it.
 fn summary(r: &Records) -> Vec<String> {
     let mut out = Vec::new();
-    for k in r.models.keys() {
+    for k in r.models().keys() {
         let parent = parent_of(r, k).map_or("-".to_string(), short);
         out.push(format!("{} <- {parent}", short(k)));
     }
     out.sort();
     let garbage = garbage_stores(r, |_| false);
-    for (id, s) in &r.stores {
+    for (id, s) in r.stores() {
         let owner = match (&s.owner, s.reserved) {
             (Some(o), _) => short(o),
             (None, true) => "reserved".into(),
@@ -137,7 +137,7 @@ fn summary(r: &Records) -> Vec<String> {
 /// the links of any split succeed) and then serve. Returns the placement as text.
 fn apply(r: &mut Records, name: &str, policy: DownloadPolicy, a: u8) -> String {
     let k = key(name);
-    r.models.get_mut(&k).unwrap().policy = policy;
+    r.model_mut(&k).unwrap().policy = policy;
     let artifact = art(a);
     let placed = place(r, &k, policy, &artifact, &InFlight::default());
     let serve_from = match &placed {
@@ -146,8 +146,7 @@ fn apply(r: &mut Records, name: &str, policy: DownloadPolicy, a: u8) -> String {
         Placement::Fetch => {
             let target = fetch_target(r, &k, &artifact);
             run(r, &target.effects);
-            r.stores
-                .get_mut(&target.store)
+            r.store_mut(&target.store)
                 .unwrap()
                 .artifacts
                 .insert(artifact.clone());
@@ -404,7 +403,7 @@ fn policy_changes_and_deletion() {
 fn t01_keeps_serving_from_the_parent_until_the_flip() {
     let mut r = build(&[Setup::Holder("p", 1), Setup::Child("c", "p")]);
     let c = key("c");
-    r.models.get_mut(&c).unwrap().policy = Always;
+    r.model_mut(&c).unwrap().policy = Always;
     assert_eq!(
         place(&r, &c, Always, &art(1), &InFlight::default()),
         Placement::Fetch
@@ -418,11 +417,7 @@ fn t01_keeps_serving_from_the_parent_until_the_flip() {
     // Fetching: still the parent's child.
     assert_eq!(parent_of(&r, &c), Some(&key("p")));
     assert_eq!(children_of(&r, &key("p")), vec![&c]);
-    r.stores
-        .get_mut(&target.store)
-        .unwrap()
-        .artifacts
-        .insert(art(1));
+    r.store_mut(&target.store).unwrap().artifacts.insert(art(1));
     let (changed, effects) = serve(
         &mut r,
         &c,
@@ -577,7 +572,7 @@ fn garbage_eligibility() {
     );
     // A store without owner that still serves a model (a split that failed halfway) stays.
     let orphan_user = add_model(&mut r, "user", ModelPhase::Ready);
-    r.models.get_mut(&orphan_user).unwrap().store = Some(StoreId::from_seq(3));
+    r.model_mut(&orphan_user).unwrap().store = Some(StoreId::from_seq(3));
     assert!(garbage_stores(&r, |s| *s == busy).is_empty());
 }
 
@@ -588,7 +583,7 @@ fn recovery_drops_placements_on_incomplete_artifacts() {
         Setup::Holder("torn", 2),
         Setup::Child("c", "torn"),
     ]);
-    r.stores.get_mut(&StoreId::from_seq(2)).unwrap().owner = Some(key("ghost"));
+    r.store_mut(&StoreId::from_seq(2)).unwrap().owner = Some(key("ghost"));
     let torn_store = StoreId::from_seq(2);
     let forgotten = recover(&mut r, |a, s| !(*a == art(2) && *s == torn_store));
     assert_eq!(forgotten, vec![(torn_store.clone(), art(2))]);
@@ -597,12 +592,13 @@ fn recovery_drops_placements_on_incomplete_artifacts() {
         ("torn", ModelPhase::Updating, false),
         ("c", ModelPhase::Updating, false),
     ] {
-        let rec = &r.models[&key(name)];
+        let rec = &r.models()[&key(name)];
         assert_eq!(rec.phase, phase, "{name}");
         assert_eq!(rec.store.is_some(), served, "{name}");
     }
     assert_eq!(
-        r.stores[&torn_store].owner, None,
+        r.stores()[&torn_store].owner,
+        None,
         "an owner without a record is cleared"
     );
 }
@@ -615,8 +611,8 @@ fn claims_follow_records_and_work() {
         Setup::Holder("c", 1),
     ]);
     // c moves to another path; b is invalid and claims nothing.
-    r.models.get_mut(&key("c")).unwrap().path = "d".into();
-    r.models.get_mut(&key("b")).unwrap().fingerprint = "invalid:00".into();
+    r.model_mut(&key("c")).unwrap().path = "d".into();
+    r.model_mut(&key("b")).unwrap().fingerprint = "invalid:00".into();
     let idle = |_: &ModelKey| Wanted {
         working: false,
         artifact: ClaimArtifact::Unknown,
@@ -628,7 +624,7 @@ fn claims_follow_records_and_work() {
             .collect()
     };
     assert_eq!(
-        text(claims(&r, r.models.keys(), idle)),
+        text(claims(&r, r.models().keys(), idle)),
         vec!["a Served a", "c Served c", "c Wanted d"],
         "a settled model claims only where it is served"
     );
@@ -637,13 +633,13 @@ fn claims_follow_records_and_work() {
         artifact: ClaimArtifact::Pending,
     };
     assert_eq!(
-        text(claims(&r, r.models.keys(), working)),
+        text(claims(&r, r.models().keys(), working)),
         vec!["a Served a", "a Wanted a", "c Served c", "c Wanted d"],
         "work in progress claims its wanted path too"
     );
     // The verdict of a new claim against the others: nesting needs no artifact.
     let verdict = verdict_for(
-        claims(&r, r.models.keys(), idle),
+        claims(&r, r.models().keys(), idle),
         &key("b"),
         2,
         &MountPath::from_relative("a/x").unwrap(),

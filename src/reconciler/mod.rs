@@ -95,7 +95,7 @@ use crate::status::StatusDoc;
 use crate::store::{StateDir, StoreId};
 use records::{ModelPhase, ModelRecord, Records};
 
-use decide::{ClaimArtifact, ClaimKind, Effect, PathClaim, PathVerdict, Placement};
+use decide::{ClaimArtifact, ClaimKind, Effect, PathClaim, PathVerdict};
 
 /// A model that lost a path conflict: it stays `Failed` until the rule clears it (the model it
 /// lost to goes away or moves), then it gets its turn. Not durable: after a restart the model
@@ -1148,93 +1148,109 @@ impl Reconciler {
         out
     }
 
+    /// Places `key`, its artifact known (the core's [`decide::Event::ArtifactKnown`]).
     fn decide(&mut self, key: &ModelKey, manifest: Arc<Manifest>) {
+        let Some(work) = self.works.get(key) else {
+            return;
+        };
+        let spec = work.spec.clone();
+        let want = Self::want(&spec, &manifest);
+        let event = decide::Event::ArtifactKnown {
+            key: key.clone(),
+            claims: self.related_claims(&want.path),
+            in_flight: self.in_flight(&spec.source),
+            want,
+        };
+        self.apply_event(&event, Some(&manifest));
+    }
+
+    /// What `spec` asks to serve, `manifest` being its artifact.
+    fn want(spec: &ModelSpec, manifest: &Manifest) -> decide::Want {
+        decide::Want {
+            policy: spec.policy,
+            artifact: manifest.id(),
+            sha: manifest.revision.clone(),
+            path: spec.path.clone(),
+            source: spec.source.to_string(),
+        }
+    }
+
+    /// Asks the core about `event` and executes its decision. `manifest`: the artifact of the
+    /// model the event is about, when a fetch or a wait may follow.
+    fn apply_event(&mut self, event: &decide::Event, manifest: Option<&Arc<Manifest>>) {
+        let decision = decide::decide(&mut self.records, event);
+        self.execute(decision.effects, manifest);
+    }
+
+    /// Starts the fetch of `key`'s artifact (`manifest`) into `store`.
+    fn start_fetch(
+        &mut self,
+        key: &ModelKey,
+        store: StoreId,
+        seed: Option<StoreId>,
+        manifest: Arc<Manifest>,
+    ) {
         let Some(work) = self.works.get(key) else {
             return;
         };
         let fp = work.fingerprint.clone();
         let spec = work.spec.clone();
         let artifact = manifest.id();
-        match self.verdict_for(key, &spec.path, ClaimArtifact::Known(artifact.clone())) {
-            PathVerdict::Clear => {}
-            PathVerdict::Wait { on } => {
-                tracing::info!(model = %key, waits_for = %on, path = %spec.path, "an earlier model on the same path is resolving; waiting for it");
-                self.wait(key, on, manifest);
+        let handle = match self.state.store(&store) {
+            Ok(h) => h,
+            Err(e) => {
+                let err = SourceError::Store {
+                    path: store.to_string(),
+                    source: crate::store::StoreError::io("creating store", e),
+                };
+                self.fail(key, &fp, &err);
                 return;
             }
-            PathVerdict::Conflict { reason, .. } => {
-                self.fail_conflict(key, &fp, reason, Some(artifact));
-                return;
-            }
-        }
-        let in_flight = self.in_flight(&spec.source);
-        match decide::place(&self.records, key, spec.policy, &artifact, &in_flight) {
-            Placement::Serve(store) => {
-                self.serve(key, store, artifact, manifest.revision.clone(), &spec);
-            }
-            Placement::Wait(other) => {
-                tracing::info!(model = %key, waits_for = %other, "same artifact is being fetched; waiting for it");
-                self.wait(key, other, manifest);
-            }
-            Placement::Fetch => {
-                let (store, seed) = self.fetch_target(key, &artifact);
-                let handle = match self.state.store(&store) {
-                    Ok(h) => h,
-                    Err(e) => {
-                        let err = SourceError::Store {
-                            path: store.to_string(),
-                            source: crate::store::StoreError::io("creating store", e),
-                        };
-                        self.fail(key, &fp, &err);
-                        return;
-                    }
-                };
-                let w = self.works.get_mut(key).expect("work");
-                let progress = Arc::new(Progress::for_manifest(&manifest));
-                w.stage = Stage::Fetching {
-                    artifact,
-                    store: store.clone(),
-                    progress: progress.clone(),
-                };
-                let existing =
-                    Arc::new(self.known_blobs(&[Some(store.clone()), seed.clone()], seed.as_ref()));
-                let w = self.works.get_mut(key).expect("work");
-                let ctx = FetchContext {
-                    store: handle,
-                    progress,
-                    cancel: w.cancel.flag.clone(),
-                    metrics: self.metrics.clone(),
-                    existing,
-                };
-                let source = w.source.clone();
-                let cancel = w.cancel.clone();
-                let tx = self.sender();
-                let slots = self.fetch_slots.clone();
-                let key2 = key.clone();
-                let adopt = self.adopt_from(&spec);
-                tracing::info!(model = %key, %store, bytes = manifest.total_size(), files = manifest.entries().len(), "fetching");
-                let fetched = manifest.clone();
-                let adopt_key = key2.clone();
-                // The slot is taken inside the cancellable work: a cancelled fetch stops waiting
-                // for one, and one that holds a slot drops it when its future is dropped.
-                let work = async move {
-                    let _slot = slots
-                        .acquire_owned()
-                        .await
-                        .map_err(|_| SourceError::Cancelled)?;
-                    crate::adopt::fetch_adopting(&adopt_key, &source, adopt, &fetched, ctx).await
-                };
-                cancel.spawn(work, move |result| {
-                    let _ = tx.send(Event::Fetched {
-                        key: key2,
-                        fingerprint: fp,
-                        store,
-                        manifest,
-                        result,
-                    });
-                });
-            }
-        }
+        };
+        let w = self.works.get_mut(key).expect("work");
+        let progress = Arc::new(Progress::for_manifest(&manifest));
+        w.stage = Stage::Fetching {
+            artifact,
+            store: store.clone(),
+            progress: progress.clone(),
+        };
+        let existing =
+            Arc::new(self.known_blobs(&[Some(store.clone()), seed.clone()], seed.as_ref()));
+        let w = self.works.get_mut(key).expect("work");
+        let ctx = FetchContext {
+            store: handle,
+            progress,
+            cancel: w.cancel.flag.clone(),
+            metrics: self.metrics.clone(),
+            existing,
+        };
+        let source = w.source.clone();
+        let cancel = w.cancel.clone();
+        let tx = self.sender();
+        let slots = self.fetch_slots.clone();
+        let key2 = key.clone();
+        let adopt = self.adopt_from(&spec);
+        tracing::info!(model = %key, %store, bytes = manifest.total_size(), files = manifest.entries().len(), "fetching");
+        let fetched = manifest.clone();
+        let adopt_key = key2.clone();
+        // The slot is taken inside the cancellable work: a cancelled fetch stops waiting
+        // for one, and one that holds a slot drops it when its future is dropped.
+        let work = async move {
+            let _slot = slots
+                .acquire_owned()
+                .await
+                .map_err(|_| SourceError::Cancelled)?;
+            crate::adopt::fetch_adopting(&adopt_key, &source, adopt, &fetched, ctx).await
+        };
+        cancel.spawn(work, move |result| {
+            let _ = tx.send(Event::Fetched {
+                key: key2,
+                fingerprint: fp,
+                store,
+                manifest,
+                result,
+            });
+        });
     }
 
     /// Where a fetch of `spec` into its own store looks for files an old agent left under the
@@ -1248,18 +1264,6 @@ impl Reconciler {
         };
         let dir = local.unwrap_or_else(|| spec.path.segments().iter().collect());
         Some(crate::adopt::AdoptFrom { under, dir })
-    }
-
-    /// The store to fetch `artifact` into for `key`, and a seed store to hard-link known blobs
-    /// from (see [`decide::fetch_target`]).
-    fn fetch_target(
-        &mut self,
-        key: &ModelKey,
-        artifact: &ArtifactId,
-    ) -> (StoreId, Option<StoreId>) {
-        let target = decide::fetch_target(&mut self.records, key, artifact);
-        self.execute(target.effects);
-        (target.store, target.seed)
     }
 
     /// Source digest -> blob of the complete artifacts of `stores`.
@@ -1320,10 +1324,8 @@ impl Reconciler {
                 }
                 let id = stored.id.clone();
                 self.artifacts.insert(id.clone(), Arc::new(stored));
-                if let Some(mut s) = self.records.store_mut(&store) {
-                    s.artifacts.insert(id.clone());
-                }
-                self.update_store_bytes(&store);
+                let mut want = None;
+                let mut claims = Vec::new();
                 if current {
                     let spec = self.works[&key].spec.clone();
                     if let Stage::Fetching { progress, .. } = &self.works[&key].stage {
@@ -1336,21 +1338,18 @@ impl Reconciler {
                         );
                     }
                     tracing::info!(model = %key, %store, "fetch complete and verified");
-                    // The path rule again, atomically with the flip: an earlier model may have
-                    // claimed the path while this one was fetching.
-                    match self.verdict_for(&key, &spec.path, ClaimArtifact::Known(id.clone())) {
-                        PathVerdict::Clear => {
-                            self.serve(&key, store, id, manifest.revision.clone(), &spec);
-                        }
-                        PathVerdict::Wait { on } => {
-                            tracing::info!(model = %key, waits_for = %on, "fetched; an earlier model on the same path is resolving");
-                            self.wait(&key, on, manifest);
-                        }
-                        PathVerdict::Conflict { reason, .. } => {
-                            self.fail_conflict(&key, &fp, reason, Some(id))
-                        }
-                    }
+                    claims = self.related_claims(&spec.path);
+                    want = Some(Self::want(&spec, &manifest));
                 }
+                let event = decide::Event::Fetched {
+                    key,
+                    store: store.clone(),
+                    artifact: id,
+                    want,
+                    claims,
+                };
+                self.apply_event(&event, Some(&manifest));
+                self.update_store_bytes(&store);
             }
             // A cancelled fetch of work that is still current was not cancelled by us (the task
             // died): fail it as transient so it is retried rather than stuck in Updating.
@@ -1393,52 +1392,107 @@ impl Reconciler {
         }
     }
 
-    /// Records that `key` is served from `store` (which holds `artifact` complete), releasing
-    /// or handing over the model's own store if it moved away from it (T-02, T-04; see
-    /// [`decide::serve`]).
-    fn serve(
-        &mut self,
-        key: &ModelKey,
-        store: StoreId,
-        artifact: ArtifactId,
-        sha: String,
-        spec: &ModelSpec,
-    ) {
-        self.works.remove(key);
-        self.work_changed(key);
-        self.retries.remove(key);
-        let (changed, effects) = decide::serve(
-            &mut self.records,
-            key,
-            decide::Serve {
-                store: store.clone(),
-                artifact: artifact.clone(),
-                sha,
-                path: spec.path.to_string(),
-                source: spec.source.to_string(),
-            },
-        );
-        if changed {
-            tracing::info!(model = %key, %store, artifact = %artifact, "mapping changed");
-        }
-        self.execute(effects);
-        self.index_paths(key);
-        self.remap_needed = true;
-    }
-
-    /// Executes the disk work decisions asked for, in order (see [`decide::Effect`]). Runs on
-    /// the actor's own thread, never on the async runtime's workers.
-    fn execute(&mut self, effects: Vec<Effect>) {
+    /// Executes a decision's effects, in order (see [`decide::Effect`]). Runs on the actor's own
+    /// thread, never on the async runtime's workers. `manifest`: the artifact of the model the
+    /// decision is about (a fetch or a wait keeps it).
+    fn execute(&mut self, effects: Vec<Effect>, manifest: Option<&Arc<Manifest>>) {
         for effect in effects {
             match effect {
                 Effect::SaveRecords => {
                     self.save();
                 }
                 Effect::LinkStore(split) => {
-                    let linked = self.link_store(&split);
-                    decide::finish_split(&mut self.records, &split, linked);
+                    let result = self.link_store(&split);
+                    self.apply_event(&decide::Event::SplitLinked { split, result }, None);
+                }
+                Effect::Fetch { key, store, seed } => match manifest {
+                    Some(m) => self.start_fetch(&key, store, seed, m.clone()),
+                    None => tracing::error!(model = %key, "a fetch decided without a manifest"),
+                },
+                Effect::Wait { key, on, reason } => {
+                    match reason {
+                        decide::WaitReason::SameArtifact => {
+                            tracing::info!(model = %key, waits_for = %on, "same artifact is being fetched; waiting for it")
+                        }
+                        decide::WaitReason::EarlierOnPath => {
+                            tracing::info!(model = %key, waits_for = %on, "an earlier model on the same path is resolving; waiting for it")
+                        }
+                    }
+                    match manifest {
+                        Some(m) => self.wait(&key, on, m.clone()),
+                        None => tracing::error!(model = %key, "a wait decided without a manifest"),
+                    }
+                }
+                Effect::LosePath {
+                    key,
+                    reason,
+                    artifact,
+                } => {
+                    let fp = self.fingerprint_of(&key);
+                    self.fail_conflict(&key, &fp, reason, artifact);
+                }
+                Effect::Served {
+                    key,
+                    store,
+                    changed,
+                } => {
+                    self.works.remove(&key);
+                    self.work_changed(&key);
+                    self.retries.remove(&key);
+                    if changed {
+                        let artifact = self.records.models()[&key].artifact.clone();
+                        tracing::info!(model = %key, %store, artifact = ?artifact, "mapping changed");
+                    }
+                    self.index_paths(&key);
+                }
+                Effect::Remap => self.remap_needed = true,
+                Effect::Fail { key, reason, retry } => {
+                    let fp = self.fingerprint_of(&key);
+                    if retry == decide::RetryKind::MountRefused {
+                        self.count_refusal(&key, &fp);
+                    }
+                    self.index_paths(&key);
+                    self.fail_with(&key, &fp, reason, true);
+                    self.work_changed(&key);
+                }
+                Effect::Forgotten { store, artifact } => {
+                    tracing::warn!(%store, %artifact, "artifact incomplete on disk; will fetch again");
                 }
             }
+        }
+    }
+
+    /// The fingerprint of `key`'s work, else of its record.
+    fn fingerprint_of(&self, key: &ModelKey) -> String {
+        match self.works.get(key) {
+            Some(w) => w.fingerprint.clone(),
+            None => self
+                .records
+                .models()
+                .get(key)
+                .map(|r| r.fingerprint.clone())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Counts one more refusal of `key` by the mount server: serving the model in between
+    /// ends its retry, so the count keeps the backoff growing while the server refuses it.
+    fn count_refusal(&mut self, key: &ModelKey, fp: &str) {
+        let refusals = match self.mount_refusals.get(key) {
+            Some((f, n)) if f == fp => n + 1,
+            _ => 1,
+        };
+        self.mount_refusals
+            .insert(key.clone(), (fp.to_string(), refusals));
+        if refusals > 1 {
+            self.retries.insert(
+                key.clone(),
+                Retry {
+                    fingerprint: fp.to_string(),
+                    attempts: refusals - 1,
+                    at: Instant::now(),
+                },
+            );
         }
     }
 
@@ -1461,8 +1515,11 @@ impl Reconciler {
     fn serve_without_files(&mut self, key: &ModelKey, spec: &ModelSpec) {
         self.cancel_work(key);
         self.retries.remove(key);
-        let effects = decide::serve_without_files(&mut self.records, key, spec.source.to_string());
-        self.execute(effects);
+        let event = decide::Event::NoFiles {
+            key: key.clone(),
+            source: spec.source.to_string(),
+        };
+        self.apply_event(&event, None);
         tracing::info!(model = %key, source = %spec.source, "vendor model: Ready with no files");
         self.wake_waiters();
     }
@@ -1473,8 +1530,7 @@ impl Reconciler {
         self.mount_refusals.remove(key);
         self.path_losers.remove(key);
         tracing::info!(model = %key, "model deleted");
-        let effects = decide::delete(&mut self.records, key);
-        self.execute(effects);
+        self.apply_event(&decide::Event::Deleted { key: key.clone() }, None);
         self.index_paths(key);
         self.work_changed(key);
         self.wake_waiters();
@@ -1531,87 +1587,56 @@ impl Reconciler {
     }
 
     /// The mount server refused to serve these mapping entries (module docs of
-    /// [`crate::mountserver`]): each model served at a refused path is unmapped and `Failed`
-    /// with the server's reason, and retried like any transient failure. If the store really
-    /// lacks blobs of the artifact (deleted behind the daemon's back), the store forgets the
-    /// artifact, so the retry fetches what is missing instead of being refused again; every
-    /// model served from that copy is failed with it. Returns whether anything changed.
+    /// [`crate::mountserver`]): the core fails the models served at the refused paths (see
+    /// [`decide::Event::MountRefused`]); this finds them and asks the disk which of their
+    /// copies lack blobs. Returns whether anything changed.
     fn on_mount_refused(
         &mut self,
         entries: Vec<crate::mountserver::protocol::RefusedEntry>,
     ) -> bool {
-        let mut failed: BTreeMap<ModelKey, String> = BTreeMap::new();
+        let mut refused = Vec::new();
+        let mut incomplete = BTreeSet::new();
+        let mut working = BTreeSet::new();
         for entry in entries {
-            let Some(keys) = self.path_index.get(&entry.path) else {
+            let Some(keys) = self.path_index.get(&entry.path).cloned() else {
                 continue;
             };
-            let served: Vec<(ModelKey, ArtifactId, StoreId)> = keys
-                .iter()
-                .filter_map(|k| {
-                    let rec = self.records.models().get(k)?;
-                    let path = MountPath::from_relative(rec.served_path.as_deref()?).ok()?;
-                    (path.segments() == entry.path.as_slice())
-                        .then(|| Some((k.clone(), rec.artifact.clone()?, rec.store.clone()?)))
-                        .flatten()
-                })
-                .collect();
-            for (key, artifact, store) in served {
-                let reason = format!("the mount server refused to serve it: {}", entry.reason);
-                if !self.complete_in(&artifact, &store) {
-                    tracing::warn!(%store, %artifact, "artifact incomplete on disk; will fetch again");
-                    if let Some(mut s) = self.records.store_mut(&store) {
-                        s.artifacts.remove(&artifact);
-                    }
-                    let users: Vec<ModelKey> =
-                        self.records.users_of(&store).into_iter().cloned().collect();
-                    for user in users {
-                        if self.records.models()[&user].artifact.as_ref() == Some(&artifact) {
-                            failed.entry(user).or_insert_with(|| reason.clone());
-                        }
-                    }
+            for key in keys {
+                let Some(rec) = self.records.models().get(&key) else {
+                    continue;
+                };
+                let at_path = rec
+                    .served_path
+                    .as_deref()
+                    .and_then(|p| MountPath::from_relative(p).ok())
+                    .is_some_and(|p| p.segments() == entry.path.as_slice());
+                let (Some(artifact), Some(store)) = (rec.artifact.clone(), rec.store.clone())
+                else {
+                    continue;
+                };
+                if !at_path {
+                    continue;
                 }
-                failed.entry(key).or_insert(reason);
+                if !self.complete_in(&artifact, &store) {
+                    incomplete.insert((store, artifact));
+                }
+                if self.works.contains_key(&key) {
+                    working.insert(key.clone());
+                }
+                refused.push((key, entry.reason.clone()));
             }
         }
-        let changed = !failed.is_empty();
-        for (key, reason) in failed {
-            let Some(mut rec) = self.records.model_mut(&key) else {
-                continue;
-            };
-            decide::unmap(&mut rec);
-            let fp = rec.fingerprint.clone();
-            drop(rec);
-            self.index_paths(&key);
-            if self.works.contains_key(&key) {
-                // A change in progress serves the model anew when it completes.
-                continue;
-            }
-            // Serving again ends the retry; the count of refusals keeps the backoff growing
-            // while the server keeps refusing the model.
-            let refusals = match self.mount_refusals.get(&key) {
-                Some((f, n)) if *f == fp => n + 1,
-                _ => 1,
-            };
-            self.mount_refusals
-                .insert(key.clone(), (fp.clone(), refusals));
-            if refusals > 1 {
-                self.retries.insert(
-                    key.clone(),
-                    Retry {
-                        fingerprint: fp.clone(),
-                        attempts: refusals - 1,
-                        at: Instant::now(),
-                    },
-                );
-            }
-            self.fail_with(&key, &fp, reason, true);
-            self.work_changed(&key);
+        if refused.is_empty() {
+            return false;
         }
-        if changed {
-            self.remap_needed = true;
-            self.wake_waiters();
-        }
-        changed
+        let event = decide::Event::MountRefused {
+            refused,
+            incomplete,
+            working,
+        };
+        self.apply_event(&event, None);
+        self.wake_waiters();
+        true
     }
 
     /// `key` lost the path rule: it is `Failed` with the reason (naming the model it lost to)
@@ -1699,9 +1724,13 @@ impl Reconciler {
         artifact: ClaimArtifact,
     ) -> PathVerdict {
         let seq = self.records.models().get(key).map_or(u64::MAX, |r| r.seq);
+        decide::verdict_for(self.related_claims(path), key, seq, path, artifact)
+    }
+
+    /// The claims of the models whose paths nest with `path` (see [`Reconciler::related_keys`]).
+    fn related_claims(&self, path: &MountPath) -> Vec<PathClaim> {
         let related = self.related_keys(path.segments());
-        let claims = decide::claims(&self.records, &related, |k| self.wanted_claim(k));
-        decide::verdict_for(claims, key, seq, path, artifact)
+        decide::claims(&self.records, &related, |k| self.wanted_claim(k))
     }
 
     /// Applies the path rule to the whole state after an event (and at start-up): a served
@@ -1893,12 +1922,17 @@ impl Reconciler {
     /// present are kept and not fetched again), and a store's artifact that is incomplete is
     /// forgotten. Only `stat`s: blobs under their final name were verified before the rename.
     fn recover(&mut self) {
-        let mut records = std::mem::take(&mut self.records);
-        let forgotten = decide::recover(&mut records, |a, s| self.complete_in(a, s));
-        self.records = records;
-        for (store, artifact) in forgotten {
-            tracing::warn!(%store, %artifact, "artifact incomplete after restart; will fetch again");
-        }
+        let pairs: Vec<(StoreId, ArtifactId)> = self
+            .records
+            .stores()
+            .iter()
+            .flat_map(|(id, s)| s.artifacts.iter().map(|a| (id.clone(), a.clone())))
+            .collect();
+        let incomplete = pairs
+            .into_iter()
+            .filter(|(s, a)| !self.complete_in(a, s))
+            .collect();
+        self.apply_event(&decide::Event::Recovered { incomplete }, None);
     }
 
     fn complete_in(&mut self, artifact: &ArtifactId, store: &StoreId) -> bool {

@@ -4,11 +4,15 @@
 //! flips, hand-over, deletion, store splits, recovery and which stores are garbage below), so
 //! each is unit-tested with tables of records (see `tests.rs`).
 //!
-//! The reconciler's actor ([`super::Reconciler`]) owns the records and the work in flight: for
-//! each event it asks these functions what to change, applies what they return, and executes
-//! the [`Effect`]s they ask for, in order, on its own thread (off the async runtime), feeding
-//! the outcomes back (for example [`finish_split`]). Everything a decision needs to know about
-//! work in flight is passed in ([`InFlight`], the wanted claims of [`claims`]).
+//! One entry point, [`decide`]: the records (the core's state) and an [`Event`] give the new
+//! records and a [`Decision`], the list of [`Effect`]s (start a fetch, wait, lose a path, fail
+//! with a retry, link a split store, save the records, rebuild the mapping...) that the
+//! reconciler's actor ([`super::Reconciler`]) executes, in order, on its own thread (off the
+//! async runtime), feeding outcomes back as events (a fetch's [`Event::Fetched`], a split's
+//! [`Event::SplitLinked`]). Everything a decision needs to know about the world outside the
+//! records is in the event: work in flight ([`InFlight`]), the path claims of the models that
+//! may conflict ([`claims`]), which artifacts the disk lacks. Read-only questions (who is
+//! garbage, who is whose parent) are plain functions over the records.
 
 pub mod paths;
 pub mod placement;
@@ -19,23 +23,349 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use crate::artifact::ArtifactId;
-use crate::manifest::{ModelKey, MountPath};
+use crate::manifest::{DownloadPolicy, ModelKey, MountPath};
 use crate::reconciler::records::{ModelPhase, ModelRecord, Records};
 use crate::store::StoreId;
 
 pub use paths::{path_verdicts, ClaimArtifact, ClaimKind, PathClaim, PathVerdict};
 pub use placement::{in_scope, place, reuse_candidates, InFlight, Placement};
 
-/// Disk work a decision needs. The actor executes effects in the order given, before the next
-/// event, so a decision can rely on them (and on the records saved before them).
+/// What the actor does for a decision, in the order given, before the next event, so a
+/// decision can rely on them (and on the records saved before them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Effect {
     /// Write the records now: a store directory is created next, and a crash must never leave
     /// a directory that no record names (garbage collection would rightly remove it).
     SaveRecords,
     /// Hard-link the blobs of `artifacts` from one store into a new one, then report the
-    /// outcome to [`finish_split`].
+    /// outcome ([`Event::SplitLinked`]).
     LinkStore(Split),
+    /// Fetch the model's artifact into `store` (created if needed; blobs `seed` already holds
+    /// are hard-linked from it), then report [`Event::Fetched`].
+    Fetch {
+        key: ModelKey,
+        store: StoreId,
+        seed: Option<StoreId>,
+    },
+    /// `key` waits, its artifact known, until `on`'s work moves on; then it is placed again.
+    Wait {
+        key: ModelKey,
+        on: ModelKey,
+        reason: WaitReason,
+    },
+    /// `key` lost the path rule: `Failed` with `reason` (naming the winner), its work stopped,
+    /// waiting without retries until the rule clears it (with `artifact`, when known, it keeps
+    /// competing for the path).
+    LosePath {
+        key: ModelKey,
+        reason: String,
+        artifact: Option<ArtifactId>,
+    },
+    /// `key` is served from `store` now (recorded): its work is done. `changed`: what it serves
+    /// changed.
+    Served {
+        key: ModelKey,
+        store: StoreId,
+        changed: bool,
+    },
+    /// The records changed what is served: rebuild the mapping (once, at the end of the batch).
+    Remap,
+    /// `key` failed with `reason`; retried as `retry` says.
+    Fail {
+        key: ModelKey,
+        reason: String,
+        retry: RetryKind,
+    },
+    /// The records forgot that `store` holds `artifact` (its blobs are not all on disk).
+    Forgotten {
+        store: StoreId,
+        artifact: ArtifactId,
+    },
+}
+
+/// What happened, as the decision core needs to know it. The actor builds an event from each
+/// message it receives (a resolve or fetch finished, a model deleted, a split linked, the mount
+/// server refusing entries, start-up) together with what the decision needs to know of the
+/// world outside the records, gathered beforehand: work in flight, the path claims of the
+/// models whose paths nest with the model's, what the disk holds.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// `key`'s artifact is known (resolved, or the served one when only the policy or path
+    /// changed): place it (SPEC 3.1, 3.2; the path rule of section 4 first).
+    ArtifactKnown {
+        key: ModelKey,
+        want: Want,
+        in_flight: InFlight,
+        /// Claims of the models whose paths nest with `want.path` (see [`claims`]).
+        claims: Vec<PathClaim>,
+    },
+    /// A fetch into `store` completed with `artifact` verified. `want`: what the model's
+    /// spec asks, when the fetch is still its work (a stale fetch is recorded as data, never
+    /// served).
+    Fetched {
+        key: ModelKey,
+        store: StoreId,
+        artifact: ArtifactId,
+        want: Option<Want>,
+        claims: Vec<PathClaim>,
+    },
+    /// The model's object is gone (SPEC 3.3).
+    Deleted { key: ModelKey },
+    /// A model whose source carries no files (`vendor://`): Ready at once, nothing mapped.
+    NoFiles { key: ModelKey, source: String },
+    /// The outcome of an [`Effect::LinkStore`].
+    SplitLinked {
+        split: Split,
+        result: Result<(), String>,
+    },
+    /// Start-up: the (store, artifact) pairs of the records whose blobs are not all on disk.
+    Recovered {
+        incomplete: BTreeSet<(StoreId, ArtifactId)>,
+    },
+    /// The mount server left the entries of these models out of the mapping, with its reason.
+    /// `incomplete`: the (store, artifact) pairs they are served from whose blobs are not all
+    /// on disk; `working`: those of them with a change in progress.
+    MountRefused {
+        refused: Vec<(ModelKey, String)>,
+        incomplete: BTreeSet<(StoreId, ArtifactId)>,
+        working: BTreeSet<ModelKey>,
+    },
+}
+
+/// What a model's spec asks to serve once its artifact is known.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Want {
+    pub policy: DownloadPolicy,
+    pub artifact: ArtifactId,
+    /// Resolved revision, reported as `artifact.sha`.
+    pub sha: String,
+    pub path: MountPath,
+    pub source: String,
+}
+
+/// What a decision changed and what the actor must do, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Decision {
+    pub effects: Vec<Effect>,
+}
+
+impl Decision {
+    fn push(&mut self, e: Effect) {
+        self.effects.push(e);
+    }
+}
+
+/// The decision core's one entry point: what `event` does to the records (the core's state,
+/// changed in place) and the effects the actor executes, in order. Pure: no I/O, no clock.
+pub fn decide(records: &mut Records, event: &Event) -> Decision {
+    let mut d = Decision::default();
+    match event {
+        Event::ArtifactKnown {
+            key,
+            want,
+            in_flight,
+            claims,
+        } => {
+            if let Some(stop) = path_rule(records, key, want, claims) {
+                d.push(stop);
+                return d;
+            }
+            match place(records, key, want.policy, &want.artifact, in_flight) {
+                Placement::Serve(store) => serve_effects(records, key, store, want, &mut d),
+                Placement::Wait(on) => d.push(Effect::Wait {
+                    key: key.clone(),
+                    on,
+                    reason: WaitReason::SameArtifact,
+                }),
+                Placement::Fetch => {
+                    let target = fetch_target(records, key, &want.artifact);
+                    d.effects.extend(target.effects);
+                    d.push(Effect::Fetch {
+                        key: key.clone(),
+                        store: target.store,
+                        seed: target.seed,
+                    });
+                }
+            }
+        }
+        Event::Fetched {
+            key,
+            store,
+            artifact,
+            want,
+            claims,
+        } => {
+            // A complete, verified artifact is real data whether or not the model still
+            // wants it: the store holds it (a waiter may map onto it).
+            if let Some(mut s) = records.store_mut(store) {
+                s.artifacts.insert(artifact.clone());
+            }
+            let Some(want) = want else {
+                return d;
+            };
+            // The path rule again, atomically with the flip: an earlier model may have
+            // claimed the path while this one was fetching.
+            if let Some(stop) = path_rule(records, key, want, claims) {
+                d.push(stop);
+                return d;
+            }
+            serve_effects(records, key, store.clone(), want, &mut d);
+        }
+        Event::Deleted { key } => {
+            d.effects = delete(records, key);
+            d.push(Effect::Remap);
+        }
+        Event::NoFiles { key, source } => {
+            d.effects = serve_without_files(records, key, source.clone());
+            d.push(Effect::Remap);
+        }
+        Event::SplitLinked { split, result } => finish_split(records, split, result.clone()),
+        Event::Recovered { incomplete } => {
+            for (store, artifact) in recover(records, |a, s| {
+                !incomplete.contains(&(s.clone(), a.clone()))
+            }) {
+                d.push(Effect::Forgotten { store, artifact });
+            }
+        }
+        Event::MountRefused {
+            refused,
+            incomplete,
+            working,
+        } => mount_refused(records, refused, incomplete, working, &mut d),
+    }
+    d
+}
+
+/// Why a model waits for another's work.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WaitReason {
+    /// Single flight: the other fetches the same artifact.
+    SameArtifact,
+    /// The path rule: an earlier model on the same path is still resolving.
+    EarlierOnPath,
+}
+
+/// The path rule for `key` serving `want`: `None` when clear, else the effect that stops it.
+fn path_rule(
+    records: &Records,
+    key: &ModelKey,
+    want: &Want,
+    claims: &[PathClaim],
+) -> Option<Effect> {
+    let seq = records.models().get(key).map_or(u64::MAX, |r| r.seq);
+    match verdict_for(
+        claims.to_vec(),
+        key,
+        seq,
+        &want.path,
+        ClaimArtifact::Known(want.artifact.clone()),
+    ) {
+        PathVerdict::Clear => None,
+        PathVerdict::Wait { on } => Some(Effect::Wait {
+            key: key.clone(),
+            on,
+            reason: WaitReason::EarlierOnPath,
+        }),
+        PathVerdict::Conflict { reason, .. } => Some(Effect::LosePath {
+            key: key.clone(),
+            reason,
+            artifact: Some(want.artifact.clone()),
+        }),
+    }
+}
+
+/// The flip: `key` is served from `store` (see [`serve`]).
+fn serve_effects(
+    records: &mut Records,
+    key: &ModelKey,
+    store: StoreId,
+    want: &Want,
+    d: &mut Decision,
+) {
+    let (changed, effects) = serve(
+        records,
+        key,
+        Serve {
+            store: store.clone(),
+            artifact: want.artifact.clone(),
+            sha: want.sha.clone(),
+            path: want.path.to_string(),
+            source: want.source.clone(),
+        },
+    );
+    d.push(Effect::Served {
+        key: key.clone(),
+        store,
+        changed,
+    });
+    d.effects.extend(effects);
+    d.push(Effect::Remap);
+}
+
+/// The mount server refused to serve these models: each is unmapped and failed with the
+/// server's reason (retried). A copy that really lacks blobs forgets the artifact, so the
+/// retry fetches what is missing instead of being refused again, and every model served from
+/// that copy fails with it. A model with a change in progress is only unmapped: the change
+/// serves it anew.
+fn mount_refused(
+    records: &mut Records,
+    refused: &[(ModelKey, String)],
+    incomplete: &BTreeSet<(StoreId, ArtifactId)>,
+    working: &BTreeSet<ModelKey>,
+    d: &mut Decision,
+) {
+    let mut failed: BTreeMap<ModelKey, String> = BTreeMap::new();
+    for (key, server_reason) in refused {
+        let Some(rec) = records.models().get(key) else {
+            continue;
+        };
+        let (Some(artifact), Some(store)) = (rec.artifact.clone(), rec.store.clone()) else {
+            continue;
+        };
+        let reason = format!("the mount server refused to serve it: {server_reason}");
+        if incomplete.contains(&(store.clone(), artifact.clone())) {
+            if let Some(mut s) = records.store_mut(&store) {
+                if s.artifacts.remove(&artifact) {
+                    d.push(Effect::Forgotten {
+                        store: store.clone(),
+                        artifact: artifact.clone(),
+                    });
+                }
+            }
+            for user in records.users_of(&store) {
+                if records.models()[user].artifact.as_ref() == Some(&artifact) {
+                    failed.entry(user.clone()).or_insert_with(|| reason.clone());
+                }
+            }
+        }
+        failed.entry(key.clone()).or_insert(reason);
+    }
+    if failed.is_empty() {
+        return;
+    }
+    for (key, reason) in failed {
+        if let Some(mut rec) = records.model_mut(&key) {
+            unmap(&mut rec);
+        }
+        if !working.contains(&key) {
+            d.push(Effect::Fail {
+                key,
+                reason,
+                retry: RetryKind::MountRefused,
+            });
+        }
+    }
+    d.push(Effect::Remap);
+}
+
+/// How a failure is retried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetryKind {
+    /// With backoff, counting attempts while the spec stays the same.
+    Transient,
+    /// Transient, counting the refusals of the mount server (serving the model in between
+    /// does not reset the backoff).
+    MountRefused,
 }
 
 /// Users of one store that move to a store of their own (see [`hand_over_or_release`]).
@@ -204,7 +534,7 @@ fn begin_split(records: &mut Records, from: &StoreId, members: Vec<ModelKey>) ->
     }
 }
 
-/// The outcome of an [`Effect::LinkStore`]: the members move to their new store, or (it could
+/// The outcome of an [`Effect::LinkStore`] ([`Event::SplitLinked`]): the members move to their new store, or (it could
 /// not be made) they stay where they are and the new store is released (garbage).
 pub fn finish_split(records: &mut Records, split: &Split, linked: Result<(), String>) {
     match linked {

@@ -191,6 +191,8 @@ struct DaemonUsage<'a> {
     reconciler: &'a Reconciler,
     /// Computed once per pass: it walks every mounted tree.
     blobs_in_use: HashMap<StoreId, HashSet<Sha256Digest>>,
+    /// Stores fetches write into, computed once per pass (not once per store).
+    fetching: HashSet<StoreId>,
 }
 
 impl Usage for DaemonUsage<'_> {
@@ -199,10 +201,7 @@ impl Usage for DaemonUsage<'_> {
     }
 
     fn fetching_into(&self, id: &StoreId) -> bool {
-        self.reconciler
-            .works
-            .values()
-            .any(|w| matches!(&w.stage, Stage::Fetching { store, .. } if store == id))
+        self.fetching.contains(id)
     }
 
     fn blobs_in_use(&self, id: &StoreId) -> HashSet<Sha256Digest> {
@@ -247,6 +246,14 @@ impl Reconciler {
         let usage = DaemonUsage {
             reconciler: self,
             blobs_in_use: self.fs.blobs_in_use(),
+            fetching: self
+                .works
+                .values()
+                .filter_map(|w| match &w.stage {
+                    Stage::Fetching { store, .. } => Some(store.clone()),
+                    _ => None,
+                })
+                .collect(),
         };
         let found = plan(&self.records, &self.state, &usage, partial_max_age);
         // Only what has been garbage for the whole grace period goes.

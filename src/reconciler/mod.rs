@@ -3,14 +3,22 @@
 //! tasks, placements and mapping flips.
 //!
 //! # Model
-//! A single actor handles one event at a time (desired state changed, a resolve or fetch
-//! finished, a timer tick), so decisions never race each other and need no locks. It asks the
-//! pure decision core ([`decide`]) what each event changes and executes the disk work that
-//! needs ([`decide::Effect`]: records saved before a store directory exists, hard links of a
-//! split store), in order. The actor runs on a thread of its own (the runtime's blocking pool),
+//! A single actor handles one message at a time (desired state changed, a resolve or fetch
+//! finished, the mount server refused entries, a timer tick), so decisions never race each
+//! other and need no locks. For each, it builds a [`decide::Event`] (with what the decision
+//! needs from outside the records: work in flight, the path claims of the models whose paths
+//! nest with the model's, which copies lack blobs on disk), asks the pure decision core
+//! `decide::decide(records, event)`, and executes the [`decide::Effect`]s of the answer in
+//! order: save the records before a store directory exists, start a fetch, wait, lose a path,
+//! fail with a retry, link a split store, rebuild the mapping. Outcomes come back as events
+//! (a fetch's, a split's). The actor runs on a thread of its own (the runtime's blocking pool),
 //! so its fsyncs, links and record writes never stall the async workers that serve HTTP,
 //! Kubernetes watches and downloads. Slow work (hashing, copying, downloading) runs in spawned
-//! tasks that report back with events; they never touch the records.
+//! tasks that report back with messages; they never touch the records.
+//!
+//! Still decided here rather than in the core: whether a spec change needs work at all
+//! (fingerprints, the one fresh attempt after a restart, retries due) and the retry delays'
+//! bookkeeping (their timers are the actor's).
 //!
 //! If the actor itself dies (a panic: a bug), nothing would decide any more and the mapping
 //! would freeze: [`ReconcilerHandle::died`] resolves with the reason, and `modelfs serve` logs
@@ -21,11 +29,11 @@
 //! # Life of a model
 //! `ensure` sees a new or changed spec (its *fingerprint* changed) and starts work: resolve the
 //! source to a manifest (skipped when only the policy or path changed: the served artifact's
-//! manifest is reused), then `decide` (see [`decide::placement`]): serve from an existing holder, wait
-//! for an in-flight fetch of the same artifact (single flight), or fetch into the model's own
-//! store. The rules themselves are pure functions in [`decide`]; this module runs them and
-//! executes what they ask for. Until the new placement is complete and verified, the model keeps being served as
-//! before; then `serve` records the new placement and the mapping flips in one swap. This one
+//! manifest is reused), then [`decide::Event::ArtifactKnown`] (see [`decide::placement`]):
+//! serve from an existing holder, wait for an in-flight fetch of the same artifact (single
+//! flight), or fetch into the model's own store. Until the new placement is complete and
+//! verified, the model keeps being served as before; then [`decide::Event::Fetched`] records
+//! the new placement and the mapping flips in one swap. This one
 //! path implements placement on create, source/revision changes and the four policy changes
 //! T-01..T-04 of SPEC section 3.2.
 //!
@@ -49,10 +57,20 @@
 //! Thousands of models arrive together (a node's first desired state, an import of a whole
 //! directory), so no event may cost work proportional to the number of models times anything.
 //! A placement's path check looks only at the models whose paths nest with its own (an index
-//! of paths, [`Reconciler::related_keys`]); a model that waits is woken only by the model it
+//! of paths, [`Reconciler::related_keys`]); its reuse candidates, store users and owners come
+//! from the records' own indexes ([`records::RecordsIndex`]), and single flight from an index
+//! of work in flight by artifact and source; a model that waits is woken only by the model it
 //! waits for ([`Reconciler::work_changed`]), not by every event; the whole-state passes (the
 //! path rule over all claims, the mapping swap, saving the records, the status document) run
 //! once per batch of up to `MAX_BATCH` queued events, not once per event.
+//!
+//! # Mount server refusals
+//! The mount server checks each entry of a mapping (store present, blobs present with their
+//! sizes) and leaves out what it cannot serve, with a reason. Those reasons come back as a
+//! message ([`MountSink::on_refused`]): the models served there are unmapped and `Failed` with
+//! the server's reason (in the local status and OME's ConfigMap alike) and retried with the
+//! usual backoff; a copy that really lacks blobs forgets the artifact, so the retry fetches
+//! what is missing.
 //!
 //! # Durability
 //! Records are saved after every batch of events that changed them, always after the data
@@ -95,7 +113,7 @@ use crate::status::StatusDoc;
 use crate::store::{StateDir, StoreId};
 use records::{ModelPhase, ModelRecord, Records};
 
-use decide::{ClaimArtifact, ClaimKind, Effect, PathClaim, PathVerdict};
+use decide::{ClaimArtifact, Effect, PathClaim, PathVerdict};
 
 /// A model that lost a path conflict: it stays `Failed` until the rule clears it (the model it
 /// lost to goes away or moves), then it gets its turn. Not durable: after a restart the model
@@ -217,6 +235,53 @@ struct Work {
     source: Source,
     stage: Stage,
     cancel: WorkCancel,
+}
+
+/// Work in flight indexed the way single flight asks about it, so a placement looks only at the
+/// models fetching its artifact or resolving its source, not at all work of the node. Kept in
+/// step with every stage change ([`Reconciler::set_stage`], [`Reconciler::remove_work`]).
+#[derive(Default)]
+struct InFlightIndex {
+    fetching: HashMap<ArtifactId, BTreeSet<ModelKey>>,
+    resolving: HashMap<String, BTreeSet<ModelKey>>,
+}
+
+impl InFlightIndex {
+    fn add(&mut self, key: &ModelKey, work: &Work) {
+        match &work.stage {
+            Stage::Resolving => self
+                .resolving
+                .entry(work.spec.source.to_string())
+                .or_default()
+                .insert(key.clone()),
+            Stage::Fetching { artifact, .. } => self
+                .fetching
+                .entry(artifact.clone())
+                .or_default()
+                .insert(key.clone()),
+            Stage::Waiting { .. } => false,
+        };
+    }
+
+    fn remove(&mut self, key: &ModelKey, work: &Work) {
+        fn take<K: std::hash::Hash + Eq>(
+            map: &mut HashMap<K, BTreeSet<ModelKey>>,
+            k: &K,
+            key: &ModelKey,
+        ) {
+            if let Some(set) = map.get_mut(k) {
+                set.remove(key);
+                if set.is_empty() {
+                    map.remove(k);
+                }
+            }
+        }
+        match &work.stage {
+            Stage::Resolving => take(&mut self.resolving, &work.spec.source.to_string(), key),
+            Stage::Fetching { artifact, .. } => take(&mut self.fetching, artifact, key),
+            Stage::Waiting { .. } => {}
+        }
+    }
 }
 
 /// Cancellation of one piece of work: the token ends its task at once; the flag is what
@@ -447,6 +512,8 @@ pub struct Reconciler {
     waiting_on: HashMap<ModelKey, BTreeSet<ModelKey>>,
     /// Waiters to decide again before the event ends.
     to_wake: BTreeSet<ModelKey>,
+    /// Work in flight by what single flight asks about (see [`Reconciler::in_flight`]).
+    in_flight_index: InFlightIndex,
     artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
     /// What each served artifact's config files give (see [`model_config`]).
     model_configs: HashMap<ArtifactId, Arc<crate::modelconfig::Outcome>>,
@@ -514,6 +581,7 @@ impl Reconciler {
             indexed_paths: HashMap::new(),
             waiting_on: HashMap::new(),
             to_wake: BTreeSet::new(),
+            in_flight_index: InFlightIndex::default(),
             artifacts: HashMap::new(),
             model_configs: HashMap::new(),
             model_configs_pending: std::collections::HashSet::new(),
@@ -865,6 +933,18 @@ impl Reconciler {
             &records::RecordsIndex::build(self.records.models(), self.records.stores()),
             "records index out of step"
         );
+        let mut in_flight = InFlightIndex::default();
+        for (k, w) in &self.works {
+            in_flight.add(k, w);
+        }
+        assert_eq!(
+            (&in_flight.fetching, &in_flight.resolving),
+            (
+                &self.in_flight_index.fetching,
+                &self.in_flight_index.resolving
+            ),
+            "in-flight index out of step"
+        );
         for (key, rec) in self.records.models() {
             for p in [Some(rec.path.as_str()), rec.served_path.as_deref()]
                 .into_iter()
@@ -1089,16 +1169,16 @@ impl Reconciler {
             (Some(a), Some(src)) if src == spec.source.to_string() => self.artifact(&a),
             _ => None,
         };
-        self.works.insert(
-            key.clone(),
-            Work {
-                fingerprint: fp.clone(),
-                spec: spec.clone(),
-                source: source.clone(),
-                stage: Stage::Resolving,
-                cancel: cancel.clone(),
-            },
-        );
+        let work = Work {
+            fingerprint: fp.clone(),
+            spec: spec.clone(),
+            source: source.clone(),
+            stage: Stage::Resolving,
+            cancel: cancel.clone(),
+        };
+        self.remove_work(key);
+        self.in_flight_index.add(key, &work);
+        self.works.insert(key.clone(), work);
         if let Some(stored) = known {
             self.decide(key, stored.manifest.clone());
             return true;
@@ -1132,18 +1212,21 @@ impl Reconciler {
         self.wake_waiters();
     }
 
-    fn in_flight(&self, source: &SourceUri) -> decide::InFlight {
+    /// The work in flight that single flight must respect for a placement of `artifact`
+    /// resolved from `source`: from the index, not a pass over all work.
+    fn in_flight(&self, source: &SourceUri, artifact: &ArtifactId) -> decide::InFlight {
         let mut out = decide::InFlight::default();
-        for (k, w) in &self.works {
-            match &w.stage {
-                Stage::Fetching { artifact, .. } => {
-                    out.fetching.insert(k.clone(), artifact.clone());
-                }
-                Stage::Resolving if w.spec.source == *source => {
-                    out.resolving_same_source.push(k.clone())
-                }
-                _ => {}
-            }
+        for k in self
+            .in_flight_index
+            .fetching
+            .get(artifact)
+            .into_iter()
+            .flatten()
+        {
+            out.fetching.insert(k.clone(), artifact.clone());
+        }
+        if let Some(keys) = self.in_flight_index.resolving.get(&source.to_string()) {
+            out.resolving_same_source.extend(keys.iter().cloned());
         }
         out
     }
@@ -1158,7 +1241,7 @@ impl Reconciler {
         let event = decide::Event::ArtifactKnown {
             key: key.clone(),
             claims: self.related_claims(&want.path),
-            in_flight: self.in_flight(&spec.source),
+            in_flight: self.in_flight(&spec.source, &want.artifact),
             want,
         };
         self.apply_event(&event, Some(&manifest));
@@ -1207,13 +1290,15 @@ impl Reconciler {
                 return;
             }
         };
-        let w = self.works.get_mut(key).expect("work");
         let progress = Arc::new(Progress::for_manifest(&manifest));
-        w.stage = Stage::Fetching {
-            artifact,
-            store: store.clone(),
-            progress: progress.clone(),
-        };
+        self.set_stage(
+            key,
+            Stage::Fetching {
+                artifact,
+                store: store.clone(),
+                progress: progress.clone(),
+            },
+        );
         let existing =
             Arc::new(self.known_blobs(&[Some(store.clone()), seed.clone()], seed.as_ref()));
         let w = self.works.get_mut(key).expect("work");
@@ -1365,8 +1450,8 @@ impl Reconciler {
     /// `key` waits for `on`'s work (its fetch of the same artifact, or its resolve on the same
     /// path) with its own artifact known.
     fn wait(&mut self, key: &ModelKey, on: ModelKey, manifest: Arc<Manifest>) {
-        if let Some(w) = self.works.get_mut(key) {
-            w.stage = Stage::Waiting { manifest };
+        if self.works.contains_key(key) {
+            self.set_stage(key, Stage::Waiting { manifest });
             self.waiting_on.entry(on).or_default().insert(key.clone());
         }
     }
@@ -1436,7 +1521,7 @@ impl Reconciler {
                     store,
                     changed,
                 } => {
-                    self.works.remove(&key);
+                    self.remove_work(&key);
                     self.work_changed(&key);
                     self.retries.remove(&key);
                     if changed {
@@ -1458,6 +1543,7 @@ impl Reconciler {
                 Effect::Forgotten { store, artifact } => {
                     tracing::warn!(%store, %artifact, "artifact incomplete on disk; will fetch again");
                 }
+                Effect::Turn { key } => self.take_turn(&key),
             }
         }
     }
@@ -1537,10 +1623,26 @@ impl Reconciler {
     }
 
     fn cancel_work(&mut self, key: &ModelKey) {
-        if let Some(w) = self.works.remove(key) {
+        if let Some(w) = self.remove_work(key) {
             w.cancel.cancel();
         }
         self.work_changed(key);
+    }
+
+    /// Removes `key`'s work (not cancelling it) and its entries of the in-flight index.
+    fn remove_work(&mut self, key: &ModelKey) -> Option<Work> {
+        let w = self.works.remove(key)?;
+        self.in_flight_index.remove(key, &w);
+        Some(w)
+    }
+
+    /// Moves `key`'s work to `stage`, keeping the in-flight index in step.
+    fn set_stage(&mut self, key: &ModelKey, stage: Stage) {
+        if let Some(w) = self.works.get_mut(key) {
+            self.in_flight_index.remove(key, w);
+            w.stage = stage;
+            self.in_flight_index.add(key, w);
+        }
     }
 
     fn fail(&mut self, key: &ModelKey, fp: &str, err: &SourceError) {
@@ -1739,78 +1841,39 @@ impl Reconciler {
     /// now loses stops; a loser the rule clears (the model it lost to went away, moved or
     /// changed) gets its turn.
     fn settle_paths(&mut self) {
-        let claims = self.claims();
-        let verdicts = decide::path_verdicts(&claims);
-        let mut turns = Vec::new();
-        for (c, v) in claims.iter().zip(verdicts) {
-            match (c.kind, v) {
-                (ClaimKind::Served, PathVerdict::Conflict { reason, .. }) => {
-                    let Some(mut rec) = self.records.model_mut(&c.key) else {
-                        continue;
-                    };
-                    let fp = rec.fingerprint.clone();
-                    let artifact = rec.artifact.clone();
-                    // Unmapped; its own store (and any child on it) is kept, as for an invalid
-                    // object: getting its turn back costs no download.
-                    decide::unmap(&mut rec);
-                    tracing::warn!(model = %c.key, reason, "served model loses a path conflict; unmapped");
-                    if self.works.contains_key(&c.key) {
-                        // A change in progress decides again (through the rule) when resolved.
-                        rec.reason = Some(reason);
-                    } else {
-                        drop(rec);
-                        self.fail_conflict(&c.key, &fp, reason, artifact);
-                    }
-                    self.remap_needed = true;
-                }
-                (ClaimKind::Wanted, PathVerdict::Conflict { reason, .. }) => {
-                    if let Some(w) = self.works.get(&c.key) {
-                        let fp = w.fingerprint.clone();
-                        let artifact = match &c.artifact {
-                            ClaimArtifact::Known(a) => Some(a.clone()),
-                            _ => None,
-                        };
-                        self.fail_conflict(&c.key, &fp, reason, artifact);
-                    } else if self.path_losers.contains_key(&c.key) {
-                        // Still losing, maybe to another model now: keep the reason current.
-                        if let Some(mut rec) = self.records.model_mut(&c.key) {
-                            rec.reason = Some(reason);
-                        }
-                    }
-                }
-                (ClaimKind::Wanted, PathVerdict::Clear)
-                    if self.path_losers.contains_key(&c.key) =>
-                {
-                    turns.push(c.key.clone());
-                }
-                _ => {}
-            }
-        }
-        for key in turns {
-            let Some(loser) = self.path_losers.remove(&key) else {
-                continue;
-            };
-            let spec = self
-                .desired
-                .as_ref()
-                .and_then(|d| d.models.get(&key))
-                .and_then(|m| m.as_ref().ok())
-                .cloned();
-            let Some(spec) = spec else {
-                continue;
-            };
-            tracing::info!(model = %key, "path conflict resolved; the model gets its turn");
-            self.retries.insert(
-                key.clone(),
-                Retry {
-                    fingerprint: loser.fingerprint,
-                    attempts: 0,
-                    at: Instant::now(),
-                },
-            );
-            if self.ensure(&key, &spec) {
-                self.remap_needed = true;
-            }
+        let event = decide::Event::SettlePaths {
+            claims: self.claims(),
+            working: self.works.keys().cloned().collect(),
+            losers: self.path_losers.keys().cloned().collect(),
+        };
+        self.apply_event(&event, None);
+    }
+
+    /// A model that lost the path rule gets its turn: its spec is reconciled again now.
+    fn take_turn(&mut self, key: &ModelKey) {
+        let Some(loser) = self.path_losers.remove(key) else {
+            return;
+        };
+        let spec = self
+            .desired
+            .as_ref()
+            .and_then(|d| d.models.get(key))
+            .and_then(|m| m.as_ref().ok())
+            .cloned();
+        let Some(spec) = spec else {
+            return;
+        };
+        tracing::info!(model = %key, "path conflict resolved; the model gets its turn");
+        self.retries.insert(
+            key.clone(),
+            Retry {
+                fingerprint: loser.fingerprint,
+                attempts: 0,
+                at: Instant::now(),
+            },
+        );
+        if self.ensure(key, &spec) {
+            self.remap_needed = true;
         }
     }
 

@@ -81,6 +81,9 @@ pub enum Effect {
         store: StoreId,
         artifact: ArtifactId,
     },
+    /// The path rule clears `key`, which lost it before: it gets its turn (its spec is
+    /// reconciled again at once).
+    Turn { key: ModelKey },
 }
 
 /// What happened, as the decision core needs to know it. The actor builds an event from each
@@ -121,6 +124,14 @@ pub enum Event {
     /// Start-up: the (store, artifact) pairs of the records whose blobs are not all on disk.
     Recovered {
         incomplete: BTreeSet<(StoreId, ArtifactId)>,
+    },
+    /// After a batch of events (and at start-up): the path rule over every claim of the state
+    /// (see `settle_paths`). `working`: models with work in progress; `losers`: models
+    /// waiting for the rule to clear them.
+    SettlePaths {
+        claims: Vec<PathClaim>,
+        working: BTreeSet<ModelKey>,
+        losers: BTreeSet<ModelKey>,
     },
     /// The mount server left the entries of these models out of the mapping, with its reason.
     /// `incomplete`: the (store, artifact) pairs they are served from whose blobs are not all
@@ -232,8 +243,85 @@ pub fn decide(records: &mut Records, event: &Event) -> Decision {
             incomplete,
             working,
         } => mount_refused(records, refused, incomplete, working, &mut d),
+        Event::SettlePaths {
+            claims,
+            working,
+            losers,
+        } => settle_paths(records, claims, working.clone(), losers.clone(), &mut d),
     }
     d
+}
+
+/// The path rule over the whole state: a served model that now loses (an earlier model
+/// resolved to another artifact on its path, or records from before the rule hold two) is
+/// unmapped and loses the path (its own store, and any child on it, is kept: getting its turn
+/// back costs no download); a model whose work now loses stops; a loser the rule clears (the
+/// model it lost to went away, moved or changed) gets its turn. Claims are judged in order,
+/// each seeing the outcome of the ones before.
+fn settle_paths(
+    records: &mut Records,
+    claims: &[PathClaim],
+    mut working: BTreeSet<ModelKey>,
+    mut losers: BTreeSet<ModelKey>,
+    d: &mut Decision,
+) {
+    let verdicts = path_verdicts(claims);
+    let mut turns = Vec::new();
+    let mut remap = false;
+    for (c, v) in claims.iter().zip(verdicts) {
+        match (c.kind, v) {
+            (ClaimKind::Served, PathVerdict::Conflict { reason, .. }) => {
+                let Some(mut rec) = records.model_mut(&c.key) else {
+                    continue;
+                };
+                let artifact = rec.artifact.clone();
+                unmap(&mut rec);
+                remap = true;
+                tracing::warn!(model = %c.key, reason, "served model loses a path conflict; unmapped");
+                if working.contains(&c.key) {
+                    // A change in progress decides again (through the rule) when resolved.
+                    rec.reason = Some(reason);
+                } else {
+                    drop(rec);
+                    losers.insert(c.key.clone());
+                    d.push(Effect::LosePath {
+                        key: c.key.clone(),
+                        reason,
+                        artifact,
+                    });
+                }
+            }
+            (ClaimKind::Wanted, PathVerdict::Conflict { reason, .. }) => {
+                if working.remove(&c.key) {
+                    let artifact = match &c.artifact {
+                        ClaimArtifact::Known(a) => Some(a.clone()),
+                        _ => None,
+                    };
+                    losers.insert(c.key.clone());
+                    d.push(Effect::LosePath {
+                        key: c.key.clone(),
+                        reason,
+                        artifact,
+                    });
+                } else if losers.contains(&c.key) {
+                    // Still losing, maybe to another model now: keep the reason current.
+                    if let Some(mut rec) = records.model_mut(&c.key) {
+                        rec.reason = Some(reason);
+                    }
+                }
+            }
+            (ClaimKind::Wanted, PathVerdict::Clear) if losers.contains(&c.key) => {
+                turns.push(c.key.clone());
+            }
+            _ => {}
+        }
+    }
+    if remap {
+        d.push(Effect::Remap);
+    }
+    for key in turns {
+        d.push(Effect::Turn { key });
+    }
 }
 
 /// Why a model waits for another's work.

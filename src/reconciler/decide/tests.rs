@@ -715,6 +715,7 @@ fn effect_text(e: &Effect) -> String {
             let n = artifact.0 .0[0];
             format!("{store} forgets artifact {n}")
         }
+        Effect::Turn { key } => format!("{} gets its turn", short(key)),
     }
 }
 
@@ -1017,6 +1018,50 @@ fn decide_effects_table() {
                 "remap",
             ],
             records: vec!["c <- -", "p <- p", "q <- -", "s00000001: p", "s00000002: q"],
+        },
+        Row {
+            what: "4 settle: of two served models whose paths nest (old records), the later \
+                   is unmapped and loses; its store is kept",
+            setup: vec![Holder("p", 1), Holder("m", 2)],
+            tweak: |r| {
+                let mut m = r.model_mut(&key("m")).unwrap();
+                m.path = "p/inner".into();
+                m.served_path = Some("p/inner".into());
+            },
+            event: Box::new(|r| Event::SettlePaths {
+                claims: all_claims(r),
+                working: BTreeSet::new(),
+                losers: BTreeSet::new(),
+            }),
+            effects: vec![
+                "m loses the path: path p/inner nests with path p of clusterbasemodel.p",
+                "remap",
+            ],
+            records: vec!["m <- -", "p <- p", "s00000001: p", "s00000002: m"],
+        },
+        Row {
+            what: "4 settle: work on a path that now nests with a served model stops",
+            setup: vec![Holder("p", 1), New("m")],
+            tweak: |r| r.model_mut(&key("m")).unwrap().path = "p/x".into(),
+            event: Box::new(|r| Event::SettlePaths {
+                claims: all_claims(r),
+                working: BTreeSet::from([key("m")]),
+                losers: BTreeSet::new(),
+            }),
+            effects: vec!["m loses the path: path p/x nests with path p of clusterbasemodel.p"],
+            records: vec!["m <- -", "p <- p", "s00000001: p"],
+        },
+        Row {
+            what: "4 settle: a loser the rule clears gets its turn",
+            setup: vec![Holder("p", 1), New("m")],
+            tweak: none,
+            event: Box::new(|r| Event::SettlePaths {
+                claims: all_claims(r),
+                working: BTreeSet::new(),
+                losers: BTreeSet::from([key("m")]),
+            }),
+            effects: vec!["m gets its turn"],
+            records: vec!["m <- -", "p <- p", "s00000001: p"],
         },
     ];
     let mut failures = Vec::new();

@@ -412,6 +412,67 @@ fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
     assert_eq!(at, 1);
 }
 
+/// A mapping entry the mount server refuses (a blob deleted behind the daemon's back while the
+/// server was down) is not only logged: the model is `Failed` with the server's reason in its
+/// status, and the retry fetches what is missing, after which it is served again.
+#[test]
+fn a_refused_entry_is_failed_with_the_servers_reason_then_retried() {
+    let mut split = Split::new();
+    let (src, files) = model_source(&split.env, "m", 6);
+    split.env.write_models(
+        "m.yaml",
+        &cluster_model(
+            "m",
+            &format!("local://{}", src.display()),
+            "AlwaysDownload",
+            None,
+        ),
+    );
+    split.start_server();
+    split.start_agent(Path::new(BIN));
+    let key = "clusterbasemodel.m";
+    split.wait_ready(key);
+    // The agent stays up; the server goes, and one blob of the model's store with it.
+    split.kill_server();
+    let blobs: Vec<PathBuf> = std::fs::read_dir(split.env.state.join("stores"))
+        .unwrap()
+        .flat_map(|store| std::fs::read_dir(store.unwrap().path().join("blobs")).unwrap())
+        .map(|b| b.unwrap().path())
+        .collect();
+    assert!(!blobs.is_empty());
+    let missing = blobs.iter().max().unwrap();
+    std::fs::remove_file(missing).unwrap();
+    let digest = missing.file_name().unwrap().to_str().unwrap().to_string();
+    split.start_server();
+    // The server refuses the model (its persisted mapping, then the agent's) with the reason;
+    // the status shows it.
+    let mut seen = serde_json::Value::Null;
+    wait_for(
+        "the model Failed with the reason",
+        Duration::from_secs(60),
+        || {
+            seen = split.status()[key].clone();
+            seen["status"] == "Failed"
+                && seen["reason"].as_str().is_some_and(|r| {
+                    r.contains("mount server refused") && r.contains("missing from store")
+                })
+        },
+    );
+    let reason = seen["reason"].as_str().unwrap();
+    assert!(reason.contains(&digest), "{reason}");
+    assert!(reason.contains("retry 1 in"), "{reason}");
+    // Retried: the missing blob is fetched again and the model is served.
+    split.wait_ready(key);
+    wait_for("the model in the mount", Duration::from_secs(30), || {
+        split.env.mount.join("m").exists()
+    });
+    for (rel, sha) in &files {
+        let data = std::fs::read(split.env.mount.join("m").join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+    assert!(missing.exists(), "the missing blob was fetched again");
+}
+
 /// Sends `hello` with a protocol version and returns the server's first line.
 fn hello(socket: &Path, version: u32) -> String {
     let mut s = UnixStream::connect(socket).unwrap();

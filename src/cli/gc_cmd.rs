@@ -39,12 +39,12 @@ impl Usage for OfflineUsage<'_> {
 
     fn fetching_into(&self, id: &StoreId) -> bool {
         self.0
-            .stores
+            .stores()
             .get(id)
             .and_then(|s| s.owner.as_ref())
             .is_some_and(|o| {
                 self.0
-                    .models
+                    .models()
                     .get(o)
                     .is_some_and(|m| m.phase == ModelPhase::Updating)
             })
@@ -113,7 +113,7 @@ pub fn run(args: GcArgs) -> Result<()> {
         return Ok(());
     }
     for id in &plan.stores {
-        records.stores.remove(id);
+        records.remove_store(id);
     }
     records.save(&state.records_path())?;
     let errors = gc::execute(&state, &plan);

@@ -162,6 +162,8 @@ struct Shared {
     metrics: Arc<Metrics>,
     /// The server instance and FUSE counters it reported last.
     stats: Mutex<(u64, BTreeMap<String, u64>)>,
+    /// Where refused entries are reported (the reconciler: the models become `Failed`).
+    refusal_listener: Mutex<Option<super::RefusalListener>>,
 }
 
 /// The agent's mount sink (module docs).
@@ -195,6 +197,10 @@ impl MountSink for RemoteMount {
             }
             p = self.shared.wake.wait_timeout(p, left).expect("progress").0;
         }
+    }
+
+    fn on_refused(&self, listener: super::RefusalListener) {
+        *self.shared.refusal_listener.lock().expect("listener") = Some(listener);
     }
 }
 
@@ -237,6 +243,7 @@ impl RemoteMount {
             logged_refusals: Mutex::new(HashSet::new()),
             metrics,
             stats: Mutex::new((0, BTreeMap::new())),
+            refusal_listener: Mutex::new(None),
         });
         let thread_shared = shared.clone();
         std::thread::Builder::new()
@@ -394,6 +401,13 @@ fn read_loop<R: BufRead>(shared: &Shared, r: &mut R) -> io::Result<()> {
                 refused,
                 error,
             } => {
+                // Reported before the mapping counts as confirmed, so the reconciler hears of
+                // the refusals before it carries on from this mapping.
+                if !refused.is_empty() {
+                    if let Some(listener) = &*shared.refusal_listener.lock().expect("listener") {
+                        listener(refused.clone());
+                    }
+                }
                 {
                     let mut p = shared.progress.lock().expect("progress");
                     p.applied_seq = seq;

@@ -103,7 +103,16 @@ use crate::vfs::Invalidation;
 /// (an in-process FUSE mount), or the mount server (the agent's `mount_client::RemoteMount`).
 pub trait MountSink: Send + Sync {
     fn invalidate(&self, list: Vec<Invalidation>);
+
+    /// Registers where entries of the mapping that the mount side refuses to serve are
+    /// reported (the mount server checks each entry's store and blobs; see the module docs).
+    /// An in-process mount applies the agent's own core, which never refuses single entries.
+    fn on_refused(&self, _listener: RefusalListener) {}
 }
+
+/// Receives the entries of an applied mapping that the mount server left out, with its
+/// reasons (called on the connection's thread: it must not block).
+pub type RefusalListener = Box<dyn Fn(Vec<protocol::RefusedEntry>) + Send + Sync>;
 
 impl MountSink for crate::fuse::MountHandle {
     fn invalidate(&self, list: Vec<Invalidation>) {

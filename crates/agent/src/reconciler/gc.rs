@@ -77,7 +77,7 @@ pub fn plan(
         super::decide::garbage_stores(records, |id| usage.store_busy(id))
             .into_iter()
             .collect();
-    for (id, s) in &records.stores {
+    for (id, s) in records.stores() {
         if garbage.contains(id) {
             out.stores.push(id.clone());
             out.bytes += state
@@ -129,7 +129,7 @@ pub fn plan(
     }
     if let Ok(dirs) = state.store_dirs() {
         for dir in dirs {
-            if StoreId::parse_dir_name(&dir).is_some_and(|id| !records.stores.contains_key(&id)) {
+            if StoreId::parse_dir_name(&dir).is_some_and(|id| !records.stores().contains_key(&id)) {
                 out.bytes +=
                     modelfs_core::store::fsutil::disk_usage(&state.stores_dir().join(&dir));
                 out.orphan_store_dirs.push(dir);
@@ -137,11 +137,16 @@ pub fn plan(
         }
     }
     let held: BTreeSet<&ArtifactId> = records
-        .stores
+        .stores()
         .iter()
         .filter(|(id, _)| !out.stores.contains(id))
         .flat_map(|(_, s)| s.artifacts.iter())
-        .chain(records.models.values().filter_map(|m| m.artifact.as_ref()))
+        .chain(
+            records
+                .models()
+                .values()
+                .filter_map(|m| m.artifact.as_ref()),
+        )
         .collect();
     for a in state.artifact_ids().unwrap_or_default() {
         if !held.contains(&a) {
@@ -187,6 +192,8 @@ struct DaemonUsage<'a> {
     reconciler: &'a Reconciler,
     /// Computed once per pass: it walks every mounted tree.
     blobs_in_use: HashMap<StoreId, HashSet<Sha256Digest>>,
+    /// Stores fetches write into, computed once per pass (not once per store).
+    fetching: HashSet<StoreId>,
 }
 
 impl Usage for DaemonUsage<'_> {
@@ -195,10 +202,7 @@ impl Usage for DaemonUsage<'_> {
     }
 
     fn fetching_into(&self, id: &StoreId) -> bool {
-        self.reconciler
-            .works
-            .values()
-            .any(|w| matches!(&w.stage, Stage::Fetching { store, .. } if store == id))
+        self.fetching.contains(id)
     }
 
     fn blobs_in_use(&self, id: &StoreId) -> HashSet<Sha256Digest> {
@@ -243,6 +247,14 @@ impl Reconciler {
         let usage = DaemonUsage {
             reconciler: self,
             blobs_in_use: self.fs.blobs_in_use(),
+            fetching: self
+                .works
+                .values()
+                .filter_map(|w| match &w.stage {
+                    Stage::Fetching { store, .. } => Some(store.clone()),
+                    _ => None,
+                })
+                .collect(),
         };
         let found = plan(&self.records, &self.state, &usage, partial_max_age);
         // Only what has been garbage for the whole grace period goes.
@@ -286,7 +298,7 @@ impl Reconciler {
             return false;
         }
         for id in &ripe.stores {
-            self.records.stores.remove(id);
+            self.records.remove_store(id);
             self.store_bytes.remove(id);
             self.metrics
                 .store_bytes

@@ -3,14 +3,22 @@
 //! tasks, placements and mapping flips.
 //!
 //! # Model
-//! A single actor handles one event at a time (desired state changed, a resolve or fetch
-//! finished, a timer tick), so decisions never race each other and need no locks. It asks the
-//! pure decision core ([`decide`]) what each event changes and executes the disk work that
-//! needs ([`decide::Effect`]: records saved before a store directory exists, hard links of a
-//! split store), in order. The actor runs on a thread of its own (the runtime's blocking pool),
+//! A single actor handles one message at a time (desired state changed, a resolve or fetch
+//! finished, the mount server refused entries, a timer tick), so decisions never race each
+//! other and need no locks. For each, it builds a [`decide::Event`] (with what the decision
+//! needs from outside the records: work in flight, the path claims of the models whose paths
+//! nest with the model's, which copies lack blobs on disk), asks the pure decision core
+//! `decide::decide(records, event)`, and executes the [`decide::Effect`]s of the answer in
+//! order: save the records before a store directory exists, start a fetch, wait, lose a path,
+//! fail with a retry, link a split store, rebuild the mapping. Outcomes come back as events
+//! (a fetch's, a split's). The actor runs on a thread of its own (the runtime's blocking pool),
 //! so its fsyncs, links and record writes never stall the async workers that serve HTTP,
 //! Kubernetes watches and downloads. Slow work (hashing, copying, downloading) runs in spawned
-//! tasks that report back with events; they never touch the records.
+//! tasks that report back with messages; they never touch the records.
+//!
+//! Still decided here rather than in the core: whether a spec change needs work at all
+//! (fingerprints, the one fresh attempt after a restart, retries due) and the retry delays'
+//! bookkeeping (their timers are the actor's).
 //!
 //! If the actor itself dies (a panic: a bug), nothing would decide any more and the mapping
 //! would freeze: [`ReconcilerHandle::died`] resolves with the reason, and `modelfs serve` logs
@@ -21,11 +29,11 @@
 //! # Life of a model
 //! `ensure` sees a new or changed spec (its *fingerprint* changed) and starts work: resolve the
 //! source to a manifest (skipped when only the policy or path changed: the served artifact's
-//! manifest is reused), then `decide` (see [`decide::placement`]): serve from an existing holder, wait
-//! for an in-flight fetch of the same artifact (single flight), or fetch into the model's own
-//! store. The rules themselves are pure functions in [`decide`]; this module runs them and
-//! executes what they ask for. Until the new placement is complete and verified, the model keeps being served as
-//! before; then `serve` records the new placement and the mapping flips in one swap. This one
+//! manifest is reused), then [`decide::Event::ArtifactKnown`] (see [`decide::placement`]):
+//! serve from an existing holder, wait for an in-flight fetch of the same artifact (single
+//! flight), or fetch into the model's own store. Until the new placement is complete and
+//! verified, the model keeps being served as before; then [`decide::Event::Fetched`] records
+//! the new placement and the mapping flips in one swap. This one
 //! path implements placement on create, source/revision changes and the four policy changes
 //! T-01..T-04 of SPEC section 3.2.
 //!
@@ -49,10 +57,20 @@
 //! Thousands of models arrive together (a node's first desired state, an import of a whole
 //! directory), so no event may cost work proportional to the number of models times anything.
 //! A placement's path check looks only at the models whose paths nest with its own (an index
-//! of paths, [`Reconciler::related_keys`]); a model that waits is woken only by the model it
+//! of paths, [`Reconciler::related_keys`]); its reuse candidates, store users and owners come
+//! from the records' own indexes ([`records::RecordsIndex`]), and single flight from an index
+//! of work in flight by artifact and source; a model that waits is woken only by the model it
 //! waits for ([`Reconciler::work_changed`]), not by every event; the whole-state passes (the
 //! path rule over all claims, the mapping swap, saving the records, the status document) run
 //! once per batch of up to `MAX_BATCH` queued events, not once per event.
+//!
+//! # Mount server refusals
+//! The mount server checks each entry of a mapping (store present, blobs present with their
+//! sizes) and leaves out what it cannot serve, with a reason. Those reasons come back as a
+//! message ([`MountSink::on_refused`]): the models served there are unmapped and `Failed` with
+//! the server's reason (in the local status and OME's ConfigMap alike) and retried with the
+//! usual backoff; a copy that really lacks blobs forgets the artifact, so the retry fetches
+//! what is missing.
 //!
 //! # Durability
 //! Records are saved after every batch of events that changed them, always after the data
@@ -95,7 +113,7 @@ use modelfs_ome::status::StatusDoc;
 use modelfs_ome::{ModelKey, ModelSpec, MountPath, SourceUri};
 use records::{ModelPhase, ModelRecord, Records};
 
-use decide::{ClaimArtifact, ClaimKind, Effect, PathClaim, PathVerdict, Placement};
+use decide::{ClaimArtifact, Effect, PathClaim, PathVerdict};
 
 /// A model that lost a path conflict: it stays `Failed` until the rule clears it (the model it
 /// lost to goes away or moves), then it gets its turn. Not durable: after a restart the model
@@ -189,6 +207,9 @@ enum Event {
         artifact: ArtifactId,
         outcome: modelfs_ome::modelconfig::Outcome,
     },
+    /// The mount server left these entries of the mapping out (a missing blob or store), with
+    /// its reasons: the models served there are `Failed` and retried.
+    MountRefused(Vec<modelfs_mount::protocol::RefusedEntry>),
     Shutdown(tokio::sync::oneshot::Sender<()>),
     /// See [`ReconcilerHandle::inject_panic`].
     Panic(String),
@@ -214,6 +235,53 @@ struct Work {
     source: Source,
     stage: Stage,
     cancel: WorkCancel,
+}
+
+/// Work in flight indexed the way single flight asks about it, so a placement looks only at the
+/// models fetching its artifact or resolving its source, not at all work of the node. Kept in
+/// step with every stage change ([`Reconciler::set_stage`], [`Reconciler::remove_work`]).
+#[derive(Default)]
+struct InFlightIndex {
+    fetching: HashMap<ArtifactId, BTreeSet<ModelKey>>,
+    resolving: HashMap<String, BTreeSet<ModelKey>>,
+}
+
+impl InFlightIndex {
+    fn add(&mut self, key: &ModelKey, work: &Work) {
+        match &work.stage {
+            Stage::Resolving => self
+                .resolving
+                .entry(work.spec.source.to_string())
+                .or_default()
+                .insert(key.clone()),
+            Stage::Fetching { artifact, .. } => self
+                .fetching
+                .entry(artifact.clone())
+                .or_default()
+                .insert(key.clone()),
+            Stage::Waiting { .. } => false,
+        };
+    }
+
+    fn remove(&mut self, key: &ModelKey, work: &Work) {
+        fn take<K: std::hash::Hash + Eq>(
+            map: &mut HashMap<K, BTreeSet<ModelKey>>,
+            k: &K,
+            key: &ModelKey,
+        ) {
+            if let Some(set) = map.get_mut(k) {
+                set.remove(key);
+                if set.is_empty() {
+                    map.remove(k);
+                }
+            }
+        }
+        match &work.stage {
+            Stage::Resolving => take(&mut self.resolving, &work.spec.source.to_string(), key),
+            Stage::Fetching { artifact, .. } => take(&mut self.fetching, artifact, key),
+            Stage::Waiting { .. } => {}
+        }
+    }
 }
 
 /// Cancellation of one piece of work: the token ends its task at once; the flag is what
@@ -425,6 +493,8 @@ pub struct Reconciler {
     desired: Option<DesiredState>,
     works: BTreeMap<ModelKey, Work>,
     retries: HashMap<ModelKey, Retry>,
+    /// How often the mount server refused each model (with the fingerprint it had then).
+    mount_refusals: HashMap<ModelKey, (String, u32)>,
     /// Models that failed before this start and were given their one fresh attempt.
     attempted_since_start: std::collections::HashSet<ModelKey>,
     path_losers: BTreeMap<ModelKey, PathLoser>,
@@ -443,6 +513,8 @@ pub struct Reconciler {
     waiting_on: HashMap<ModelKey, BTreeSet<ModelKey>>,
     /// Waiters to decide again before the event ends.
     to_wake: BTreeSet<ModelKey>,
+    /// Work in flight by what single flight asks about (see [`Reconciler::in_flight`]).
+    in_flight_index: InFlightIndex,
     artifacts: HashMap<ArtifactId, Arc<StoredArtifact>>,
     /// What each served artifact's config files give (see [`model_config`]).
     model_configs: HashMap<ArtifactId, Arc<modelfs_ome::modelconfig::Outcome>>,
@@ -501,6 +573,7 @@ impl Reconciler {
             desired: None,
             works: BTreeMap::new(),
             retries: HashMap::new(),
+            mount_refusals: HashMap::new(),
             attempted_since_start: std::collections::HashSet::new(),
             path_losers: BTreeMap::new(),
             remap_needed: false,
@@ -510,6 +583,7 @@ impl Reconciler {
             indexed_paths: HashMap::new(),
             waiting_on: HashMap::new(),
             to_wake: BTreeSet::new(),
+            in_flight_index: InFlightIndex::default(),
             artifacts: HashMap::new(),
             model_configs: HashMap::new(),
             model_configs_pending: std::collections::HashSet::new(),
@@ -537,8 +611,17 @@ impl Reconciler {
         r.saved = serde_json::to_vec_pretty(&r.records)
             .ok()
             .map(|b| Sha256Digest::of(&b));
+        if let Some(mount) = &r.mount {
+            // Weak: the listener must not keep the actor's queue open (see `sender`).
+            let reports = tx.downgrade();
+            mount.on_refused(Box::new(move |entries| {
+                if let Some(tx) = reports.upgrade() {
+                    let _ = tx.send(Event::MountRefused(entries));
+                }
+            }));
+        }
         r.recover();
-        let keys: Vec<ModelKey> = r.records.models.keys().cloned().collect();
+        let keys: Vec<ModelKey> = r.records.models().keys().cloned().collect();
         for key in &keys {
             r.index_paths(key);
         }
@@ -748,6 +831,10 @@ impl Reconciler {
                 self.on_config_parsed(artifact, outcome);
                 true
             }
+            Event::MountRefused(entries) => {
+                self.gc_due = true;
+                self.on_mount_refused(entries)
+            }
             Event::Shutdown(_) | Event::Panic(_) => unreachable!("handled in run"),
         };
         // A tick that changed nothing (the idle case) changed no claim either.
@@ -790,7 +877,7 @@ impl Reconciler {
     /// until the next call (harmless: claims come from the records), never miss a path.
     fn index_paths(&mut self, key: &ModelKey) {
         let mut new: Vec<Vec<String>> = Vec::new();
-        if let Some(rec) = self.records.models.get(key) {
+        if let Some(rec) = self.records.models().get(key) {
             for p in [Some(rec.path.as_str()), rec.served_path.as_deref()]
                 .into_iter()
                 .flatten()
@@ -841,10 +928,28 @@ impl Reconciler {
         out
     }
 
-    /// Debug builds: the path index holds every path of every record.
+    /// Debug builds: the path index holds every path of every record, and the records'
+    /// indexes agree with a full scan.
     #[cfg(debug_assertions)]
     fn check_path_index(&self) {
-        for (key, rec) in &self.records.models {
+        assert_eq!(
+            self.records.index(),
+            &records::RecordsIndex::build(self.records.models(), self.records.stores()),
+            "records index out of step"
+        );
+        let mut in_flight = InFlightIndex::default();
+        for (k, w) in &self.works {
+            in_flight.add(k, w);
+        }
+        assert_eq!(
+            (&in_flight.fetching, &in_flight.resolving),
+            (
+                &self.in_flight_index.fetching,
+                &self.in_flight_index.resolving
+            ),
+            "in-flight index out of step"
+        );
+        for (key, rec) in self.records.models() {
             for p in [Some(rec.path.as_str()), rec.served_path.as_deref()]
                 .into_iter()
                 .flatten()
@@ -895,7 +1000,7 @@ impl Reconciler {
         };
         let gone: Vec<ModelKey> = self
             .records
-            .models
+            .models()
             .keys()
             .filter(|k| !desired.models.contains_key(*k))
             .cloned()
@@ -923,7 +1028,7 @@ impl Reconciler {
         );
         if self
             .records
-            .models
+            .models()
             .get(key)
             .is_some_and(|r| r.fingerprint == fp)
         {
@@ -932,23 +1037,24 @@ impl Reconciler {
         self.cancel_work(key);
         self.retries.remove(key);
         self.path_losers.remove(key);
-        let seq = match self.records.models.get(key) {
+        let seq = match self.records.models().get(key) {
             Some(r) => r.seq,
             None => self.records.allocate_model_seq(),
         };
         let (namespace, name) = split_key(key);
-        let rec = self
-            .records
-            .models
-            .entry(key.clone())
-            .or_insert_with(|| ModelRecord::new(seq, name, namespace, ModelPhase::Failed));
+        if !self.records.models().contains_key(key) {
+            let rec = ModelRecord::new(seq, name, namespace, ModelPhase::Failed);
+            self.records.insert_model(key.clone(), rec);
+        }
+        let mut rec = self.records.model_mut(key).expect("model record");
         tracing::warn!(model = %key, reason, "invalid model object");
         rec.fingerprint = fp;
         rec.phase = ModelPhase::Failed;
         rec.reason = Some(reason.to_string());
         // Unmapped (its path may be what is invalid) but its own store is kept: fixing the
         // object must not cost a download, and its children keep being served.
-        decide::unmap(rec);
+        decide::unmap(&mut rec);
+        drop(rec);
         self.wake_waiters();
         true
     }
@@ -977,7 +1083,8 @@ impl Reconciler {
             }
             None => {}
         }
-        match self.records.models.get_mut(key) {
+        let mut is_new = false;
+        match self.records.model_mut(key) {
             Some(rec) if rec.fingerprint == fp => match rec.phase {
                 ModelPhase::Ready if !in_cache_view => return false,
                 // Served, but the view directory now covers its path (a changed flag).
@@ -993,7 +1100,7 @@ impl Reconciler {
                 },
                 ModelPhase::Updating => {}
             },
-            Some(rec) => {
+            Some(mut rec) => {
                 rec.fingerprint = fp.clone();
                 rec.source = spec.source.to_string();
                 rec.policy = spec.policy;
@@ -1005,22 +1112,23 @@ impl Reconciler {
                 rec.reason = None;
                 self.retries.remove(key);
             }
-            None => {
-                let seq = self.records.allocate_model_seq();
-                let mut rec = ModelRecord::new(
-                    seq,
-                    spec.name.clone(),
-                    spec.namespace.clone(),
-                    ModelPhase::Updating,
-                );
-                rec.fingerprint = fp.clone();
-                rec.source = spec.source.to_string();
-                rec.policy = spec.policy;
-                rec.path = spec.path.to_string();
-                rec.reserve = spec.reserve_artifact;
-                self.records.models.insert(key.clone(), rec);
-                tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
-            }
+            None => is_new = true,
+        }
+        if is_new {
+            let seq = self.records.allocate_model_seq();
+            let mut rec = ModelRecord::new(
+                seq,
+                spec.name.clone(),
+                spec.namespace.clone(),
+                ModelPhase::Updating,
+            );
+            rec.fingerprint = fp.clone();
+            rec.source = spec.source.to_string();
+            rec.policy = spec.policy;
+            rec.path = spec.path.to_string();
+            rec.reserve = spec.reserve_artifact;
+            self.records.insert_model(key.clone(), rec);
+            tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
         }
         self.index_paths(key);
         if spec.source.is_vendor() {
@@ -1057,24 +1165,24 @@ impl Reconciler {
                     return true;
                 }
             };
-        self.records.models.get_mut(key).expect("record").phase = ModelPhase::Updating;
+        self.records.model_mut(key).expect("record").phase = ModelPhase::Updating;
         let cancel = WorkCancel::default();
-        let rec = &self.records.models[key];
+        let rec = &self.records.models()[key];
         // Same source as the served artifact: only policy, path or label changed. No resolve.
         let known = match (rec.artifact.clone(), rec.served_source.clone()) {
             (Some(a), Some(src)) if src == spec.source.to_string() => self.artifact(&a),
             _ => None,
         };
-        self.works.insert(
-            key.clone(),
-            Work {
-                fingerprint: fp.clone(),
-                spec: spec.clone(),
-                source: source.clone(),
-                stage: Stage::Resolving,
-                cancel: cancel.clone(),
-            },
-        );
+        let work = Work {
+            fingerprint: fp.clone(),
+            spec: spec.clone(),
+            source: source.clone(),
+            stage: Stage::Resolving,
+            cancel: cancel.clone(),
+        };
+        self.remove_work(key);
+        self.in_flight_index.add(key, &work);
+        self.works.insert(key.clone(), work);
         if let Some(stored) = known {
             self.decide(key, stored.manifest.clone());
             return true;
@@ -1108,109 +1216,130 @@ impl Reconciler {
         self.wake_waiters();
     }
 
-    fn in_flight(&self, source: &SourceUri) -> decide::InFlight {
+    /// The work in flight that single flight must respect for a placement of `artifact`
+    /// resolved from `source`: from the index, not a pass over all work.
+    fn in_flight(&self, source: &SourceUri, artifact: &ArtifactId) -> decide::InFlight {
         let mut out = decide::InFlight::default();
-        for (k, w) in &self.works {
-            match &w.stage {
-                Stage::Fetching { artifact, .. } => {
-                    out.fetching.insert(k.clone(), artifact.clone());
-                }
-                Stage::Resolving if w.spec.source == *source => {
-                    out.resolving_same_source.push(k.clone())
-                }
-                _ => {}
-            }
+        for k in self
+            .in_flight_index
+            .fetching
+            .get(artifact)
+            .into_iter()
+            .flatten()
+        {
+            out.fetching.insert(k.clone(), artifact.clone());
+        }
+        if let Some(keys) = self.in_flight_index.resolving.get(&source.to_string()) {
+            out.resolving_same_source.extend(keys.iter().cloned());
         }
         out
     }
 
+    /// Places `key`, its artifact known (the core's [`decide::Event::ArtifactKnown`]).
     fn decide(&mut self, key: &ModelKey, manifest: Arc<Manifest>) {
+        let Some(work) = self.works.get(key) else {
+            return;
+        };
+        let spec = work.spec.clone();
+        let want = Self::want(&spec, &manifest);
+        let event = decide::Event::ArtifactKnown {
+            key: key.clone(),
+            claims: self.related_claims(&want.path),
+            in_flight: self.in_flight(&spec.source, &want.artifact),
+            want,
+        };
+        self.apply_event(&event, Some(&manifest));
+    }
+
+    /// What `spec` asks to serve, `manifest` being its artifact.
+    fn want(spec: &ModelSpec, manifest: &Manifest) -> decide::Want {
+        decide::Want {
+            policy: spec.policy,
+            artifact: manifest.id(),
+            sha: manifest.revision.clone(),
+            path: spec.path.clone(),
+            source: spec.source.to_string(),
+        }
+    }
+
+    /// Asks the core about `event` and executes its decision. `manifest`: the artifact of the
+    /// model the event is about, when a fetch or a wait may follow.
+    fn apply_event(&mut self, event: &decide::Event, manifest: Option<&Arc<Manifest>>) {
+        let decision = decide::decide(&mut self.records, event);
+        self.execute(decision.effects, manifest);
+    }
+
+    /// Starts the fetch of `key`'s artifact (`manifest`) into `store`.
+    fn start_fetch(
+        &mut self,
+        key: &ModelKey,
+        store: StoreId,
+        seed: Option<StoreId>,
+        manifest: Arc<Manifest>,
+    ) {
         let Some(work) = self.works.get(key) else {
             return;
         };
         let fp = work.fingerprint.clone();
         let spec = work.spec.clone();
         let artifact = manifest.id();
-        match self.verdict_for(key, &spec.path, ClaimArtifact::Known(artifact.clone())) {
-            PathVerdict::Clear => {}
-            PathVerdict::Wait { on } => {
-                tracing::info!(model = %key, waits_for = %on, path = %spec.path, "an earlier model on the same path is resolving; waiting for it");
-                self.wait(key, on, manifest);
+        let handle = match self.state.store(&store) {
+            Ok(h) => h,
+            Err(e) => {
+                let err = SourceError::Store {
+                    path: store.to_string(),
+                    source: modelfs_core::store::StoreError::io("creating store", e),
+                };
+                self.fail(key, &fp, &err);
                 return;
             }
-            PathVerdict::Conflict { reason, .. } => {
-                self.fail_conflict(key, &fp, reason, Some(artifact));
-                return;
-            }
-        }
-        let in_flight = self.in_flight(&spec.source);
-        match decide::place(&self.records, key, spec.policy, &artifact, &in_flight) {
-            Placement::Serve(store) => {
-                self.serve(key, store, artifact, manifest.revision.clone(), &spec);
-            }
-            Placement::Wait(other) => {
-                tracing::info!(model = %key, waits_for = %other, "same artifact is being fetched; waiting for it");
-                self.wait(key, other, manifest);
-            }
-            Placement::Fetch => {
-                let (store, seed) = self.fetch_target(key, &artifact);
-                let handle = match self.state.store(&store) {
-                    Ok(h) => h,
-                    Err(e) => {
-                        let err = SourceError::Store {
-                            path: store.to_string(),
-                            source: modelfs_core::store::StoreError::io("creating store", e),
-                        };
-                        self.fail(key, &fp, &err);
-                        return;
-                    }
-                };
-                let w = self.works.get_mut(key).expect("work");
-                let progress = Arc::new(Progress::for_manifest(&manifest));
-                w.stage = Stage::Fetching {
-                    artifact,
-                    store: store.clone(),
-                    progress: progress.clone(),
-                };
-                let existing =
-                    Arc::new(self.known_blobs(&[Some(store.clone()), seed.clone()], seed.as_ref()));
-                let w = self.works.get_mut(key).expect("work");
-                let ctx = FetchContext {
-                    store: handle,
-                    progress,
-                    cancel: w.cancel.flag.clone(),
-                    metrics: self.metrics.clone(),
-                    existing,
-                };
-                let source = w.source.clone();
-                let cancel = w.cancel.clone();
-                let tx = self.sender();
-                let slots = self.fetch_slots.clone();
-                let key2 = key.clone();
-                let adopt = self.adopt_from(&spec);
-                tracing::info!(model = %key, %store, bytes = manifest.total_size(), files = manifest.entries().len(), "fetching");
-                let fetched = manifest.clone();
-                let adopt_key = key2.clone();
-                // The slot is taken inside the cancellable work: a cancelled fetch stops waiting
-                // for one, and one that holds a slot drops it when its future is dropped.
-                let work = async move {
-                    let _slot = slots
-                        .acquire_owned()
-                        .await
-                        .map_err(|_| SourceError::Cancelled)?;
-                    crate::adopt::fetch_adopting(&adopt_key, &source, adopt, &fetched, ctx).await
-                };
-                cancel.spawn(work, move |result| {
-                    let _ = tx.send(Event::Fetched {
-                        key: key2,
-                        fingerprint: fp,
-                        store,
-                        manifest,
-                        result,
-                    });
-                });
-            }
-        }
+        };
+        let progress = Arc::new(Progress::for_manifest(&manifest));
+        self.set_stage(
+            key,
+            Stage::Fetching {
+                artifact,
+                store: store.clone(),
+                progress: progress.clone(),
+            },
+        );
+        let existing =
+            Arc::new(self.known_blobs(&[Some(store.clone()), seed.clone()], seed.as_ref()));
+        let w = self.works.get_mut(key).expect("work");
+        let ctx = FetchContext {
+            store: handle,
+            progress,
+            cancel: w.cancel.flag.clone(),
+            metrics: self.metrics.clone(),
+            existing,
+        };
+        let source = w.source.clone();
+        let cancel = w.cancel.clone();
+        let tx = self.sender();
+        let slots = self.fetch_slots.clone();
+        let key2 = key.clone();
+        let adopt = self.adopt_from(&spec);
+        tracing::info!(model = %key, %store, bytes = manifest.total_size(), files = manifest.entries().len(), "fetching");
+        let fetched = manifest.clone();
+        let adopt_key = key2.clone();
+        // The slot is taken inside the cancellable work: a cancelled fetch stops waiting
+        // for one, and one that holds a slot drops it when its future is dropped.
+        let work = async move {
+            let _slot = slots
+                .acquire_owned()
+                .await
+                .map_err(|_| SourceError::Cancelled)?;
+            crate::adopt::fetch_adopting(&adopt_key, &source, adopt, &fetched, ctx).await
+        };
+        cancel.spawn(work, move |result| {
+            let _ = tx.send(Event::Fetched {
+                key: key2,
+                fingerprint: fp,
+                store,
+                manifest,
+                result,
+            });
+        });
     }
 
     /// Where a fetch of `spec` into its own store looks for files an old agent left under the
@@ -1226,18 +1355,6 @@ impl Reconciler {
         Some(crate::adopt::AdoptFrom { under, dir })
     }
 
-    /// The store to fetch `artifact` into for `key`, and a seed store to hard-link known blobs
-    /// from (see [`decide::fetch_target`]).
-    fn fetch_target(
-        &mut self,
-        key: &ModelKey,
-        artifact: &ArtifactId,
-    ) -> (StoreId, Option<StoreId>) {
-        let target = decide::fetch_target(&mut self.records, key, artifact);
-        self.execute(target.effects);
-        (target.store, target.seed)
-    }
-
     /// Source digest -> blob of the complete artifacts of `stores`.
     fn known_blobs(
         &mut self,
@@ -1248,7 +1365,7 @@ impl Reconciler {
         let ids: Vec<ArtifactId> = stores
             .iter()
             .flatten()
-            .filter_map(|s| self.records.stores.get(s))
+            .filter_map(|s| self.records.stores().get(s))
             .flat_map(|s| s.artifacts.iter().cloned())
             .collect();
         for a in ids {
@@ -1296,10 +1413,8 @@ impl Reconciler {
                 }
                 let id = stored.id.clone();
                 self.artifacts.insert(id.clone(), Arc::new(stored));
-                if let Some(s) = self.records.stores.get_mut(&store) {
-                    s.artifacts.insert(id.clone());
-                }
-                self.update_store_bytes(&store);
+                let mut want = None;
+                let mut claims = Vec::new();
                 if current {
                     let spec = self.works[&key].spec.clone();
                     if let Stage::Fetching { progress, .. } = &self.works[&key].stage {
@@ -1312,21 +1427,18 @@ impl Reconciler {
                         );
                     }
                     tracing::info!(model = %key, %store, "fetch complete and verified");
-                    // The path rule again, atomically with the flip: an earlier model may have
-                    // claimed the path while this one was fetching.
-                    match self.verdict_for(&key, &spec.path, ClaimArtifact::Known(id.clone())) {
-                        PathVerdict::Clear => {
-                            self.serve(&key, store, id, manifest.revision.clone(), &spec);
-                        }
-                        PathVerdict::Wait { on } => {
-                            tracing::info!(model = %key, waits_for = %on, "fetched; an earlier model on the same path is resolving");
-                            self.wait(&key, on, manifest);
-                        }
-                        PathVerdict::Conflict { reason, .. } => {
-                            self.fail_conflict(&key, &fp, reason, Some(id))
-                        }
-                    }
+                    claims = self.related_claims(&spec.path);
+                    want = Some(Self::want(&spec, &manifest));
                 }
+                let event = decide::Event::Fetched {
+                    key,
+                    store: store.clone(),
+                    artifact: id,
+                    want,
+                    claims,
+                };
+                self.apply_event(&event, Some(&manifest));
+                self.update_store_bytes(&store);
             }
             // A cancelled fetch of work that is still current was not cancelled by us (the task
             // died): fail it as transient so it is retried rather than stuck in Updating.
@@ -1342,8 +1454,8 @@ impl Reconciler {
     /// `key` waits for `on`'s work (its fetch of the same artifact, or its resolve on the same
     /// path) with its own artifact known.
     fn wait(&mut self, key: &ModelKey, on: ModelKey, manifest: Arc<Manifest>) {
-        if let Some(w) = self.works.get_mut(key) {
-            w.stage = Stage::Waiting { manifest };
+        if self.works.contains_key(key) {
+            self.set_stage(key, Stage::Waiting { manifest });
             self.waiting_on.entry(on).or_default().insert(key.clone());
         }
     }
@@ -1369,52 +1481,108 @@ impl Reconciler {
         }
     }
 
-    /// Records that `key` is served from `store` (which holds `artifact` complete), releasing
-    /// or handing over the model's own store if it moved away from it (T-02, T-04; see
-    /// [`decide::serve`]).
-    fn serve(
-        &mut self,
-        key: &ModelKey,
-        store: StoreId,
-        artifact: ArtifactId,
-        sha: String,
-        spec: &ModelSpec,
-    ) {
-        self.works.remove(key);
-        self.work_changed(key);
-        self.retries.remove(key);
-        let (changed, effects) = decide::serve(
-            &mut self.records,
-            key,
-            decide::Serve {
-                store: store.clone(),
-                artifact: artifact.clone(),
-                sha,
-                path: spec.path.to_string(),
-                source: spec.source.to_string(),
-            },
-        );
-        if changed {
-            tracing::info!(model = %key, %store, artifact = %artifact, "mapping changed");
-        }
-        self.execute(effects);
-        self.index_paths(key);
-        self.remap_needed = true;
-    }
-
-    /// Executes the disk work decisions asked for, in order (see [`decide::Effect`]). Runs on
-    /// the actor's own thread, never on the async runtime's workers.
-    fn execute(&mut self, effects: Vec<Effect>) {
+    /// Executes a decision's effects, in order (see [`decide::Effect`]). Runs on the actor's own
+    /// thread, never on the async runtime's workers. `manifest`: the artifact of the model the
+    /// decision is about (a fetch or a wait keeps it).
+    fn execute(&mut self, effects: Vec<Effect>, manifest: Option<&Arc<Manifest>>) {
         for effect in effects {
             match effect {
                 Effect::SaveRecords => {
                     self.save();
                 }
                 Effect::LinkStore(split) => {
-                    let linked = self.link_store(&split);
-                    decide::finish_split(&mut self.records, &split, linked);
+                    let result = self.link_store(&split);
+                    self.apply_event(&decide::Event::SplitLinked { split, result }, None);
                 }
+                Effect::Fetch { key, store, seed } => match manifest {
+                    Some(m) => self.start_fetch(&key, store, seed, m.clone()),
+                    None => tracing::error!(model = %key, "a fetch decided without a manifest"),
+                },
+                Effect::Wait { key, on, reason } => {
+                    match reason {
+                        decide::WaitReason::SameArtifact => {
+                            tracing::info!(model = %key, waits_for = %on, "same artifact is being fetched; waiting for it")
+                        }
+                        decide::WaitReason::EarlierOnPath => {
+                            tracing::info!(model = %key, waits_for = %on, "an earlier model on the same path is resolving; waiting for it")
+                        }
+                    }
+                    match manifest {
+                        Some(m) => self.wait(&key, on, m.clone()),
+                        None => tracing::error!(model = %key, "a wait decided without a manifest"),
+                    }
+                }
+                Effect::LosePath {
+                    key,
+                    reason,
+                    artifact,
+                } => {
+                    let fp = self.fingerprint_of(&key);
+                    self.fail_conflict(&key, &fp, reason, artifact);
+                }
+                Effect::Served {
+                    key,
+                    store,
+                    changed,
+                } => {
+                    self.remove_work(&key);
+                    self.work_changed(&key);
+                    self.retries.remove(&key);
+                    if changed {
+                        let artifact = self.records.models()[&key].artifact.clone();
+                        tracing::info!(model = %key, %store, artifact = ?artifact, "mapping changed");
+                    }
+                    self.index_paths(&key);
+                }
+                Effect::Remap => self.remap_needed = true,
+                Effect::Fail { key, reason, retry } => {
+                    let fp = self.fingerprint_of(&key);
+                    if retry == decide::RetryKind::MountRefused {
+                        self.count_refusal(&key, &fp);
+                    }
+                    self.index_paths(&key);
+                    self.fail_with(&key, &fp, reason, true);
+                    self.work_changed(&key);
+                }
+                Effect::Forgotten { store, artifact } => {
+                    tracing::warn!(%store, %artifact, "artifact incomplete on disk; will fetch again");
+                }
+                Effect::Turn { key } => self.take_turn(&key),
             }
+        }
+    }
+
+    /// The fingerprint of `key`'s work, else of its record.
+    fn fingerprint_of(&self, key: &ModelKey) -> String {
+        match self.works.get(key) {
+            Some(w) => w.fingerprint.clone(),
+            None => self
+                .records
+                .models()
+                .get(key)
+                .map(|r| r.fingerprint.clone())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Counts one more refusal of `key` by the mount server: serving the model in between
+    /// ends its retry, so the count keeps the backoff growing while the server refuses it.
+    fn count_refusal(&mut self, key: &ModelKey, fp: &str) {
+        let refusals = match self.mount_refusals.get(key) {
+            Some((f, n)) if f == fp => n + 1,
+            _ => 1,
+        };
+        self.mount_refusals
+            .insert(key.clone(), (fp.to_string(), refusals));
+        if refusals > 1 {
+            self.retries.insert(
+                key.clone(),
+                Retry {
+                    fingerprint: fp.to_string(),
+                    attempts: refusals - 1,
+                    at: Instant::now(),
+                },
+            );
         }
     }
 
@@ -1437,8 +1605,11 @@ impl Reconciler {
     fn serve_without_files(&mut self, key: &ModelKey, spec: &ModelSpec) {
         self.cancel_work(key);
         self.retries.remove(key);
-        let effects = decide::serve_without_files(&mut self.records, key, spec.source.to_string());
-        self.execute(effects);
+        let event = decide::Event::NoFiles {
+            key: key.clone(),
+            source: spec.source.to_string(),
+        };
+        self.apply_event(&event, None);
         tracing::info!(model = %key, source = %spec.source, "vendor model: Ready with no files");
         self.wake_waiters();
     }
@@ -1446,29 +1617,49 @@ impl Reconciler {
     fn delete(&mut self, key: &ModelKey) {
         self.cancel_work(key);
         self.retries.remove(key);
+        self.mount_refusals.remove(key);
         self.path_losers.remove(key);
         tracing::info!(model = %key, "model deleted");
-        let effects = decide::delete(&mut self.records, key);
-        self.execute(effects);
+        self.apply_event(&decide::Event::Deleted { key: key.clone() }, None);
         self.index_paths(key);
         self.work_changed(key);
         self.wake_waiters();
     }
 
     fn cancel_work(&mut self, key: &ModelKey) {
-        if let Some(w) = self.works.remove(key) {
+        if let Some(w) = self.remove_work(key) {
             w.cancel.cancel();
         }
         self.work_changed(key);
+    }
+
+    /// Removes `key`'s work (not cancelling it) and its entries of the in-flight index.
+    fn remove_work(&mut self, key: &ModelKey) -> Option<Work> {
+        let w = self.works.remove(key)?;
+        self.in_flight_index.remove(key, &w);
+        Some(w)
+    }
+
+    /// Moves `key`'s work to `stage`, keeping the in-flight index in step.
+    fn set_stage(&mut self, key: &ModelKey, stage: Stage) {
+        if let Some(w) = self.works.get_mut(key) {
+            self.in_flight_index.remove(key, w);
+            w.stage = stage;
+            self.in_flight_index.add(key, w);
+        }
     }
 
     fn fail(&mut self, key: &ModelKey, fp: &str, err: &SourceError) {
         if let Some(outcome) = err.ome_outcome() {
             self.metrics.ome.record(ome_labels(key), outcome);
         }
+        self.fail_with(key, fp, err.to_string(), err.is_transient());
+    }
+
+    /// `key` is `Failed` with `reason`; a transient failure is retried with backoff (the
+    /// reason says when), a permanent one waits for a change of the spec.
+    fn fail_with(&mut self, key: &ModelKey, fp: &str, mut reason: String, transient: bool) {
         self.cancel_work(key);
-        let transient = err.is_transient();
-        let mut reason = err.to_string();
         if transient {
             let attempts = self
                 .retries
@@ -1495,10 +1686,60 @@ impl Reconciler {
             self.retries.remove(key);
         }
         tracing::warn!(model = %key, reason, "model failed");
-        if let Some(rec) = self.records.models.get_mut(key) {
+        if let Some(mut rec) = self.records.model_mut(key) {
             rec.phase = ModelPhase::Failed;
             rec.reason = Some(reason);
         }
+    }
+
+    /// The mount server refused to serve these mapping entries (module docs of
+    /// [`modelfs_mount`]): the core fails the models served at the refused paths (see
+    /// [`decide::Event::MountRefused`]); this finds them and asks the disk which of their
+    /// copies lack blobs. Returns whether anything changed.
+    fn on_mount_refused(&mut self, entries: Vec<modelfs_mount::protocol::RefusedEntry>) -> bool {
+        let mut refused = Vec::new();
+        let mut incomplete = BTreeSet::new();
+        let mut working = BTreeSet::new();
+        for entry in entries {
+            let Some(keys) = self.path_index.get(&entry.path).cloned() else {
+                continue;
+            };
+            for key in keys {
+                let Some(rec) = self.records.models().get(&key) else {
+                    continue;
+                };
+                let at_path = rec
+                    .served_path
+                    .as_deref()
+                    .and_then(|p| MountPath::from_relative(p).ok())
+                    .is_some_and(|p| p.segments() == entry.path.as_slice());
+                let (Some(artifact), Some(store)) = (rec.artifact.clone(), rec.store.clone())
+                else {
+                    continue;
+                };
+                if !at_path {
+                    continue;
+                }
+                if !self.complete_in(&artifact, &store) {
+                    incomplete.insert((store, artifact));
+                }
+                if self.works.contains_key(&key) {
+                    working.insert(key.clone());
+                }
+                refused.push((key, entry.reason.clone()));
+            }
+        }
+        if refused.is_empty() {
+            return false;
+        }
+        let event = decide::Event::MountRefused {
+            refused,
+            incomplete,
+            working,
+        };
+        self.apply_event(&event, None);
+        self.wake_waiters();
+        true
     }
 
     /// `key` lost the path rule: it is `Failed` with the reason (naming the model it lost to)
@@ -1520,7 +1761,7 @@ impl Reconciler {
                 artifact,
             },
         );
-        if let Some(rec) = self.records.models.get_mut(key) {
+        if let Some(mut rec) = self.records.model_mut(key) {
             if rec.reason.as_deref() != Some(reason.as_str()) {
                 tracing::warn!(model = %key, reason, "path conflict");
             }
@@ -1541,7 +1782,7 @@ impl Reconciler {
     fn fail_in_cache_view(&mut self, key: &ModelKey, reason: String) {
         self.cancel_work(key);
         self.retries.remove(key);
-        if let Some(rec) = self.records.models.get_mut(key) {
+        if let Some(mut rec) = self.records.model_mut(key) {
             if rec.reason.as_deref() != Some(reason.as_str()) {
                 tracing::warn!(model = %key, reason, "path conflict with the cache view");
             }
@@ -1572,7 +1813,7 @@ impl Reconciler {
 
     /// Every model's claims on paths below the mount (see [`decide::claims`]).
     fn claims(&self) -> Vec<PathClaim> {
-        decide::claims(&self.records, self.records.models.keys(), |k| {
+        decide::claims(&self.records, self.records.models().keys(), |k| {
             self.wanted_claim(k)
         })
     }
@@ -1585,10 +1826,14 @@ impl Reconciler {
         path: &MountPath,
         artifact: ClaimArtifact,
     ) -> PathVerdict {
-        let seq = self.records.models.get(key).map_or(u64::MAX, |r| r.seq);
+        let seq = self.records.models().get(key).map_or(u64::MAX, |r| r.seq);
+        decide::verdict_for(self.related_claims(path), key, seq, path, artifact)
+    }
+
+    /// The claims of the models whose paths nest with `path` (see [`Reconciler::related_keys`]).
+    fn related_claims(&self, path: &MountPath) -> Vec<PathClaim> {
         let related = self.related_keys(path.segments());
-        let claims = decide::claims(&self.records, &related, |k| self.wanted_claim(k));
-        decide::verdict_for(claims, key, seq, path, artifact)
+        decide::claims(&self.records, &related, |k| self.wanted_claim(k))
     }
 
     /// Applies the path rule to the whole state after an event (and at start-up): a served
@@ -1597,77 +1842,39 @@ impl Reconciler {
     /// now loses stops; a loser the rule clears (the model it lost to went away, moved or
     /// changed) gets its turn.
     fn settle_paths(&mut self) {
-        let claims = self.claims();
-        let verdicts = decide::path_verdicts(&claims);
-        let mut turns = Vec::new();
-        for (c, v) in claims.iter().zip(verdicts) {
-            match (c.kind, v) {
-                (ClaimKind::Served, PathVerdict::Conflict { reason, .. }) => {
-                    let Some(rec) = self.records.models.get_mut(&c.key) else {
-                        continue;
-                    };
-                    let fp = rec.fingerprint.clone();
-                    let artifact = rec.artifact.clone();
-                    // Unmapped; its own store (and any child on it) is kept, as for an invalid
-                    // object: getting its turn back costs no download.
-                    decide::unmap(rec);
-                    tracing::warn!(model = %c.key, reason, "served model loses a path conflict; unmapped");
-                    if self.works.contains_key(&c.key) {
-                        // A change in progress decides again (through the rule) when resolved.
-                        rec.reason = Some(reason);
-                    } else {
-                        self.fail_conflict(&c.key, &fp, reason, artifact);
-                    }
-                    self.remap_needed = true;
-                }
-                (ClaimKind::Wanted, PathVerdict::Conflict { reason, .. }) => {
-                    if let Some(w) = self.works.get(&c.key) {
-                        let fp = w.fingerprint.clone();
-                        let artifact = match &c.artifact {
-                            ClaimArtifact::Known(a) => Some(a.clone()),
-                            _ => None,
-                        };
-                        self.fail_conflict(&c.key, &fp, reason, artifact);
-                    } else if self.path_losers.contains_key(&c.key) {
-                        // Still losing, maybe to another model now: keep the reason current.
-                        if let Some(rec) = self.records.models.get_mut(&c.key) {
-                            rec.reason = Some(reason);
-                        }
-                    }
-                }
-                (ClaimKind::Wanted, PathVerdict::Clear)
-                    if self.path_losers.contains_key(&c.key) =>
-                {
-                    turns.push(c.key.clone());
-                }
-                _ => {}
-            }
-        }
-        for key in turns {
-            let Some(loser) = self.path_losers.remove(&key) else {
-                continue;
-            };
-            let spec = self
-                .desired
-                .as_ref()
-                .and_then(|d| d.models.get(&key))
-                .and_then(|m| m.as_ref().ok())
-                .cloned();
-            let Some(spec) = spec else {
-                continue;
-            };
-            tracing::info!(model = %key, "path conflict resolved; the model gets its turn");
-            self.retries.insert(
-                key.clone(),
-                Retry {
-                    fingerprint: loser.fingerprint,
-                    attempts: 0,
-                    at: Instant::now(),
-                },
-            );
-            if self.ensure(&key, &spec) {
-                self.remap_needed = true;
-            }
+        let event = decide::Event::SettlePaths {
+            claims: self.claims(),
+            working: self.works.keys().cloned().collect(),
+            losers: self.path_losers.keys().cloned().collect(),
+        };
+        self.apply_event(&event, None);
+    }
+
+    /// A model that lost the path rule gets its turn: its spec is reconciled again now.
+    fn take_turn(&mut self, key: &ModelKey) {
+        let Some(loser) = self.path_losers.remove(key) else {
+            return;
+        };
+        let spec = self
+            .desired
+            .as_ref()
+            .and_then(|d| d.models.get(key))
+            .and_then(|m| m.as_ref().ok())
+            .cloned();
+        let Some(spec) = spec else {
+            return;
+        };
+        tracing::info!(model = %key, "path conflict resolved; the model gets its turn");
+        self.retries.insert(
+            key.clone(),
+            Retry {
+                fingerprint: loser.fingerprint,
+                attempts: 0,
+                at: Instant::now(),
+            },
+        );
+        if self.ensure(key, &spec) {
+            self.remap_needed = true;
         }
     }
 
@@ -1695,7 +1902,7 @@ impl Reconciler {
     /// artifact, and the earliest of them (by creation order, then key) supplies the store.
     fn remap(&mut self) {
         let mut served: Vec<(u64, ModelKey, MountPath, ArtifactId, StoreId)> = Vec::new();
-        for (key, rec) in &self.records.models {
+        for (key, rec) in self.records.models() {
             let (Some(a), Some(s), Some(p)) = (&rec.artifact, &rec.store, &rec.served_path) else {
                 continue;
             };
@@ -1733,7 +1940,7 @@ impl Reconciler {
                 }
             };
             if self.hf_cache.is_some() {
-                let source = self.records.models[&key].served_source.as_deref();
+                let source = self.records.models()[&key].served_source.as_deref();
                 if let Some(Ok(SourceUri::HuggingFace { repo, revision })) =
                     source.map(SourceUri::parse)
                 {
@@ -1779,12 +1986,17 @@ impl Reconciler {
     /// present are kept and not fetched again), and a store's artifact that is incomplete is
     /// forgotten. Only `stat`s: blobs under their final name were verified before the rename.
     fn recover(&mut self) {
-        let mut records = std::mem::take(&mut self.records);
-        let forgotten = decide::recover(&mut records, |a, s| self.complete_in(a, s));
-        self.records = records;
-        for (store, artifact) in forgotten {
-            tracing::warn!(%store, %artifact, "artifact incomplete after restart; will fetch again");
-        }
+        let pairs: Vec<(StoreId, ArtifactId)> = self
+            .records
+            .stores()
+            .iter()
+            .flat_map(|(id, s)| s.artifacts.iter().map(|a| (id.clone(), a.clone())))
+            .collect();
+        let incomplete = pairs
+            .into_iter()
+            .filter(|(s, a)| !self.complete_in(a, s))
+            .collect();
+        self.apply_event(&decide::Event::Recovered { incomplete }, None);
     }
 
     fn complete_in(&mut self, artifact: &ArtifactId, store: &StoreId) -> bool {
@@ -1803,7 +2015,7 @@ impl Reconciler {
     // ----- persistence and status ----------------------------------------------------------
 
     fn refresh_store_bytes(&mut self) {
-        let ids: Vec<StoreId> = self.records.stores.keys().cloned().collect();
+        let ids: Vec<StoreId> = self.records.stores().keys().cloned().collect();
         self.store_bytes.clear();
         for id in ids {
             self.update_store_bytes(&id);

@@ -36,7 +36,7 @@ impl Reconciler {
     pub(super) fn request_model_configs(&mut self) {
         let wanted: Vec<(ArtifactId, modelfs_core::store::StoreId)> = self
             .records
-            .models
+            .models()
             .values()
             .filter_map(|r| Some((r.artifact.clone()?, r.store.clone()?)))
             .filter(|(a, _)| {
@@ -140,7 +140,7 @@ impl Reconciler {
         if skip {
             return;
         }
-        let Some(outcome) = self.records.models[key]
+        let Some(outcome) = self.records.models()[key]
             .artifact
             .as_ref()
             .and_then(|a| self.model_configs.get(a))

@@ -115,13 +115,222 @@ pub struct StoreRecord {
     pub last_owner_namespace: Option<String>,
 }
 
-#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+/// The records, with indexes kept in step with every change (see [`RecordsIndex`]): the fields
+/// are private so that no change can bypass them. Mutable access goes through guards
+/// ([`Records::model_mut`], [`Records::store_mut`]) that re-index what changed when dropped.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(from = "RecordsDoc")]
 pub struct Records {
     pub format: u32,
     pub next_store_seq: u64,
     pub next_model_seq: u64,
-    pub models: BTreeMap<ModelKey, ModelRecord>,
-    pub stores: BTreeMap<StoreId, StoreRecord>,
+    models: BTreeMap<ModelKey, ModelRecord>,
+    stores: BTreeMap<StoreId, StoreRecord>,
+    #[serde(skip_serializing)]
+    index: RecordsIndex,
+}
+
+/// The document as stored: what [`Records`] is read from (its indexes are then built).
+#[derive(Deserialize)]
+struct RecordsDoc {
+    format: u32,
+    next_store_seq: u64,
+    next_model_seq: u64,
+    models: BTreeMap<ModelKey, ModelRecord>,
+    stores: BTreeMap<StoreId, StoreRecord>,
+}
+
+impl From<RecordsDoc> for Records {
+    fn from(d: RecordsDoc) -> Self {
+        let index = RecordsIndex::build(&d.models, &d.stores);
+        Records {
+            format: d.format,
+            next_store_seq: d.next_store_seq,
+            next_model_seq: d.next_model_seq,
+            models: d.models,
+            stores: d.stores,
+            index,
+        }
+    }
+}
+
+/// Equal records hold equal data (the indexes follow from it).
+impl PartialEq for Records {
+    fn eq(&self, other: &Self) -> bool {
+        (
+            self.format,
+            self.next_store_seq,
+            self.next_model_seq,
+            &self.models,
+            &self.stores,
+        ) == (
+            other.format,
+            other.next_store_seq,
+            other.next_model_seq,
+            &other.models,
+            &other.stores,
+        )
+    }
+}
+
+impl Eq for Records {}
+
+/// What placement asks of the records, answered without scanning them: the users of a store,
+/// the stores a model owns, the stores holding an artifact. A placement costs O(log n) plus
+/// the size of its answer, not a pass over every record (thousands of models arrive at once).
+/// Sets are never left empty, so two indexes of the same records are equal.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecordsIndex {
+    /// Models served from each store (`ModelRecord::store`).
+    users: BTreeMap<StoreId, BTreeSet<ModelKey>>,
+    /// Stores each model owns (`StoreRecord::owner`); normally one.
+    owned: BTreeMap<ModelKey, BTreeSet<StoreId>>,
+    /// Stores holding each artifact complete (`StoreRecord::artifacts`).
+    holders: BTreeMap<ArtifactId, BTreeSet<StoreId>>,
+}
+
+fn index_add<K: Ord + Clone, V: Ord>(map: &mut BTreeMap<K, BTreeSet<V>>, k: &K, v: V) {
+    match map.get_mut(k) {
+        Some(set) => {
+            set.insert(v);
+        }
+        None => {
+            map.insert(k.clone(), BTreeSet::from([v]));
+        }
+    }
+}
+
+fn index_remove<K: Ord, V: Ord>(map: &mut BTreeMap<K, BTreeSet<V>>, k: &K, v: &V) {
+    if let Some(set) = map.get_mut(k) {
+        set.remove(v);
+        if set.is_empty() {
+            map.remove(k);
+        }
+    }
+}
+
+impl RecordsIndex {
+    /// The indexes of `models` and `stores`, by a full scan (loading, and the tests' oracle).
+    pub fn build(
+        models: &BTreeMap<ModelKey, ModelRecord>,
+        stores: &BTreeMap<StoreId, StoreRecord>,
+    ) -> Self {
+        let mut index = RecordsIndex::default();
+        for (key, m) in models {
+            index.add_model(key, m);
+        }
+        for (id, s) in stores {
+            index.add_store(id, s);
+        }
+        index
+    }
+
+    fn add_model(&mut self, key: &ModelKey, m: &ModelRecord) {
+        if let Some(s) = &m.store {
+            index_add(&mut self.users, s, key.clone());
+        }
+    }
+
+    fn remove_model(&mut self, key: &ModelKey, m: &ModelRecord) {
+        if let Some(s) = &m.store {
+            index_remove(&mut self.users, s, key);
+        }
+    }
+
+    fn add_store(&mut self, id: &StoreId, s: &StoreRecord) {
+        if let Some(o) = &s.owner {
+            index_add(&mut self.owned, o, id.clone());
+        }
+        for a in &s.artifacts {
+            index_add(&mut self.holders, a, id.clone());
+        }
+    }
+
+    fn remove_store(&mut self, id: &StoreId, s: &StoreRecord) {
+        if let Some(o) = &s.owner {
+            index_remove(&mut self.owned, o, id);
+        }
+        for a in &s.artifacts {
+            index_remove(&mut self.holders, a, id);
+        }
+    }
+}
+
+/// Mutable access to one model record; re-indexes its store when dropped.
+pub struct ModelMut<'a> {
+    key: &'a ModelKey,
+    rec: &'a mut ModelRecord,
+    old_store: Option<StoreId>,
+    index: &'a mut RecordsIndex,
+}
+
+impl std::ops::Deref for ModelMut<'_> {
+    type Target = ModelRecord;
+    fn deref(&self) -> &ModelRecord {
+        self.rec
+    }
+}
+
+impl std::ops::DerefMut for ModelMut<'_> {
+    fn deref_mut(&mut self) -> &mut ModelRecord {
+        self.rec
+    }
+}
+
+impl Drop for ModelMut<'_> {
+    fn drop(&mut self) {
+        if self.rec.store != self.old_store {
+            if let Some(old) = &self.old_store {
+                index_remove(&mut self.index.users, old, self.key);
+            }
+            if let Some(new) = &self.rec.store {
+                index_add(&mut self.index.users, new, self.key.clone());
+            }
+        }
+    }
+}
+
+/// Mutable access to one store record; re-indexes its owner and artifacts when dropped.
+pub struct StoreMut<'a> {
+    id: &'a StoreId,
+    rec: &'a mut StoreRecord,
+    old_owner: Option<ModelKey>,
+    old_artifacts: BTreeSet<ArtifactId>,
+    index: &'a mut RecordsIndex,
+}
+
+impl std::ops::Deref for StoreMut<'_> {
+    type Target = StoreRecord;
+    fn deref(&self) -> &StoreRecord {
+        self.rec
+    }
+}
+
+impl std::ops::DerefMut for StoreMut<'_> {
+    fn deref_mut(&mut self) -> &mut StoreRecord {
+        self.rec
+    }
+}
+
+impl Drop for StoreMut<'_> {
+    fn drop(&mut self) {
+        if self.rec.owner != self.old_owner {
+            if let Some(old) = &self.old_owner {
+                index_remove(&mut self.index.owned, old, self.id);
+            }
+            if let Some(new) = &self.rec.owner {
+                index_add(&mut self.index.owned, new, self.id.clone());
+            }
+        }
+        if self.rec.artifacts != self.old_artifacts {
+            for a in self.old_artifacts.difference(&self.rec.artifacts) {
+                index_remove(&mut self.index.holders, a, self.id);
+            }
+            for a in self.rec.artifacts.difference(&self.old_artifacts) {
+                index_add(&mut self.index.holders, a, self.id.clone());
+            }
+        }
+    }
 }
 
 impl Default for Records {
@@ -132,6 +341,7 @@ impl Default for Records {
             next_model_seq: 1,
             models: BTreeMap::new(),
             stores: BTreeMap::new(),
+            index: RecordsIndex::default(),
         }
     }
 }
@@ -198,7 +408,7 @@ impl Records {
     pub fn allocate_store(&mut self, owner: &ModelKey) -> StoreId {
         let id = StoreId::from_seq(self.next_store_seq);
         self.next_store_seq += 1;
-        self.stores.insert(
+        self.insert_store(
             id.clone(),
             StoreRecord {
                 owner: Some(owner.clone()),
@@ -214,21 +424,99 @@ impl Records {
         seq
     }
 
-    /// Models served from `store`, in key order.
-    pub fn users_of(&self, store: &StoreId) -> Vec<&ModelKey> {
-        self.models
-            .iter()
-            .filter(|(_, m)| m.store.as_ref() == Some(store))
-            .map(|(k, _)| k)
-            .collect()
+    /// Every model record, by key.
+    pub fn models(&self) -> &BTreeMap<ModelKey, ModelRecord> {
+        &self.models
     }
 
-    /// The store a model owns, if any.
+    /// Every store record, by id.
+    pub fn stores(&self) -> &BTreeMap<StoreId, StoreRecord> {
+        &self.stores
+    }
+
+    /// Changes one model record (indexes follow when the guard is dropped).
+    pub fn model_mut(&mut self, key: &ModelKey) -> Option<ModelMut<'_>> {
+        let (key, rec) = self.models.range_mut(key..=key).next()?;
+        let old_store = rec.store.clone();
+        Some(ModelMut {
+            key,
+            rec,
+            old_store,
+            index: &mut self.index,
+        })
+    }
+
+    /// Changes one store record (indexes follow when the guard is dropped).
+    pub fn store_mut(&mut self, id: &StoreId) -> Option<StoreMut<'_>> {
+        let (id, rec) = self.stores.range_mut(id..=id).next()?;
+        let old_owner = rec.owner.clone();
+        let old_artifacts = rec.artifacts.clone();
+        Some(StoreMut {
+            id,
+            rec,
+            old_owner,
+            old_artifacts,
+            index: &mut self.index,
+        })
+    }
+
+    /// Adds or replaces a model record.
+    pub fn insert_model(&mut self, key: ModelKey, rec: ModelRecord) {
+        if let Some(old) = self.models.remove(&key) {
+            self.index.remove_model(&key, &old);
+        }
+        self.index.add_model(&key, &rec);
+        self.models.insert(key, rec);
+    }
+
+    pub fn remove_model(&mut self, key: &ModelKey) -> Option<ModelRecord> {
+        let rec = self.models.remove(key)?;
+        self.index.remove_model(key, &rec);
+        Some(rec)
+    }
+
+    /// Adds or replaces a store record.
+    pub fn insert_store(&mut self, id: StoreId, rec: StoreRecord) {
+        if let Some(old) = self.stores.remove(&id) {
+            self.index.remove_store(&id, &old);
+        }
+        self.index.add_store(&id, &rec);
+        self.stores.insert(id, rec);
+    }
+
+    pub fn remove_store(&mut self, id: &StoreId) -> Option<StoreRecord> {
+        let rec = self.stores.remove(id)?;
+        self.index.remove_store(id, &rec);
+        Some(rec)
+    }
+
+    /// Models served from `store`, in key order.
+    pub fn users_of(&self, store: &StoreId) -> Vec<&ModelKey> {
+        self.index
+            .users
+            .get(store)
+            .map(|u| u.iter().collect())
+            .unwrap_or_default()
+    }
+
+    /// How many models are served from `store`.
+    pub fn user_count(&self, store: &StoreId) -> usize {
+        self.index.users.get(store).map_or(0, BTreeSet::len)
+    }
+
+    /// The store a model owns, if any (the first in id order, should it own several).
     pub fn owned_store(&self, key: &ModelKey) -> Option<&StoreId> {
-        self.stores
-            .iter()
-            .find(|(_, s)| s.owner.as_ref() == Some(key))
-            .map(|(id, _)| id)
+        self.index.owned.get(key)?.first()
+    }
+
+    /// Stores holding `artifact` complete, in id order.
+    pub fn holders_of(&self, artifact: &ArtifactId) -> impl Iterator<Item = &StoreId> {
+        self.index.holders.get(artifact).into_iter().flatten()
+    }
+
+    /// The indexes as maintained (tests compare them with [`RecordsIndex::build`]).
+    pub fn index(&self) -> &RecordsIndex {
+        &self.index
     }
 }
 
@@ -255,5 +543,200 @@ mod tests {
         std::fs::write(&path, b"{not json").unwrap();
         let err = Records::load(&path).unwrap_err().to_string();
         assert!(err.contains("not a valid records file"), "{err}");
+    }
+}
+
+/// The indexes agree with a full scan after any sequence of changes (model and store records
+/// added, replaced, changed through the guards, removed), and after a save and load.
+#[cfg(test)]
+mod index_proptests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::proptest_support::config;
+    use modelfs_core::artifact::Sha256Digest;
+    use modelfs_ome::ModelKind;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        InsertModel {
+            key: u8,
+            store: Option<u8>,
+        },
+        SetModelStore {
+            key: u8,
+            store: Option<u8>,
+        },
+        RemoveModel {
+            key: u8,
+        },
+        AllocateStore {
+            owner: u8,
+        },
+        InsertStore {
+            id: u8,
+            owner: Option<u8>,
+            artifacts: Vec<u8>,
+        },
+        SetOwner {
+            id: u8,
+            owner: Option<u8>,
+        },
+        AddArtifact {
+            id: u8,
+            artifact: u8,
+        },
+        RemoveArtifact {
+            id: u8,
+            artifact: u8,
+        },
+        RemoveStore {
+            id: u8,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let k = 0u8..6;
+        let s = 1u8..8;
+        let a = 0u8..4;
+        prop_oneof![
+            (k.clone(), proptest::option::of(s.clone()))
+                .prop_map(|(key, store)| Op::InsertModel { key, store }),
+            (k.clone(), proptest::option::of(s.clone()))
+                .prop_map(|(key, store)| Op::SetModelStore { key, store }),
+            k.clone().prop_map(|key| Op::RemoveModel { key }),
+            k.clone().prop_map(|owner| Op::AllocateStore { owner }),
+            (
+                s.clone(),
+                proptest::option::of(k.clone()),
+                proptest::collection::vec(a.clone(), 0..3)
+            )
+                .prop_map(|(id, owner, artifacts)| Op::InsertStore {
+                    id,
+                    owner,
+                    artifacts
+                }),
+            (s.clone(), proptest::option::of(k)).prop_map(|(id, owner)| Op::SetOwner { id, owner }),
+            (s.clone(), a.clone()).prop_map(|(id, artifact)| Op::AddArtifact { id, artifact }),
+            (s.clone(), a).prop_map(|(id, artifact)| Op::RemoveArtifact { id, artifact }),
+            s.prop_map(|id| Op::RemoveStore { id }),
+        ]
+    }
+
+    fn key(n: u8) -> ModelKey {
+        if n.is_multiple_of(2) {
+            ModelKey::new(ModelKind::ClusterBaseModel, None, &format!("m{n}")).unwrap()
+        } else {
+            ModelKey::new(ModelKind::BaseModel, Some("ns"), &format!("m{n}")).unwrap()
+        }
+    }
+
+    fn art(n: u8) -> ArtifactId {
+        ArtifactId(Sha256Digest([n; 32]))
+    }
+
+    fn apply(r: &mut Records, op: &Op) {
+        let store = |n: &u8| StoreId::from_seq(u64::from(*n));
+        match op {
+            Op::InsertModel { key: k, store: s } => {
+                let seq = r.allocate_model_seq();
+                let mut rec = ModelRecord::new(seq, format!("m{k}"), None, ModelPhase::Ready);
+                rec.store = s.as_ref().map(store);
+                r.insert_model(key(*k), rec);
+            }
+            Op::SetModelStore { key: k, store: s } => {
+                if let Some(mut m) = r.model_mut(&key(*k)) {
+                    m.store = s.as_ref().map(store);
+                }
+            }
+            Op::RemoveModel { key: k } => {
+                r.remove_model(&key(*k));
+            }
+            Op::AllocateStore { owner } => {
+                r.allocate_store(&key(*owner));
+            }
+            Op::InsertStore {
+                id,
+                owner,
+                artifacts,
+            } => r.insert_store(
+                store(id),
+                StoreRecord {
+                    owner: owner.map(key),
+                    artifacts: artifacts.iter().map(|a| art(*a)).collect(),
+                    ..Default::default()
+                },
+            ),
+            Op::SetOwner { id, owner } => {
+                if let Some(mut s) = r.store_mut(&store(id)) {
+                    s.owner = owner.map(key);
+                }
+            }
+            Op::AddArtifact { id, artifact } => {
+                if let Some(mut s) = r.store_mut(&store(id)) {
+                    s.artifacts.insert(art(*artifact));
+                }
+            }
+            Op::RemoveArtifact { id, artifact } => {
+                if let Some(mut s) = r.store_mut(&store(id)) {
+                    s.artifacts.remove(&art(*artifact));
+                }
+            }
+            Op::RemoveStore { id } => {
+                r.remove_store(&store(id));
+            }
+        }
+    }
+
+    /// The answers of the indexed queries, computed by scanning every record.
+    fn check_against_scan(r: &Records) {
+        assert_eq!(r.index(), &RecordsIndex::build(r.models(), r.stores()));
+        for n in 0..8u8 {
+            let id = StoreId::from_seq(u64::from(n));
+            let scanned: Vec<&ModelKey> = r
+                .models()
+                .iter()
+                .filter(|(_, m)| m.store.as_ref() == Some(&id))
+                .map(|(k, _)| k)
+                .collect();
+            assert_eq!(r.users_of(&id), scanned);
+            assert_eq!(r.user_count(&id), scanned.len());
+        }
+        for n in 0..6u8 {
+            let k = key(n);
+            let scanned = r
+                .stores()
+                .iter()
+                .find(|(_, s)| s.owner.as_ref() == Some(&k))
+                .map(|(id, _)| id);
+            assert_eq!(r.owned_store(&k), scanned);
+        }
+        for n in 0..4u8 {
+            let a = art(n);
+            let scanned: Vec<&StoreId> = r
+                .stores()
+                .iter()
+                .filter(|(_, s)| s.artifacts.contains(&a))
+                .map(|(id, _)| id)
+                .collect();
+            assert_eq!(r.holders_of(&a).collect::<Vec<_>>(), scanned);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        #[test]
+        fn indexes_agree_with_a_full_scan(ops in proptest::collection::vec(op(), 0..60)) {
+            let mut r = Records::default();
+            for op in &ops {
+                apply(&mut r, op);
+                check_against_scan(&r);
+            }
+            let bytes = serde_json::to_vec(&r).unwrap();
+            let loaded = Records::from_bytes(&bytes, "records.json".into()).unwrap();
+            prop_assert_eq!(loaded.index(), r.index());
+            prop_assert_eq!(loaded, r);
+        }
     }
 }

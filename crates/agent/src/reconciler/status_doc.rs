@@ -3,7 +3,6 @@
 //! a model is the owner of the store it is served from, and a parent's children are the other
 //! models served from its store.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
@@ -24,22 +23,9 @@ impl Reconciler {
 
     pub(super) fn status_doc(&self) -> StatusDoc {
         let mut doc = StatusDoc::new();
-        // One pass each over stores and models, so the document costs O(models), not
-        // O(models x stores) (it is rebuilt on every change, with thousands of models).
-        let mut owned: HashMap<&ModelKey, &StoreId> = HashMap::new();
-        for (id, store) in &self.records.stores {
-            if let Some(owner) = &store.owner {
-                // The first in id order, as `Records::owned_store` answers.
-                owned.entry(owner).or_insert(id);
-            }
-        }
-        let mut users: HashMap<&StoreId, Vec<&ModelKey>> = HashMap::new();
-        for (key, rec) in &self.records.models {
-            if let Some(store) = &rec.store {
-                users.entry(store).or_default().push(key);
-            }
-        }
-        for (key, rec) in &self.records.models {
+        // Owners and users come from the records' indexes, so the document costs
+        // O(models log models), not O(models x stores) (it is rebuilt on every change).
+        for (key, rec) in self.records.models() {
             let mut e = ModelStatus {
                 name: rec.name.clone(),
                 status: rec.phase.as_str().to_string(),
@@ -58,13 +44,13 @@ impl Reconciler {
             if let Some(store) = &rec.store {
                 if let Some(owner) = self
                     .records
-                    .stores
+                    .stores()
                     .get(store)
                     .and_then(|s| s.owner.as_ref())
                 {
                     let owner_path = self
                         .records
-                        .models
+                        .models()
                         .get(owner)
                         .and_then(|o| o.served_path.clone())
                         .map(|p| self.abs_path(&p))
@@ -75,15 +61,15 @@ impl Reconciler {
                         .insert(owner.to_string(), owner_path);
                 }
             }
-            if let Some(&own) = owned.get(key) {
+            if let Some(own) = self.records.owned_store(key) {
                 e.bytes_on_disk = self.store_bytes.get(own).copied().unwrap_or(0);
                 if rec.store.as_ref() == Some(own) {
-                    e.config.artifact.children_paths = users
-                        .get(own)
+                    e.config.artifact.children_paths = self
+                        .records
+                        .users_of(own)
                         .into_iter()
-                        .flatten()
-                        .filter(|u| **u != key)
-                        .filter_map(|u| self.records.models[u].served_path.clone())
+                        .filter(|u| *u != key)
+                        .filter_map(|u| self.records.models()[u].served_path.clone())
                         .map(|p| self.abs_path(&p))
                         .collect();
                 }

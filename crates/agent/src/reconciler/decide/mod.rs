@@ -4,11 +4,15 @@
 //! flips, hand-over, deletion, store splits, recovery and which stores are garbage below), so
 //! each is unit-tested with tables of records (see `tests.rs`).
 //!
-//! The reconciler's actor ([`super::Reconciler`]) owns the records and the work in flight: for
-//! each event it asks these functions what to change, applies what they return, and executes
-//! the [`Effect`]s they ask for, in order, on its own thread (off the async runtime), feeding
-//! the outcomes back (for example [`finish_split`]). Everything a decision needs to know about
-//! work in flight is passed in ([`InFlight`], the wanted claims of [`claims`]).
+//! One entry point, [`decide`]: the records (the core's state) and an [`Event`] give the new
+//! records and a [`Decision`], the list of [`Effect`]s (start a fetch, wait, lose a path, fail
+//! with a retry, link a split store, save the records, rebuild the mapping...) that the
+//! reconciler's actor ([`super::Reconciler`]) executes, in order, on its own thread (off the
+//! async runtime), feeding outcomes back as events (a fetch's [`Event::Fetched`], a split's
+//! [`Event::SplitLinked`]). Everything a decision needs to know about the world outside the
+//! records is in the event: work in flight ([`InFlight`]), the path claims of the models that
+//! may conflict ([`claims`]), which artifacts the disk lacks. Read-only questions (who is
+//! garbage, who is whose parent) are plain functions over the records.
 
 pub mod paths;
 pub mod placement;
@@ -21,21 +25,435 @@ use std::time::Duration;
 use crate::reconciler::records::{ModelPhase, ModelRecord, Records};
 use modelfs_core::artifact::ArtifactId;
 use modelfs_core::store::StoreId;
-use modelfs_ome::{ModelKey, MountPath};
+use modelfs_ome::{DownloadPolicy, ModelKey, MountPath};
 
 pub use paths::{path_verdicts, ClaimArtifact, ClaimKind, PathClaim, PathVerdict};
 pub use placement::{in_scope, place, reuse_candidates, InFlight, Placement};
 
-/// Disk work a decision needs. The actor executes effects in the order given, before the next
-/// event, so a decision can rely on them (and on the records saved before them).
+/// What the actor does for a decision, in the order given, before the next event, so a
+/// decision can rely on them (and on the records saved before them).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Effect {
     /// Write the records now: a store directory is created next, and a crash must never leave
     /// a directory that no record names (garbage collection would rightly remove it).
     SaveRecords,
     /// Hard-link the blobs of `artifacts` from one store into a new one, then report the
-    /// outcome to [`finish_split`].
+    /// outcome ([`Event::SplitLinked`]).
     LinkStore(Split),
+    /// Fetch the model's artifact into `store` (created if needed; blobs `seed` already holds
+    /// are hard-linked from it), then report [`Event::Fetched`].
+    Fetch {
+        key: ModelKey,
+        store: StoreId,
+        seed: Option<StoreId>,
+    },
+    /// `key` waits, its artifact known, until `on`'s work moves on; then it is placed again.
+    Wait {
+        key: ModelKey,
+        on: ModelKey,
+        reason: WaitReason,
+    },
+    /// `key` lost the path rule: `Failed` with `reason` (naming the winner), its work stopped,
+    /// waiting without retries until the rule clears it (with `artifact`, when known, it keeps
+    /// competing for the path).
+    LosePath {
+        key: ModelKey,
+        reason: String,
+        artifact: Option<ArtifactId>,
+    },
+    /// `key` is served from `store` now (recorded): its work is done. `changed`: what it serves
+    /// changed.
+    Served {
+        key: ModelKey,
+        store: StoreId,
+        changed: bool,
+    },
+    /// The records changed what is served: rebuild the mapping (once, at the end of the batch).
+    Remap,
+    /// `key` failed with `reason`; retried as `retry` says.
+    Fail {
+        key: ModelKey,
+        reason: String,
+        retry: RetryKind,
+    },
+    /// The records forgot that `store` holds `artifact` (its blobs are not all on disk).
+    Forgotten {
+        store: StoreId,
+        artifact: ArtifactId,
+    },
+    /// The path rule clears `key`, which lost it before: it gets its turn (its spec is
+    /// reconciled again at once).
+    Turn { key: ModelKey },
+}
+
+/// What happened, as the decision core needs to know it. The actor builds an event from each
+/// message it receives (a resolve or fetch finished, a model deleted, a split linked, the mount
+/// server refusing entries, start-up) together with what the decision needs to know of the
+/// world outside the records, gathered beforehand: work in flight, the path claims of the
+/// models whose paths nest with the model's, what the disk holds.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// `key`'s artifact is known (resolved, or the served one when only the policy or path
+    /// changed): place it (SPEC 3.1, 3.2; the path rule of section 4 first).
+    ArtifactKnown {
+        key: ModelKey,
+        want: Want,
+        in_flight: InFlight,
+        /// Claims of the models whose paths nest with `want.path` (see [`claims`]).
+        claims: Vec<PathClaim>,
+    },
+    /// A fetch into `store` completed with `artifact` verified. `want`: what the model's
+    /// spec asks, when the fetch is still its work (a stale fetch is recorded as data, never
+    /// served).
+    Fetched {
+        key: ModelKey,
+        store: StoreId,
+        artifact: ArtifactId,
+        want: Option<Want>,
+        claims: Vec<PathClaim>,
+    },
+    /// The model's object is gone (SPEC 3.3).
+    Deleted { key: ModelKey },
+    /// A model whose source carries no files (`vendor://`): Ready at once, nothing mapped.
+    NoFiles { key: ModelKey, source: String },
+    /// The outcome of an [`Effect::LinkStore`].
+    SplitLinked {
+        split: Split,
+        result: Result<(), String>,
+    },
+    /// Start-up: the (store, artifact) pairs of the records whose blobs are not all on disk.
+    Recovered {
+        incomplete: BTreeSet<(StoreId, ArtifactId)>,
+    },
+    /// After a batch of events (and at start-up): the path rule over every claim of the state
+    /// (see `settle_paths`). `working`: models with work in progress; `losers`: models
+    /// waiting for the rule to clear them.
+    SettlePaths {
+        claims: Vec<PathClaim>,
+        working: BTreeSet<ModelKey>,
+        losers: BTreeSet<ModelKey>,
+    },
+    /// The mount server left the entries of these models out of the mapping, with its reason.
+    /// `incomplete`: the (store, artifact) pairs they are served from whose blobs are not all
+    /// on disk; `working`: those of them with a change in progress.
+    MountRefused {
+        refused: Vec<(ModelKey, String)>,
+        incomplete: BTreeSet<(StoreId, ArtifactId)>,
+        working: BTreeSet<ModelKey>,
+    },
+}
+
+/// What a model's spec asks to serve once its artifact is known.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Want {
+    pub policy: DownloadPolicy,
+    pub artifact: ArtifactId,
+    /// Resolved revision, reported as `artifact.sha`.
+    pub sha: String,
+    pub path: MountPath,
+    pub source: String,
+}
+
+/// What a decision changed and what the actor must do, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Decision {
+    pub effects: Vec<Effect>,
+}
+
+impl Decision {
+    fn push(&mut self, e: Effect) {
+        self.effects.push(e);
+    }
+}
+
+/// The decision core's one entry point: what `event` does to the records (the core's state,
+/// changed in place) and the effects the actor executes, in order. Pure: no I/O, no clock.
+pub fn decide(records: &mut Records, event: &Event) -> Decision {
+    let mut d = Decision::default();
+    match event {
+        Event::ArtifactKnown {
+            key,
+            want,
+            in_flight,
+            claims,
+        } => {
+            if let Some(stop) = path_rule(records, key, want, claims) {
+                d.push(stop);
+                return d;
+            }
+            match place(records, key, want.policy, &want.artifact, in_flight) {
+                Placement::Serve(store) => serve_effects(records, key, store, want, &mut d),
+                Placement::Wait(on) => d.push(Effect::Wait {
+                    key: key.clone(),
+                    on,
+                    reason: WaitReason::SameArtifact,
+                }),
+                Placement::Fetch => {
+                    let target = fetch_target(records, key, &want.artifact);
+                    d.effects.extend(target.effects);
+                    d.push(Effect::Fetch {
+                        key: key.clone(),
+                        store: target.store,
+                        seed: target.seed,
+                    });
+                }
+            }
+        }
+        Event::Fetched {
+            key,
+            store,
+            artifact,
+            want,
+            claims,
+        } => {
+            // A complete, verified artifact is real data whether or not the model still
+            // wants it: the store holds it (a waiter may map onto it).
+            if let Some(mut s) = records.store_mut(store) {
+                s.artifacts.insert(artifact.clone());
+            }
+            let Some(want) = want else {
+                return d;
+            };
+            // The path rule again, atomically with the flip: an earlier model may have
+            // claimed the path while this one was fetching.
+            if let Some(stop) = path_rule(records, key, want, claims) {
+                d.push(stop);
+                return d;
+            }
+            serve_effects(records, key, store.clone(), want, &mut d);
+        }
+        Event::Deleted { key } => {
+            d.effects = delete(records, key);
+            d.push(Effect::Remap);
+        }
+        Event::NoFiles { key, source } => {
+            d.effects = serve_without_files(records, key, source.clone());
+            d.push(Effect::Remap);
+        }
+        Event::SplitLinked { split, result } => finish_split(records, split, result.clone()),
+        Event::Recovered { incomplete } => {
+            for (store, artifact) in recover(records, |a, s| {
+                !incomplete.contains(&(s.clone(), a.clone()))
+            }) {
+                d.push(Effect::Forgotten { store, artifact });
+            }
+        }
+        Event::MountRefused {
+            refused,
+            incomplete,
+            working,
+        } => mount_refused(records, refused, incomplete, working, &mut d),
+        Event::SettlePaths {
+            claims,
+            working,
+            losers,
+        } => settle_paths(records, claims, working.clone(), losers.clone(), &mut d),
+    }
+    d
+}
+
+/// The path rule over the whole state: a served model that now loses (an earlier model
+/// resolved to another artifact on its path, or records from before the rule hold two) is
+/// unmapped and loses the path (its own store, and any child on it, is kept: getting its turn
+/// back costs no download); a model whose work now loses stops; a loser the rule clears (the
+/// model it lost to went away, moved or changed) gets its turn. Claims are judged in order,
+/// each seeing the outcome of the ones before.
+fn settle_paths(
+    records: &mut Records,
+    claims: &[PathClaim],
+    mut working: BTreeSet<ModelKey>,
+    mut losers: BTreeSet<ModelKey>,
+    d: &mut Decision,
+) {
+    let verdicts = path_verdicts(claims);
+    let mut turns = Vec::new();
+    let mut remap = false;
+    for (c, v) in claims.iter().zip(verdicts) {
+        match (c.kind, v) {
+            (ClaimKind::Served, PathVerdict::Conflict { reason, .. }) => {
+                let Some(mut rec) = records.model_mut(&c.key) else {
+                    continue;
+                };
+                let artifact = rec.artifact.clone();
+                unmap(&mut rec);
+                remap = true;
+                tracing::warn!(model = %c.key, reason, "served model loses a path conflict; unmapped");
+                if working.contains(&c.key) {
+                    // A change in progress decides again (through the rule) when resolved.
+                    rec.reason = Some(reason);
+                } else {
+                    drop(rec);
+                    losers.insert(c.key.clone());
+                    d.push(Effect::LosePath {
+                        key: c.key.clone(),
+                        reason,
+                        artifact,
+                    });
+                }
+            }
+            (ClaimKind::Wanted, PathVerdict::Conflict { reason, .. }) => {
+                if working.remove(&c.key) {
+                    let artifact = match &c.artifact {
+                        ClaimArtifact::Known(a) => Some(a.clone()),
+                        _ => None,
+                    };
+                    losers.insert(c.key.clone());
+                    d.push(Effect::LosePath {
+                        key: c.key.clone(),
+                        reason,
+                        artifact,
+                    });
+                } else if losers.contains(&c.key) {
+                    // Still losing, maybe to another model now: keep the reason current.
+                    if let Some(mut rec) = records.model_mut(&c.key) {
+                        rec.reason = Some(reason);
+                    }
+                }
+            }
+            (ClaimKind::Wanted, PathVerdict::Clear) if losers.contains(&c.key) => {
+                turns.push(c.key.clone());
+            }
+            _ => {}
+        }
+    }
+    if remap {
+        d.push(Effect::Remap);
+    }
+    for key in turns {
+        d.push(Effect::Turn { key });
+    }
+}
+
+/// Why a model waits for another's work.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WaitReason {
+    /// Single flight: the other fetches the same artifact.
+    SameArtifact,
+    /// The path rule: an earlier model on the same path is still resolving.
+    EarlierOnPath,
+}
+
+/// The path rule for `key` serving `want`: `None` when clear, else the effect that stops it.
+fn path_rule(
+    records: &Records,
+    key: &ModelKey,
+    want: &Want,
+    claims: &[PathClaim],
+) -> Option<Effect> {
+    let seq = records.models().get(key).map_or(u64::MAX, |r| r.seq);
+    match verdict_for(
+        claims.to_vec(),
+        key,
+        seq,
+        &want.path,
+        ClaimArtifact::Known(want.artifact.clone()),
+    ) {
+        PathVerdict::Clear => None,
+        PathVerdict::Wait { on } => Some(Effect::Wait {
+            key: key.clone(),
+            on,
+            reason: WaitReason::EarlierOnPath,
+        }),
+        PathVerdict::Conflict { reason, .. } => Some(Effect::LosePath {
+            key: key.clone(),
+            reason,
+            artifact: Some(want.artifact.clone()),
+        }),
+    }
+}
+
+/// The flip: `key` is served from `store` (see [`serve`]).
+fn serve_effects(
+    records: &mut Records,
+    key: &ModelKey,
+    store: StoreId,
+    want: &Want,
+    d: &mut Decision,
+) {
+    let (changed, effects) = serve(
+        records,
+        key,
+        Serve {
+            store: store.clone(),
+            artifact: want.artifact.clone(),
+            sha: want.sha.clone(),
+            path: want.path.to_string(),
+            source: want.source.clone(),
+        },
+    );
+    d.push(Effect::Served {
+        key: key.clone(),
+        store,
+        changed,
+    });
+    d.effects.extend(effects);
+    d.push(Effect::Remap);
+}
+
+/// The mount server refused to serve these models: each is unmapped and failed with the
+/// server's reason (retried). A copy that really lacks blobs forgets the artifact, so the
+/// retry fetches what is missing instead of being refused again, and every model served from
+/// that copy fails with it. A model with a change in progress is only unmapped: the change
+/// serves it anew.
+fn mount_refused(
+    records: &mut Records,
+    refused: &[(ModelKey, String)],
+    incomplete: &BTreeSet<(StoreId, ArtifactId)>,
+    working: &BTreeSet<ModelKey>,
+    d: &mut Decision,
+) {
+    let mut failed: BTreeMap<ModelKey, String> = BTreeMap::new();
+    for (key, server_reason) in refused {
+        let Some(rec) = records.models().get(key) else {
+            continue;
+        };
+        let (Some(artifact), Some(store)) = (rec.artifact.clone(), rec.store.clone()) else {
+            continue;
+        };
+        let reason = format!("the mount server refused to serve it: {server_reason}");
+        if incomplete.contains(&(store.clone(), artifact.clone())) {
+            if let Some(mut s) = records.store_mut(&store) {
+                if s.artifacts.remove(&artifact) {
+                    d.push(Effect::Forgotten {
+                        store: store.clone(),
+                        artifact: artifact.clone(),
+                    });
+                }
+            }
+            for user in records.users_of(&store) {
+                if records.models()[user].artifact.as_ref() == Some(&artifact) {
+                    failed.entry(user.clone()).or_insert_with(|| reason.clone());
+                }
+            }
+        }
+        failed.entry(key.clone()).or_insert(reason);
+    }
+    if failed.is_empty() {
+        return;
+    }
+    for (key, reason) in failed {
+        if let Some(mut rec) = records.model_mut(&key) {
+            unmap(&mut rec);
+        }
+        if !working.contains(&key) {
+            d.push(Effect::Fail {
+                key,
+                reason,
+                retry: RetryKind::MountRefused,
+            });
+        }
+    }
+    d.push(Effect::Remap);
+}
+
+/// How a failure is retried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetryKind {
+    /// With backoff, counting attempts while the spec stays the same.
+    Transient,
+    /// Transient, counting the refusals of the mount server (serving the model in between
+    /// does not reset the backoff).
+    MountRefused,
 }
 
 /// Users of one store that move to a store of their own (see [`hand_over_or_release`]).
@@ -79,29 +497,31 @@ pub struct Serve {
 pub fn serve(records: &mut Records, key: &ModelKey, serve: Serve) -> (bool, Vec<Effect>) {
     let own = records.owned_store(key).cloned();
     let store = serve.store.clone();
-    let Some(rec) = records.models.get_mut(key) else {
-        return (false, Vec::new());
-    };
-    let before = (
-        rec.store.clone(),
-        rec.artifact.clone(),
-        rec.served_path.clone(),
-    );
-    rec.artifact = Some(serve.artifact);
-    rec.sha = Some(serve.sha);
-    rec.store = Some(store.clone());
-    rec.served_path = Some(serve.path);
-    rec.served_source = Some(serve.source);
-    rec.phase = ModelPhase::Ready;
-    rec.reason = None;
-    let changed = before
-        != (
+    let changed = {
+        let Some(mut rec) = records.model_mut(key) else {
+            return (false, Vec::new());
+        };
+        let before = (
             rec.store.clone(),
             rec.artifact.clone(),
             rec.served_path.clone(),
         );
+        rec.artifact = Some(serve.artifact);
+        rec.sha = Some(serve.sha);
+        rec.store = Some(store.clone());
+        rec.served_path = Some(serve.path);
+        rec.served_source = Some(serve.source);
+        rec.phase = ModelPhase::Ready;
+        rec.reason = None;
+        before
+            != (
+                rec.store.clone(),
+                rec.artifact.clone(),
+                rec.served_path.clone(),
+            )
+    };
     // A reserved store that has no owner is adopted by its first user.
-    if let Some(s) = records.stores.get_mut(&store) {
+    if let Some(mut s) = records.store_mut(&store) {
         if s.owner.is_none() {
             s.owner = Some(key.clone());
             s.reserved = false;
@@ -110,13 +530,13 @@ pub fn serve(records: &mut Records, key: &ModelKey, serve: Serve) -> (bool, Vec<
     let mut effects = Vec::new();
     if let Some(own) = own.filter(|o| *o != store) {
         let target_artifacts = records
-            .stores
+            .stores()
             .get(&store)
             .map(|s| s.artifacts.clone())
             .unwrap_or_default();
         let users: Vec<ModelKey> = records.users_of(&own).into_iter().cloned().collect();
         for u in users {
-            let m = records.models.get_mut(&u).expect("user record");
+            let mut m = records.model_mut(&u).expect("user record");
             if m.artifact
                 .as_ref()
                 .is_some_and(|a| target_artifacts.contains(a))
@@ -148,7 +568,7 @@ pub fn hand_over_or_release(
         .filter(|u| *u != key)
         .cloned()
         .collect();
-    let ns_of = |r: &Records, k: &ModelKey| r.models.get(k).and_then(|m| m.namespace.clone());
+    let ns_of = |r: &Records, k: &ModelKey| r.models().get(k).and_then(|m| m.namespace.clone());
     let leaving_ns = ns_of(records, key);
     let next = users
         .iter()
@@ -156,7 +576,7 @@ pub fn hand_over_or_release(
         .or_else(|| users.first())
         .cloned();
     let Some(next) = next else {
-        if let Some(s) = records.stores.get_mut(store) {
+        if let Some(mut s) = records.store_mut(store) {
             s.owner = None;
             s.reserved = reserve;
             s.last_owner_namespace = leaving_ns;
@@ -165,7 +585,7 @@ pub fn hand_over_or_release(
         return Vec::new();
     };
     tracing::info!(%store, from = %key, to = %next, "store ownership passes to a child");
-    if let Some(s) = records.stores.get_mut(store) {
+    if let Some(mut s) = records.store_mut(store) {
         s.owner = Some(next.clone());
     }
     let owner_ns = ns_of(records, &next);
@@ -191,7 +611,7 @@ pub fn hand_over_or_release(
 fn begin_split(records: &mut Records, from: &StoreId, members: Vec<ModelKey>) -> Split {
     let artifacts: BTreeSet<ArtifactId> = members
         .iter()
-        .filter_map(|m| records.models.get(m).and_then(|r| r.artifact.clone()))
+        .filter_map(|m| records.models().get(m).and_then(|r| r.artifact.clone()))
         .collect();
     let to = records.allocate_store(&members[0]);
     Split {
@@ -202,16 +622,16 @@ fn begin_split(records: &mut Records, from: &StoreId, members: Vec<ModelKey>) ->
     }
 }
 
-/// The outcome of an [`Effect::LinkStore`]: the members move to their new store, or (it could
+/// The outcome of an [`Effect::LinkStore`] ([`Event::SplitLinked`]): the members move to their new store, or (it could
 /// not be made) they stay where they are and the new store is released (garbage).
 pub fn finish_split(records: &mut Records, split: &Split, linked: Result<(), String>) {
     match linked {
         Ok(()) => {
-            if let Some(rec) = records.stores.get_mut(&split.to) {
+            if let Some(mut rec) = records.store_mut(&split.to) {
                 rec.artifacts = split.artifacts.clone();
             }
             for m in &split.members {
-                if let Some(r) = records.models.get_mut(m) {
+                if let Some(mut r) = records.model_mut(m) {
                     r.store = Some(split.to.clone());
                 }
             }
@@ -220,7 +640,7 @@ pub fn finish_split(records: &mut Records, split: &Split, linked: Result<(), Str
         Err(e) => {
             // They keep being served from the old store; only the reported parent is off.
             tracing::error!(store = %split.to, error = %e, "could not split a store by namespace");
-            if let Some(rec) = records.stores.get_mut(&split.to) {
+            if let Some(mut rec) = records.store_mut(&split.to) {
                 rec.owner = None;
             }
         }
@@ -233,12 +653,12 @@ pub fn prune_store_artifacts(records: &mut Records, store: &StoreId) {
     let served: BTreeSet<ArtifactId> = records
         .users_of(store)
         .into_iter()
-        .filter_map(|k| records.models.get(k).and_then(|m| m.artifact.clone()))
+        .filter_map(|k| records.models().get(k).and_then(|m| m.artifact.clone()))
         .collect();
     if served.is_empty() {
         return;
     }
-    if let Some(s) = records.stores.get_mut(store) {
+    if let Some(mut s) = records.store_mut(store) {
         s.artifacts.retain(|a| served.contains(a));
     }
 }
@@ -267,7 +687,7 @@ pub fn fetch_target(records: &mut Records, key: &ModelKey, artifact: &ArtifactId
         };
     };
     let split = records.users_of(&own).into_iter().any(|u| {
-        u != key && records.models.get(u).and_then(|m| m.artifact.as_ref()) != Some(artifact)
+        u != key && records.models().get(u).and_then(|m| m.artifact.as_ref()) != Some(artifact)
     });
     if !split {
         return FetchTarget {
@@ -292,12 +712,12 @@ pub fn fetch_target(records: &mut Records, key: &ModelKey, artifact: &ArtifactId
 /// (kept as reserved under the reserve label, else garbage after the grace period).
 pub fn delete(records: &mut Records, key: &ModelKey) -> Vec<Effect> {
     let own = records.owned_store(key).cloned();
-    let reserve = records.models.get(key).is_some_and(|m| m.reserve);
+    let reserve = records.models().get(key).is_some_and(|m| m.reserve);
     let effects = match own {
         Some(own) => hand_over_or_release(records, &own, key, reserve),
         None => Vec::new(),
     };
-    records.models.remove(key);
+    records.remove_model(key);
     effects
 }
 
@@ -306,11 +726,11 @@ pub fn delete(records: &mut Records, key: &ModelKey) -> Vec<Effect> {
 pub fn serve_without_files(records: &mut Records, key: &ModelKey, source: String) -> Vec<Effect> {
     let mut effects = Vec::new();
     if let Some(own) = records.owned_store(key).cloned() {
-        let reserve = records.models.get(key).is_some_and(|m| m.reserve);
+        let reserve = records.models().get(key).is_some_and(|m| m.reserve);
         effects = hand_over_or_release(records, &own, key, reserve);
     }
-    if let Some(rec) = records.models.get_mut(key) {
-        unmap(rec);
+    if let Some(mut rec) = records.model_mut(key) {
+        unmap(&mut rec);
         rec.served_source = Some(source);
         rec.phase = ModelPhase::Ready;
         rec.reason = None;
@@ -328,41 +748,50 @@ pub fn recover(
     mut complete: impl FnMut(&ArtifactId, &StoreId) -> bool,
 ) -> Vec<(StoreId, ArtifactId)> {
     let mut forgotten = Vec::new();
-    for (id, store) in records.stores.iter_mut() {
-        let incomplete: Vec<ArtifactId> = store
+    let ids: Vec<StoreId> = records.stores().keys().cloned().collect();
+    for id in &ids {
+        let incomplete: Vec<ArtifactId> = records.stores()[id]
             .artifacts
             .iter()
             .filter(|a| !complete(a, id))
             .cloned()
             .collect();
+        if incomplete.is_empty() {
+            continue;
+        }
+        let mut store = records.store_mut(id).expect("store record");
         for a in incomplete {
             store.artifacts.remove(&a);
             forgotten.push((id.clone(), a));
         }
     }
-    let stores = &records.stores;
-    for rec in records.models.values_mut() {
-        let ok = match (&rec.artifact, &rec.store) {
-            (Some(a), Some(s)) => stores.get(s).is_some_and(|st| st.artifacts.contains(a)),
-            (None, None) => true,
-            _ => false,
-        };
-        if !ok {
-            unmap(rec);
-            rec.phase = ModelPhase::Updating;
-        }
+    let stores = records.stores();
+    let dropped: Vec<ModelKey> = records
+        .models()
+        .iter()
+        .filter(|(_, rec)| match (&rec.artifact, &rec.store) {
+            (Some(a), Some(s)) => !stores.get(s).is_some_and(|st| st.artifacts.contains(a)),
+            (None, None) => false,
+            _ => true,
+        })
+        .map(|(k, _)| k.clone())
+        .collect();
+    for key in &dropped {
+        let mut rec = records.model_mut(key).expect("model record");
+        unmap(&mut rec);
+        rec.phase = ModelPhase::Updating;
     }
     // Owner records are removed atomically with the hand-over, so this only repairs
     // hand-edited records.
-    let models = &records.models;
-    for store in records.stores.values_mut() {
-        if store
-            .owner
-            .as_ref()
-            .is_some_and(|o| !models.contains_key(o))
-        {
-            store.owner = None;
-        }
+    let models = records.models();
+    let orphaned: Vec<StoreId> = records
+        .stores()
+        .iter()
+        .filter(|(_, s)| s.owner.as_ref().is_some_and(|o| !models.contains_key(o)))
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in &orphaned {
+        records.store_mut(id).expect("store record").owner = None;
     }
     forgotten
 }
@@ -370,23 +799,20 @@ pub fn recover(
 /// Stores that garbage collection may remove (SPEC section 3.3): no owner, not reserved, no
 /// model served from them, and not `busy` (an open file, a mapping not yet retired, a fetch).
 pub fn garbage_stores(records: &Records, busy: impl Fn(&StoreId) -> bool) -> Vec<StoreId> {
-    let used: BTreeSet<&StoreId> = records
-        .models
-        .values()
-        .filter_map(|m| m.store.as_ref())
-        .collect();
     records
-        .stores
+        .stores()
         .iter()
-        .filter(|(id, s)| s.owner.is_none() && !s.reserved && !used.contains(id) && !busy(id))
+        .filter(|(id, s)| {
+            s.owner.is_none() && !s.reserved && records.user_count(id) == 0 && !busy(id)
+        })
         .map(|(id, _)| id.clone())
         .collect()
 }
 
 /// The parent of `key` as reported (SPEC section 2): the owner of the store it is served from.
 pub fn parent_of<'a>(records: &'a Records, key: &ModelKey) -> Option<&'a ModelKey> {
-    let store = records.models.get(key)?.store.as_ref()?;
-    records.stores.get(store)?.owner.as_ref()
+    let store = records.models().get(key)?.store.as_ref()?;
+    records.stores().get(store)?.owner.as_ref()
 }
 
 /// The children of `key`: the other models served from the store it owns and is served from.
@@ -394,7 +820,7 @@ pub fn children_of<'a>(records: &'a Records, key: &ModelKey) -> Vec<&'a ModelKey
     let Some(own) = records.owned_store(key) else {
         return Vec::new();
     };
-    if records.models.get(key).and_then(|m| m.store.as_ref()) != Some(own) {
+    if records.models().get(key).and_then(|m| m.store.as_ref()) != Some(own) {
         return Vec::new();
     }
     records
@@ -431,7 +857,7 @@ pub fn claims<'a>(
 ) -> Vec<PathClaim> {
     let mut out = Vec::new();
     for key in keys {
-        let Some(rec) = records.models.get(key) else {
+        let Some(rec) = records.models().get(key) else {
             continue;
         };
         if rec.fingerprint.starts_with("invalid:") {

@@ -1,5 +1,5 @@
 //! The one path-conflict rule (SPEC section 4): which models may be served at which paths
-//! below the mount. The reconciler applies it through [`super::Decider`]; the filesystem core
+//! below the mount. The reconciler applies it through [`super::decide`]; the filesystem core
 //! only keeps a defensive check that refuses a mapping breaking it (a bug upstream), never a
 //! decision of its own. Pure: no I/O.
 

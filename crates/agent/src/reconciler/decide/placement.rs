@@ -38,24 +38,20 @@ pub fn reuse_candidates(
     requester: &ModelKey,
     artifact: &ArtifactId,
 ) -> Vec<StoreId> {
-    let Some(req) = records.models.get(requester) else {
+    let Some(req) = records.models().get(requester) else {
         return Vec::new();
     };
-    let own = records.owned_store(requester).cloned();
-    let mut users: BTreeMap<&StoreId, usize> = BTreeMap::new();
-    for m in records.models.values() {
-        if let Some(s) = &m.store {
-            *users.entry(s).or_default() += 1;
-        }
-    }
+    let own = records.owned_store(requester);
     let mut found: Vec<(usize, String, StoreId)> = Vec::new();
-    for (id, store) in &records.stores {
-        if Some(id) == own.as_ref() || !store.artifacts.contains(artifact) {
+    // Only the stores holding the artifact (an index): a placement never scans every record.
+    for id in records.holders_of(artifact) {
+        if Some(id) == own {
             continue;
         }
+        let store = &records.stores()[id];
         let holder_ns = match &store.owner {
             Some(owner) => {
-                let Some(o) = records.models.get(owner) else {
+                let Some(o) = records.models().get(owner) else {
                     continue;
                 };
                 if o.phase != ModelPhase::Ready || o.store.as_ref() != Some(id) {
@@ -74,7 +70,7 @@ pub fn reuse_candidates(
             .as_ref()
             .map(|o| o.to_string())
             .unwrap_or_default();
-        found.push((users.get(id).copied().unwrap_or(0), owner, id.clone()));
+        found.push((records.user_count(id), owner, id.clone()));
     }
     found.sort_by(|a, b| {
         b.0.cmp(&a.0)
@@ -104,7 +100,7 @@ pub fn place(
 ) -> Placement {
     let own = records.owned_store(key);
     let own_has = own
-        .and_then(|id| records.stores.get(id))
+        .and_then(|id| records.stores().get(id))
         .is_some_and(|s| s.artifacts.contains(artifact));
     match policy {
         DownloadPolicy::AlwaysDownload => {
@@ -121,12 +117,15 @@ pub fn place(
             if own_has {
                 return Placement::Serve(own.expect("own store").clone());
             }
-            let req_ns = records.models.get(key).and_then(|m| m.namespace.as_deref());
+            let req_ns = records
+                .models()
+                .get(key)
+                .and_then(|m| m.namespace.as_deref());
             for (other, other_artifact) in &in_flight.fetching {
                 if other == key || other_artifact != artifact {
                     continue;
                 }
-                let Some(o) = records.models.get(other) else {
+                let Some(o) = records.models().get(other) else {
                     continue;
                 };
                 if in_scope(req_ns, o.namespace.as_deref()) {
@@ -134,7 +133,7 @@ pub fn place(
                 }
             }
             for other in &in_flight.resolving_same_source {
-                let Some(o) = records.models.get(other) else {
+                let Some(o) = records.models().get(other) else {
                     continue;
                 };
                 if other != key && in_scope(req_ns, o.namespace.as_deref()) {
@@ -177,15 +176,15 @@ mod tests {
         let mut rec = ModelRecord::new(seq, k.to_string(), ns.map(str::to_string), phase);
         rec.policy = DownloadPolicy::ReuseIfExists;
         rec.store = store;
-        r.models.insert(k.clone(), rec);
+        r.insert_model(k.clone(), rec);
     }
 
     /// A Ready parent `k` owning a store holding `a`.
     fn add_parent(r: &mut Records, k: &ModelKey, ns: Option<&str>, a: &ArtifactId) -> StoreId {
         let id = r.allocate_store(k);
-        r.stores.get_mut(&id).unwrap().artifacts.insert(a.clone());
+        r.store_mut(&id).unwrap().artifacts.insert(a.clone());
         add_model(r, k, ns, ModelPhase::Ready, Some(id.clone()));
-        r.models.get_mut(k).unwrap().artifact = Some(a.clone());
+        r.model_mut(k).unwrap().artifact = Some(a.clone());
         id
     }
 
@@ -230,7 +229,7 @@ mod tests {
             Placement::Fetch
         );
         // Not Ready -> not a candidate.
-        r.models.get_mut(&cluster).unwrap().phase = ModelPhase::Updating;
+        r.model_mut(&cluster).unwrap().phase = ModelPhase::Updating;
         assert_eq!(
             place(&r, &me, DownloadPolicy::ReuseIfExists, &a, &none),
             Placement::Fetch
@@ -308,14 +307,15 @@ mod tests {
         let a = art(3);
         let gone = key(None, "gone");
         let id = r.allocate_store(&gone);
-        let s = r.stores.get_mut(&id).unwrap();
+        let mut s = r.store_mut(&id).unwrap();
         s.owner = None;
         s.reserved = true;
         s.artifacts.insert(a.clone());
+        drop(s);
         let me = key(Some("ns"), "me");
         add_model(&mut r, &me, Some("ns"), ModelPhase::Updating, None);
         assert_eq!(reuse_candidates(&r, &me, &a), vec![id.clone()]);
-        r.stores.get_mut(&id).unwrap().reserved = false;
+        r.store_mut(&id).unwrap().reserved = false;
         assert!(
             reuse_candidates(&r, &me, &a).is_empty(),
             "unreserved orphan is garbage"

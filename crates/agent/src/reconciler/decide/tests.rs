@@ -59,7 +59,7 @@ fn add_model(r: &mut Records, name: &str, phase: ModelPhase) -> ModelKey {
     let mut rec = ModelRecord::new(seq, name.to_string(), ns_of(name), phase);
     rec.path = name.to_string();
     rec.fingerprint = format!("fp-{name}");
-    r.models.insert(k.clone(), rec);
+    r.insert_model(k.clone(), rec);
     k
 }
 
@@ -75,17 +75,17 @@ fn build(setup: &[Setup]) -> Records {
                 };
                 let k = add_model(&mut r, n, phase);
                 let id = r.allocate_store(&k);
-                r.stores.get_mut(&id).unwrap().artifacts.insert(art(a));
-                let rec = r.models.get_mut(&k).unwrap();
+                r.store_mut(&id).unwrap().artifacts.insert(art(a));
+                let mut rec = r.model_mut(&k).unwrap();
                 rec.store = Some(id);
                 rec.artifact = Some(art(a));
                 rec.served_path = Some(n.to_string());
                 rec.reserve = matches!(s, Setup::HolderReserving(..));
             }
             Setup::Child(n, of) => {
-                let parent = r.models[&key(of)].clone();
+                let parent = r.models()[&key(of)].clone();
                 let k = add_model(&mut r, n, ModelPhase::Ready);
-                let rec = r.models.get_mut(&k).unwrap();
+                let mut rec = r.model_mut(&k).unwrap();
                 rec.policy = Reuse;
                 rec.store = parent.store;
                 rec.artifact = parent.artifact;
@@ -97,7 +97,7 @@ fn build(setup: &[Setup]) -> Records {
             Setup::Reserved(ns, a) => {
                 let gone = key("gone");
                 let id = r.allocate_store(&gone);
-                let s = r.stores.get_mut(&id).unwrap();
+                let mut s = r.store_mut(&id).unwrap();
                 s.owner = None;
                 s.reserved = true;
                 s.last_owner_namespace = (!ns.is_empty()).then(|| ns.to_string());
@@ -114,13 +114,13 @@ fn build(setup: &[Setup]) -> Records {
 /// take it.
 fn summary(r: &Records) -> Vec<String> {
     let mut out = Vec::new();
-    for k in r.models.keys() {
+    for k in r.models().keys() {
         let parent = parent_of(r, k).map_or("-".to_string(), short);
         out.push(format!("{} <- {parent}", short(k)));
     }
     out.sort();
     let garbage = garbage_stores(r, |_| false);
-    for (id, s) in &r.stores {
+    for (id, s) in r.stores() {
         let owner = match (&s.owner, s.reserved) {
             (Some(o), _) => short(o),
             (None, true) => "reserved".into(),
@@ -132,56 +132,64 @@ fn summary(r: &Records) -> Vec<String> {
     out
 }
 
-/// Runs a model's change to `policy` with `artifact` known, as the reconciler does: place it;
-/// serve from a holder at once, or fetch into the target store (the fetch completes at once,
-/// the links of any split succeed) and then serve. Returns the placement as text.
+/// What a model's spec asks in the tables: served at its name, from source "src".
+fn want(name: &str, policy: DownloadPolicy, a: u8) -> Want {
+    Want {
+        policy,
+        artifact: art(a),
+        sha: "rev".into(),
+        path: MountPath::from_relative(name).unwrap(),
+        source: "src".into(),
+    }
+}
+
+/// Runs a model's change to `policy` with `artifact` known through [`decide`], as the actor
+/// does: the artifact is known; a fetch it asks for completes at once (and the links of any
+/// split succeed), reported as [`Event::Fetched`]. Returns the placement as text.
 fn apply(r: &mut Records, name: &str, policy: DownloadPolicy, a: u8) -> String {
     let k = key(name);
-    r.models.get_mut(&k).unwrap().policy = policy;
-    let artifact = art(a);
-    let placed = place(r, &k, policy, &artifact, &InFlight::default());
-    let serve_from = match &placed {
-        Placement::Serve(s) => s.clone(),
-        Placement::Wait(_) => return format!("{placed:?}"),
-        Placement::Fetch => {
-            let target = fetch_target(r, &k, &artifact);
-            run(r, &target.effects);
-            r.stores
-                .get_mut(&target.store)
-                .unwrap()
-                .artifacts
-                .insert(artifact.clone());
-            target.store
-        }
+    r.model_mut(&k).unwrap().policy = policy;
+    let event = Event::ArtifactKnown {
+        key: k,
+        want: want(name, policy, a),
+        in_flight: InFlight::default(),
+        claims: Vec::new(),
     };
-    let (_, effects) = serve(
-        r,
-        &k,
-        Serve {
-            store: serve_from,
-            artifact,
-            sha: "rev".into(),
-            path: name.into(),
-            source: "src".into(),
-        },
-    );
-    run(r, &effects);
-    match placed {
-        Placement::Serve(s) => format!("serve {s}"),
-        other => format!("{other:?}").to_lowercase(),
-    }
+    let effects = decide(r, &event).effects;
+    let placed = effects.iter().find_map(|e| match e {
+        Effect::Fetch { .. } => Some("fetch".to_string()),
+        Effect::Served { store, .. } => Some(format!("serve {store}")),
+        Effect::Wait { on, .. } => Some(format!("wait {}", short(on))),
+        _ => None,
+    });
+    run(r, &effects, &want(name, policy, a));
+    placed.unwrap_or_default()
 }
 
-/// Executes effects as the actor does, with every link succeeding.
-fn run(r: &mut Records, effects: &[Effect]) {
+/// Executes effects as the actor does, with every fetch completing at once with `want` and
+/// every link succeeding; the outcomes go back through [`decide`].
+fn run(r: &mut Records, effects: &[Effect], want: &Want) {
     for e in effects {
-        if let Effect::LinkStore(split) = e {
-            finish_split(r, split, Ok(()));
-        }
+        let outcome = match e {
+            Effect::LinkStore(split) => Event::SplitLinked {
+                split: split.clone(),
+                result: Ok(()),
+            },
+            Effect::Fetch { key, store, .. } => Event::Fetched {
+                key: key.clone(),
+                store: store.clone(),
+                artifact: want.artifact.clone(),
+                want: Some(want.clone()),
+                claims: Vec::new(),
+            },
+            _ => continue,
+        };
+        let more = decide(r, &outcome).effects;
+        run(r, &more, want);
     }
 }
 
-enum Event {
+enum Change {
     /// A model changes to this policy and resolves to this artifact.
     Apply(&'static str, DownloadPolicy, u8),
     Delete(&'static str),
@@ -189,10 +197,10 @@ enum Event {
 
 #[test]
 fn policy_changes_and_deletion() {
-    use Event::*;
+    use Change::*;
     use Setup::*;
     #[allow(clippy::type_complexity)]
-    let cases: Vec<(&str, Vec<Setup>, Event, &str, Vec<&str>)> =
+    let cases: Vec<(&str, Vec<Setup>, Change, &str, Vec<&str>)> =
         vec![
         // ----- 3.1 placement of a new model
         (
@@ -385,18 +393,18 @@ fn policy_changes_and_deletion() {
             vec!["s00000001: reserved"],
         ),
     ];
-    for (what, setup, event, placed, want) in cases {
+    for (what, setup, event, placed, records) in cases {
         let mut r = build(&setup);
         let got_placed = match event {
             Apply(name, policy, a) => apply(&mut r, name, policy, a),
             Delete(name) => {
-                let effects = delete(&mut r, &key(name));
-                run(&mut r, &effects);
+                let effects = decide(&mut r, &Event::Deleted { key: key(name) }).effects;
+                run(&mut r, &effects, &want(name, Always, 0));
                 String::new()
             }
         };
         assert_eq!(got_placed, placed, "{what}: placement");
-        assert_eq!(summary(&r), want, "{what}");
+        assert_eq!(summary(&r), records, "{what}");
     }
 }
 
@@ -404,7 +412,7 @@ fn policy_changes_and_deletion() {
 fn t01_keeps_serving_from_the_parent_until_the_flip() {
     let mut r = build(&[Setup::Holder("p", 1), Setup::Child("c", "p")]);
     let c = key("c");
-    r.models.get_mut(&c).unwrap().policy = Always;
+    r.model_mut(&c).unwrap().policy = Always;
     assert_eq!(
         place(&r, &c, Always, &art(1), &InFlight::default()),
         Placement::Fetch
@@ -418,11 +426,7 @@ fn t01_keeps_serving_from_the_parent_until_the_flip() {
     // Fetching: still the parent's child.
     assert_eq!(parent_of(&r, &c), Some(&key("p")));
     assert_eq!(children_of(&r, &key("p")), vec![&c]);
-    r.stores
-        .get_mut(&target.store)
-        .unwrap()
-        .artifacts
-        .insert(art(1));
+    r.store_mut(&target.store).unwrap().artifacts.insert(art(1));
     let (changed, effects) = serve(
         &mut r,
         &c,
@@ -531,7 +535,7 @@ fn a_failed_split_leaves_the_children_where_they_were() {
         .iter()
         .filter_map(|e| match e {
             Effect::LinkStore(s) => Some(s),
-            Effect::SaveRecords => None,
+            _ => None,
         })
         .collect();
     assert_eq!(splits.len(), 1);
@@ -577,7 +581,7 @@ fn garbage_eligibility() {
     );
     // A store without owner that still serves a model (a split that failed halfway) stays.
     let orphan_user = add_model(&mut r, "user", ModelPhase::Ready);
-    r.models.get_mut(&orphan_user).unwrap().store = Some(StoreId::from_seq(3));
+    r.model_mut(&orphan_user).unwrap().store = Some(StoreId::from_seq(3));
     assert!(garbage_stores(&r, |s| *s == busy).is_empty());
 }
 
@@ -588,7 +592,7 @@ fn recovery_drops_placements_on_incomplete_artifacts() {
         Setup::Holder("torn", 2),
         Setup::Child("c", "torn"),
     ]);
-    r.stores.get_mut(&StoreId::from_seq(2)).unwrap().owner = Some(key("ghost"));
+    r.store_mut(&StoreId::from_seq(2)).unwrap().owner = Some(key("ghost"));
     let torn_store = StoreId::from_seq(2);
     let forgotten = recover(&mut r, |a, s| !(*a == art(2) && *s == torn_store));
     assert_eq!(forgotten, vec![(torn_store.clone(), art(2))]);
@@ -597,12 +601,13 @@ fn recovery_drops_placements_on_incomplete_artifacts() {
         ("torn", ModelPhase::Updating, false),
         ("c", ModelPhase::Updating, false),
     ] {
-        let rec = &r.models[&key(name)];
+        let rec = &r.models()[&key(name)];
         assert_eq!(rec.phase, phase, "{name}");
         assert_eq!(rec.store.is_some(), served, "{name}");
     }
     assert_eq!(
-        r.stores[&torn_store].owner, None,
+        r.stores()[&torn_store].owner,
+        None,
         "an owner without a record is cleared"
     );
 }
@@ -615,8 +620,8 @@ fn claims_follow_records_and_work() {
         Setup::Holder("c", 1),
     ]);
     // c moves to another path; b is invalid and claims nothing.
-    r.models.get_mut(&key("c")).unwrap().path = "d".into();
-    r.models.get_mut(&key("b")).unwrap().fingerprint = "invalid:00".into();
+    r.model_mut(&key("c")).unwrap().path = "d".into();
+    r.model_mut(&key("b")).unwrap().fingerprint = "invalid:00".into();
     let idle = |_: &ModelKey| Wanted {
         working: false,
         artifact: ClaimArtifact::Unknown,
@@ -628,7 +633,7 @@ fn claims_follow_records_and_work() {
             .collect()
     };
     assert_eq!(
-        text(claims(&r, r.models.keys(), idle)),
+        text(claims(&r, r.models().keys(), idle)),
         vec!["a Served a", "c Served c", "c Wanted d"],
         "a settled model claims only where it is served"
     );
@@ -637,13 +642,13 @@ fn claims_follow_records_and_work() {
         artifact: ClaimArtifact::Pending,
     };
     assert_eq!(
-        text(claims(&r, r.models.keys(), working)),
+        text(claims(&r, r.models().keys(), working)),
         vec!["a Served a", "a Wanted a", "c Served c", "c Wanted d"],
         "work in progress claims its wanted path too"
     );
     // The verdict of a new claim against the others: nesting needs no artifact.
     let verdict = verdict_for(
-        claims(&r, r.models.keys(), idle),
+        claims(&r, r.models().keys(), idle),
         &key("b"),
         2,
         &MountPath::from_relative("a/x").unwrap(),
@@ -673,4 +678,415 @@ fn retry_delay_doubles_with_jitter_and_a_cap() {
             "attempt {attempts}, jitter {jitter}"
         );
     }
+}
+
+/// An effect as the effect tables write it.
+fn effect_text(e: &Effect) -> String {
+    match e {
+        Effect::SaveRecords => "save".into(),
+        Effect::LinkStore(s) => format!(
+            "link {} -> {} for {}",
+            s.from,
+            s.to,
+            s.members.iter().map(short).collect::<Vec<_>>().join(",")
+        ),
+        Effect::Fetch { key, store, seed } => match seed {
+            Some(seed) => format!("fetch {} into {store} seeded from {seed}", short(key)),
+            None => format!("fetch {} into {store}", short(key)),
+        },
+        Effect::Wait { key, on, reason } => {
+            format!("{} waits for {} ({reason:?})", short(key), short(on))
+        }
+        Effect::LosePath { key, reason, .. } => format!("{} loses the path: {reason}", short(key)),
+        Effect::Served {
+            key,
+            store,
+            changed,
+        } => format!(
+            "{} served from {store}{}",
+            short(key),
+            if *changed { "" } else { " (unchanged)" }
+        ),
+        Effect::Remap => "remap".into(),
+        Effect::Fail { key, reason, retry } => {
+            format!("{} fails ({retry:?}): {reason}", short(key))
+        }
+        Effect::Forgotten { store, artifact } => {
+            let n = artifact.0 .0[0];
+            format!("{store} forgets artifact {n}")
+        }
+        Effect::Turn { key } => format!("{} gets its turn", short(key)),
+    }
+}
+
+/// Every model's claims, none of them working (for the path rule in the effect tables).
+fn all_claims(r: &Records) -> Vec<PathClaim> {
+    claims(r, r.models().keys(), |_| Wanted {
+        working: false,
+        artifact: ClaimArtifact::Unknown,
+    })
+}
+
+/// The decision core's entry point driven with (records, event) rows: the effects each event
+/// asks the actor for, in order, and the records it leaves, for every kind of event the actor
+/// sends (SPEC sections 3 and 4).
+#[test]
+fn decide_effects_table() {
+    use Setup::*;
+    fn s(n: u64) -> StoreId {
+        StoreId::from_seq(n)
+    }
+    let ready_at = |name: &str, path: &str, a: u8| Want {
+        path: MountPath::from_relative(path).unwrap(),
+        ..want(name, Always, a)
+    };
+    struct Row {
+        what: &'static str,
+        setup: Vec<Setup>,
+        /// Changes the records before the event (a path, a policy).
+        tweak: fn(&mut Records),
+        event: Box<dyn Fn(&Records) -> Event>,
+        effects: Vec<&'static str>,
+        records: Vec<&'static str>,
+    }
+    let none: fn(&mut Records) = |_| {};
+    let rows = vec![
+        Row {
+            what: "3.1 new model, AlwaysDownload: the store is recorded before it is fetched into",
+            setup: vec![New("m")],
+            tweak: none,
+            event: Box::new(move |_| Event::ArtifactKnown {
+                key: key("m"),
+                want: want("m", Always, 1),
+                in_flight: InFlight::default(),
+                claims: Vec::new(),
+            }),
+            effects: vec!["save", "fetch m into s00000001"],
+            // Served by nothing until the fetch completes; the new store is its own.
+            records: vec!["m <- -", "s00000001: m"],
+        },
+        Row {
+            what: "3.1 ReuseIfExists with a Ready holder: served at once, mapping rebuilt",
+            setup: vec![Holder("p", 1), New("m")],
+            tweak: none,
+            event: Box::new(|_| Event::ArtifactKnown {
+                key: key("m"),
+                want: want("m", Reuse, 1),
+                in_flight: InFlight::default(),
+                claims: Vec::new(),
+            }),
+            effects: vec!["m served from s00000001", "remap"],
+            records: vec!["m <- p", "p <- p", "s00000001: p"],
+        },
+        Row {
+            what: "3.1 single flight: waits for the in-scope fetch of the same artifact",
+            setup: vec![New("p"), New("m")],
+            tweak: none,
+            event: Box::new(|_| Event::ArtifactKnown {
+                key: key("m"),
+                want: want("m", Reuse, 1),
+                in_flight: InFlight {
+                    fetching: BTreeMap::from([(key("p"), art(1))]),
+                    ..Default::default()
+                },
+                claims: Vec::new(),
+            }),
+            effects: vec!["m waits for p (SameArtifact)"],
+            records: vec!["m <- -", "p <- -"],
+        },
+        Row {
+            what: "4 nesting paths: the later model loses, naming the earlier",
+            setup: vec![Holder("p", 1), New("m")],
+            tweak: |r| r.model_mut(&key("m")).unwrap().path = "p/inner".into(),
+            event: Box::new(move |r| Event::ArtifactKnown {
+                key: key("m"),
+                want: ready_at("m", "p/inner", 2),
+                in_flight: InFlight::default(),
+                claims: all_claims(r),
+            }),
+            effects: vec!["m loses the path: path p/inner nests with path p of clusterbasemodel.p"],
+            records: vec!["m <- -", "p <- p", "s00000001: p"],
+        },
+        Row {
+            what: "4 equal paths, same artifact: no conflict (served from the holder)",
+            setup: vec![Holder("p", 1), New("m")],
+            tweak: |r| r.model_mut(&key("m")).unwrap().path = "p".into(),
+            event: Box::new(move |r| Event::ArtifactKnown {
+                key: key("m"),
+                want: Want {
+                    policy: Reuse,
+                    ..ready_at("m", "p", 1)
+                },
+                in_flight: InFlight::default(),
+                claims: all_claims(r),
+            }),
+            effects: vec!["m served from s00000001", "remap"],
+            records: vec!["m <- p", "p <- p", "s00000001: p"],
+        },
+        Row {
+            what: "3.2 T-01 fetch complete: the flip to the own copy; the parent drops the child",
+            setup: vec![Holder("p", 1), Child("c", "p")],
+            tweak: |r| {
+                r.allocate_store(&key("c"));
+            },
+            event: Box::new(|_| Event::Fetched {
+                key: key("c"),
+                store: s(2),
+                artifact: art(1),
+                want: Some(want("c", Always, 1)),
+                claims: Vec::new(),
+            }),
+            effects: vec!["c served from s00000002", "remap"],
+            records: vec!["c <- c", "p <- p", "s00000001: p", "s00000002: c"],
+        },
+        Row {
+            what: "3.2 T-02: flips to the other holder, the own copy is released",
+            setup: vec![Holder("p", 1), Holder("m", 1)],
+            tweak: none,
+            event: Box::new(|_| Event::ArtifactKnown {
+                key: key("m"),
+                want: want("m", Reuse, 1),
+                in_flight: InFlight::default(),
+                claims: Vec::new(),
+            }),
+            effects: vec!["m served from s00000001", "remap"],
+            records: vec![
+                "m <- p",
+                "p <- p",
+                "s00000001: p",
+                "s00000002: released garbage",
+            ],
+        },
+        Row {
+            what: "3.2 T-03: a parent to AlwaysDownload serves its own copy, unchanged",
+            setup: vec![Holder("p", 1), Child("c", "p")],
+            tweak: none,
+            event: Box::new(|_| Event::ArtifactKnown {
+                key: key("p"),
+                want: want("p", Always, 1),
+                in_flight: InFlight::default(),
+                claims: Vec::new(),
+            }),
+            effects: vec!["p served from s00000001 (unchanged)", "remap"],
+            records: vec!["c <- p", "p <- p", "s00000001: p"],
+        },
+        Row {
+            what: "3.2 T-04: a parent and its children move to the other holder",
+            setup: vec![Holder("q", 1), Holder("p", 1), Child("c", "p")],
+            tweak: none,
+            event: Box::new(|_| Event::ArtifactKnown {
+                key: key("p"),
+                want: want("p", Reuse, 1),
+                in_flight: InFlight::default(),
+                claims: Vec::new(),
+            }),
+            effects: vec!["p served from s00000001", "remap"],
+            records: vec![
+                "c <- q",
+                "p <- q",
+                "q <- q",
+                "s00000001: q",
+                "s00000002: released garbage",
+            ],
+        },
+        Row {
+            what: "3.3 new revision of a parent: children keep the old store, new store seeded",
+            setup: vec![Holder("p", 1), Child("c", "p")],
+            tweak: none,
+            event: Box::new(|_| Event::ArtifactKnown {
+                key: key("p"),
+                want: want("p", Always, 2),
+                in_flight: InFlight::default(),
+                claims: Vec::new(),
+            }),
+            effects: vec!["save", "fetch p into s00000002 seeded from s00000001"],
+            records: vec!["c <- c", "p <- c", "s00000001: c", "s00000002: p"],
+        },
+        Row {
+            what: "3.3 a stale fetch is recorded as data, never served",
+            setup: vec![Holder("p", 1)],
+            tweak: none,
+            event: Box::new(|_| Event::Fetched {
+                key: key("p"),
+                store: s(1),
+                artifact: art(2),
+                want: None,
+                claims: Vec::new(),
+            }),
+            effects: vec![],
+            records: vec!["p <- p", "s00000001: p"],
+        },
+        Row {
+            what: "3.3 deleting a cluster parent of two namespaces' children: split by links",
+            setup: vec![Holder("p", 1), Child("a/x", "p"), Child("b/y", "p")],
+            tweak: none,
+            event: Box::new(|_| Event::Deleted { key: key("p") }),
+            effects: vec!["save", "link s00000001 -> s00000002 for b/y", "remap"],
+            records: vec![
+                "a/x <- a/x",
+                "b/y <- a/x",
+                "s00000001: a/x",
+                "s00000002: b/y",
+            ],
+        },
+        Row {
+            what: "3.3 deleting the last user: garbage",
+            setup: vec![Holder("p", 1)],
+            tweak: none,
+            event: Box::new(|_| Event::Deleted { key: key("p") }),
+            effects: vec!["remap"],
+            records: vec!["s00000001: released garbage"],
+        },
+        Row {
+            what: "vendor source: Ready with nothing mapped, its copy passes to its child",
+            setup: vec![Holder("p", 1), Child("c", "p")],
+            tweak: none,
+            event: Box::new(|_| Event::NoFiles {
+                key: key("p"),
+                source: "vendor://x".into(),
+            }),
+            effects: vec!["remap"],
+            records: vec!["c <- c", "p <- -", "s00000001: c"],
+        },
+        Row {
+            what: "a split that could not be linked leaves the members on the old store",
+            setup: vec![Holder("p", 1), Child("a/x", "p"), Child("b/y", "p")],
+            tweak: |r| {
+                let effects = delete(r, &key("p"));
+                assert_eq!(effects.len(), 2);
+            },
+            event: Box::new(|_| Event::SplitLinked {
+                split: Split {
+                    from: s(1),
+                    to: s(2),
+                    members: vec![key("b/y")],
+                    artifacts: BTreeSet::from([art(1)]),
+                },
+                result: Err("disk full".into()),
+            }),
+            effects: vec![],
+            records: vec![
+                "a/x <- a/x",
+                "b/y <- a/x",
+                "s00000001: a/x",
+                "s00000002: released garbage",
+            ],
+        },
+        Row {
+            what: "start-up: an incomplete artifact is forgotten and its models fetched again",
+            setup: vec![Holder("p", 1), Child("c", "p"), Holder("q", 2)],
+            tweak: none,
+            event: Box::new(move |_| Event::Recovered {
+                incomplete: BTreeSet::from([(s(1), art(1))]),
+            }),
+            effects: vec!["s00000001 forgets artifact 1"],
+            records: vec!["c <- -", "p <- -", "q <- q", "s00000001: p", "s00000002: q"],
+        },
+        Row {
+            what: "mount server refusal, blobs missing: the copy forgets the artifact, every \
+                   model on it fails and is retried",
+            setup: vec![Holder("p", 1), Child("c", "p"), Holder("q", 2)],
+            tweak: none,
+            event: Box::new(move |_| Event::MountRefused {
+                refused: vec![(key("p"), "blob x is missing".into())],
+                incomplete: BTreeSet::from([(s(1), art(1))]),
+                working: BTreeSet::new(),
+            }),
+            effects: vec![
+                "s00000001 forgets artifact 1",
+                "c fails (MountRefused): the mount server refused to serve it: blob x is missing",
+                "p fails (MountRefused): the mount server refused to serve it: blob x is missing",
+                "remap",
+            ],
+            records: vec!["c <- -", "p <- -", "q <- q", "s00000001: p", "s00000002: q"],
+        },
+        Row {
+            what: "mount server refusal of a complete copy: only that model fails; one with a \
+                   change in progress is only unmapped",
+            setup: vec![Holder("p", 1), Child("c", "p"), Holder("q", 2)],
+            tweak: none,
+            event: Box::new(move |_| Event::MountRefused {
+                refused: vec![
+                    (key("c"), "store gone".into()),
+                    (key("q"), "store gone".into()),
+                ],
+                incomplete: BTreeSet::new(),
+                working: BTreeSet::from([key("q")]),
+            }),
+            effects: vec![
+                "c fails (MountRefused): the mount server refused to serve it: store gone",
+                "remap",
+            ],
+            records: vec!["c <- -", "p <- p", "q <- -", "s00000001: p", "s00000002: q"],
+        },
+        Row {
+            what: "4 settle: of two served models whose paths nest (old records), the later \
+                   is unmapped and loses; its store is kept",
+            setup: vec![Holder("p", 1), Holder("m", 2)],
+            tweak: |r| {
+                let mut m = r.model_mut(&key("m")).unwrap();
+                m.path = "p/inner".into();
+                m.served_path = Some("p/inner".into());
+            },
+            event: Box::new(|r| Event::SettlePaths {
+                claims: all_claims(r),
+                working: BTreeSet::new(),
+                losers: BTreeSet::new(),
+            }),
+            effects: vec![
+                "m loses the path: path p/inner nests with path p of clusterbasemodel.p",
+                "remap",
+            ],
+            records: vec!["m <- -", "p <- p", "s00000001: p", "s00000002: m"],
+        },
+        Row {
+            what: "4 settle: work on a path that now nests with a served model stops",
+            setup: vec![Holder("p", 1), New("m")],
+            tweak: |r| r.model_mut(&key("m")).unwrap().path = "p/x".into(),
+            event: Box::new(|r| Event::SettlePaths {
+                claims: all_claims(r),
+                working: BTreeSet::from([key("m")]),
+                losers: BTreeSet::new(),
+            }),
+            effects: vec!["m loses the path: path p/x nests with path p of clusterbasemodel.p"],
+            records: vec!["m <- -", "p <- p", "s00000001: p"],
+        },
+        Row {
+            what: "4 settle: a loser the rule clears gets its turn",
+            setup: vec![Holder("p", 1), New("m")],
+            tweak: none,
+            event: Box::new(|r| Event::SettlePaths {
+                claims: all_claims(r),
+                working: BTreeSet::new(),
+                losers: BTreeSet::from([key("m")]),
+            }),
+            effects: vec!["m gets its turn"],
+            records: vec!["m <- -", "p <- p", "s00000001: p"],
+        },
+    ];
+    let mut failures = Vec::new();
+    for row in rows {
+        let mut r = build(&row.setup);
+        (row.tweak)(&mut r);
+        let event = (row.event)(&r);
+        let got: Vec<String> = decide(&mut r, &event)
+            .effects
+            .iter()
+            .map(effect_text)
+            .collect();
+        let records = summary(&r);
+        if got != row.effects || records != row.records {
+            failures.push(format!(
+                "{}:\n  effects {got:?}\n     want {:?}\n  records {records:?}\n     want {:?}",
+                row.what, row.effects, row.records
+            ));
+        }
+        assert_eq!(
+            r.index(),
+            &crate::reconciler::records::RecordsIndex::build(r.models(), r.stores()),
+            "{}: index",
+            row.what
+        );
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

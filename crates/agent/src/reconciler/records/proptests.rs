@@ -50,9 +50,9 @@ fn records_sample() -> Vec<u8> {
         let mut record = ModelRecord::new(seq, key.to_string(), None, phase);
         record.store = Some(store.clone());
         record.reason = Some("a reason".into());
-        records.models.insert(key.clone(), record);
+        records.insert_model(key.clone(), record);
     }
-    records.stores.insert(store, StoreRecord::default());
+    records.insert_store(store, StoreRecord::default());
     serde_json::to_vec_pretty(&records).unwrap()
 }
 
@@ -105,7 +105,7 @@ fn read_back(bytes: Vec<u8>) {
     bounded("reading state JSON", CASE_LIMIT, move || {
         match Records::from_bytes(&bytes, "records.json".into()) {
             Ok(records) => {
-                for store in records.stores.keys() {
+                for store in records.stores().keys() {
                     let _ = records.users_of(store);
                 }
             }

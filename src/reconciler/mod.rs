@@ -395,7 +395,10 @@ fn now_secs() -> u64 {
 }
 
 /// What decides whether a spec change needs work. A new token counts: a model that failed for
-/// lack of access must try again when it gets one.
+/// lack of access must try again when it gets one. So do `parameters` (auth mode, region,
+/// endpoint, key id, ...): they change where and how the source is read. They enter the hash
+/// only when present, so models without parameters keep the fingerprint they had; the record
+/// holds only the truncated hash, never a parameter's value.
 pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> String {
     let mut h = Sha256::new();
     for part in [
@@ -409,6 +412,15 @@ pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> St
     ] {
         h.update(part.as_bytes());
         h.update([0]);
+    }
+    if !spec.parameters.is_empty() {
+        h.update(b"parameters\0");
+        for (k, v) in &spec.parameters {
+            h.update(k.as_bytes());
+            h.update([0]);
+            h.update(v.as_bytes());
+            h.update([0]);
+        }
     }
     hex::encode(&h.finalize()[..16])
 }

@@ -549,6 +549,41 @@ fn s3_wrong_credentials_fail_with_the_servers_reason_and_no_secret() {
 }
 
 #[test]
+fn a_changed_endpoint_parameter_resolves_a_ready_model_again() {
+    // Two S3 servers hold different bytes under the same bucket and prefix.
+    let (one, two) = (ObjectServer::s3(), ObjectServer::s3());
+    let env = TestEnv::new();
+    let (src1, src2) = (env.dir("src1"), env.dir("src2"));
+    common::make_model_dir(&src1, 29, 200_000);
+    common::make_model_dir(&src2, 30, 300_000);
+    for (server, src) in [(&one, &src1), (&two, &src2)] {
+        server.create_bucket("models");
+        server.upload_dir("models", "m/", src);
+    }
+    let d = start(&env, &one.daemon_env(), &[]);
+    let write = |endpoint: &str| {
+        env.write_models(
+            "m.yaml",
+            &model(
+                "m",
+                &one.uri("models", "m"),
+                "AlwaysDownload",
+                &[("endpoint", endpoint)],
+            ),
+        )
+    };
+    write(&one.endpoint());
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("m")), sha256sums(&src1));
+    // Same URI, another endpoint: a new resolve, the other server's bytes, then the flip.
+    write(&two.endpoint());
+    let want = sha256sums(&src2);
+    d.wait_until("the second server's bytes", WAIT, |s: &Value| {
+        s["clusterbasemodel.m"]["status"] == "Ready" && sha256sums(&env.mount.join("m")) == want
+    });
+}
+
+#[test]
 fn hostile_keys_are_refused_and_nothing_is_written_outside_the_state_dir() {
     let server = ObjectServer::s3();
     let env = TestEnv::new();

@@ -413,16 +413,27 @@ pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> St
         h.update(part.as_bytes());
         h.update([0]);
     }
-    if !spec.parameters.is_empty() {
+    if let Some(p) = parameters_digest(&spec.parameters) {
         h.update(b"parameters\0");
-        for (k, v) in &spec.parameters {
-            h.update(k.as_bytes());
-            h.update([0]);
-            h.update(v.as_bytes());
-            h.update([0]);
-        }
+        h.update(p.as_bytes());
     }
     hex::encode(&h.finalize()[..16])
+}
+
+/// A digest of `spec.storage.parameters` (`None` when there are none): what the records keep
+/// of them, never their values.
+pub fn parameters_digest(parameters: &BTreeMap<String, String>) -> Option<String> {
+    if parameters.is_empty() {
+        return None;
+    }
+    let mut h = Sha256::new();
+    for (k, v) in parameters {
+        h.update(k.as_bytes());
+        h.update([0]);
+        h.update(v.as_bytes());
+        h.update([0]);
+    }
+    Some(hex::encode(&h.finalize()[..16]))
 }
 
 pub struct Reconciler {
@@ -1068,9 +1079,15 @@ impl Reconciler {
         self.records.models.get_mut(key).expect("record").phase = ModelPhase::Updating;
         let cancel = WorkCancel::default();
         let rec = &self.records.models[key];
-        // Same source as the served artifact: only policy, path or label changed. No resolve.
+        // Same source (and parameters) as the served artifact: only policy, path or label
+        // changed. No resolve.
         let known = match (rec.artifact.clone(), rec.served_source.clone()) {
-            (Some(a), Some(src)) if src == spec.source.to_string() => self.artifact(&a),
+            (Some(a), Some(src))
+                if src == spec.source.to_string()
+                    && rec.served_parameters == parameters_digest(&spec.parameters) =>
+            {
+                self.artifact(&a)
+            }
             _ => None,
         };
         self.works.insert(
@@ -1402,6 +1419,9 @@ impl Reconciler {
                 source: spec.source.to_string(),
             },
         );
+        if let Some(rec) = self.records.models.get_mut(key) {
+            rec.served_parameters = parameters_digest(&spec.parameters);
+        }
         if changed {
             tracing::info!(model = %key, %store, artifact = %artifact, "mapping changed");
         }

@@ -584,6 +584,50 @@ fn a_changed_endpoint_parameter_resolves_a_ready_model_again() {
 }
 
 #[test]
+fn an_overwritten_object_becomes_a_new_artifact_at_the_next_resolve() {
+    let server = ObjectServer::s3();
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    common::make_model_dir(&src, 31, 200_000);
+    server.create_bucket("models");
+    server.upload_dir("models", "live/", &src);
+    let d = start(
+        &env,
+        &server.daemon_env(),
+        &["--resolve-interval-secs", "1"],
+    );
+    let uri = server.uri("models", "live");
+    env.write_models(
+        "ab.yaml",
+        &format!(
+            "{}---\n{}",
+            model("a", &uri, "AlwaysDownload", &[]),
+            model("b", &uri, "ReuseIfExists", &[])
+        ),
+    );
+    let old_sha = d.wait_model("clusterbasemodel.a", "Ready")["config"]["artifact"]["sha"].clone();
+    wait_parent(&d, "clusterbasemodel.b", "clusterbasemodel.a");
+    assert_eq!(sha256sums(&env.mount.join("a")), sha256sums(&src));
+
+    // The object is overwritten in place: same key, new bytes, new ETag.
+    let new_config = b"{\"model_type\": \"changed\"}".to_vec();
+    server.put("models", "live/config.json", &new_config);
+    std::fs::write(src.join("config.json"), &new_config).unwrap();
+    let want = sha256sums(&src);
+    for m in ["a", "b"] {
+        d.wait_until(&format!("{m} serves the new object"), WAIT, |s: &Value| {
+            s[format!("clusterbasemodel.{m}")]["status"] == "Ready"
+                && s[format!("clusterbasemodel.{m}")]["config"]["artifact"]["sha"] != old_sha
+                && sha256sums(&env.mount.join(m)) == want
+        });
+    }
+    // Per policy: b maps onto a's new copy again, and the old copy goes.
+    wait_parent(&d, "clusterbasemodel.b", "clusterbasemodel.a");
+    d.wait_until("one copy", WAIT, |_| env.stores_with_blobs().len() == 1);
+    assert!(d.log_text().contains("the source changed"));
+}
+
+#[test]
 fn hostile_keys_are_refused_and_nothing_is_written_outside_the_state_dir() {
     let server = ObjectServer::s3();
     let env = TestEnv::new();

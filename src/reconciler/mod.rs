@@ -137,6 +137,11 @@ pub struct ReconcilerConfig {
     pub hf_cache_dir: Option<MountPath>,
     /// How long a snapshot stays in the view after no model serves it.
     pub hf_cache_linger: Duration,
+    /// How often a Ready model whose source can change under the same URI (an object-store
+    /// prefix, a Hugging Face branch or tag) is resolved again; `None` (the default, as OME's
+    /// agent, which reads a source only when the model object changes) never. See
+    /// [`Reconciler::refresh_due`].
+    pub resolve_interval: Option<Duration>,
 }
 
 impl Default for ReconcilerConfig {
@@ -151,6 +156,7 @@ impl Default for ReconcilerConfig {
             sources: SourceConfig::default(),
             hf_cache_dir: None,
             hf_cache_linger: Duration::from_secs(300),
+            resolve_interval: None,
         }
     }
 }
@@ -214,6 +220,9 @@ struct Work {
     source: Source,
     stage: Stage,
     cancel: WorkCancel,
+    /// A periodic re-resolve of a Ready model: the model stays Ready and served while it runs,
+    /// and a failure only logs (the next interval tries again).
+    refresh: bool,
 }
 
 /// Cancellation of one piece of work: the token ends its task at once; the flag is what
@@ -420,6 +429,18 @@ pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> St
     hex::encode(&h.finalize()[..16])
 }
 
+/// Whether the same URI may name other content later: object-store prefixes (objects can be
+/// overwritten, added or removed) and Hugging Face branches or tags (a commit cannot change).
+fn source_may_change(source: &SourceUri) -> bool {
+    match source {
+        SourceUri::ObjectStore { .. } | SourceUri::Oci { .. } => true,
+        SourceUri::HuggingFace { revision, .. } => {
+            !crate::manifest::source::is_commit_hash(revision)
+        }
+        _ => false,
+    }
+}
+
 /// A digest of `spec.storage.parameters` (`None` when there are none): what the records keep
 /// of them, never their values.
 pub fn parameters_digest(parameters: &BTreeMap<String, String>) -> Option<String> {
@@ -449,6 +470,9 @@ pub struct Reconciler {
     retries: HashMap<ModelKey, Retry>,
     /// Models that failed before this start and were given their one fresh attempt.
     attempted_since_start: std::collections::HashSet<ModelKey>,
+    /// When each Ready model was last resolved (or first seen Ready): see
+    /// [`Reconciler::refresh_due`].
+    resolved_at: HashMap<ModelKey, Instant>,
     path_losers: BTreeMap<ModelKey, PathLoser>,
     /// The records changed what is served; the mapping is rebuilt once at the end of the batch
     /// of events, after the path rule has been applied (so it never sees a conflict).
@@ -523,6 +547,7 @@ impl Reconciler {
             works: BTreeMap::new(),
             retries: HashMap::new(),
             attempted_since_start: std::collections::HashSet::new(),
+            resolved_at: HashMap::new(),
             path_losers: BTreeMap::new(),
             remap_needed: false,
             settle_due: false,
@@ -717,6 +742,7 @@ impl Reconciler {
             }
             Event::Tick => {
                 let mut changed = self.retry_due();
+                self.refresh_due();
                 // Waiters whose model's work ended without a wake-up (a safety net: every
                 // end of work wakes its waiters).
                 let stale: Vec<ModelKey> = self
@@ -904,6 +930,90 @@ impl Reconciler {
             self.remap_needed = true;
         }
         changed
+    }
+
+    /// With `resolve_interval`: starts a re-resolve of every Ready model whose source can name
+    /// other content under the same URI (`s3://`, `gs://`, `az://`, `oci://` prefixes, whose
+    /// objects may be overwritten; `hf://` at a branch or tag) and that has not been resolved
+    /// for an interval. The same artifact again ends the work quietly; a new one (a changed
+    /// object has a new ETag or generation, so a new manifest) is fetched and flipped to as
+    /// for a source change (SPEC 3.3), per the model's policy, while the old one stays served
+    /// and the model stays Ready. A failed re-resolve or fetch only logs.
+    fn refresh_due(&mut self) {
+        let Some(interval) = self.config.resolve_interval else {
+            return;
+        };
+        let Some(desired) = self.desired.as_ref() else {
+            return;
+        };
+        let now = Instant::now();
+        let mut due = Vec::new();
+        for (key, rec) in &self.records.models {
+            let Some(Ok(spec)) = desired.models.get(key) else {
+                continue;
+            };
+            let ready = rec.phase == ModelPhase::Ready && rec.artifact.is_some();
+            if !ready || self.works.contains_key(key) || !source_may_change(&spec.source) {
+                self.resolved_at.remove(key);
+                continue;
+            }
+            let since = *self.resolved_at.entry(key.clone()).or_insert(now);
+            if now.duration_since(since) >= interval {
+                due.push((key.clone(), spec.clone()));
+            }
+        }
+        for (key, spec) in due {
+            self.resolved_at.insert(key.clone(), now);
+            self.start_refresh(&key, &spec);
+        }
+    }
+
+    fn start_refresh(&mut self, key: &ModelKey, spec: &ModelSpec) {
+        let token = self
+            .desired
+            .as_ref()
+            .and_then(|d| d.tokens.get(key))
+            .cloned();
+        let fp = fingerprint(spec, token.as_ref());
+        if self
+            .records
+            .models
+            .get(key)
+            .is_none_or(|r| r.fingerprint != fp)
+        {
+            return;
+        }
+        let source =
+            match Source::for_uri(&spec.source, &self.config.sources, token, &spec.parameters) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(model = %key, error = %e, "re-resolve skipped");
+                    return;
+                }
+            };
+        tracing::info!(model = %key, source = %spec.source, "resolving again (periodic)");
+        let cancel = WorkCancel::default();
+        self.works.insert(
+            key.clone(),
+            Work {
+                fingerprint: fp.clone(),
+                spec: spec.clone(),
+                source: source.clone(),
+                stage: Stage::Resolving,
+                cancel: cancel.clone(),
+                refresh: true,
+            },
+        );
+        let tx = self.sender();
+        let key2 = key.clone();
+        let flag = cancel.flag.clone();
+        cancel.spawn(async move { source.resolve(flag).await }, move |result| {
+            let _ = tx.send(Event::Resolved {
+                key: key2,
+                fingerprint: fp,
+                result,
+            });
+        });
     }
 
     // ----- desired state -------------------------------------------------------------------
@@ -1098,6 +1208,7 @@ impl Reconciler {
                 source: source.clone(),
                 stage: Stage::Resolving,
                 cancel: cancel.clone(),
+                refresh: false,
             },
         );
         if let Some(stored) = known {
@@ -1124,8 +1235,18 @@ impl Reconciler {
             return;
         }
         self.work_changed(&key);
+        let refresh = self.works.get(&key).is_some_and(|w| w.refresh);
         match result {
-            Ok(m) => self.decide(&key, Arc::new(m)),
+            Ok(m) if refresh && self.records.models[&key].artifact.as_ref() == Some(&m.id()) => {
+                tracing::debug!(model = %key, "resolved again: unchanged");
+                self.works.remove(&key);
+            }
+            Ok(m) => {
+                if refresh {
+                    tracing::info!(model = %key, artifact = %m.id(), "the source changed; fetching the new artifact");
+                }
+                self.decide(&key, Arc::new(m))
+            }
             Err(e) => self.fail(&key, &fp, &e),
         }
         // Waiters on this resolve now see a fetch (and keep waiting), a Ready holder, or a
@@ -1491,6 +1612,17 @@ impl Reconciler {
     }
 
     fn fail(&mut self, key: &ModelKey, fp: &str, err: &SourceError) {
+        if self
+            .works
+            .get(key)
+            .is_some_and(|w| w.refresh && w.fingerprint == fp)
+        {
+            // The served artifact is still good: the model stays Ready.
+            tracing::warn!(model = %key, error = %err, "re-resolving failed; still serving the artifact resolved before");
+            self.cancel_work(key);
+            self.work_changed(key);
+            return;
+        }
         if let Some(outcome) = err.ome_outcome() {
             self.metrics.ome.record(ome_labels(key), outcome);
         }

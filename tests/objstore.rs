@@ -99,6 +99,14 @@ fn azure_model_is_ready_with_the_sources_bytes() {
     serves_a_model_equal_to_the_source(Kind::Azure);
 }
 
+/// gcp-storage-emulator answers only the JSON API (its XML bucket listing is 501): gs:// lists,
+/// reads metadata and downloads through the JSON API, so the same source works against it and
+/// against Cloud Storage.
+#[test]
+fn gcs_model_is_ready_with_the_sources_bytes() {
+    serves_a_model_equal_to_the_source(Kind::Gcs);
+}
+
 fn parent_of(e: &Value) -> String {
     let parents = e["config"]["artifact"]["parentPath"]
         .as_object()
@@ -284,6 +292,60 @@ fn truncated_bodies_never_reach_the_mount() {
 }
 
 #[test]
+fn a_broken_range_is_continued_from_its_first_missing_byte() {
+    let server = ObjectServer::s3();
+    let proxy = Proxy::reverse(&server.endpoint());
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    let data = common::bytes(28, 3 << 20);
+    std::fs::write(src.join("model.safetensors"), &data).unwrap();
+    server.create_bucket("models");
+    server.upload_dir("models", "r/", &src);
+    // The first answer for the file breaks off after 100,000 body bytes.
+    let cut = 100_000u64;
+    proxy.add_fault(
+        Fault::new(FaultKind::Truncate { after: cut })
+            .on_path("/models/r/model.safetensors")
+            .on_method(axum::http::Method::GET),
+    );
+    let d = start(
+        &env,
+        &env_via(&server, &proxy.url()),
+        &[
+            "--hf-chunk-mib",
+            "1",
+            "--hf-range-streams",
+            "1",
+            "--hf-retry-base-ms",
+            "20",
+        ],
+    );
+    env.write_models(
+        "r.yaml",
+        &model("r", &server.uri("models", "r"), "AlwaysDownload", &[]),
+    );
+    d.wait_model("clusterbasemodel.r", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("r")), sha256sums(&src));
+    let gets: Vec<_> = proxy
+        .requests()
+        .into_iter()
+        .filter(|r| r.path.ends_with("model.safetensors") && r.method == axum::http::Method::GET)
+        .collect();
+    assert_eq!(gets[0].fault, Some(FaultKind::Truncate { after: cut }));
+    assert_eq!(gets[0].range.as_deref(), Some("bytes=0-1048575"));
+    assert_eq!(
+        gets[1].range.as_deref(),
+        Some(format!("bytes={cut}-1048575").as_str()),
+        "the retry asks for the rest of the chunk only: {gets:#?}"
+    );
+    assert_eq!(
+        proxy.bytes_on("/models/r/model.safetensors"),
+        data.len() as u64,
+        "no byte was sent twice"
+    );
+}
+
+#[test]
 fn sigkill_mid_download_resumes_with_ranges() {
     let server = ObjectServer::s3();
     let proxy = Proxy::reverse(&server.endpoint());
@@ -354,7 +416,7 @@ fn sigkill_mid_download_resumes_with_ranges() {
 
 #[test]
 fn wrong_credentials_fail_with_the_servers_reason_and_no_secret() {
-    // Azurite checks shared-key signatures (moto does not check S3 credentials).
+    // Azurite checks shared-key signatures.
     let server = ObjectServer::azure();
     let env = TestEnv::new();
     let src = env.dir("src");
@@ -383,6 +445,11 @@ fn wrong_credentials_fail_with_the_servers_reason_and_no_secret() {
         "the server's reason: {reason}"
     );
     assert!(!env.mount.join("m").exists());
+    assert_no_secret(&env, &d, &[wrong]);
+}
+
+/// The secret must appear nowhere the daemon writes or serves.
+fn assert_no_secret(env: &TestEnv, d: &Daemon, secrets: &[&str]) {
     let status_text = std::fs::read_to_string(env.state.join("status.json")).unwrap_or_default();
     let (_, http_status) = d.get("/v1/models");
     for (what, text) in [
@@ -391,8 +458,173 @@ fn wrong_credentials_fail_with_the_servers_reason_and_no_secret() {
         ("/v1/models", http_status),
         ("metrics", d.metrics()),
     ] {
-        assert!(!text.contains(wrong), "the secret leaked into the {what}");
+        for secret in secrets {
+            assert!(!text.contains(secret), "a secret leaked into the {what}");
+        }
     }
+}
+
+#[test]
+fn s3_wrong_credentials_fail_with_the_servers_reason_and_no_secret() {
+    // moto checks SigV4 signatures against its IAM users once authentication is required.
+    let server = ObjectServer::s3();
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    common::make_model_dir(&src, 27, 1000);
+    server.create_bucket("models");
+    server.upload_dir("models", "m/", &src);
+    let key: Value = serde_json::from_str(&server.client(&["iam-user", "reader"])).unwrap();
+    let (id, secret) = (
+        key["AccessKeyId"].as_str().unwrap(),
+        key["SecretAccessKey"].as_str().unwrap(),
+    );
+    server.client(&["require-auth"]);
+    // The daemon's environment names a key id that does not exist; each model brings its own.
+    let d = start(&env, &server.daemon_env(), &[]);
+    let wrong = "WrongSecretWrongSecretWrongSecret0123456";
+    let uri = server.uri("models", "m");
+    env.write_models(
+        "m.yaml",
+        &format!(
+            "{}---\n{}",
+            model(
+                "wrong",
+                &uri,
+                "AlwaysDownload",
+                &[("access_key_id", id), ("token", wrong)]
+            ),
+            model(
+                "right",
+                &uri,
+                "AlwaysDownload",
+                &[("access_key_id", id), ("token", secret)]
+            ),
+        ),
+    );
+    // The right key proves the server checks the signature and not something else.
+    d.wait_model("clusterbasemodel.right", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("right")), sha256sums(&src));
+    let e = d.wait_model("clusterbasemodel.wrong", "Failed");
+    let reason = e["reason"].as_str().unwrap();
+    assert!(reason.contains("403"), "{reason}");
+    assert!(
+        reason.contains("SignatureDoesNotMatch"),
+        "the server's reason: {reason}"
+    );
+    assert!(!env.mount.join("wrong").exists());
+    assert_no_secret(&env, &d, &[wrong, secret]);
+
+    // A permanent failure is not retried by itself, but a change of the model's parameters
+    // is a change of the model: fixing the key id restarts the work.
+    let unknown_id = "AKIAIOSFODNN7EXAMPLE";
+    let fix = |id: &str| {
+        env.write_models(
+            "fix.yaml",
+            &model(
+                "fix",
+                &uri,
+                "AlwaysDownload",
+                &[("access_key_id", id), ("token", secret)],
+            ),
+        )
+    };
+    let failures = || {
+        d.log_text()
+            .lines()
+            .filter(|l| l.contains("clusterbasemodel.fix") && l.contains("model failed"))
+            .count()
+    };
+    fix(unknown_id);
+    let e = d.wait_model("clusterbasemodel.fix", "Failed");
+    let reason = e["reason"].as_str().unwrap();
+    assert!(reason.contains("InvalidAccessKeyId"), "{reason}");
+    // Another wrong id: the model tries again (and uses up the one fresh attempt a Failed
+    // model gets when its object is seen again with an unchanged fingerprint).
+    fix("AKIAI44QH8DHBEXAMPLE");
+    d.wait_until("a second failure", WAIT, |_| failures() >= 2);
+    fix(id);
+    d.wait_model("clusterbasemodel.fix", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("fix")), sha256sums(&src));
+    assert_no_secret(&env, &d, &[wrong, secret]);
+}
+
+#[test]
+fn a_changed_endpoint_parameter_resolves_a_ready_model_again() {
+    // Two S3 servers hold different bytes under the same bucket and prefix.
+    let (one, two) = (ObjectServer::s3(), ObjectServer::s3());
+    let env = TestEnv::new();
+    let (src1, src2) = (env.dir("src1"), env.dir("src2"));
+    common::make_model_dir(&src1, 29, 200_000);
+    common::make_model_dir(&src2, 30, 300_000);
+    for (server, src) in [(&one, &src1), (&two, &src2)] {
+        server.create_bucket("models");
+        server.upload_dir("models", "m/", src);
+    }
+    let d = start(&env, &one.daemon_env(), &[]);
+    let write = |endpoint: &str| {
+        env.write_models(
+            "m.yaml",
+            &model(
+                "m",
+                &one.uri("models", "m"),
+                "AlwaysDownload",
+                &[("endpoint", endpoint)],
+            ),
+        )
+    };
+    write(&one.endpoint());
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("m")), sha256sums(&src1));
+    // Same URI, another endpoint: a new resolve, the other server's bytes, then the flip.
+    write(&two.endpoint());
+    let want = sha256sums(&src2);
+    d.wait_until("the second server's bytes", WAIT, |s: &Value| {
+        s["clusterbasemodel.m"]["status"] == "Ready" && sha256sums(&env.mount.join("m")) == want
+    });
+}
+
+#[test]
+fn an_overwritten_object_becomes_a_new_artifact_at_the_next_resolve() {
+    let server = ObjectServer::s3();
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    common::make_model_dir(&src, 31, 200_000);
+    server.create_bucket("models");
+    server.upload_dir("models", "live/", &src);
+    let d = start(
+        &env,
+        &server.daemon_env(),
+        &["--resolve-interval-secs", "1"],
+    );
+    let uri = server.uri("models", "live");
+    env.write_models(
+        "ab.yaml",
+        &format!(
+            "{}---\n{}",
+            model("a", &uri, "AlwaysDownload", &[]),
+            model("b", &uri, "ReuseIfExists", &[])
+        ),
+    );
+    let old_sha = d.wait_model("clusterbasemodel.a", "Ready")["config"]["artifact"]["sha"].clone();
+    wait_parent(&d, "clusterbasemodel.b", "clusterbasemodel.a");
+    assert_eq!(sha256sums(&env.mount.join("a")), sha256sums(&src));
+
+    // The object is overwritten in place: same key, new bytes, new ETag.
+    let new_config = b"{\"model_type\": \"changed\"}".to_vec();
+    server.put("models", "live/config.json", &new_config);
+    std::fs::write(src.join("config.json"), &new_config).unwrap();
+    let want = sha256sums(&src);
+    for m in ["a", "b"] {
+        d.wait_until(&format!("{m} serves the new object"), WAIT, |s: &Value| {
+            s[format!("clusterbasemodel.{m}")]["status"] == "Ready"
+                && s[format!("clusterbasemodel.{m}")]["config"]["artifact"]["sha"] != old_sha
+                && sha256sums(&env.mount.join(m)) == want
+        });
+    }
+    // Per policy: b maps onto a's new copy again, and the old copy goes.
+    wait_parent(&d, "clusterbasemodel.b", "clusterbasemodel.a");
+    d.wait_until("one copy", WAIT, |_| env.stores_with_blobs().len() == 1);
+    assert!(d.log_text().contains("the source changed"));
 }
 
 #[test]

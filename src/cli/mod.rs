@@ -107,6 +107,12 @@ pub struct ServeArgs {
     /// readers that resolved it just before a change).
     #[arg(long, default_value_t = 300)]
     hf_cache_linger_secs: u64,
+    /// Seconds between re-resolves of Ready models whose source can change under the same URI
+    /// (s3://, gs://, az://, oci:// prefixes; hf:// branches and tags): a changed object or a
+    /// moved branch becomes a new artifact, fetched and flipped to per the model's policy.
+    /// 0 (the default, as OME's agent): a source is read only when the model object changes.
+    #[arg(long, default_value_t = 0)]
+    resolve_interval_secs: u64,
     /// FUSE worker threads.
     #[arg(long, default_value_t = FuseConfig::default().threads)]
     fuse_threads: usize,
@@ -500,6 +506,8 @@ async fn agent(args: ServeArgs) -> Result<()> {
             .with_proxies(proxies),
         hf_cache_dir: hf_cache_dir(&args.hf_cache_dir)?,
         hf_cache_linger: Duration::from_secs(args.hf_cache_linger_secs),
+        resolve_interval: (args.resolve_interval_secs > 0)
+            .then(|| Duration::from_secs(args.resolve_interval_secs)),
         ..ReconcilerConfig::default()
     };
     let sink: Arc<dyn MountSink> = mount;

@@ -36,7 +36,7 @@ use serde_json::Value;
 pub const AZURITE_ACCOUNT: &str = "devstoreaccount1";
 pub const AZURITE_KEY: &str =
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
-/// Credentials moto accepts (it does not check them).
+/// Credentials moto accepts while it does not check them (until `require-auth`, see objstore_client.py).
 pub const S3_ACCESS_KEY: &str = "test";
 pub const S3_SECRET_KEY: &str = "test";
 pub const S3_REGION: &str = "us-east-1";

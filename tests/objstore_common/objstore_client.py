@@ -18,6 +18,12 @@ Commands (bucket means container for Azure):
                                      parts), which is what `aws s3 sync` does
     list BUCKET PREFIX               JSON list of {key, size, etag}
     delete BUCKET KEY
+    iam-user USER                    S3 (moto) only: an IAM user allowed s3:* and an access
+                                     key of it, printed as JSON {AccessKeyId, SecretAccessKey}
+    require-auth                     S3 (moto) only: from now on moto authenticates and
+                                     authorizes every request (its documented
+                                     POST /moto-api/reset-auth with an initial no-auth count
+                                     of 0)
 
 Loopback only: the clients are built with proxies disabled, so a proxy variable in the
 environment (tests of modelfs's proxy support set them) never reroutes the harness itself.
@@ -62,6 +68,7 @@ class S3:
             region_name="us-east-1",
             config=Config(proxies={}, retries={"max_attempts": 2}, read_timeout=1800),
         )
+        self.endpoint = endpoint
         self.upload_config = TransferConfig()
         if part_mib:
             self.upload_config = TransferConfig(
@@ -91,6 +98,49 @@ class S3:
 
     def delete(self, bucket, key):
         self.client.delete_object(Bucket=bucket, Key=key)
+
+    def iam_user(self, user):
+        iam = self.session_client("iam")
+        iam.create_user(UserName=user)
+        iam.put_user_policy(
+            UserName=user,
+            PolicyName="s3-all",
+            PolicyDocument=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+                }
+            ),
+        )
+        key = iam.create_access_key(UserName=user)["AccessKey"]
+        return {"AccessKeyId": key["AccessKeyId"], "SecretAccessKey": key["SecretAccessKey"]}
+
+    def session_client(self, service):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            service,
+            endpoint_url=self.endpoint,
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+            region_name="us-east-1",
+            config=Config(proxies={}),
+        )
+
+    def require_auth(self):
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        req = urllib.request.Request(
+            self.endpoint.rstrip("/") + "/moto-api/reset-auth",
+            data=b"0",
+            method="POST",
+            # Not a form: moto reads the raw body as the count.
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        with opener.open(req) as resp:
+            return json.load(resp)
 
     def transfer_dir(self, bucket, prefix, root):
         from boto3.s3.transfer import TransferConfig, create_transfer_manager
@@ -217,6 +267,10 @@ def main():
         with ThreadPoolExecutor(a.workers) as pool:
             list(pool.map(fetch, objects))
         print(len(objects))
+    elif cmd == "iam-user":
+        json.dump(store.iam_user(*args), sys.stdout)
+    elif cmd == "require-auth":
+        json.dump(store.require_auth(), sys.stdout)
     elif cmd == "transfer-dir":
         print(store.transfer_dir(*args))
     else:

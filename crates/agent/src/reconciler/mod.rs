@@ -155,6 +155,11 @@ pub struct ReconcilerConfig {
     pub hf_cache_dir: Option<MountPath>,
     /// How long a snapshot stays in the view after no model serves it.
     pub hf_cache_linger: Duration,
+    /// How often a Ready model whose source can change under the same URI (an object-store
+    /// prefix, a Hugging Face branch or tag) is resolved again; `None` (the default, as OME's
+    /// agent, which reads a source only when the model object changes) never. See
+    /// [`Reconciler::refresh_due`].
+    pub resolve_interval: Option<Duration>,
 }
 
 impl Default for ReconcilerConfig {
@@ -169,6 +174,7 @@ impl Default for ReconcilerConfig {
             sources: SourceConfig::default(),
             hf_cache_dir: None,
             hf_cache_linger: Duration::from_secs(300),
+            resolve_interval: None,
         }
     }
 }
@@ -235,6 +241,9 @@ struct Work {
     source: Source,
     stage: Stage,
     cancel: WorkCancel,
+    /// A periodic re-resolve of a Ready model: the model stays Ready and served while it runs,
+    /// and a failure only logs (the next interval tries again).
+    refresh: bool,
 }
 
 /// Work in flight indexed the way single flight asks about it, so a placement looks only at the
@@ -463,7 +472,10 @@ fn now_secs() -> u64 {
 }
 
 /// What decides whether a spec change needs work. A new token counts: a model that failed for
-/// lack of access must try again when it gets one.
+/// lack of access must try again when it gets one. So do `parameters` (auth mode, region,
+/// endpoint, key id, ...): they change where and how the source is read. They enter the hash
+/// only when present, so models without parameters keep the fingerprint they had; the record
+/// holds only the truncated hash, never a parameter's value.
 pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> String {
     let mut h = Sha256::new();
     for part in [
@@ -478,7 +490,37 @@ pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> St
         h.update(part.as_bytes());
         h.update([0]);
     }
+    if let Some(p) = parameters_digest(&spec.parameters) {
+        h.update(b"parameters\0");
+        h.update(p.as_bytes());
+    }
     hex::encode(&h.finalize()[..16])
+}
+
+/// Whether the same URI may name other content later: object-store prefixes (objects can be
+/// overwritten, added or removed) and Hugging Face branches or tags (a commit cannot change).
+fn source_may_change(source: &SourceUri) -> bool {
+    match source {
+        SourceUri::ObjectStore { .. } | SourceUri::Oci { .. } => true,
+        SourceUri::HuggingFace { revision, .. } => !modelfs_ome::source::is_commit_hash(revision),
+        _ => false,
+    }
+}
+
+/// A digest of `spec.storage.parameters` (`None` when there are none): what the records keep
+/// of them, never their values.
+pub fn parameters_digest(parameters: &BTreeMap<String, String>) -> Option<String> {
+    if parameters.is_empty() {
+        return None;
+    }
+    let mut h = Sha256::new();
+    for (k, v) in parameters {
+        h.update(k.as_bytes());
+        h.update([0]);
+        h.update(v.as_bytes());
+        h.update([0]);
+    }
+    Some(hex::encode(&h.finalize()[..16]))
 }
 
 pub struct Reconciler {
@@ -497,6 +539,9 @@ pub struct Reconciler {
     mount_refusals: HashMap<ModelKey, (String, u32)>,
     /// Models that failed before this start and were given their one fresh attempt.
     attempted_since_start: std::collections::HashSet<ModelKey>,
+    /// When each Ready model was last resolved (or first seen Ready): see
+    /// [`Reconciler::refresh_due`].
+    resolved_at: HashMap<ModelKey, Instant>,
     path_losers: BTreeMap<ModelKey, PathLoser>,
     /// The records changed what is served; the mapping is rebuilt once at the end of the batch
     /// of events, after the path rule has been applied (so it never sees a conflict).
@@ -575,6 +620,7 @@ impl Reconciler {
             retries: HashMap::new(),
             mount_refusals: HashMap::new(),
             attempted_since_start: std::collections::HashSet::new(),
+            resolved_at: HashMap::new(),
             path_losers: BTreeMap::new(),
             remap_needed: false,
             settle_due: false,
@@ -781,6 +827,7 @@ impl Reconciler {
             }
             Event::Tick => {
                 let mut changed = self.retry_due();
+                self.refresh_due();
                 // Waiters whose model's work ended without a wake-up (a safety net: every
                 // end of work wakes its waiters).
                 let stale: Vec<ModelKey> = self
@@ -992,6 +1039,90 @@ impl Reconciler {
         changed
     }
 
+    /// With `resolve_interval`: starts a re-resolve of every Ready model whose source can name
+    /// other content under the same URI (`s3://`, `gs://`, `az://`, `oci://` prefixes, whose
+    /// objects may be overwritten; `hf://` at a branch or tag) and that has not been resolved
+    /// for an interval. The same artifact again ends the work quietly; a new one (a changed
+    /// object has a new ETag or generation, so a new manifest) is fetched and flipped to as
+    /// for a source change (SPEC 3.3), per the model's policy, while the old one stays served
+    /// and the model stays Ready. A failed re-resolve or fetch only logs.
+    fn refresh_due(&mut self) {
+        let Some(interval) = self.config.resolve_interval else {
+            return;
+        };
+        let Some(desired) = self.desired.as_ref() else {
+            return;
+        };
+        let now = Instant::now();
+        let mut due = Vec::new();
+        for (key, rec) in self.records.models() {
+            let Some(Ok(spec)) = desired.models.get(key) else {
+                continue;
+            };
+            let ready = rec.phase == ModelPhase::Ready && rec.artifact.is_some();
+            if !ready || self.works.contains_key(key) || !source_may_change(&spec.source) {
+                self.resolved_at.remove(key);
+                continue;
+            }
+            let since = *self.resolved_at.entry(key.clone()).or_insert(now);
+            if now.duration_since(since) >= interval {
+                due.push((key.clone(), spec.clone()));
+            }
+        }
+        for (key, spec) in due {
+            self.resolved_at.insert(key.clone(), now);
+            self.start_refresh(&key, &spec);
+        }
+    }
+
+    fn start_refresh(&mut self, key: &ModelKey, spec: &ModelSpec) {
+        let token = self
+            .desired
+            .as_ref()
+            .and_then(|d| d.tokens.get(key))
+            .cloned();
+        let fp = fingerprint(spec, token.as_ref());
+        if self
+            .records
+            .models()
+            .get(key)
+            .is_none_or(|r| r.fingerprint != fp)
+        {
+            return;
+        }
+        let source =
+            match Source::for_uri(&spec.source, &self.config.sources, token, &spec.parameters) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(model = %key, error = %e, "re-resolve skipped");
+                    return;
+                }
+            };
+        tracing::info!(model = %key, source = %spec.source, "resolving again (periodic)");
+        let cancel = WorkCancel::default();
+        let work = Work {
+            fingerprint: fp.clone(),
+            spec: spec.clone(),
+            source: source.clone(),
+            stage: Stage::Resolving,
+            cancel: cancel.clone(),
+            refresh: true,
+        };
+        self.remove_work(key);
+        self.in_flight_index.add(key, &work);
+        self.works.insert(key.clone(), work);
+        let tx = self.sender();
+        let key2 = key.clone();
+        let flag = cancel.flag.clone();
+        cancel.spawn(async move { source.resolve(flag).await }, move |result| {
+            let _ = tx.send(Event::Resolved {
+                key: key2,
+                fingerprint: fp,
+                result,
+            });
+        });
+    }
+
     // ----- desired state -------------------------------------------------------------------
 
     fn reconcile_all(&mut self) {
@@ -1168,9 +1299,15 @@ impl Reconciler {
         self.records.model_mut(key).expect("record").phase = ModelPhase::Updating;
         let cancel = WorkCancel::default();
         let rec = &self.records.models()[key];
-        // Same source as the served artifact: only policy, path or label changed. No resolve.
+        // Same source (and parameters) as the served artifact: only policy, path or label
+        // changed. No resolve.
         let known = match (rec.artifact.clone(), rec.served_source.clone()) {
-            (Some(a), Some(src)) if src == spec.source.to_string() => self.artifact(&a),
+            (Some(a), Some(src))
+                if src == spec.source.to_string()
+                    && rec.served_parameters == parameters_digest(&spec.parameters) =>
+            {
+                self.artifact(&a)
+            }
             _ => None,
         };
         let work = Work {
@@ -1179,6 +1316,7 @@ impl Reconciler {
             source: source.clone(),
             stage: Stage::Resolving,
             cancel: cancel.clone(),
+            refresh: false,
         };
         self.remove_work(key);
         self.in_flight_index.add(key, &work);
@@ -1207,8 +1345,18 @@ impl Reconciler {
             return;
         }
         self.work_changed(&key);
+        let refresh = self.works.get(&key).is_some_and(|w| w.refresh);
         match result {
-            Ok(m) => self.decide(&key, Arc::new(m)),
+            Ok(m) if refresh && self.records.models()[&key].artifact.as_ref() == Some(&m.id()) => {
+                tracing::debug!(model = %key, "resolved again: unchanged");
+                self.remove_work(&key);
+            }
+            Ok(m) => {
+                if refresh {
+                    tracing::info!(model = %key, artifact = %m.id(), "the source changed; fetching the new artifact");
+                }
+                self.decide(&key, Arc::new(m))
+            }
             Err(e) => self.fail(&key, &fp, &e),
         }
         // Waiters on this resolve now see a fetch (and keep waiting), a Ready holder, or a
@@ -1259,6 +1407,7 @@ impl Reconciler {
             sha: manifest.revision.clone(),
             path: spec.path.clone(),
             source: spec.source.to_string(),
+            parameters: parameters_digest(&spec.parameters),
         }
     }
 
@@ -1650,6 +1799,17 @@ impl Reconciler {
     }
 
     fn fail(&mut self, key: &ModelKey, fp: &str, err: &SourceError) {
+        if self
+            .works
+            .get(key)
+            .is_some_and(|w| w.refresh && w.fingerprint == fp)
+        {
+            // The served artifact is still good: the model stays Ready.
+            tracing::warn!(model = %key, error = %err, "re-resolving failed; still serving the artifact resolved before");
+            self.cancel_work(key);
+            self.work_changed(key);
+            return;
+        }
         if let Some(outcome) = err.ome_outcome() {
             self.metrics.ome.record(ome_labels(key), outcome);
         }

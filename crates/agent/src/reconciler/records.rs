@@ -73,6 +73,10 @@ pub struct ModelRecord {
     /// The source `artifact` was resolved from: a policy-only change needs no new resolve.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served_source: Option<String>,
+    /// Digest of the `parameters` `artifact` was resolved with (none when there were none): a
+    /// changed endpoint, region or auth mode resolves again even if the source is the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_parameters: Option<String>,
 }
 
 impl ModelRecord {
@@ -94,6 +98,7 @@ impl ModelRecord {
             store: None,
             served_path: None,
             served_source: None,
+            served_parameters: None,
         }
     }
 }

@@ -7,6 +7,7 @@
 //! downloads zero bytes). `fetch` then writes only the blobs the target store lacks and verifies
 //! every one against the digest `resolve` obtained.
 
+pub mod gcs;
 pub mod hf;
 pub mod local;
 pub mod objstore;

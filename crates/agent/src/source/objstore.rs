@@ -4,7 +4,8 @@
 //! # URIs
 //! * `s3://<bucket>[@<region>]/<prefix>` (OME's form; the region may also come from
 //!   `parameters.region` or `AWS_REGION`).
-//! * `gs://<bucket>/<prefix>`.
+//! * `gs://<bucket>/<prefix>`: listed and downloaded through the Cloud Storage JSON API
+//!   ([`super::gcs`], which explains why), with `object_store`'s GCS credentials.
 //! * `az://<container>/<prefix>` with the account from `parameters.account_name` or
 //!   `AZURE_STORAGE_ACCOUNT_NAME`, or OME's full form
 //!   `az://<account>.blob.core.windows.net/<container>/<prefix>`. (OME's short form
@@ -19,7 +20,8 @@
 //! [`FileDigest::Object`](modelfs_core::artifact::FileDigest::Object): its location, size and ETag (or
 //! version id), so a changed object is a new artifact and `ReuseIfExists` maps only onto a
 //! copy of the same object versions. Every range is requested with `If-Match: <ETag>`, so the
-//! bytes of one file all come from the version that was listed; the size is checked and the
+//! bytes of one file all come from the version that was listed (`gs://`: the generation, with
+//! `ifGenerationMatch`, and the listed MD5 checked); the size is checked and the
 //! sha256 computed while writing, as for every source. (An S3 ETag is the MD5 only for
 //! unencrypted single-part uploads, so it is not used as a checksum.)
 //!
@@ -49,6 +51,7 @@ use futures_util::StreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore, RetryConfig};
 
+use super::gcs::GcsJsonApi;
 use super::pipeline::{
     self, manifest_from_listing, ListedObject, RangeBody, RangeSource, TransferError, Transfers,
 };
@@ -67,6 +70,9 @@ pub struct ObjectSource {
     /// The source URI, for logs.
     label: String,
     store: Arc<dyn ObjectStore>,
+    /// `gs://`: listing and downloads through the JSON API ([`super::gcs`]); `store` only
+    /// provides the credentials.
+    gcs: Option<Arc<GcsJsonApi>>,
     transfers: Arc<Transfers>,
     /// ETag of each listed key, from the last resolve: the version every range must match.
     etags: Arc<Mutex<HashMap<String, String>>>,
@@ -150,6 +156,7 @@ impl ObjectSource {
             options = options.with_allow_http(true);
         }
         let connector = RecordingConnector;
+        let mut gcs = None;
         let bad = |e: object_store::Error| config_error(&what, scrub(&e.to_string(), &token));
         let store: Arc<dyn ObjectStore> = match target.scheme {
             ObjectScheme::S3 => {
@@ -196,10 +203,30 @@ impl ObjectSource {
                 if let Some(t) = &token {
                     b = b.with_service_account_key(t.expose());
                 }
-                if anonymous || (token.is_none() && emulator.is_some()) {
+                let unsigned = anonymous || (token.is_none() && emulator.is_some());
+                if unsigned {
                     b = b.with_skip_signature(true);
                 }
-                Arc::new(b.with_client_options(options).build().map_err(bad)?)
+                let built = b.with_client_options(options).build().map_err(bad)?;
+                let _ = rustls::crypto::ring::default_provider().install_default();
+                let builder = reqwest::Client::builder()
+                    .user_agent(concat!("modelfs/", env!("CARGO_PKG_VERSION")))
+                    .connect_timeout(tuning.connect_timeout);
+                let http = super::proxy::configure(config.proxies.for_scheme("gs"), builder)
+                    .and_then(|b| b.build())
+                    .map_err(|e| config_error(&what, e.to_string()))?;
+                let base = endpoint
+                    .clone()
+                    .or(emulator)
+                    .unwrap_or_else(|| super::gcs::DEFAULT_BASE.to_string());
+                gcs = Some(Arc::new(GcsJsonApi::new(
+                    http,
+                    &base,
+                    target.bucket,
+                    (!unsigned).then(|| built.credentials().clone()),
+                    config.transfers.clone(),
+                )));
+                Arc::new(built)
             }
             ObjectScheme::Az => {
                 let mut b = object_store::azure::MicrosoftAzureBuilder::from_env()
@@ -228,6 +255,7 @@ impl ObjectSource {
             prefix: target.prefix.trim_matches('/').to_string(),
             label: target.uri,
             store,
+            gcs,
             transfers: config.transfers.clone(),
             etags: Arc::default(),
             throttle: Default::default(),
@@ -247,51 +275,59 @@ impl ObjectSource {
     pub async fn resolve(&self, cancel: Arc<AtomicBool>) -> Result<Manifest, SourceError> {
         let what = format!("listing {}", self.label);
         let limit = self.transfers.tuning().max_listing_entries;
-        let objects = self
-            .transfers
-            .retrying(&what, &cancel, &self.throttle, || async {
-                let prefix =
-                    (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
-                let mut listing = self.store.list(prefix.as_ref());
-                let mut out = Vec::new();
-                loop {
-                    let next = with_error_answer(
-                        self.transfers
-                            .within_stall(&what, async { Ok(listing.next().await) }),
-                    )
-                    .await;
-                    let meta = match next {
-                        (Ok(None), _) => break,
-                        (Ok(Some(Ok(meta))), _) => meta,
-                        (Ok(Some(Err(e))), answer) => {
-                            return Err(transfer_error(&what, &e, answer))
-                        }
-                        (Err(e), _) => return Err(e),
-                    };
-                    if out.len() >= limit {
-                        return Err(TransferError::Limit {
-                            what: what.clone(),
-                            detail: format!(
+        let objects = if let Some(gcs) = &self.gcs {
+            let prefix = if self.prefix.is_empty() {
+                String::new()
+            } else {
+                format!("{}/", self.prefix)
+            };
+            gcs.list(&what, &prefix, &cancel, &self.throttle).await?
+        } else {
+            self.transfers
+                .retrying(&what, &cancel, &self.throttle, || async {
+                    let prefix =
+                        (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
+                    let mut listing = self.store.list(prefix.as_ref());
+                    let mut out = Vec::new();
+                    loop {
+                        let next = with_error_answer(
+                            self.transfers
+                                .within_stall(&what, async { Ok(listing.next().await) }),
+                        )
+                        .await;
+                        let meta = match next {
+                            (Ok(None), _) => break,
+                            (Ok(Some(Ok(meta))), _) => meta,
+                            (Ok(Some(Err(e))), answer) => {
+                                return Err(transfer_error(&what, &e, answer))
+                            }
+                            (Err(e), _) => return Err(e),
+                        };
+                        if out.len() >= limit {
+                            return Err(TransferError::Limit {
+                                what: what.clone(),
+                                detail: format!(
                                 "the listing has more than {limit} objects; if the prefix really \
                                  holds that many, raise --hf-max-listing-entries"
                             ),
+                            });
+                        }
+                        let version = meta
+                            .e_tag
+                            .clone()
+                            .or(meta.version.clone())
+                            .unwrap_or_else(|| meta.last_modified.to_rfc3339());
+                        out.push(ListedObject {
+                            key: meta.location.to_string(),
+                            size: meta.size,
+                            version,
+                            md5: None,
                         });
                     }
-                    let version = meta
-                        .e_tag
-                        .clone()
-                        .or(meta.version.clone())
-                        .unwrap_or_else(|| meta.last_modified.to_rfc3339());
-                    out.push(ListedObject {
-                        key: meta.location.to_string(),
-                        size: meta.size,
-                        version,
-                        md5: None,
-                    });
-                }
-                Ok(out)
-            })
-            .await?;
+                    Ok(out)
+                })
+                .await?
+        };
         let manifest = manifest_from_listing(&self.location, &self.prefix, objects.clone())?;
         let mut etags = self.etags.lock().expect("etag map");
         etags.clear();
@@ -324,23 +360,29 @@ impl ObjectSource {
         if let Some(v) = self.etags.lock().expect("etag map").get(&key).cloned() {
             return Ok(v);
         }
-        let head = GetOptions {
-            head: true,
-            ..GetOptions::default()
+        let (size, version) = if let Some(gcs) = &self.gcs {
+            let meta = gcs.metadata(what, &key).await?;
+            (meta.size, meta.version)
+        } else {
+            let head = GetOptions {
+                head: true,
+                ..GetOptions::default()
+            };
+            let path = object_path(what, &key)?;
+            let (result, answer) = with_error_answer(
+                self.transfers
+                    .within_stall(what, async { Ok(self.store.get_opts(&path, head).await) }),
+            )
+            .await;
+            let meta = result?.map_err(|e| transfer_error(what, &e, answer))?.meta;
+            let version = meta
+                .e_tag
+                .clone()
+                .or(meta.version.clone())
+                .unwrap_or_else(|| meta.last_modified.to_rfc3339());
+            (meta.size, version)
         };
-        let path = object_path(what, &key)?;
-        let (result, answer) = with_error_answer(
-            self.transfers
-                .within_stall(what, async { Ok(self.store.get_opts(&path, head).await) }),
-        )
-        .await;
-        let meta = result?.map_err(|e| transfer_error(what, &e, answer))?.meta;
-        let version = meta
-            .e_tag
-            .clone()
-            .or(meta.version.clone())
-            .unwrap_or_else(|| meta.last_modified.to_rfc3339());
-        let identity = object_identity(&format!("{}/{key}", self.location), meta.size, &version);
+        let identity = object_identity(&format!("{}/{key}", self.location), size, &version);
         match entry.digest {
             FileDigest::Object { identity: want, .. } if want == identity => {
                 self.etags
@@ -396,6 +438,18 @@ impl RangeSource for ObjectSource {
         end: Option<u64>,
     ) -> Result<RangeBody, TransferError> {
         let version = self.version_of(what, entry).await?;
+        if let Some(gcs) = &self.gcs {
+            return match gcs
+                .open_range(what, &self.key_of(entry), &version, at, end)
+                .await
+            {
+                Err(TransferError::Status { status: 412, .. }) => {
+                    self.etags.lock().expect("etag map").clear();
+                    Err(changed(what))
+                }
+                other => other,
+            };
+        }
         let path = object_path(what, &self.key_of(entry))?;
         let options = GetOptions {
             range: Some(match end {

@@ -24,7 +24,8 @@
 //!   shorter than its range is retried; each request holds a slot of the node-wide transfer
 //!   limit ([`Transfers`], one per daemon, shared by all sources) while it runs.
 //! * **One retry policy** ([`Transfers::retrying`]): 5xx, 408, 429, resets, truncated bodies and
-//!   stalls are retried with jittered exponential backoff (`retry_base` doubling up to
+//!   stalls are retried with jittered exponential backoff (a range whose answer broke off is
+//!   asked again from its first missing byte, not from its start) (`retry_base` doubling up to
 //!   `retry_max`, each delay drawn from 50-100% of the step so clients do not retry in
 //!   lockstep); a `Retry-After` (seconds or HTTP-date, [`parse_retry_after`]) replaces the step,
 //!   capped at `retry_max`. 401/403/404 and malformed answers fail at once. After
@@ -690,6 +691,13 @@ enum RangeAnswer {
 
 type Chunks = tokio::sync::mpsc::Sender<Option<Bytes>>;
 
+/// The bytes of one range received so far (from its start), counted into progress; taken
+/// back from progress if the range fails for good.
+struct PartialRange<'a> {
+    buf: BytesMut,
+    counted: Counted<'a>,
+}
+
 /// One fetch's view of the pipeline.
 struct FileFetch<'a, S> {
     source: &'a S,
@@ -827,9 +835,18 @@ impl<S: RangeSource> FileFetch<'_, S> {
         accept_whole: bool,
     ) -> Result<RangeAnswer, TransferError> {
         let what = format!("downloading {} (bytes {at}-{})", entry.path, at + len - 1);
+        // What earlier attempts received: an answer that broke off is continued from its first
+        // missing byte, so a flaky link costs the missing bytes, not the whole chunk again.
+        let partial = tokio::sync::Mutex::new(PartialRange {
+            buf: BytesMut::with_capacity(len as usize),
+            counted: Counted {
+                progress: &self.ctx.progress,
+                n: 0,
+            },
+        });
         self.transfers
             .retrying(&what, &self.ctx.cancel, self.source.throttle(), || {
-                self.range_attempt(&what, entry, at, len, accept_whole)
+                self.range_attempt(&what, entry, at, len, accept_whole, &partial)
             })
             .await
     }
@@ -841,19 +858,20 @@ impl<S: RangeSource> FileFetch<'_, S> {
         at: u64,
         len: u64,
         accept_whole: bool,
+        partial: &tokio::sync::Mutex<PartialRange<'_>>,
     ) -> Result<RangeAnswer, TransferError> {
+        // Attempts run one after the other: the lock is never contended.
+        let mut partial = partial.lock().await;
+        let PartialRange { buf, counted } = &mut *partial;
+        let have = buf.len() as u64;
         let slot = self.transfers.slot().await;
-        let mut counted = Counted {
-            progress: &self.ctx.progress,
-            n: 0,
-        };
         let mut body = match self
             .source
-            .open_range(what, entry, at, Some(at + len))
+            .open_range(what, entry, at + have, Some(at + len))
             .await?
         {
             RangeBody::Part(body) => body,
-            RangeBody::WholeFile(body) if accept_whole => {
+            RangeBody::WholeFile(body) if accept_whole && have == 0 => {
                 return Ok(RangeAnswer::WholeFile(body, slot))
             }
             // It honoured ranges for the first range of this file: a hiccup (another server
@@ -866,7 +884,6 @@ impl<S: RangeSource> FileFetch<'_, S> {
                 })
             }
         };
-        let mut buf = BytesMut::with_capacity(len as usize);
         while (buf.len() as u64) < len {
             let Some(chunk) = self.transfers.next_chunk(what, &mut body).await? else {
                 break;
@@ -886,7 +903,8 @@ impl<S: RangeSource> FileFetch<'_, S> {
                 want: len,
             });
         }
-        Ok(RangeAnswer::Part(buf.freeze(), counted.keep()))
+        let n = std::mem::take(&mut counted.n);
+        Ok(RangeAnswer::Part(std::mem::take(buf).freeze(), n))
     }
 
     /// The rest of one file from a server that ignores ranges: whole-file answers, read from

@@ -152,6 +152,8 @@ pub struct Want {
     pub sha: String,
     pub path: MountPath,
     pub source: String,
+    /// Digest of the spec's `parameters` (none when there are none).
+    pub parameters: Option<String>,
 }
 
 /// What a decision changed and what the actor must do, in order.
@@ -379,6 +381,7 @@ fn serve_effects(
             sha: want.sha.clone(),
             path: want.path.to_string(),
             source: want.source.clone(),
+            parameters: want.parameters.clone(),
         },
     );
     d.push(Effect::Served {
@@ -475,6 +478,7 @@ pub fn unmap(rec: &mut ModelRecord) {
     rec.store = None;
     rec.served_path = None;
     rec.served_source = None;
+    rec.served_parameters = None;
 }
 
 /// Where a model is served from, once a decision to serve it is made.
@@ -484,9 +488,10 @@ pub struct Serve {
     pub artifact: ArtifactId,
     /// Resolved revision reported as `artifact.sha`.
     pub sha: String,
-    /// The spec's path and source, now served.
+    /// The spec's path, source and parameters digest, now served.
     pub path: String,
     pub source: String,
+    pub parameters: Option<String>,
 }
 
 /// Records that `key` is served from `serve.store` (which holds the artifact complete): the
@@ -511,6 +516,7 @@ pub fn serve(records: &mut Records, key: &ModelKey, serve: Serve) -> (bool, Vec<
         rec.store = Some(store.clone());
         rec.served_path = Some(serve.path);
         rec.served_source = Some(serve.source);
+        rec.served_parameters = serve.parameters;
         rec.phase = ModelPhase::Ready;
         rec.reason = None;
         before

@@ -140,6 +140,7 @@ fn want(name: &str, policy: DownloadPolicy, a: u8) -> Want {
         sha: "rev".into(),
         path: MountPath::from_relative(name).unwrap(),
         source: "src".into(),
+        parameters: None,
     }
 }
 
@@ -436,6 +437,7 @@ fn t01_keeps_serving_from_the_parent_until_the_flip() {
             sha: "rev".into(),
             path: "c".into(),
             source: "src".into(),
+            parameters: None,
         },
     );
     assert!(changed && effects.is_empty());

@@ -165,6 +165,14 @@ start() { # start <binary>
         --listen "127.0.0.1:$PORT" >>"$WORK/daemon.log" 2>&1 &
     PID=$!
 }
+get_latency() { # size and p50/p99 latency of GETS requests of GET /v1/models
+    local size
+    size=$(curl -sf "127.0.0.1:$PORT/v1/models" | wc -c)
+    for _ in $(seq 1 "$GETS"); do curl -s -o /dev/null -w '%{time_total}\n' "127.0.0.1:$PORT/v1/models"; done |
+        sort -g | awk -v size="$size" -v n="$GETS" '{ v[NR] = $1 } END {
+            i50 = int(NR * 0.5 + 0.5); i99 = int(NR * 0.99 + 0.5); if (i50 < 1) i50 = 1; if (i99 < 1) i99 = 1
+            printf "%d bytes, %d requests: p50 %.4f s, p99 %.4f s", size, n, v[i50], v[i99] }'
+}
 wait_ready() { # wait_ready <start time>: polls the Ready gauge (cheap for the daemon)
     local peak=0 r
     while :; do
@@ -172,8 +180,8 @@ wait_ready() { # wait_ready <start time>: polls the Ready gauge (cheap for the d
         [ "${r:-0}" -gt "$peak" ] && peak=$r
         [ "$(ready_count)" -ge "$N" ] && break
         if [ "$(awk -v a="$1" -v b="$(now)" 'BEGIN { print (b - a > '"$IMPORT_TIMEOUT"') }')" = 1 ]; then
-            echo "timeout: $(ready_count) of $N Ready after ${IMPORT_TIMEOUT} s; RSS $(rss_mib VmRSS) MiB;" \
-                "GET /v1/models $(curl -s -o /dev/null -w '%{size_download} bytes in %{time_total} s' "127.0.0.1:$PORT/v1/models")" >&2
+            echo "timeout: $(ready_count) of $N Ready after ${IMPORT_TIMEOUT} s; RSS: mount server $(rss_mib VmRSS) MiB," \
+                "agent $(agent_rss VmRSS) MiB (peak $(agent_rss VmHWM) MiB); status.json $(stat -c %s "$WORK/state/status.json" 2>/dev/null) bytes; GET /v1/models $(get_latency)" >&2
             return 1
         fi
         sleep 0.2
@@ -203,11 +211,8 @@ echo "modelfs: find cold ${MF_COLD} s ($(ratio "$MF_COLD" "$NF_COLD")x), warm ${
 read -r ST_N ST_M ORC_N ORC_M <<<"$(fsops "$WORK/native" "$WORK/mnt")"
 echo "per file (${SAMPLE} files, warm): stat native ${ST_N} us, mount ${ST_M} us ($(ratio "$ST_M" "$ST_N")x); open+read 4KiB+close native ${ORC_N} us, mount ${ORC_M} us ($(ratio "$ORC_M" "$ORC_N")x)"
 RSS_AFTER=$(rss_mib VmRSS)
-STATUS_BYTES=$(curl -sf "127.0.0.1:$PORT/v1/models" | wc -c)
-LAT=$(for _ in $(seq 1 "$GETS"); do curl -s -o /dev/null -w '%{time_total}\n' "127.0.0.1:$PORT/v1/models"; done |
-    sort -g | awk '{ v[NR] = $1 } END { i50 = int(NR * 0.5 + 0.5); i99 = int(NR * 0.99 + 0.5); if (i50 < 1) i50 = 1; if (i99 < 1) i99 = 1; printf "p50 %.4f s, p99 %.4f s", v[i50], v[i99] }')
 STATUS_FILE=$(stat -c %s "$WORK/state/status.json")
-echo "status: GET /v1/models ${STATUS_BYTES} bytes, ${GETS} requests: ${LAT}; status.json ${STATUS_FILE} bytes; RSS after the walks: mount server ${RSS_AFTER} MiB, agent $(agent_rss VmRSS) MiB"
+echo "status: GET /v1/models $(get_latency); status.json ${STATUS_FILE} bytes; RSS after the walks: mount server ${RSS_AFTER} MiB, agent $(agent_rss VmRSS) MiB"
 
 # The agent alone: the supervisor restarts it, the mount keeps serving.
 AGENT=$(agent_pid)

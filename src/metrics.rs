@@ -31,6 +31,7 @@ use prometheus_client::registry::Registry;
 pub const FUSE_OPS: &[&str] = &[
     "create",
     "fallocate",
+    "flush",
     "getattr",
     "getxattr",
     "link",
@@ -44,6 +45,7 @@ pub const FUSE_OPS: &[&str] = &[
     "readdir",
     "readdirplus",
     "release",
+    "releasedir",
     "removexattr",
     "rename",
     "rmdir",
@@ -258,6 +260,8 @@ pub struct Metrics {
     pub passthrough_opens: Counter,
     pub read_through_opens: Counter,
     pub passthrough_fallbacks: Counter,
+    /// Passthrough opens that reused the inode's cached backing id (no registration ioctl).
+    pub backing_reuses: Counter,
     pub kernel_invalidations: Counter,
     pub mapping_changes: Counter,
     pub models: Family<StatusLabel, Gauge>,
@@ -298,6 +302,7 @@ impl Metrics {
             passthrough_opens: Counter::default(),
             read_through_opens: Counter::default(),
             passthrough_fallbacks: Counter::default(),
+            backing_reuses: Counter::default(),
             kernel_invalidations: Counter::default(),
             mapping_changes: Counter::default(),
             models: Family::default(),
@@ -345,6 +350,11 @@ impl Metrics {
             "passthrough_fallbacks",
             "Opens that asked for passthrough and fell back to read-through",
             m.passthrough_fallbacks.clone(),
+        );
+        registry.register(
+            "passthrough_backing_reuses",
+            "Passthrough opens that reused the inode's registered backing file",
+            m.backing_reuses.clone(),
         );
         registry.register(
             "kernel_invalidations",
@@ -448,6 +458,7 @@ impl Metrics {
             "passthrough_fallbacks".into(),
             self.passthrough_fallbacks.get(),
         );
+        out.insert("backing_reuses".into(), self.backing_reuses.get());
         out.insert(
             "kernel_invalidations".into(),
             self.kernel_invalidations.get(),
@@ -488,6 +499,9 @@ impl Metrics {
                 }
                 ("passthrough_fallbacks", None) => {
                     self.passthrough_fallbacks.inc_by(delta);
+                }
+                ("backing_reuses", None) => {
+                    self.backing_reuses.inc_by(delta);
                 }
                 ("kernel_invalidations", None) => {
                     self.kernel_invalidations.inc_by(delta);
@@ -556,6 +570,7 @@ mod tests {
             "modelfs_passthrough_opens_total 0",
             "modelfs_read_through_opens_total 0",
             "modelfs_passthrough_fallbacks_total 0",
+            "modelfs_passthrough_backing_reuses_total 0",
             "modelfs_kernel_invalidations_total 0",
             "modelfs_mapping_changes_total 0",
             "modelfs_fetched_bytes_total{scheme=\"Local\"} 5",

@@ -424,7 +424,8 @@ fn expected_walk(models: &[(&str, &Path)]) -> Vec<String> {
 /// The kernel keeps every directory listing cached (the daemon answers no `OPENDIR`), so each
 /// mapping change must reach the listings it changes: after a model is re-pointed to other
 /// content at the same path, one model is removed and another added in the same directory,
-/// `find` and `ls` show exactly the new trees, without `drop_caches`. Each listing was read
+/// and after a model is only added, `find` and `ls` show exactly the new trees, without
+/// `drop_caches`. Each listing was read
 /// (and cached) before the change. Waits for the new listing with a deadline: a cache that is
 /// never invalidated never shows it.
 #[test]
@@ -497,4 +498,23 @@ fn listings_follow_mapping_changes() {
         std::fs::read(env.mount.join("team/m/config.json")).unwrap(),
         b"{\"b\": true}"
     );
+
+    // A model only added: no entry of the cached `team` listing changes or goes, so only the
+    // directory's own invalidation can make the new one appear.
+    env.write_models(
+        "z.yaml",
+        &cluster_model("z", &uri(&src_a), "AlwaysDownload", Some("team/z")),
+    );
+    d.wait_model("clusterbasemodel.z", "Ready");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while ls("team") != "m\nnew\nz\n" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "team still lists {:?}",
+            ls("team")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let all = expected_walk(&[("m", &src_b), ("new", &src_c), ("z", &src_a)]);
+    assert_eq!(walk(&env.mount), all);
 }

@@ -24,7 +24,8 @@
 # imports and restarts run at normal priority (the load average is printed);
 # GETS=<n> requests of `GET /v1/models` for its latency percentiles (default 100);
 # IMPORT_TIMEOUT=<seconds> gives up waiting for Ready (default 3600; the figures so far are
-# printed). The binary defaults to a release build (built here).
+# printed), or with PARTIAL=1 goes on with the models Ready by then.
+# The binary defaults to a release build (built here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-1000}
@@ -190,7 +191,13 @@ wait_ready() { # wait_ready <start time>: polls the Ready gauge (cheap for the d
 }
 drop
 t=$(now); start "$BIN"
-PEAK_SAMPLED=$(wait_ready "$t") || { tail -n 20 "$WORK/daemon.log" >&2; exit 1; }
+if ! PEAK_SAMPLED=$(wait_ready "$t"); then
+    if [ "${PARTIAL:-0}" != 1 ]; then tail -n 20 "$WORK/daemon.log" >&2; exit 1; fi
+    # PARTIAL=1: go on with the models Ready by now (the rest keep importing meanwhile, so
+    # every later figure is taken beside that import).
+    N=$(ready_count)
+    echo "PARTIAL=1: continuing with the $N models Ready so far" >&2
+fi
 IMPORT=$(since "$t")
 RSS_READY=$(rss_mib VmRSS); HWM=$(rss_mib VmHWM); rt_daemon
 echo "modelfs: all $N Ready in ${IMPORT} s ($(ratio "$IMPORT" "$NATIVE_COPY")x cp -a + sync); RSS at Ready ${RSS_READY} MiB, peak ${HWM} MiB (mount server); agent $(agent_rss VmRSS) MiB, peak $(agent_rss VmHWM) MiB"

@@ -518,3 +518,31 @@ fn listings_follow_mapping_changes() {
     let all = expected_walk(&[("m", &src_b), ("new", &src_c), ("z", &src_a)]);
     assert_eq!(walk(&env.mount), all);
 }
+
+/// A file opened again after its last close reuses the passthrough registration of its inode
+/// (no second `FUSE_DEV_IOC_BACKING_OPEN`), and reads the same bytes.
+#[test]
+fn reopening_a_file_reuses_its_passthrough_registration() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 4, 100_000);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
+    );
+    let d = Daemon::start(&env, &["--passthrough", "always"]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    let rel = "weights/model-00001-of-00002.safetensors";
+    let want = std::fs::read(src.join(rel)).unwrap();
+    let reuses = "modelfs_passthrough_backing_reuses_total";
+    let before = counters_after_marker(&d, &env.mount, reuses);
+    for _ in 0..3 {
+        assert!(std::fs::read(env.mount.join("m").join(rel)).unwrap() == want);
+    }
+    let reused = counters_after_marker(&d, &env.mount, reuses) - before;
+    assert!(
+        reused >= 2.0,
+        "{reused} reuses for 3 opens: {}",
+        d.metrics()
+    );
+}

@@ -472,6 +472,23 @@ impl FsCore {
         out
     }
 
+    /// Whether an open of `blob.ino` now would open this same blob: the inode's model is in the
+    /// mapping and served from the blob's store. The FUSE adapter keeps a released file's
+    /// passthrough registration (and with it the blob's descriptor) only while this holds, so a
+    /// model that left the mapping, or moved to another store, while its file was open does
+    /// not keep the old blob on disk once the file is closed.
+    pub fn still_serves(&self, blob: &OpenBlob) -> bool {
+        let Some(store) = &blob.store else {
+            return false;
+        };
+        let (slot_id, _) = split_ino(blob.ino);
+        let mapping = self.mapping.load();
+        mapping
+            .models
+            .get(&slot_id)
+            .is_some_and(|m| m.store.id == store.id)
+    }
+
     /// Something outside the core (the FUSE adapter's idle passthrough cache) stopped holding
     /// an [`OpenBlob`]: its store may have lost its last user.
     pub fn note_use_ended(&self) {

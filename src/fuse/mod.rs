@@ -129,7 +129,7 @@ const IDLE_BACKING_LIMIT: usize = 1024;
 
 struct BackingEntry {
     id: Arc<BackingId>,
-    _blob: Arc<OpenBlob>,
+    blob: Arc<OpenBlob>,
     handles: usize,
     /// Set while no handle is open: the entry's place in [`BackingCache::idle`].
     idle_since: Option<u64>,
@@ -140,8 +140,10 @@ struct BackingEntry {
 /// stays *idle* (at most [`IDLE_BACKING_LIMIT`], the least recently released dropped first), so
 /// the next open of the inode skips registering the blob with the kernel again (one ioctl on
 /// open and one on release). An idle entry holds its blob open, and with it the blob's store,
-/// which only the mapping may keep alive: idle entries are dropped whenever the mapping changes
-/// (before the change's invalidations are sent, and again when a retired slot is detached).
+/// which only the mapping may keep alive: an entry turns idle only while its blob is the one
+/// the mapping serves (else it goes with its last handle), and idle entries are dropped
+/// whenever the mapping changes (before the change's invalidations are sent, and again when a
+/// retired slot is detached).
 #[derive(Default)]
 struct BackingCache {
     by_ino: HashMap<u64, BackingEntry>,
@@ -169,7 +171,7 @@ impl BackingCache {
             ino,
             BackingEntry {
                 id,
-                _blob: blob,
+                blob,
                 handles: 1,
                 idle_since: None,
             },
@@ -177,22 +179,27 @@ impl BackingCache {
         self.by_fh.insert(fh, ino);
     }
 
-    /// Releases `fh`; its inode's entry turns idle with its last handle. Returns what the caller
-    /// drops outside the lock (closing a backing id is an ioctl).
-    fn release(&mut self, fh: u64) -> Vec<BackingEntry> {
+    /// Releases `fh`; its inode's entry turns idle with its last handle if `keep` says the
+    /// blob is still the one served, else goes. Returns what the caller drops outside the lock
+    /// (closing a backing id is an ioctl).
+    fn release(&mut self, fh: u64, keep: impl Fn(&OpenBlob) -> bool) -> Vec<BackingEntry> {
         let Some(ino) = self.by_fh.remove(&fh) else {
             return Vec::new();
         };
+        let mut evicted = Vec::new();
         if let Some(entry) = self.by_ino.get_mut(&ino) {
             entry.handles -= 1;
             if entry.handles == 0 {
-                let seq = self.next_idle;
-                self.next_idle += 1;
-                entry.idle_since = Some(seq);
-                self.idle.insert(seq, ino);
+                if keep(&entry.blob) {
+                    let seq = self.next_idle;
+                    self.next_idle += 1;
+                    entry.idle_since = Some(seq);
+                    self.idle.insert(seq, ino);
+                } else {
+                    evicted.extend(self.by_ino.remove(&ino));
+                }
             }
         }
-        let mut evicted = Vec::new();
         while self.idle.len() > IDLE_BACKING_LIMIT {
             let Some((_, ino)) = self.idle.pop_first() else {
                 break;
@@ -434,7 +441,11 @@ impl Filesystem for ModelFs {
         reply: ReplyEmpty,
     ) {
         self.metrics.request("release");
-        let evicted = self.backing.lock().expect("backing lock").release(fh.0);
+        let evicted = self
+            .backing
+            .lock()
+            .expect("backing lock")
+            .release(fh.0, |blob| self.core.still_serves(blob));
         drop(evicted);
         self.core.release(fh.0);
         self.metrics.open_files.dec();

@@ -124,8 +124,18 @@ pub enum MountError {
     PassthroughUnavailable,
 }
 
-/// Idle passthrough backing ids kept per mount (see [`BackingCache`]).
-const IDLE_BACKING_LIMIT: usize = 1024;
+/// Most idle passthrough backing ids kept per mount (see [`BackingCache`]); fewer when the
+/// process may open few files (a quarter of `RLIMIT_NOFILE`): each holds its blob open.
+const IDLE_BACKING_LIMIT: usize = 4096;
+
+/// The idle limit for this process: [`IDLE_BACKING_LIMIT`], or a quarter of the soft limit on
+/// open files if that is lower.
+fn idle_backing_limit() -> usize {
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    IDLE_BACKING_LIMIT.min(usize::try_from(soft / 4).unwrap_or(usize::MAX))
+}
 
 struct BackingEntry {
     id: Arc<BackingId>,
@@ -137,15 +147,15 @@ struct BackingEntry {
 
 /// Passthrough backing ids by inode. The kernel requires every open handle of one inode to use
 /// the same id, so an entry lives while handles are open; after the last handle is released it
-/// stays *idle* (at most [`IDLE_BACKING_LIMIT`], the least recently released dropped first), so
+/// stays *idle* (at most `idle_limit`, the least recently released dropped first), so
 /// the next open of the inode skips registering the blob with the kernel again (one ioctl on
 /// open and one on release). An idle entry holds its blob open, and with it the blob's store,
 /// which only the mapping may keep alive: an entry turns idle only while its blob is the one
 /// the mapping serves (else it goes with its last handle), and idle entries are dropped
 /// whenever the mapping changes (before the change's invalidations are sent, and again when a
 /// retired slot is detached).
-#[derive(Default)]
 struct BackingCache {
+    idle_limit: usize,
     by_ino: HashMap<u64, BackingEntry>,
     by_fh: HashMap<u64, u64>,
     /// Idle entries by release order: (sequence number -> inode).
@@ -154,6 +164,16 @@ struct BackingCache {
 }
 
 impl BackingCache {
+    fn new(idle_limit: usize) -> Self {
+        Self {
+            idle_limit,
+            by_ino: HashMap::new(),
+            by_fh: HashMap::new(),
+            idle: std::collections::BTreeMap::new(),
+            next_idle: 0,
+        }
+    }
+
     /// The id for a new handle `fh` of `ino`, if one is cached (open or idle).
     fn reuse(&mut self, ino: u64, fh: u64) -> Option<Arc<BackingId>> {
         let entry = self.by_ino.get_mut(&ino)?;
@@ -200,7 +220,7 @@ impl BackingCache {
                 }
             }
         }
-        while self.idle.len() > IDLE_BACKING_LIMIT {
+        while self.idle.len() > self.idle_limit {
             let Some((_, ino)) = self.idle.pop_first() else {
                 break;
             };
@@ -797,7 +817,7 @@ pub fn mount(
     mountpoint::prepare(mountpoint)?;
     let passthrough = Arc::new(AtomicBool::new(false));
     let core_for_notifier = core.clone();
-    let backing = Arc::new(Mutex::new(BackingCache::default()));
+    let backing = Arc::new(Mutex::new(BackingCache::new(idle_backing_limit())));
     let fs = ModelFs {
         core,
         metrics: metrics.clone(),

@@ -7,7 +7,9 @@
 #   open+read+close  the above plus a 4 KiB read (passthrough: the kernel reads the blob;
 #                  read-through: page cache, kept between opens).
 # For each FUSE worker count in THREADS (default "1 2 8") and each passthrough mode, on one
-# model of FILES (default 2000) files of 4 KiB. Times are per operation, median of 7 passes
+# model of FILES (default 2000) files of 4 KiB; with PLACEMENTS="any one-cpu" (the default) each
+# also with the daemon and the loop confined to one CPU (taskset -c 0): the difference is what
+# the wakeups on the other CPU cost (two per round trip). Times are per operation, median of 7 passes
 # over all files, from a Python loop (its own overhead is in the native figures too).
 # Needs root. Usage: scripts/bench-open.sh [binary]
 set -euo pipefail
@@ -15,6 +17,7 @@ cd "$(dirname "$0")/.."
 BIN=${1:-}
 FILES=${FILES:-2000}
 THREADS=${THREADS:-"1 2 8"}
+PLACEMENTS=${PLACEMENTS:-"any one-cpu"}
 if [ -z "$BIN" ]; then
     cargo build --release --quiet
     BIN=target/release/modelfs
@@ -40,8 +43,10 @@ spec:
   storage: {storageUri: "local://$WORK/src", path: bench}
 YAML
 
-loop() { # loop <dir>: one line "statfs stat open+close open+read+close" in us
-    "$PY" - "$1" <<'PY'
+loop() { # loop <dir> [taskset prefix...]: one line "statfs stat open+close open+read+close" in us
+    local dir=$1
+    shift
+    "$@" "$PY" - "$dir" <<'PY'
 import os, sys, time
 d = sys.argv[1]
 files = [os.path.join(d, f) for f in sorted(os.listdir(d))]
@@ -67,23 +72,26 @@ print(" ".join(f"{per_op(op):.2f}" for op in (statfs, stat, open_close, open_rea
 PY
 }
 
-echo "machine: $(nproc) cores, kernel $(uname -r); $FILES files of 4 KiB; per operation, us"
-read -r N_SF N_ST N_OC N_ORC <<<"$(loop "$WORK/native")"
-printf '%-28s statfs %6s  stat %6s  open+close %6s  open+read+close %6s\n' native "$N_SF" "$N_ST" "$N_OC" "$N_ORC"
-for mode in always never; do
-    for threads in $THREADS; do
-        "$BIN" serve --mount "$WORK/mnt" --state "$WORK/state" --models "$WORK/models" \
-            --listen "127.0.0.1:$PORT" --passthrough "$mode" --fuse-threads "$threads" \
-            >>"$WORK/daemon.log" 2>&1 &
-        PID=$!
-        for _ in $(seq 1 600); do
-            if curl -sf "127.0.0.1:$PORT/v1/models" | grep -q '"status": *"Ready"'; then break; fi
-            sleep 0.2
+echo "machine: $(nproc) cores, kernel $(uname -r); $FILES files of 4 KiB; per operation, us; load average $(cut -d' ' -f1-3 /proc/loadavg)"
+for placement in $PLACEMENTS; do
+    if [ "$placement" = one-cpu ]; then PIN=(taskset -c 0); else PIN=(); fi
+    read -r N_SF N_ST N_OC N_ORC <<<"$(loop "$WORK/native" "${PIN[@]}")"
+    printf '%-38s statfs %6s  stat %6s  open+close %6s  open+read+close %6s\n' "native, $placement" "$N_SF" "$N_ST" "$N_OC" "$N_ORC"
+    for mode in always never; do
+        for threads in $THREADS; do
+            "${PIN[@]}" "$BIN" serve --mount "$WORK/mnt" --state "$WORK/state" --models "$WORK/models" \
+                --listen "127.0.0.1:$PORT" --passthrough "$mode" --fuse-threads "$threads" \
+                >>"$WORK/daemon.log" 2>&1 &
+            PID=$!
+            for _ in $(seq 1 600); do
+                if curl -sf "127.0.0.1:$PORT/v1/models" | grep -q '"status": *"Ready"'; then break; fi
+                sleep 0.2
+            done
+            read -r SF ST OC ORC <<<"$(loop "$WORK/mnt/bench" "${PIN[@]}")"
+            label="$([ "$mode" = always ] && echo passthrough || echo read-through), $threads threads, $placement"
+            printf '%-38s statfs %6s  stat %6s  open+close %6s  open+read+close %6s  (%sx native)\n' \
+                "$label" "$SF" "$ST" "$OC" "$ORC" "$(awk -v a="$ORC" -v b="$N_ORC" 'BEGIN { printf "%.1f", a / b }')"
+            kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
         done
-        read -r SF ST OC ORC <<<"$(loop "$WORK/mnt/bench")"
-        label="$([ "$mode" = always ] && echo passthrough || echo read-through), $threads threads"
-        printf '%-28s statfs %6s  stat %6s  open+close %6s  open+read+close %6s  (%sx native)\n' \
-            "$label" "$SF" "$ST" "$OC" "$ORC" "$(awk -v a="$ORC" -v b="$N_ORC" 'BEGIN { printf "%.1f", a / b }')"
-        kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
     done
 done

@@ -178,6 +178,14 @@ fn deleting_a_model_whose_file_is_open_frees_its_store_after_close_without_drop_
         !store.exists()
     });
     assert!(env.stores_with_blobs().is_empty());
+    // Nor does the mount server keep a descriptor of a removed blob (a released file's
+    // passthrough registration stays only while the mapping still serves its blob).
+    let held: Vec<_> = std::fs::read_dir(format!("/proc/{}/fd", d.pid()))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target.starts_with(&store))
+        .collect();
+    assert!(held.is_empty(), "the mount server still holds {held:?}");
 
     // Those inodes, used after the store is gone: an error, never bytes.
     let opened = rustix::fs::openat(

@@ -398,20 +398,151 @@ fn tree_walks_need_no_lookup_per_file() {
     assert!(d.metric(r#"modelfs_fuse_requests_total{op="readdirplus"}"#) >= 2.0);
 }
 
-/// The daemon's counter `metric` once it includes every request made so far: the mount server
-/// reports its FUSE counters to the agent from time to time, so a `statfs` is sent as a marker
-/// and its count waited for (counters are reported as one snapshot).
-fn counters_after_marker(d: &Daemon, mount: &Path, metric: &str) -> f64 {
-    let statfs = r#"modelfs_fuse_requests_total{op="statfs"}"#;
-    let marker = d.metric(statfs);
-    sh(&format!("stat -f {} >/dev/null", mount.display()));
+/// `find -printf '%y %P\n'` of `dir`, sorted: what a walk sees, types included.
+fn walk(dir: &Path) -> Vec<String> {
+    let out = sh(&format!(
+        "find '{}' -mindepth 1 -printf '%y %P\\n' | sort",
+        dir.display()
+    ));
+    out.lines().map(str::to_string).collect()
+}
+
+/// What `walk` of the mount must show for models at `team/<name>` with these source trees.
+fn expected_walk(models: &[(&str, &Path)]) -> Vec<String> {
+    let mut want = vec!["d team".to_string()];
+    for (name, src) in models {
+        want.push(format!("d team/{name}"));
+        for (rel, (is_dir, ..)) in tree(src) {
+            let kind = if is_dir { 'd' } else { 'f' };
+            want.push(format!("{kind} team/{name}/{rel}"));
+        }
+    }
+    want.sort();
+    want
+}
+
+/// The kernel keeps every directory listing cached (the daemon answers no `OPENDIR`), so each
+/// mapping change must reach the listings it changes: after a model is re-pointed to other
+/// content at the same path, one model is removed and another added in the same directory,
+/// and after a model is only added, `find` and `ls` show exactly the new trees, without
+/// `drop_caches`. Each listing was read
+/// (and cached) before the change. Waits for the new listing with a deadline: a cache that is
+/// never invalidated never shows it.
+#[test]
+fn listings_follow_mapping_changes() {
+    let env = TestEnv::new();
+    let src_a = env.dir("src-a");
+    make_model_dir(&src_a, 1, 1000);
+    let src_b = env.dir("src-b");
+    for i in 0..30 {
+        let rel = format!("shards/part-{i:02}.bin");
+        std::fs::create_dir_all(src_b.join("shards")).unwrap();
+        std::fs::write(src_b.join(rel), bytes(i, 10 + i as usize)).unwrap();
+    }
+    std::fs::write(src_b.join("config.json"), b"{\"b\": true}").unwrap();
+    let src_c = env.dir("src-c");
+    make_model_dir(&src_c, 3, 100);
+    env.write_models(
+        "m.yaml",
+        &[
+            cluster_model("m", &uri(&src_a), "AlwaysDownload", Some("team/m")),
+            cluster_model("gone", &uri(&src_c), "AlwaysDownload", Some("team/gone")),
+        ]
+        .join("---\n"),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    d.wait_model("clusterbasemodel.gone", "Ready");
+    let before = expected_walk(&[("gone", &src_c), ("m", &src_a)]);
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while d.metric(statfs) <= marker {
+    while walk(&env.mount) != before {
         assert!(
             std::time::Instant::now() < deadline,
-            "the statfs marker never reached the metrics"
+            "{:?}",
+            walk(&env.mount)
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    d.metric(metric)
+    // Cached now: a second walk sends no listing request for the model directories.
+    let listings = r#"modelfs_fuse_requests_total{op="readdirplus"}"#;
+    let first = counters_after_marker(&d, &env.mount, listings);
+    assert_eq!(walk(&env.mount), before);
+    assert_eq!(counters_after_marker(&d, &env.mount, listings), first);
+
+    env.write_models(
+        "m.yaml",
+        &[
+            cluster_model("m", &uri(&src_b), "AlwaysDownload", Some("team/m")),
+            cluster_model("new", &uri(&src_c), "AlwaysDownload", Some("team/new")),
+        ]
+        .join("---\n"),
+    );
+    d.wait_gone("clusterbasemodel.gone");
+    d.wait_model("clusterbasemodel.new", "Ready");
+    let after = expected_walk(&[("m", &src_b), ("new", &src_c)]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while walk(&env.mount) != after {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the mount still lists {:?}\nwant {:?}",
+            walk(&env.mount),
+            after
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ls = |rel: &str| sh(&format!("ls -A '{}'", env.mount.join(rel).display()));
+    assert_eq!(ls("team"), "m\nnew\n");
+    assert_eq!(ls("team/m"), "config.json\nshards\n");
+    assert_eq!(ls("team/m/shards").lines().count(), 30);
+    assert_eq!(
+        std::fs::read(env.mount.join("team/m/config.json")).unwrap(),
+        b"{\"b\": true}"
+    );
+
+    // A model only added: no entry of the cached `team` listing changes or goes, so only the
+    // directory's own invalidation can make the new one appear.
+    env.write_models(
+        "z.yaml",
+        &cluster_model("z", &uri(&src_a), "AlwaysDownload", Some("team/z")),
+    );
+    d.wait_model("clusterbasemodel.z", "Ready");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while ls("team") != "m\nnew\nz\n" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "team still lists {:?}",
+            ls("team")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let all = expected_walk(&[("m", &src_b), ("new", &src_c), ("z", &src_a)]);
+    assert_eq!(walk(&env.mount), all);
+}
+
+/// A file opened again after its last close reuses the passthrough registration of its inode
+/// (no second `FUSE_DEV_IOC_BACKING_OPEN`), and reads the same bytes.
+#[test]
+fn reopening_a_file_reuses_its_passthrough_registration() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 4, 100_000);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
+    );
+    let d = Daemon::start(&env, &["--passthrough", "always"]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    let rel = "weights/model-00001-of-00002.safetensors";
+    let want = std::fs::read(src.join(rel)).unwrap();
+    let reuses = "modelfs_passthrough_backing_reuses_total";
+    let before = counters_after_marker(&d, &env.mount, reuses);
+    for _ in 0..3 {
+        assert!(std::fs::read(env.mount.join("m").join(rel)).unwrap() == want);
+    }
+    let reused = counters_after_marker(&d, &env.mount, reuses) - before;
+    assert!(
+        reused >= 2.0,
+        "{reused} reuses for 3 opens: {}",
+        d.metrics()
+    );
 }

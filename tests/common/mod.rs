@@ -510,3 +510,21 @@ pub fn terminate(pid: u32) {
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
     }
 }
+
+/// The daemon's counter `metric` once it includes every request made so far: the mount server
+/// reports its FUSE counters to the agent from time to time, so a `statfs` is sent as a marker
+/// and its count waited for (counters are reported as one snapshot).
+pub fn counters_after_marker(d: &Daemon, mount: &Path, metric: &str) -> f64 {
+    let statfs = r#"modelfs_fuse_requests_total{op="statfs"}"#;
+    let marker = d.metric(statfs);
+    sh(&format!("stat -f {} >/dev/null", mount.display()));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while d.metric(statfs) <= marker {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the statfs marker never reached the metrics"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    d.metric(metric)
+}

@@ -388,6 +388,7 @@ mod tests {
             "modelfs_passthrough_opens_total 0",
             "modelfs_read_through_opens_total 0",
             "modelfs_passthrough_fallbacks_total 0",
+            "modelfs_passthrough_backing_reuses_total 0",
             "modelfs_kernel_invalidations_total 0",
             "modelfs_mapping_changes_total 0",
             "modelfs_fetched_bytes_total{scheme=\"Local\"} 5",

@@ -20,6 +20,7 @@ use prometheus_client::registry::Registry;
 pub const FUSE_OPS: &[&str] = &[
     "create",
     "fallocate",
+    "flush",
     "getattr",
     "getxattr",
     "link",
@@ -33,6 +34,7 @@ pub const FUSE_OPS: &[&str] = &[
     "readdir",
     "readdirplus",
     "release",
+    "releasedir",
     "removexattr",
     "rename",
     "rmdir",
@@ -58,6 +60,8 @@ pub struct FuseMetrics {
     pub passthrough_opens: Counter,
     pub read_through_opens: Counter,
     pub passthrough_fallbacks: Counter,
+    /// Passthrough opens that reused the inode's registered backing id (no registration ioctl).
+    pub backing_reuses: Counter,
     pub kernel_invalidations: Counter,
     pub open_files: Gauge,
 }
@@ -100,6 +104,11 @@ impl FuseMetrics {
             self.passthrough_fallbacks.clone(),
         );
         registry.register(
+            "passthrough_backing_reuses",
+            "Passthrough opens that reused the inode's registered backing file",
+            self.backing_reuses.clone(),
+        );
+        registry.register(
             "kernel_invalidations",
             "Kernel entry/inode invalidations sent after mapping changes",
             self.kernel_invalidations.clone(),
@@ -133,6 +142,7 @@ impl FuseMetrics {
             "passthrough_fallbacks".into(),
             self.passthrough_fallbacks.get(),
         );
+        out.insert("backing_reuses".into(), self.backing_reuses.get());
         out.insert(
             "kernel_invalidations".into(),
             self.kernel_invalidations.get(),
@@ -173,6 +183,9 @@ impl FuseMetrics {
                 }
                 ("passthrough_fallbacks", None) => {
                     self.passthrough_fallbacks.inc_by(delta);
+                }
+                ("backing_reuses", None) => {
+                    self.backing_reuses.inc_by(delta);
                 }
                 ("kernel_invalidations", None) => {
                     self.kernel_invalidations.inc_by(delta);

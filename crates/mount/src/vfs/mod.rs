@@ -301,6 +301,10 @@ struct SynthDir {
     by_ino: BTreeMap<u64, (String, Kind)>,
     by_name: HashMap<String, u64>,
     subdirs: u32,
+    /// Moves whenever the listing changes (see [`stamp_synth_mtimes`]): the kernel keeps
+    /// directory listings cached (the FUSE adapter answers no `OPENDIR`) and drops a cached
+    /// listing at the next `opendir` whose directory shows another mtime than when it was cached.
+    mtime: SystemTime,
 }
 
 #[derive(Debug)]
@@ -483,6 +487,29 @@ impl FsCore {
             }
         }
         out
+    }
+
+    /// Whether an open of `blob.ino` now would open this same blob: the inode's model is in the
+    /// mapping and served from the blob's store. The FUSE adapter keeps a released file's
+    /// passthrough registration (and with it the blob's descriptor) only while this holds, so a
+    /// model that left the mapping, or moved to another store, while its file was open does
+    /// not keep the old blob on disk once the file is closed.
+    pub fn still_serves(&self, blob: &OpenBlob) -> bool {
+        let Some(store) = &blob.store else {
+            return false;
+        };
+        let (slot_id, _) = split_ino(blob.ino);
+        let mapping = self.mapping.load();
+        mapping
+            .models
+            .get(&slot_id)
+            .is_some_and(|m| m.store.id == store.id)
+    }
+
+    /// Something outside the core (the FUSE adapter's idle passthrough cache) stopped holding
+    /// an [`OpenBlob`]: its store may have lost its last user.
+    pub fn note_use_ended(&self) {
+        self.usage_epoch.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Changes whenever a use of a store or blob may have ended (see `usage_epoch`).
@@ -684,6 +711,7 @@ impl FsCore {
         self.place_inline_files(&mut reg, &mut new, &planned, files);
         drop(reg);
 
+        stamp_synth_mtimes(&old, &mut new, SystemTime::now());
         let mut invalidations = deletes;
         invalidations.extend(diff(&old, &new));
         invalidations.extend(detaches);
@@ -831,7 +859,7 @@ impl FsCore {
             size: 0,
             perm: 0o555,
             nlink: 2 + dir.subdirs,
-            mtime: self.started,
+            mtime: dir.mtime.max(self.started),
             immutable: false,
         }
     }
@@ -1252,6 +1280,7 @@ impl SynthDir {
             by_ino: BTreeMap::new(),
             by_name: HashMap::new(),
             subdirs: 0,
+            mtime: UNIX_EPOCH,
         }
     }
 
@@ -1322,6 +1351,22 @@ fn delete_tree(slot: &Slot, parent: u64, root_name: &str) -> Vec<Invalidation> {
         name: root_name.to_string(),
     });
     out
+}
+
+/// Gives each synthesized directory of `new` the mtime it had in `old` if its listing is the
+/// same, else `now`, and always a later one than before for a changed listing (two changes
+/// within the clock's resolution still differ). The kernel compares a directory's mtime with the
+/// one its cached listing was taken at: a listing cached from a reply that raced a change (read
+/// before the swap, parsed after the invalidation) is dropped once the directory's attributes
+/// are refreshed, which the invalidation forces.
+fn stamp_synth_mtimes(old: &Mapping, new: &mut Mapping, now: SystemTime) {
+    for (ino, dir) in &mut new.synth {
+        dir.mtime = match old.synth.get(ino) {
+            Some(before) if before.by_ino == dir.by_ino => before.mtime,
+            Some(before) => now.max(before.mtime + Duration::from_nanos(1)),
+            None => now,
+        };
+    }
 }
 
 /// What the kernel must forget when `old` becomes `new`: entries whose target changed or went

@@ -259,6 +259,47 @@ fn synthesized_directory_listing_is_stable_while_models_come_and_go() {
     assert!(!rest.contains(&"a".to_string()), "{rest:?}");
 }
 
+/// The kernel keeps synthesized listings cached and drops one when the directory's mtime
+/// differs from when it was cached: the mtime moves exactly when the listing changes (also
+/// twice within the clock's resolution), and an unchanged listing keeps it, and every changed
+/// directory is invalidated.
+#[test]
+fn synthesized_mtime_moves_with_the_listing_only() {
+    let f = fixture();
+    let a = artifact(&f.store_a.store, &[("x", b"1")]);
+    let models = |paths: &[&str]| -> Vec<MountEntry> {
+        paths.iter().map(|p| entry(p, &a, &f.store_a)).collect()
+    };
+    let mtime = |path: &str| resolve(&f.core, path).unwrap().mtime;
+    f.core.apply(&models(&["ns/a", "other/a"])).unwrap();
+    let (root, ns, other) = (mtime(""), mtime("ns"), mtime("other"));
+
+    // Same mapping again: nothing moves, nothing is invalidated.
+    let inv = f.core.apply(&models(&["ns/a", "other/a"])).unwrap();
+    assert_eq!((mtime(""), mtime("ns"), mtime("other")), (root, ns, other));
+    assert!(
+        !inv.iter().any(|i| matches!(i, Invalidation::Inode { .. })),
+        "{inv:?}"
+    );
+
+    // A model joins `ns`: only `ns` moves, and is invalidated.
+    let inv = f.core.apply(&models(&["ns/a", "ns/b", "other/a"])).unwrap();
+    let ns_ino = resolve(&f.core, "ns").unwrap().ino;
+    assert!(mtime("ns") > ns, "{:?} !> {ns:?}", mtime("ns"));
+    assert_eq!((mtime(""), mtime("other")), (root, other));
+    assert!(
+        inv.contains(&Invalidation::Inode { ino: ns_ino }),
+        "{inv:?}"
+    );
+
+    // Two changes in a row (well within any clock's resolution) still differ.
+    let before = mtime("ns");
+    f.core.apply(&models(&["ns/a", "other/a"])).unwrap();
+    let between = mtime("ns");
+    f.core.apply(&models(&["ns/a", "ns/c", "other/a"])).unwrap();
+    assert!(before < between && between < mtime("ns"));
+}
+
 #[test]
 fn repoint_to_another_store_keeps_inodes_and_open_files() {
     let f = fixture();

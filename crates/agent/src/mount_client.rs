@@ -163,7 +163,7 @@ struct Shared {
     /// The server instance and FUSE counters it reported last.
     stats: Mutex<(u64, BTreeMap<String, u64>)>,
     /// Where refused entries are reported (the reconciler: the models become `Failed`).
-    refusal_listener: Mutex<Option<super::RefusalListener>>,
+    refusal_listener: Mutex<Option<modelfs_mount::RefusalListener>>,
 }
 
 /// The agent's mount sink (module docs).
@@ -199,7 +199,7 @@ impl MountSink for RemoteMount {
         }
     }
 
-    fn on_refused(&self, listener: super::RefusalListener) {
+    fn on_refused(&self, listener: modelfs_mount::RefusalListener) {
         *self.shared.refusal_listener.lock().expect("listener") = Some(listener);
     }
 }

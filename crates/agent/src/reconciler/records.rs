@@ -558,9 +558,9 @@ mod index_proptests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::proptest_support::config;
     use modelfs_core::artifact::Sha256Digest;
     use modelfs_ome::ModelKind;
+    use modelfs_proptest_support::config;
 
     #[derive(Clone, Debug)]
     enum Op {

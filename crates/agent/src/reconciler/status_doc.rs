@@ -8,9 +8,7 @@ use std::time::SystemTime;
 
 use super::records::ModelPhase;
 use super::{Reconciler, Stage};
-use modelfs_core::store::StoreId;
 use modelfs_ome::status::{rfc3339, ModelStatus, ProgressStatus, StatusDoc};
-use modelfs_ome::ModelKey;
 
 impl Reconciler {
     fn abs_path(&self, rel: &str) -> String {

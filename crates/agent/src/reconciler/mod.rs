@@ -1099,24 +1099,43 @@ impl Reconciler {
                 }
             };
         tracing::info!(model = %key, source = %spec.source, "resolving again (periodic)");
+        let cancel = self.begin_resolving(key, &fp, spec, &source, true);
+        self.spawn_resolve(key, fp, source, &cancel);
+    }
+
+    /// Makes resolving `spec` the model's work (replacing any work it had); returns the work's
+    /// cancellation. `refresh`: a periodic re-resolve of a Ready model.
+    fn begin_resolving(
+        &mut self,
+        key: &ModelKey,
+        fp: &str,
+        spec: &ModelSpec,
+        source: &Source,
+        refresh: bool,
+    ) -> WorkCancel {
         let cancel = WorkCancel::default();
         let work = Work {
-            fingerprint: fp.clone(),
+            fingerprint: fp.to_string(),
             spec: spec.clone(),
             source: source.clone(),
             stage: Stage::Resolving,
             cancel: cancel.clone(),
-            refresh: true,
+            refresh,
         };
         self.remove_work(key);
         self.in_flight_index.add(key, &work);
         self.works.insert(key.clone(), work);
+        cancel
+    }
+
+    /// Resolves `source` under `cancel`; the result comes back as [`Event::Resolved`].
+    fn spawn_resolve(&self, key: &ModelKey, fp: String, source: Source, cancel: &WorkCancel) {
         let tx = self.sender();
-        let key2 = key.clone();
+        let key = key.clone();
         let flag = cancel.flag.clone();
         cancel.spawn(async move { source.resolve(flag).await }, move |result| {
             let _ = tx.send(Event::Resolved {
-                key: key2,
+                key,
                 fingerprint: fp,
                 result,
             });
@@ -1297,7 +1316,6 @@ impl Reconciler {
                 }
             };
         self.records.model_mut(key).expect("record").phase = ModelPhase::Updating;
-        let cancel = WorkCancel::default();
         let rec = &self.records.models()[key];
         // Same source (and parameters) as the served artifact: only policy, path or label
         // changed. No resolve.
@@ -1310,31 +1328,12 @@ impl Reconciler {
             }
             _ => None,
         };
-        let work = Work {
-            fingerprint: fp.clone(),
-            spec: spec.clone(),
-            source: source.clone(),
-            stage: Stage::Resolving,
-            cancel: cancel.clone(),
-            refresh: false,
-        };
-        self.remove_work(key);
-        self.in_flight_index.add(key, &work);
-        self.works.insert(key.clone(), work);
+        let cancel = self.begin_resolving(key, &fp, spec, &source, false);
         if let Some(stored) = known {
             self.decide(key, stored.manifest.clone());
             return true;
         }
-        let tx = self.sender();
-        let key2 = key.clone();
-        let flag = cancel.flag.clone();
-        cancel.spawn(async move { source.resolve(flag).await }, move |result| {
-            let _ = tx.send(Event::Resolved {
-                key: key2,
-                fingerprint: fp,
-                result,
-            });
-        });
+        self.spawn_resolve(key, fp, source, &cancel);
         true
     }
 

@@ -40,8 +40,8 @@ use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use reqwest::{Method, StatusCode};
 use serde::Deserialize;
 
-use super::oci::network;
-use super::pipeline::{self, BodyStream, ListedObject, RangeBody, TransferError, Transfers};
+use super::pipeline::{self, ListedObject, RangeBody, TransferError, Transfers};
+use super::ranged::{self, network};
 use super::ThrottleObserver;
 
 /// The public endpoint of the JSON API.
@@ -323,57 +323,13 @@ impl GcsJsonApi {
         at: u64,
         end: Option<u64>,
     ) -> Result<RangeBody, TransferError> {
-        let range = match end {
-            Some(end) => format!("bytes={at}-{}", end - 1),
-            None => format!("bytes={at}-"),
-        };
+        let range = ranged::range_header(at, end);
         let query = [("alt", "media"), ("ifGenerationMatch", generation)];
         let resp = self
             .send(what, &self.object_url(key), &query, Some(range))
             .await?;
-        match resp.status() {
-            StatusCode::PARTIAL_CONTENT => {
-                let start = resp
-                    .headers()
-                    .get(reqwest::header::CONTENT_RANGE)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.trim().strip_prefix("bytes "))
-                    .and_then(|v| v.split('-').next())
-                    .and_then(|v| v.trim().parse::<u64>().ok());
-                if start != Some(at) {
-                    return Err(TransferError::Protocol {
-                        what: what.into(),
-                        detail: format!(
-                            "asked for bytes from {at}, got Content-Range starting at {start:?}"
-                        ),
-                    });
-                }
-                Ok(RangeBody::Part(body_stream(what, resp)))
-            }
-            StatusCode::OK => Ok(RangeBody::WholeFile(body_stream(what, resp))),
-            other => Err(TransferError::Protocol {
-                what: what.into(),
-                detail: format!("unexpected status {other} for an object download"),
-            }),
-        }
+        ranged::range_answer(what, "an object", at, resp)
     }
-}
-
-fn body_stream(what: &str, resp: reqwest::Response) -> BodyStream {
-    use futures_util::StreamExt;
-    let what = what.to_string();
-    futures_util::stream::unfold(Some(resp), move |resp| {
-        let what = what.clone();
-        async move {
-            let mut resp = resp?;
-            match resp.chunk().await {
-                Ok(Some(bytes)) => Some((Ok(bytes), Some(resp))),
-                Ok(None) => None,
-                Err(e) => Some((Err(network(&what, e)), None)),
-            }
-        }
-    })
-    .boxed()
 }
 
 #[cfg(test)]

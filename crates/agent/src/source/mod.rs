@@ -14,6 +14,7 @@ pub mod objstore;
 pub mod oci;
 pub mod pipeline;
 pub mod proxy;
+pub mod ranged;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

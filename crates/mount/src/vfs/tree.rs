@@ -236,23 +236,8 @@ mod tests {
 
     #[test]
     fn breadth_first_name_ordered_indices() {
-        let files = ["b/z", "a", "b/y/x", "c"];
-        let entries = files
-            .iter()
-            .map(|p| ManifestEntry {
-                path: p.to_string(),
-                size: p.len() as u64,
-                digest: FileDigest::Sha256(Sha256Digest::of(p.as_bytes()).0),
-            })
-            .collect();
-        let manifest = Manifest::new("r".into(), entries).unwrap();
-        let blobs = manifest
-            .entries()
-            .iter()
-            .map(|e| Sha256Digest::of(e.path.as_bytes()))
-            .collect();
-        let tree =
-            ModelTree::from_artifact(&Arc::new(StoredArtifact::new(manifest, blobs, 0).unwrap()));
+        let files = ["b/z", "a", "b/y/x", "c"].map(String::from);
+        let tree = ModelTree::from_artifact(&artifact_of(&files));
         let names: Vec<&str> = (0..tree.len() as u32)
             .map(|i| tree.node(i).unwrap().name)
             .collect();
@@ -265,6 +250,7 @@ mod tests {
         assert_eq!(tree.total_size(), 1 + 3 + 5 + 1);
     }
 
+    /// An artifact of these paths, each file's content its own path.
     fn artifact_of(paths: &[String]) -> Arc<StoredArtifact> {
         let entries = paths
             .iter()

@@ -24,6 +24,7 @@ use serde::de::DeserializeOwned;
 use super::HfConfig;
 pub(crate) use crate::source::pipeline::parse_retry_after;
 use crate::source::pipeline::{TransferError, Transfers};
+use crate::source::ranged::network;
 use crate::source::Token;
 
 /// Largest JSON answer accepted (one page of a tree listing is far smaller).
@@ -295,21 +296,6 @@ impl HubClient {
                 detail: format!("pagination link leaves the endpoint: {url:?}"),
             })
         }
-    }
-}
-
-pub(crate) fn network(what: &str, e: reqwest::Error) -> TransferError {
-    // reqwest's Display names the URL (never headers); the source chain has the cause.
-    let mut detail = e.to_string();
-    let mut src = std::error::Error::source(&e);
-    while let Some(s) = src {
-        detail.push_str(": ");
-        detail.push_str(&s.to_string());
-        src = s.source();
-    }
-    TransferError::Network {
-        what: what.into(),
-        detail,
     }
 }
 

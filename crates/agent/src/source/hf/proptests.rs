@@ -8,8 +8,8 @@ use proptest::prelude::*;
 use reqwest::header::{HeaderMap, HeaderValue, LINK};
 
 use super::client::{next_link, parse_retry_after};
-use super::download::parse_content_range_start;
 use super::*;
+use crate::source::ranged::parse_content_range_start;
 use modelfs_proptest_support::{apply, bounded, config, mutations, CASE_LIMIT};
 
 const REVISION: &str =

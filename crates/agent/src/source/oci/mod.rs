@@ -30,7 +30,6 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use base64::Engine as _;
-use futures_util::StreamExt;
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use reqwest::{Method, StatusCode};
 use serde::Deserialize;
@@ -38,9 +37,9 @@ use serde::Deserialize;
 use self::auth::{AgentOciEnv, AuthMode, Credentials};
 use self::sign::RequestToSign;
 use super::hf::{DownloadTuning, HubClient};
-use super::pipeline::{
-    self, BodyStream, ListedObject, RangeBody, RangeSource, TransferError, Transfers,
-};
+use super::pipeline::{self, ListedObject, RangeBody, RangeSource, TransferError, Transfers};
+use super::ranged;
+pub(crate) use super::ranged::network;
 use super::{FetchContext, SourceError, Token};
 use crate::metrics::SourceScheme;
 use modelfs_core::artifact::{Manifest, ManifestEntry, Sha256Digest};
@@ -558,69 +557,11 @@ impl RangeSource for OciObjects<'_> {
         end: Option<u64>,
     ) -> Result<RangeBody, TransferError> {
         let path = self.src.object_path(&self.src.full_name(&entry.path));
-        let range = match end {
-            Some(end) => format!("bytes={at}-{}", end - 1),
-            None => format!("bytes={at}-"),
-        };
+        let range = ranged::range_header(at, end);
         let resp = self
             .src
             .send(&self.session, what, Method::GET, &path, Some(range))
             .await?;
-        match resp.status() {
-            StatusCode::PARTIAL_CONTENT => {
-                let start = resp
-                    .headers()
-                    .get(reqwest::header::CONTENT_RANGE)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.trim().strip_prefix("bytes "))
-                    .and_then(|v| v.split('-').next())
-                    .and_then(|v| v.trim().parse::<u64>().ok());
-                if start != Some(at) {
-                    return Err(TransferError::Protocol {
-                        what: what.into(),
-                        detail: format!(
-                            "asked for bytes from {at}, got Content-Range starting at {start:?}"
-                        ),
-                    });
-                }
-                Ok(RangeBody::Part(body_stream(what, resp)))
-            }
-            StatusCode::OK => Ok(RangeBody::WholeFile(body_stream(what, resp))),
-            other => Err(TransferError::Protocol {
-                what: what.into(),
-                detail: format!("unexpected status {other} for an object download"),
-            }),
-        }
-    }
-}
-
-/// The body of `resp` as a stream that ends at its first error.
-fn body_stream(what: &str, resp: reqwest::Response) -> BodyStream {
-    let what = what.to_string();
-    futures_util::stream::unfold(Some(resp), move |resp| {
-        let what = what.clone();
-        async move {
-            let mut resp = resp?;
-            match resp.chunk().await {
-                Ok(Some(bytes)) => Some((Ok(bytes), Some(resp))),
-                Ok(None) => None,
-                Err(e) => Some((Err(network(&what, e)), None)),
-            }
-        }
-    })
-    .boxed()
-}
-
-pub(crate) fn network(what: &str, e: reqwest::Error) -> TransferError {
-    let mut detail = e.to_string();
-    let mut src = std::error::Error::source(&e);
-    while let Some(s) = src {
-        detail.push_str(": ");
-        detail.push_str(&s.to_string());
-        src = s.source();
-    }
-    TransferError::Network {
-        what: what.into(),
-        detail,
+        ranged::range_answer(what, "an object", at, resp)
     }
 }

@@ -31,6 +31,18 @@
 //! `{"token": ...}` and from then on accepts `ST$<token>` signatures by the session key the
 //! request named.
 //!
+//! And for OKE workload identity ([`OciDev::set_oke_service_account_token`]) it stands in for
+//! the cluster's **proxymux** (`POST /resourcePrincipalSessionTokens`, which the SDKs send to
+//! `https://$KUBERNETES_SERVICE_HOST:12250`; [`OciDev::serve_tls`] serves it, and everything
+//! else, over TLS with a certificate the test makes). `Authorization: Bearer <service account
+//! token>` must be exactly the token it was given (else `401 NotAuthenticated`), the body must
+//! be JSON (`Content-Type: application/json`) whose `podKey` is the base64 DER
+//! SubjectPublicKeyInfo of an RSA key (at least 2048 bits). The answer is the base64 of
+//! `{"token": "ST$<token>"}`, the token a JWT (the SDKs decode its `iat` and `exp`; its
+//! signature is a stand-in, nothing verifies it), and from then on `ST$<token>` signatures by
+//! that pod key are accepted, checked like every other signature. The counters report the
+//! exchanges and how many distinct pod keys they carried.
+//!
 //! Faults ([`crate::hf::Fault`], the hub look-alike's rules): target `file` applies to
 //! object GETs, `api` to listings and HEADs; kinds `status` (with `Retry-After`), `truncate`,
 //! `corrupt`, `slow`, `stall_headers`. A [`DevObject`] can also lie about its MD5. Counters
@@ -135,6 +147,9 @@ pub struct OciStats {
     /// Instance metadata requests, and session tokens issued by the federation endpoint.
     pub metadata_requests: u64,
     pub federations: u64,
+    /// Session tokens issued by the proxymux look-alike, and the distinct pod keys they bound.
+    pub oke_exchanges: u64,
+    pub oke_pod_keys: u64,
 }
 
 #[derive(Default)]
@@ -149,6 +164,13 @@ struct Counters {
     request_ids: AtomicU64,
     metadata_requests: AtomicU64,
     federations: AtomicU64,
+    oke_exchanges: AtomicU64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PodKeyRequest {
+    pod_key: String,
 }
 
 #[derive(Clone, Debug)]
@@ -179,6 +201,10 @@ pub struct OciDev {
     faults: FaultRules,
     counters: Counters,
     instance: Mutex<Option<InstanceIdentity>>,
+    /// The service account token the proxymux look-alike accepts.
+    oke_token: Mutex<Option<String>>,
+    /// SHA-256 of every pod key a token was issued for.
+    oke_pod_keys: Mutex<std::collections::HashSet<[u8; 32]>>,
 }
 
 /// What the metadata look-alike serves to an instance principal.
@@ -193,12 +219,48 @@ pub struct InstanceIdentity {
 pub struct RunningOciDev {
     pub server: Arc<OciDev>,
     pub addr: SocketAddr,
+    tls: bool,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl RunningOciDev {
+    /// `http://addr`, or `https://addr` for [`OciDev::serve_tls`].
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+}
+
+/// A TLS listener for `axum::serve`: accepts TCP connections and completes the handshake
+/// (bounded) before handing a stream over; a failed handshake is dropped.
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let (stream, addr) = match self.tcp.accept().await {
+                Ok(c) => c,
+                Err(_) => {
+                    // Out of descriptors and the like: the next accept may work.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let handshake = self.acceptor.accept(stream);
+            if let Ok(Ok(tls)) = tokio::time::timeout(Duration::from_secs(10), handshake).await {
+                return (tls, addr);
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.tcp.local_addr()
     }
 }
 
@@ -217,12 +279,19 @@ impl OciDev {
             faults: FaultRules::default(),
             counters: Counters::default(),
             instance: Mutex::default(),
+            oke_token: Mutex::default(),
+            oke_pod_keys: Mutex::default(),
         })
     }
 
     /// Serves `identity` from the metadata look-alike and federates its certificate.
     pub fn set_instance_identity(&self, identity: InstanceIdentity) {
         *self.instance.lock().unwrap() = Some(identity);
+    }
+
+    /// Accepts `token` as the pod's service account token at the proxymux look-alike.
+    pub fn set_oke_service_account_token(&self, token: &str) {
+        *self.oke_token.lock().unwrap() = Some(token.to_string());
     }
 
     pub fn create_bucket(&self, namespace: &str, bucket: &str) {
@@ -302,28 +371,81 @@ impl OciDev {
             faults_applied: self.faults.applied(),
             metadata_requests: l(&c.metadata_requests),
             federations: l(&c.federations),
+            oke_exchanges: l(&c.oke_exchanges),
+            oke_pod_keys: self.oke_pod_keys.lock().unwrap().len() as u64,
         }
     }
 
     pub async fn serve(self: &Arc<Self>, addr: SocketAddr) -> std::io::Result<RunningOciDev> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
-        let app = Router::new()
-            .route(
-                "/_oci/faults",
-                axum::routing::post(post_faults).delete(delete_faults),
-            )
-            .route("/_oci/stats", axum::routing::get(get_stats))
-            .fallback(handle)
-            .with_state(self.clone());
+        let app = self.router();
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
         Ok(RunningOciDev {
             server: self.clone(),
             addr,
+            tls: false,
             task,
         })
+    }
+
+    /// Serves the same API over TLS on `listener` (already bound, so a test can put the
+    /// address in the certificate first), with the PEM certificate chain (leaf first) and its
+    /// PEM private key.
+    pub async fn serve_tls(
+        self: &Arc<Self>,
+        listener: std::net::TcpListener,
+        cert_chain_pem: &str,
+        key_pem: &str,
+    ) -> std::io::Result<RunningOciDev> {
+        use rustls::pki_types::pem::PemObject as _;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let bad = |what: &str, e: &dyn std::fmt::Display| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {e}"))
+        };
+        let certs = CertificateDer::pem_slice_iter(cert_chain_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bad("certificate chain", &e))?;
+        let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|e| bad("key", &e))?;
+        let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad("TLS versions", &e))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| bad("certificate", &e))?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        listener.set_nonblocking(true)?;
+        let tcp = tokio::net::TcpListener::from_std(listener)?;
+        let addr = tcp.local_addr()?;
+        let listener = TlsListener {
+            tcp,
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+        };
+        let app = self.router();
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(RunningOciDev {
+            server: self.clone(),
+            addr,
+            tls: true,
+            task,
+        })
+    }
+
+    fn router(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route(
+                "/_oci/faults",
+                axum::routing::post(post_faults).delete(delete_faults),
+            )
+            .route("/_oci/stats", axum::routing::get(get_stats))
+            .fallback(handle)
+            .with_state(self.clone())
     }
 
     fn request_id(&self) -> String {
@@ -484,6 +606,9 @@ async fn handle(
     if uri.path() == "/v1/x509" && method == Method::POST {
         return federate(&server, &method, &uri, &headers, &body);
     }
+    if uri.path() == "/resourcePrincipalSessionTokens" && method == Method::POST {
+        return oke_exchange(&server, &headers, &body);
+    }
     if let Err(reason) = server.authenticate(&method, &uri, &headers) {
         server
             .counters
@@ -571,6 +696,81 @@ struct FederationRequest {
     intermediate_certificates: Vec<String>,
     #[serde(default)]
     purpose: Option<String>,
+}
+
+/// The proxymux's token exchange of OKE workload identity (see the module docs).
+fn oke_exchange(server: &OciDev, headers: &HeaderMap, body: &[u8]) -> Response {
+    let expected = server.oke_token.lock().unwrap().clone();
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if expected.is_none() || bearer != expected.as_deref() {
+        server
+            .counters
+            .refused_signatures
+            .fetch_add(1, Ordering::Relaxed);
+        return error(
+            server,
+            StatusCode::UNAUTHORIZED,
+            "NotAuthenticated",
+            "The service account token was not accepted.",
+        );
+    }
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.to_ascii_lowercase().starts_with("application/json"));
+    let session_key = serde_json::from_slice::<PodKeyRequest>(body)
+        .ok()
+        .filter(|_| json)
+        .and_then(|r| B64.decode(r.pod_key).ok())
+        .and_then(|der| sign::rsa_public_key_from_spki(&der).ok())
+        // Usable for rsa-sha256 signatures (2048 bits and more), as the service requires.
+        .filter(|key| sign::rsa_modulus_bits(key).is_some_and(|bits| bits >= 2048));
+    let Some(session_key) = session_key else {
+        return error(
+            server,
+            StatusCode::BAD_REQUEST,
+            "InvalidParameter",
+            "a JSON body with podKey, the base64 DER SubjectPublicKeyInfo of an RSA key of at \
+             least 2048 bits, is required",
+        );
+    };
+    let n = server
+        .counters
+        .oke_exchanges
+        .fetch_add(1, Ordering::Relaxed);
+    let key_digest: [u8; 32] = sha2::Sha256::digest(&session_key).into();
+    server.oke_pod_keys.lock().unwrap().insert(key_digest);
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let b64url = |v: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v);
+    let jwt_header = serde_json::json!({"alg": "RS256", "typ": "JWT", "kid": "devhub"});
+    let claims = serde_json::json!({
+        "sub": "ocid1.workload.oc1..devworkload",
+        "res_type": "workload",
+        "jti": format!("devrpst{n}.{}", hex::encode(&key_digest[..8])),
+        "iat": now,
+        "exp": now + 3600,
+    });
+    let unsigned = format!(
+        "{}.{}",
+        b64url(jwt_header.to_string().as_bytes()),
+        b64url(claims.to_string().as_bytes())
+    );
+    let stand_in = sha2::Sha256::digest(unsigned.as_bytes());
+    let token = format!("{unsigned}.{}", b64url(&stand_in));
+    server.add_key(&format!("ST${token}"), session_key);
+    let answer = serde_json::json!({ "token": format!("ST${token}") }).to_string();
+    let mut resp = B64.encode(answer).into_response();
+    resp.headers_mut().insert(
+        "opc-request-id",
+        HeaderValue::from_str(&server.request_id()).expect("ASCII"),
+    );
+    resp
 }
 
 fn federate(

@@ -1184,6 +1184,173 @@ mod tests {
         assert!(parse_range("items=0-1", 100).is_err());
     }
 
+    use modelfs_agent::source::oci::auth::{self, AgentOciEnv, AuthMode};
+    use modelfs_agent::source::oci::sign::{RequestToSign, SigningKey};
+
+    fn exchange(server: &OciDev, bearer: &str, pod_key_spki: &[u8]) -> Response {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {bearer}")).unwrap(),
+        );
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let body = serde_json::json!({"podKey": B64.encode(pod_key_spki)});
+        oke_exchange(server, &headers, body.to_string().as_bytes())
+    }
+
+    /// A signed GET of the listing, as a client sends it.
+    fn listing_request(key: &SigningKey) -> (Method, Uri, HeaderMap) {
+        let path = "/n/ns/b/models/o?prefix=m%2F";
+        let mut headers = HeaderMap::new();
+        for (name, value) in key.sign(&RequestToSign {
+            method: "GET",
+            path_and_query: path,
+            host: "127.0.0.1:1",
+            date: &sign::http_date_now(),
+            body: None,
+        }) {
+            headers.insert(name, HeaderValue::from_str(&value).unwrap());
+        }
+        headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:1"));
+        (Method::GET, path.parse().unwrap(), headers)
+    }
+
+    async fn body_text(resp: Response) -> String {
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn proxymux_issues_a_jwt_bound_to_the_pod_key_and_refuses_other_tokens() {
+        let server = OciDev::new(OciDevConfig::default());
+        server.set_oke_service_account_token("sa.token.good");
+        let pod = SigningKey::generate("").unwrap();
+        let other = SigningKey::generate("").unwrap();
+
+        let resp = exchange(&server, "sa.token.bad", &pod.public_key_spki());
+        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+        assert!(body_text(resp).await.contains("NotAuthenticated"));
+        assert_eq!(server.stats().oke_exchanges, 0);
+
+        let resp = exchange(&server, "sa.token.good", &pod.public_key_spki());
+        assert_eq!(resp.status(), StatusCode::OK);
+        let answer: serde_json::Value =
+            serde_json::from_slice(&B64.decode(body_text(resp).await.trim()).unwrap()).unwrap();
+        let token = answer["token"].as_str().unwrap().to_string();
+        let jwt = token.strip_prefix("ST$").expect("ST$ prefix, as the SDKs strip it");
+        let claims: serde_json::Value = serde_json::from_slice(
+            &base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(jwt.split('.').nth(1).unwrap())
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            claims["exp"].as_u64().unwrap() - claims["iat"].as_u64().unwrap(),
+            3600
+        );
+
+        // Signed by the pod key under the token: accepted; by another key: refused.
+        let (m, u, h) = listing_request(&pod.with_key_id(token.clone()));
+        assert_eq!(server.authenticate(&m, &u, &h), Ok(()));
+        let (m, u, h) = listing_request(&other.with_key_id(token));
+        assert!(server
+            .authenticate(&m, &u, &h)
+            .unwrap_err()
+            .contains("does not verify"));
+
+        // A 1024-bit key (DER RSAPublicKey of a made-up modulus): a parameter error.
+        let mut small = vec![0x02, 0x81, 129, 0x00];
+        small.extend([0xc5; 128]);
+        small.extend([0x02, 0x03, 0x01, 0x00, 0x01]);
+        let mut small_key = vec![0x30, 0x81, small.len() as u8];
+        small_key.extend(small);
+        assert_eq!(sign::rsa_modulus_bits(&small_key), Some(1024));
+        let spki = sign::spki_from_rsa_public_key(&small_key);
+        let resp = exchange(&server, "sa.token.good", &spki);
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+        assert!(body_text(resp).await.contains("InvalidParameter"));
+        let stats = server.stats();
+        assert_eq!((stats.oke_exchanges, stats.oke_pod_keys), (1, 1));
+    }
+
+    /// A CA and a certificate for 127.0.0.1 signed by it, made with openssl in `dir`:
+    /// (CA path, leaf PEM, leaf key PEM).
+    fn loopback_certificate(dir: &Path, name: &str) -> (std::path::PathBuf, String, String) {
+        let script = format!(
+            "cd {} && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -keyout {name}-ca.key \
+             -out {name}-ca.crt -subj '/CN={name} CA' 2>/dev/null && \
+             openssl req -newkey rsa:2048 -nodes -keyout {name}.key -out {name}.csr \
+             -subj '/CN=proxymux' 2>/dev/null && \
+             printf 'subjectAltName=IP:127.0.0.1\\nbasicConstraints=critical,CA:FALSE\\n\
+extendedKeyUsage=serverAuth\\n' > {name}.ext && \
+             openssl x509 -req -in {name}.csr -CA {name}-ca.crt -CAkey {name}-ca.key \
+             -CAcreateserial -days 1 -extfile {name}.ext -out {name}.crt 2>/dev/null",
+            dir.display()
+        );
+        let ok = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(&script)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "openssl failed");
+        (
+            dir.join(format!("{name}-ca.crt")),
+            std::fs::read_to_string(dir.join(format!("{name}.crt"))).unwrap(),
+            std::fs::read_to_string(dir.join(format!("{name}.key"))).unwrap(),
+        )
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_agents_exchange_over_tls_gives_a_key_the_look_alike_accepts() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, cert, key) = loopback_certificate(dir.path(), "cluster");
+        let (other_ca, ..) = loopback_certificate(dir.path(), "other");
+        let server = OciDev::new(OciDevConfig::default());
+        server.set_oke_service_account_token("header.payload.signature");
+        std::fs::write(dir.path().join("token"), "header.payload.signature\n").unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let running = server.serve_tls(listener, &cert, &key).await.unwrap();
+        let mut env = AgentOciEnv {
+            oke_proxymux: Some(running.url()),
+            oke_token_path: dir.path().join("token"),
+            oke_ca_path: ca,
+            ..Default::default()
+        };
+        env.resource_principal.insert(
+            "OCI_RESOURCE_PRINCIPAL_REGION".into(),
+            "eu-frankfurt-1".into(),
+        );
+        let http = reqwest::Client::builder().build().unwrap();
+        let timeout = Duration::from_secs(10);
+        let creds = auth::credentials(AuthMode::OkeWorkloadIdentity, None, &env, &http, timeout)
+            .await
+            .unwrap();
+        assert_eq!(creds.region.as_deref(), Some("eu-frankfurt-1"));
+        assert!(creds.key.key_id().starts_with("ST$"));
+        assert!(!format!("{creds:?}").contains(&creds.key.key_id()[3..]));
+        let (m, u, h) = listing_request(&creds.key);
+        assert_eq!(server.authenticate(&m, &u, &h), Ok(()));
+        // Again: a new exchange, a new session key.
+        auth::credentials(AuthMode::OkeWorkloadIdentity, None, &env, &http, timeout)
+            .await
+            .unwrap();
+        assert_eq!(server.stats().oke_pod_keys, 2);
+
+        // A proxymux whose certificate the service account CA did not sign: no exchange.
+        env.oke_ca_path = other_ca;
+        let e = auth::credentials(AuthMode::OkeWorkloadIdentity, None, &env, &http, timeout)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("certificate"), "{e}");
+        assert_eq!(server.stats().oke_exchanges, 2);
+    }
+
     #[test]
     fn multipart_md5_is_over_the_part_md5s() {
         let o = DevObject::multipart(vec![7u8; 10], 4, false);

@@ -885,8 +885,103 @@ mod tests {
             AuthMode::UserPrincipal
         );
         assert!(AuthMode::from_parameter(Some("user_principal")).is_err());
-        let e = static_credentials(AuthMode::OkeWorkloadIdentity, None, &AgentOciEnv::default())
-            .unwrap_err();
-        assert!(e.to_string().contains("UserPrincipal"));
+        assert_eq!(
+            AuthMode::from_parameter(Some("OkeWorkloadIdentity")).unwrap(),
+            AuthMode::OkeWorkloadIdentity
+        );
+    }
+
+    #[test]
+    fn the_proxymux_is_the_api_servers_address_on_port_12250() {
+        assert_eq!(
+            proxymux_base(None, Some("10.96.0.1")).as_deref(),
+            Some("https://10.96.0.1:12250")
+        );
+        assert_eq!(
+            proxymux_base(None, Some(" fd00::1 ")).as_deref(),
+            Some("https://[fd00::1]:12250")
+        );
+        assert_eq!(
+            proxymux_base(Some("https://127.0.0.1:4443".into()), Some("10.96.0.1")).as_deref(),
+            Some("https://127.0.0.1:4443"),
+            "the test override wins"
+        );
+        assert_eq!(proxymux_base(None, Some("")), None);
+        assert_eq!(proxymux_base(None, None), None);
+    }
+
+    #[test]
+    fn jwt_expiry_reads_the_payload_only() {
+        let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        let jwt = format!("{}.{}.sig", b64("{\"alg\":\"RS256\"}"), b64("{\"exp\":1700000000}"));
+        assert_eq!(jwt_expiry(&jwt), Some(1_700_000_000));
+        let no_exp = format!("{}.{}.sig", b64("{}"), b64("{\"sub\":\"x\"}"));
+        assert_eq!(jwt_expiry(&no_exp), None);
+        assert_eq!(jwt_expiry("opaque-token"), None);
+    }
+
+    fn oke_env(dir: &Path) -> AgentOciEnv {
+        AgentOciEnv {
+            oke_proxymux: Some("https://127.0.0.1:1".into()),
+            oke_token_path: dir.join("token"),
+            oke_ca_path: dir.join("ca.crt"),
+            ..Default::default()
+        }
+    }
+
+    async fn oke_error(env: &AgentOciEnv) -> String {
+        credentials(
+            AuthMode::OkeWorkloadIdentity,
+            None,
+            env,
+            &reqwest::Client::builder().build().unwrap(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap_err()
+        .to_string()
+    }
+
+    #[tokio::test]
+    async fn oke_workload_identity_errors_name_files_and_never_the_token() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = tempfile::tempdir().unwrap();
+        // Outside a pod.
+        let e = oke_error(&AgentOciEnv::default()).await;
+        assert!(e.contains("KUBERNETES_SERVICE_HOST is not set"), "{e}");
+        // The token is only sent over TLS.
+        let env = AgentOciEnv {
+            oke_proxymux: Some("http://127.0.0.1:1".into()),
+            ..oke_env(dir.path())
+        };
+        assert!(oke_error(&env).await.contains("not https://"));
+        // No token file.
+        let env = oke_env(dir.path());
+        let e = oke_error(&env).await;
+        assert!(
+            e.contains("reading the service account token"),
+            "{e}"
+        );
+        assert!(e.contains(&dir.path().join("token").display().to_string()), "{e}");
+        // An expired token is refused before it is sent; its text is not shown.
+        let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        let expired = format!("{}.{}.SECRETSIG", b64("{}"), b64("{\"exp\":1000}"));
+        std::fs::write(dir.path().join("token"), &expired).unwrap();
+        let e = oke_error(&env).await;
+        assert!(e.contains("expired") && e.contains("exp 1000"), "{e}");
+        assert!(!e.contains("SECRETSIG") && !e.contains(&expired), "{e}");
+        // A valid token, no CA; then a CA file without a certificate.
+        let fresh = format!("{}.{}.SECRETSIG", b64("{}"), b64("{\"exp\":99999999999}"));
+        std::fs::write(dir.path().join("token"), &fresh).unwrap();
+        let e = oke_error(&env).await;
+        assert!(
+            e.contains("reading the service account CA")
+                && e.contains(&dir.path().join("ca.crt").display().to_string()),
+            "{e}"
+        );
+        std::fs::write(dir.path().join("ca.crt"), "not a certificate\n").unwrap();
+        let e = oke_error(&env).await;
+        assert!(e.contains("holds no PEM certificate"), "{e}");
+        assert!(!e.contains("SECRETSIG"), "{e}");
     }
 }

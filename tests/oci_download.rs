@@ -828,7 +828,10 @@ fn oke_workload_identity_exchanges_the_service_account_token_at_the_proxymux() {
     // overridden paths), the region; nothing else names the proxymux.
     let vars = [
         ("KUBERNETES_SERVICE_HOST", proxymux.host.as_str()),
-        ("OCI_KUBERNETES_SERVICE_ACCOUNT_TOKEN_PATH", token_path.as_str()),
+        (
+            "OCI_KUBERNETES_SERVICE_ACCOUNT_TOKEN_PATH",
+            token_path.as_str(),
+        ),
         ("OCI_KUBERNETES_SERVICE_ACCOUNT_CERT_PATH", ca.as_str()),
         ("OCI_RESOURCE_PRINCIPAL_REGION", "us-ashburn-1"),
     ];
@@ -842,7 +845,10 @@ fn oke_workload_identity_exchanges_the_service_account_token_at_the_proxymux() {
     d.wait_model("clusterbasemodel.oke", "Ready");
     assert_tree(&env.mount.join("oke"), &files);
     let stats = oci.server().stats();
-    assert!(stats.oke_exchanges >= 2, "one per resolve and per fetch: {stats:?}");
+    assert!(
+        stats.oke_exchanges >= 2,
+        "one per resolve and per fetch: {stats:?}"
+    );
     assert_eq!(
         stats.oke_pod_keys, stats.oke_exchanges,
         "a fresh session key for every exchange"
@@ -863,7 +869,10 @@ fn oke_workload_identity_exchanges_the_service_account_token_at_the_proxymux() {
             && reason.contains("The service account token was not accepted"),
         "the proxymux's reason: {reason}"
     );
-    assert!(reason.contains(&proxymux.host), "names the proxymux: {reason}");
+    assert!(
+        reason.contains(&proxymux.host),
+        "names the proxymux: {reason}"
+    );
     assert!(oci.server().stats().refused_signatures >= 1);
     assert_eq!(oci.server().stats().bytes_served, total(&files));
 

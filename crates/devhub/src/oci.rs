@@ -2,7 +2,9 @@
 //! served on loopback; not part of the daemon (the `modelfs-oci-dev` binary and the integration
 //! tests are its only users). No OCI emulator exists, so this one is checked against the
 //! official `oci` Python SDK by a test (`tests/oci_python.rs`): list, get, ranged get, head with
-//! the SDK's own signer, and a request signed with a wrong key refused.
+//! the SDK's own signer, and a request signed with a wrong key refused; and the SDK's OKE
+//! workload identity signer through the proxymux exchange below (TLS, its session token and
+//! key accepted, a token signed by another key and a wrong service account token refused).
 //!
 //! What it speaks (the subset a downloader uses):
 //! * **Every request must be signed** ([`modelfs_agent::source::oci::sign`]): `Authorization:
@@ -1219,7 +1221,9 @@ mod tests {
     }
 
     async fn body_text(resp: Response) -> String {
-        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
         String::from_utf8(bytes.to_vec()).unwrap()
     }
 
@@ -1240,7 +1244,9 @@ mod tests {
         let answer: serde_json::Value =
             serde_json::from_slice(&B64.decode(body_text(resp).await.trim()).unwrap()).unwrap();
         let token = answer["token"].as_str().unwrap().to_string();
-        let jwt = token.strip_prefix("ST$").expect("ST$ prefix, as the SDKs strip it");
+        let jwt = token
+            .strip_prefix("ST$")
+            .expect("ST$ prefix, as the SDKs strip it");
         let claims: serde_json::Value = serde_json::from_slice(
             &base64::engine::general_purpose::URL_SAFE_NO_PAD
                 .decode(jwt.split('.').nth(1).unwrap())

@@ -24,11 +24,9 @@
 //!   `MODELFS_OCI_AUTH_ENDPOINT`) for a session token: the request carries the leaf and
 //!   intermediate certificates and a session public key, and is signed by the leaf key with
 //!   `keyId` `<tenancy>/fed-x509-sha256/<SHA-256 of the certificate>` (the tenancy is the
-//!   certificate's `OU=opc-tenant:` attribute). Requests then sign with `ST$<token>`. One
-//!   difference from the SDKs: they generate a fresh RSA session key pair for the exchange;
-//!   ring (the crypto library in use) does not generate RSA keys, so the leaf key doubles as
-//!   the session key. The leaf key already proves the instance's identity, so this grants
-//!   nothing new, but it is checked against the look-alike only, not the real service. The
+//!   certificate's `OU=opc-tenant:` attribute). As in the SDKs, the session public key is a
+//!   freshly generated RSA-2048 key's ([`SigningKey::generate`]); requests then sign with
+//!   `ST$<token>` and that key. Checked against the look-alike only, not the real service. The
 //!   exchange happens once per resolve and once per fetch (a token lasts 20 minutes; a fetch
 //!   that outlives it fails and is retried by the reconciler with a new token).
 //! * **`OkeWorkloadIdentity`**: the flow of the SDKs' OKE workload identity signer (a
@@ -267,6 +265,15 @@ fn static_credentials(
     }
 }
 
+/// A fresh session key pair for a token exchange (generated off the async runtime); its key id
+/// is set once the token is known.
+async fn session_key(mode: AuthMode) -> Result<SigningKey, OciError> {
+    tokio::task::spawn_blocking(|| SigningKey::generate(String::new()))
+        .await
+        .map_err(|e| cred_err(mode, format!("generating the session key: {e}")))?
+        .map_err(|e| cred_err(mode, format!("generating the session key: {e}")))
+}
+
 /// One GET of the instance metadata service (its v2 API wants `Authorization: Bearer Oracle`).
 async fn metadata_get(
     env: &AgentOciEnv,
@@ -341,9 +348,10 @@ async fn instance_principal(
     let fingerprint = sign::certificate_sha256_fingerprint(&cert);
     let leaf = SigningKey::from_pem(format!("{tenancy}/fed-x509-sha256/{fingerprint}"), &key_pem)
         .map_err(|e| cred_err(mode, format!("the instance key: {e}")))?;
+    let session = session_key(mode).await?;
     let body = serde_json::json!({
         "certificate": B64.encode(&cert),
-        "publicKey": B64.encode(leaf.public_key_spki()),
+        "publicKey": B64.encode(session.public_key_spki()),
         "intermediateCertificates": [B64.encode(&intermediate)],
         "purpose": "DEFAULT",
         "fingerprintAlgorithm": "SHA256",
@@ -409,7 +417,7 @@ async fn instance_principal(
             detail: "no token in the answer".into(),
         })?;
     Ok(Credentials {
-        key: Arc::new(leaf.with_key_id(format!("ST${token}"))),
+        key: Arc::new(session.with_key_id(format!("ST${token}"))),
         region: Some(region),
     })
 }
@@ -520,10 +528,7 @@ async fn oke_workload_identity(
         .build()
         .map_err(|e| cred_err(mode, format!("the proxymux client: {e}")))?;
 
-    let session = tokio::task::spawn_blocking(|| SigningKey::generate(String::new()))
-        .await
-        .map_err(|e| cred_err(mode, format!("generating the session key: {e}")))?
-        .map_err(|e| cred_err(mode, format!("generating the session key: {e}")))?;
+    let session = session_key(mode).await?;
     let body = serde_json::json!({ "podKey": B64.encode(session.public_key_spki()) }).to_string();
     let what = format!("OKE workload identity: token exchange at {base}");
     let request = http
@@ -913,7 +918,11 @@ mod tests {
     #[test]
     fn jwt_expiry_reads_the_payload_only() {
         let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
-        let jwt = format!("{}.{}.sig", b64("{\"alg\":\"RS256\"}"), b64("{\"exp\":1700000000}"));
+        let jwt = format!(
+            "{}.{}.sig",
+            b64("{\"alg\":\"RS256\"}"),
+            b64("{\"exp\":1700000000}")
+        );
         assert_eq!(jwt_expiry(&jwt), Some(1_700_000_000));
         let no_exp = format!("{}.{}.sig", b64("{}"), b64("{\"sub\":\"x\"}"));
         assert_eq!(jwt_expiry(&no_exp), None);
@@ -958,11 +967,11 @@ mod tests {
         // No token file.
         let env = oke_env(dir.path());
         let e = oke_error(&env).await;
+        assert!(e.contains("reading the service account token"), "{e}");
         assert!(
-            e.contains("reading the service account token"),
+            e.contains(&dir.path().join("token").display().to_string()),
             "{e}"
         );
-        assert!(e.contains(&dir.path().join("token").display().to_string()), "{e}");
         // An expired token is refused before it is sent; its text is not shown.
         let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
         let expired = format!("{}.{}.SECRETSIG", b64("{}"), b64("{\"exp\":1000}"));

@@ -9,7 +9,8 @@
 //!   signs `x-content-sha256` (base64 SHA-256 of the body), `content-type` and `content-length`.
 //! * The header is `Authorization: Signature version="1",keyId="...",algorithm="rsa-sha256",
 //!   headers="...",signature="<base64>"`. `keyId` is `<tenancy>/<user>/<fingerprint>` for an
-//!   API key, and `ST$<token>` for a session token (instance and resource principals).
+//!   API key, and `ST$<token>` for a session token (instance and resource principals, OKE
+//!   workload identity).
 //!
 //! The service rejects a `date` more than five minutes from its clock. Both the client side
 //! ([`SigningKey`]) and the verifier of the development look-alike

@@ -3,6 +3,7 @@
 //! through its FUSE mount.
 
 mod common;
+mod oci_common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -44,6 +45,11 @@ impl TestOci {
 
     fn server(&self) -> &OciDev {
         &self.running.server
+    }
+
+    /// The same look-alike as the OKE proxymux, over TLS at `<loopback address>:12250`.
+    fn start_proxymux(&self, dir: &Path) -> oci_common::Proxymux {
+        oci_common::start_proxymux(&self.running.server, &self._rt, dir)
     }
 
     fn put_files(&self, prefix: &str, files: &Files) {
@@ -802,4 +808,93 @@ fn instance_principal_federates_through_the_metadata_and_auth_services() {
         );
     }
     assert!(!log.contains("devsession"), "session tokens are not logged");
+}
+
+#[test]
+fn oke_workload_identity_exchanges_the_service_account_token_at_the_proxymux() {
+    let oci = TestOci::start(1000);
+    let files = model_files(9, 1 << 20);
+    oci.put_files("oke", &files);
+    let env = TestEnv::new();
+    let sa = env.dir("serviceaccount");
+    let proxymux = oci.start_proxymux(&sa);
+    let token = oci_common::service_account_token("modelfs", 3600);
+    oci.server().set_oke_service_account_token(&token);
+    let token_path = sa.join("token");
+    std::fs::write(&token_path, &token).unwrap();
+    let token_path = token_path.display().to_string();
+    let ca = proxymux.ca_path.display().to_string();
+    // As in an OKE pod: the API server's address, the service account files (here at
+    // overridden paths), the region; nothing else names the proxymux.
+    let vars = [
+        ("KUBERNETES_SERVICE_HOST", proxymux.host.as_str()),
+        (
+            "OCI_KUBERNETES_SERVICE_ACCOUNT_TOKEN_PATH",
+            token_path.as_str(),
+        ),
+        ("OCI_KUBERNETES_SERVICE_ACCOUNT_CERT_PATH", ca.as_str()),
+        ("OCI_RESOURCE_PRINCIPAL_REGION", "us-ashburn-1"),
+    ];
+    let d = start_daemon_with(&env, &oci, None, &vars);
+    let model = |name: &str| {
+        format!(
+            "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: {name}\nspec:\n  storage:\n    storageUri: oci://n/{NS}/b/{BUCKET}/o/oke\n    downloadPolicy: AlwaysDownload\n    parameters:\n      auth: OkeWorkloadIdentity\n"
+        )
+    };
+    env.write_models("oke.yaml", &model("oke"));
+    d.wait_model("clusterbasemodel.oke", "Ready");
+    assert_tree(&env.mount.join("oke"), &files);
+    let stats = oci.server().stats();
+    assert!(
+        stats.oke_exchanges >= 2,
+        "one per resolve and per fetch: {stats:?}"
+    );
+    assert_eq!(
+        stats.oke_pod_keys, stats.oke_exchanges,
+        "a fresh session key for every exchange"
+    );
+    assert_eq!(stats.refused_signatures, 0);
+    assert_eq!(stats.bytes_served, total(&files));
+
+    // The pod's token is replaced by another pod's (kubelet rewrites the file; it is read for
+    // every exchange): the proxymux refuses it and the model fails with its reason.
+    let wrong = oci_common::service_account_token("intruder", 3600);
+    std::fs::write(&token_path, &wrong).unwrap();
+    env.write_models("oke2.yaml", &model("oke2"));
+    let e = d.wait_model("clusterbasemodel.oke2", "Failed");
+    let reason = e["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("401")
+            && reason.contains("NotAuthenticated")
+            && reason.contains("The service account token was not accepted"),
+        "the proxymux's reason: {reason}"
+    );
+    assert!(
+        reason.contains(&proxymux.host),
+        "names the proxymux: {reason}"
+    );
+    assert!(oci.server().stats().refused_signatures >= 1);
+    assert_eq!(oci.server().stats().bytes_served, total(&files));
+
+    // No token text anywhere the daemon writes: service account tokens (whole, or their
+    // signature part) and the session tokens the proxymux issued (JWTs: `ST$eyJ...`).
+    let log = d.log_text();
+    let status = std::fs::read_to_string(env.state.join("status.json")).unwrap();
+    let (_, api) = d.get("/v1/models");
+    let metrics = d.metrics();
+    for (what, text) in [
+        ("log", &log),
+        ("status.json", &status),
+        ("/v1/models", &api),
+        ("/metrics", &metrics),
+    ] {
+        for secret in [&token, &wrong] {
+            let signature = secret.rsplit('.').next().unwrap();
+            assert!(
+                !text.contains(secret.as_str()) && !text.contains(signature),
+                "a service account token in {what}"
+            );
+        }
+        assert!(!text.contains("ST$eyJ"), "a session token in {what}");
+    }
 }

@@ -4,9 +4,18 @@
 //! the multipart MD5; a request signed with another key, or by a stale clock, is refused with
 //! the service's error JSON. This keeps the look-alike's signature check (and so modelfs's
 //! signer, which it also verifies) faithful to OCI's published signing scheme.
+//!
+//! The same for OKE workload identity, with the SDK's own OKE workload identity signer as the
+//! reference client: its whole path runs, from the factory that reads `KUBERNETES_SERVICE_HOST`
+//! and the service account CA variable, over TLS to port 12250 checked against that CA, to the
+//! requests it signs with the session token and its session key. Only the service account token
+//! file's path is passed in (the SDK's `service_account_token_path` argument; the default path
+//! needs a pod).
 
 mod common;
+mod oci_common;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
@@ -22,8 +31,8 @@ const USER: &str = "ocid1.user.oc1..aaaatestuser";
 /// runtime.
 struct DevProcess {
     url: String,
-    _running: RunningOciDev,
-    _rt: tokio::runtime::Runtime,
+    running: RunningOciDev,
+    rt: tokio::runtime::Runtime,
 }
 
 /// Serves the files of `dir` as objects `<prefix>/<path>` of bucket `namespace/bucket` (files
@@ -67,8 +76,8 @@ fn start_dev(setup: DevSetup) -> DevProcess {
         .unwrap();
     DevProcess {
         url: running.url(),
-        _running: running,
-        _rt: rt,
+        running,
+        rt,
     }
 }
 
@@ -271,4 +280,141 @@ fn the_official_oci_sdk_lists_gets_and_heads_with_its_own_signer() {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+const OKE_SCRIPT: &str = r#"
+import hashlib, json, sys
+import oci
+
+url, token_path, ns, bucket, prefix, mode = sys.argv[1:7]
+
+def oke_signer():
+    # The SDK's factory: https://$KUBERNETES_SERVICE_HOST:12250, TLS checked against
+    # $OCI_KUBERNETES_SERVICE_ACCOUNT_CERT_PATH, region from $OCI_RESOURCE_PRINCIPAL_REGION.
+    return oci.auth.signers.get_oke_workload_identity_resource_principal_signer(
+        service_account_token_path=token_path, retry_strategy=oci.retry.NoneRetryStrategy())
+
+def client_for(signer):
+    return oci.object_storage.ObjectStorageClient(
+        {"region": "us-ashburn-1"}, signer=signer, service_endpoint=url,
+        retry_strategy=oci.retry.NoneRetryStrategy())
+
+out = {}
+if mode == "full":
+    signer = oke_signer()
+    out["region"] = signer.region
+    out["key_id_prefix"] = signer.api_key[:3]
+    claims = signer.security_token.get_jwt()
+    out["lifetime"] = claims["exp"] - claims["iat"]
+    client = client_for(signer)
+    objects = client.list_objects(ns, bucket, prefix=prefix, fields="name,size").data.objects
+    out["files"] = {o.name: hashlib.sha256(client.get_object(ns, bucket, o.name).data.content).hexdigest()
+                    for o in objects}
+    # A second exchange: a new session key and token. That token signed by the first
+    # signer's key is refused; signed by its own key it works.
+    other = oke_signer()
+    out["distinct_tokens"] = other.api_key != signer.api_key
+    forged = oci.auth.signers.SecurityTokenSigner(other.security_token.security_token,
+                                                  signer.private_key)
+    try:
+        client_for(forged).list_objects(ns, bucket, prefix=prefix)
+        out["forged"] = None
+    except oci.exceptions.ServiceError as e:
+        out["forged"] = {"status": e.status, "code": e.code}
+    out["other_head"] = client_for(other).head_object(ns, bucket, objects[0].name).status
+else:
+    try:
+        oke_signer()
+        out["refused"] = None
+    except oci.exceptions.ServiceError as e:
+        out["refused"] = {"status": e.status, "message": e.message}
+print(json.dumps(out))
+"#;
+
+fn run_oke_sdk(dev: &DevProcess, token_path: &Path, mode: &str, vars: &[(&str, &str)]) -> Value {
+    let out = Command::new(python())
+        .arg("-c")
+        .arg(OKE_SCRIPT)
+        .arg(&dev.url)
+        .arg(token_path)
+        .args(["testns", "models", "llama/", mode])
+        .envs(vars.iter().copied())
+        .env_remove("OCI_KUBERNETES_SERVICE_ACCOUNT_TOKEN_PATH")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "oci SDK failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+#[test]
+fn the_official_oci_sdk_oke_workload_identity_signer_exchanges_and_signs() {
+    let env = TestEnv::new();
+    let keys = env.dir("keys");
+    let api = api_key(&keys, "unused");
+    let src = env.dir("src");
+    make_model_dir(&src, 12, 1 << 20);
+    let want = files_of(&src);
+    let dev = start_dev(DevSetup {
+        namespace: "testns",
+        bucket: "models",
+        prefix: "llama",
+        dir: &src,
+        key_id: format!("{TENANCY}/{USER}/{}", api.2),
+        public_key: &api.1,
+        page_size: 1000,
+        multipart_threshold: 1 << 30,
+    });
+    let sa = env.dir("serviceaccount");
+    let proxymux = oci_common::start_proxymux(&dev.running.server, &dev.rt, &sa);
+    let token = oci_common::service_account_token("sdk", 3600);
+    dev.running.server.set_oke_service_account_token(&token);
+    std::fs::write(sa.join("token"), &token).unwrap();
+    let ca = proxymux.ca_path.display().to_string();
+    let vars = [
+        ("KUBERNETES_SERVICE_HOST", proxymux.host.as_str()),
+        ("OCI_KUBERNETES_SERVICE_ACCOUNT_CERT_PATH", ca.as_str()),
+        ("OCI_RESOURCE_PRINCIPAL_REGION", "us-ashburn-1"),
+    ];
+
+    let out = run_oke_sdk(&dev, &sa.join("token"), "full", &vars);
+    assert_eq!(out["region"], "us-ashburn-1");
+    assert_eq!(out["key_id_prefix"], "ST$");
+    assert_eq!(
+        out["lifetime"], 3600,
+        "the SDK reads iat and exp of the token"
+    );
+    let got: BTreeMap<String, String> = out["files"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.strip_prefix("llama/").unwrap().to_string(),
+                v.as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(got, want, "the bucket's bytes through the session token");
+    assert_eq!(out["distinct_tokens"], true);
+    assert_eq!(out["forged"]["status"], 401, "{out}");
+    assert_eq!(out["forged"]["code"], "NotAuthenticated");
+    assert_eq!(out["other_head"], 200);
+    let stats = dev.running.server.stats();
+    assert_eq!(stats.oke_exchanges, 2, "{stats:?}");
+    assert_eq!(stats.oke_pod_keys, 2, "a new session key per exchange");
+    assert_eq!(stats.refused_signatures, 1, "only the forged request");
+
+    // Another pod's token (well-formed, unexpired): the proxymux refuses the exchange.
+    let wrong = oci_common::service_account_token("other", 3600);
+    std::fs::write(sa.join("wrong-token"), &wrong).unwrap();
+    let out = run_oke_sdk(&dev, &sa.join("wrong-token"), "refused", &vars);
+    assert_eq!(out["refused"]["status"], 401, "{out}");
+    let stats = dev.running.server.stats();
+    assert_eq!(stats.oke_exchanges, 2);
+    assert_eq!(stats.refused_signatures, 2);
 }

@@ -2,7 +2,9 @@
 //! served on loopback; not part of the daemon (the `modelfs-oci-dev` binary and the integration
 //! tests are its only users). No OCI emulator exists, so this one is checked against the
 //! official `oci` Python SDK by a test (`tests/oci_python.rs`): list, get, ranged get, head with
-//! the SDK's own signer, and a request signed with a wrong key refused.
+//! the SDK's own signer, and a request signed with a wrong key refused; and the SDK's OKE
+//! workload identity signer through the proxymux exchange below (TLS, its session token and
+//! key accepted, a token signed by another key and a wrong service account token refused).
 //!
 //! What it speaks (the subset a downloader uses):
 //! * **Every request must be signed** ([`modelfs_agent::source::oci::sign`]): `Authorization:
@@ -30,6 +32,18 @@
 //! certificate must be the instance's (standing in for chain validation). It answers
 //! `{"token": ...}` and from then on accepts `ST$<token>` signatures by the session key the
 //! request named.
+//!
+//! And for OKE workload identity ([`OciDev::set_oke_service_account_token`]) it stands in for
+//! the cluster's **proxymux** (`POST /resourcePrincipalSessionTokens`, which the SDKs send to
+//! `https://$KUBERNETES_SERVICE_HOST:12250`; [`OciDev::serve_tls`] serves it, and everything
+//! else, over TLS with a certificate the test makes). `Authorization: Bearer <service account
+//! token>` must be exactly the token it was given (else `401 NotAuthenticated`), the body must
+//! be JSON (`Content-Type: application/json`) whose `podKey` is the base64 DER
+//! SubjectPublicKeyInfo of an RSA key (at least 2048 bits). The answer is the base64 of
+//! `{"token": "ST$<token>"}`, the token a JWT (the SDKs decode its `iat` and `exp`; its
+//! signature is a stand-in, nothing verifies it), and from then on `ST$<token>` signatures by
+//! that pod key are accepted, checked like every other signature. The counters report the
+//! exchanges and how many distinct pod keys they carried.
 //!
 //! Faults ([`crate::hf::Fault`], the hub look-alike's rules): target `file` applies to
 //! object GETs, `api` to listings and HEADs; kinds `status` (with `Retry-After`), `truncate`,
@@ -135,6 +149,9 @@ pub struct OciStats {
     /// Instance metadata requests, and session tokens issued by the federation endpoint.
     pub metadata_requests: u64,
     pub federations: u64,
+    /// Session tokens issued by the proxymux look-alike, and the distinct pod keys they bound.
+    pub oke_exchanges: u64,
+    pub oke_pod_keys: u64,
 }
 
 #[derive(Default)]
@@ -149,6 +166,13 @@ struct Counters {
     request_ids: AtomicU64,
     metadata_requests: AtomicU64,
     federations: AtomicU64,
+    oke_exchanges: AtomicU64,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct PodKeyRequest {
+    pod_key: String,
 }
 
 #[derive(Clone, Debug)]
@@ -179,6 +203,10 @@ pub struct OciDev {
     faults: FaultRules,
     counters: Counters,
     instance: Mutex<Option<InstanceIdentity>>,
+    /// The service account token the proxymux look-alike accepts.
+    oke_token: Mutex<Option<String>>,
+    /// SHA-256 of every pod key a token was issued for.
+    oke_pod_keys: Mutex<std::collections::HashSet<[u8; 32]>>,
 }
 
 /// What the metadata look-alike serves to an instance principal.
@@ -193,12 +221,48 @@ pub struct InstanceIdentity {
 pub struct RunningOciDev {
     pub server: Arc<OciDev>,
     pub addr: SocketAddr,
+    tls: bool,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl RunningOciDev {
+    /// `http://addr`, or `https://addr` for [`OciDev::serve_tls`].
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+}
+
+/// A TLS listener for `axum::serve`: accepts TCP connections and completes the handshake
+/// (bounded) before handing a stream over; a failed handshake is dropped.
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let (stream, addr) = match self.tcp.accept().await {
+                Ok(c) => c,
+                Err(_) => {
+                    // Out of descriptors and the like: the next accept may work.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let handshake = self.acceptor.accept(stream);
+            if let Ok(Ok(tls)) = tokio::time::timeout(Duration::from_secs(10), handshake).await {
+                return (tls, addr);
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.tcp.local_addr()
     }
 }
 
@@ -217,12 +281,19 @@ impl OciDev {
             faults: FaultRules::default(),
             counters: Counters::default(),
             instance: Mutex::default(),
+            oke_token: Mutex::default(),
+            oke_pod_keys: Mutex::default(),
         })
     }
 
     /// Serves `identity` from the metadata look-alike and federates its certificate.
     pub fn set_instance_identity(&self, identity: InstanceIdentity) {
         *self.instance.lock().unwrap() = Some(identity);
+    }
+
+    /// Accepts `token` as the pod's service account token at the proxymux look-alike.
+    pub fn set_oke_service_account_token(&self, token: &str) {
+        *self.oke_token.lock().unwrap() = Some(token.to_string());
     }
 
     pub fn create_bucket(&self, namespace: &str, bucket: &str) {
@@ -302,28 +373,81 @@ impl OciDev {
             faults_applied: self.faults.applied(),
             metadata_requests: l(&c.metadata_requests),
             federations: l(&c.federations),
+            oke_exchanges: l(&c.oke_exchanges),
+            oke_pod_keys: self.oke_pod_keys.lock().unwrap().len() as u64,
         }
     }
 
     pub async fn serve(self: &Arc<Self>, addr: SocketAddr) -> std::io::Result<RunningOciDev> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
-        let app = Router::new()
-            .route(
-                "/_oci/faults",
-                axum::routing::post(post_faults).delete(delete_faults),
-            )
-            .route("/_oci/stats", axum::routing::get(get_stats))
-            .fallback(handle)
-            .with_state(self.clone());
+        let app = self.router();
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
         Ok(RunningOciDev {
             server: self.clone(),
             addr,
+            tls: false,
             task,
         })
+    }
+
+    /// Serves the same API over TLS on `listener` (already bound, so a test can put the
+    /// address in the certificate first), with the PEM certificate chain (leaf first) and its
+    /// PEM private key.
+    pub async fn serve_tls(
+        self: &Arc<Self>,
+        listener: std::net::TcpListener,
+        cert_chain_pem: &str,
+        key_pem: &str,
+    ) -> std::io::Result<RunningOciDev> {
+        use rustls::pki_types::pem::PemObject as _;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let bad = |what: &str, e: &dyn std::fmt::Display| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{what}: {e}"))
+        };
+        let certs = CertificateDer::pem_slice_iter(cert_chain_pem.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bad("certificate chain", &e))?;
+        let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes()).map_err(|e| bad("key", &e))?;
+        let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad("TLS versions", &e))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| bad("certificate", &e))?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        listener.set_nonblocking(true)?;
+        let tcp = tokio::net::TcpListener::from_std(listener)?;
+        let addr = tcp.local_addr()?;
+        let listener = TlsListener {
+            tcp,
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+        };
+        let app = self.router();
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(RunningOciDev {
+            server: self.clone(),
+            addr,
+            tls: true,
+            task,
+        })
+    }
+
+    fn router(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route(
+                "/_oci/faults",
+                axum::routing::post(post_faults).delete(delete_faults),
+            )
+            .route("/_oci/stats", axum::routing::get(get_stats))
+            .fallback(handle)
+            .with_state(self.clone())
     }
 
     fn request_id(&self) -> String {
@@ -484,6 +608,9 @@ async fn handle(
     if uri.path() == "/v1/x509" && method == Method::POST {
         return federate(&server, &method, &uri, &headers, &body);
     }
+    if uri.path() == "/resourcePrincipalSessionTokens" && method == Method::POST {
+        return oke_exchange(&server, &headers, &body);
+    }
     if let Err(reason) = server.authenticate(&method, &uri, &headers) {
         server
             .counters
@@ -571,6 +698,81 @@ struct FederationRequest {
     intermediate_certificates: Vec<String>,
     #[serde(default)]
     purpose: Option<String>,
+}
+
+/// The proxymux's token exchange of OKE workload identity (see the module docs).
+fn oke_exchange(server: &OciDev, headers: &HeaderMap, body: &[u8]) -> Response {
+    let expected = server.oke_token.lock().unwrap().clone();
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if expected.is_none() || bearer != expected.as_deref() {
+        server
+            .counters
+            .refused_signatures
+            .fetch_add(1, Ordering::Relaxed);
+        return error(
+            server,
+            StatusCode::UNAUTHORIZED,
+            "NotAuthenticated",
+            "The service account token was not accepted.",
+        );
+    }
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.to_ascii_lowercase().starts_with("application/json"));
+    let session_key = serde_json::from_slice::<PodKeyRequest>(body)
+        .ok()
+        .filter(|_| json)
+        .and_then(|r| B64.decode(r.pod_key).ok())
+        .and_then(|der| sign::rsa_public_key_from_spki(&der).ok())
+        // Usable for rsa-sha256 signatures (2048 bits and more), as the service requires.
+        .filter(|key| sign::rsa_modulus_bits(key).is_some_and(|bits| bits >= 2048));
+    let Some(session_key) = session_key else {
+        return error(
+            server,
+            StatusCode::BAD_REQUEST,
+            "InvalidParameter",
+            "a JSON body with podKey, the base64 DER SubjectPublicKeyInfo of an RSA key of at \
+             least 2048 bits, is required",
+        );
+    };
+    let n = server
+        .counters
+        .oke_exchanges
+        .fetch_add(1, Ordering::Relaxed);
+    let key_digest: [u8; 32] = sha2::Sha256::digest(&session_key).into();
+    server.oke_pod_keys.lock().unwrap().insert(key_digest);
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let b64url = |v: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v);
+    let jwt_header = serde_json::json!({"alg": "RS256", "typ": "JWT", "kid": "devhub"});
+    let claims = serde_json::json!({
+        "sub": "ocid1.workload.oc1..devworkload",
+        "res_type": "workload",
+        "jti": format!("devrpst{n}.{}", hex::encode(&key_digest[..8])),
+        "iat": now,
+        "exp": now + 3600,
+    });
+    let unsigned = format!(
+        "{}.{}",
+        b64url(jwt_header.to_string().as_bytes()),
+        b64url(claims.to_string().as_bytes())
+    );
+    let stand_in = sha2::Sha256::digest(unsigned.as_bytes());
+    let token = format!("{unsigned}.{}", b64url(&stand_in));
+    server.add_key(&format!("ST${token}"), session_key);
+    let answer = serde_json::json!({ "token": format!("ST${token}") }).to_string();
+    let mut resp = B64.encode(answer).into_response();
+    resp.headers_mut().insert(
+        "opc-request-id",
+        HeaderValue::from_str(&server.request_id()).expect("ASCII"),
+    );
+    resp
 }
 
 fn federate(
@@ -982,6 +1184,177 @@ mod tests {
         assert!(parse_range("bytes=100-", 100).is_err());
         assert!(parse_range("bytes=5-1", 100).is_err());
         assert!(parse_range("items=0-1", 100).is_err());
+    }
+
+    use modelfs_agent::source::oci::auth::{self, AgentOciEnv, AuthMode};
+    use modelfs_agent::source::oci::sign::{RequestToSign, SigningKey};
+
+    fn exchange(server: &OciDev, bearer: &str, pod_key_spki: &[u8]) -> Response {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {bearer}")).unwrap(),
+        );
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let body = serde_json::json!({"podKey": B64.encode(pod_key_spki)});
+        oke_exchange(server, &headers, body.to_string().as_bytes())
+    }
+
+    /// A signed GET of the listing, as a client sends it.
+    fn listing_request(key: &SigningKey) -> (Method, Uri, HeaderMap) {
+        let path = "/n/ns/b/models/o?prefix=m%2F";
+        let mut headers = HeaderMap::new();
+        for (name, value) in key.sign(&RequestToSign {
+            method: "GET",
+            path_and_query: path,
+            host: "127.0.0.1:1",
+            date: &sign::http_date_now(),
+            body: None,
+        }) {
+            headers.insert(name, HeaderValue::from_str(&value).unwrap());
+        }
+        headers.insert(header::HOST, HeaderValue::from_static("127.0.0.1:1"));
+        (Method::GET, path.parse().unwrap(), headers)
+    }
+
+    async fn body_text(resp: Response) -> String {
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn proxymux_issues_a_jwt_bound_to_the_pod_key_and_refuses_other_tokens() {
+        let server = OciDev::new(OciDevConfig::default());
+        server.set_oke_service_account_token("sa.token.good");
+        let pod = SigningKey::generate("").unwrap();
+        let other = SigningKey::generate("").unwrap();
+
+        let resp = exchange(&server, "sa.token.bad", &pod.public_key_spki());
+        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+        assert!(body_text(resp).await.contains("NotAuthenticated"));
+        assert_eq!(server.stats().oke_exchanges, 0);
+
+        let resp = exchange(&server, "sa.token.good", &pod.public_key_spki());
+        assert_eq!(resp.status(), StatusCode::OK);
+        let answer: serde_json::Value =
+            serde_json::from_slice(&B64.decode(body_text(resp).await.trim()).unwrap()).unwrap();
+        let token = answer["token"].as_str().unwrap().to_string();
+        let jwt = token
+            .strip_prefix("ST$")
+            .expect("ST$ prefix, as the SDKs strip it");
+        let claims: serde_json::Value = serde_json::from_slice(
+            &base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(jwt.split('.').nth(1).unwrap())
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            claims["exp"].as_u64().unwrap() - claims["iat"].as_u64().unwrap(),
+            3600
+        );
+
+        // Signed by the pod key under the token: accepted; by another key: refused.
+        let (m, u, h) = listing_request(&pod.with_key_id(token.clone()));
+        assert_eq!(server.authenticate(&m, &u, &h), Ok(()));
+        let (m, u, h) = listing_request(&other.with_key_id(token));
+        assert!(server
+            .authenticate(&m, &u, &h)
+            .unwrap_err()
+            .contains("does not verify"));
+
+        // A 1024-bit key (DER RSAPublicKey of a made-up modulus): a parameter error.
+        let mut small = vec![0x02, 0x81, 129, 0x00];
+        small.extend([0xc5; 128]);
+        small.extend([0x02, 0x03, 0x01, 0x00, 0x01]);
+        let mut small_key = vec![0x30, 0x81, small.len() as u8];
+        small_key.extend(small);
+        assert_eq!(sign::rsa_modulus_bits(&small_key), Some(1024));
+        let spki = sign::spki_from_rsa_public_key(&small_key);
+        let resp = exchange(&server, "sa.token.good", &spki);
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+        assert!(body_text(resp).await.contains("InvalidParameter"));
+        let stats = server.stats();
+        assert_eq!((stats.oke_exchanges, stats.oke_pod_keys), (1, 1));
+    }
+
+    /// A CA and a certificate for 127.0.0.1 signed by it, made with openssl in `dir`:
+    /// (CA path, leaf PEM, leaf key PEM).
+    fn loopback_certificate(dir: &Path, name: &str) -> (std::path::PathBuf, String, String) {
+        let script = format!(
+            "cd {} && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -keyout {name}-ca.key \
+             -out {name}-ca.crt -subj '/CN={name} CA' 2>/dev/null && \
+             openssl req -newkey rsa:2048 -nodes -keyout {name}.key -out {name}.csr \
+             -subj '/CN=proxymux' 2>/dev/null && \
+             printf 'subjectAltName=IP:127.0.0.1\\nbasicConstraints=critical,CA:FALSE\\n\
+extendedKeyUsage=serverAuth\\n' > {name}.ext && \
+             openssl x509 -req -in {name}.csr -CA {name}-ca.crt -CAkey {name}-ca.key \
+             -CAcreateserial -days 1 -extfile {name}.ext -out {name}.crt 2>/dev/null",
+            dir.display()
+        );
+        let ok = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(&script)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "openssl failed");
+        (
+            dir.join(format!("{name}-ca.crt")),
+            std::fs::read_to_string(dir.join(format!("{name}.crt"))).unwrap(),
+            std::fs::read_to_string(dir.join(format!("{name}.key"))).unwrap(),
+        )
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_agents_exchange_over_tls_gives_a_key_the_look_alike_accepts() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, cert, key) = loopback_certificate(dir.path(), "cluster");
+        let (other_ca, ..) = loopback_certificate(dir.path(), "other");
+        let server = OciDev::new(OciDevConfig::default());
+        server.set_oke_service_account_token("header.payload.signature");
+        std::fs::write(dir.path().join("token"), "header.payload.signature\n").unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let running = server.serve_tls(listener, &cert, &key).await.unwrap();
+        let mut env = AgentOciEnv {
+            oke_proxymux: Some(running.url()),
+            oke_token_path: dir.path().join("token"),
+            oke_ca_path: ca,
+            ..Default::default()
+        };
+        env.resource_principal.insert(
+            "OCI_RESOURCE_PRINCIPAL_REGION".into(),
+            "eu-frankfurt-1".into(),
+        );
+        let http = reqwest::Client::builder().build().unwrap();
+        let timeout = Duration::from_secs(10);
+        let creds = auth::credentials(AuthMode::OkeWorkloadIdentity, None, &env, &http, timeout)
+            .await
+            .unwrap();
+        assert_eq!(creds.region.as_deref(), Some("eu-frankfurt-1"));
+        assert!(creds.key.key_id().starts_with("ST$"));
+        assert!(!format!("{creds:?}").contains(&creds.key.key_id()[3..]));
+        let (m, u, h) = listing_request(&creds.key);
+        assert_eq!(server.authenticate(&m, &u, &h), Ok(()));
+        // Again: a new exchange, a new session key.
+        auth::credentials(AuthMode::OkeWorkloadIdentity, None, &env, &http, timeout)
+            .await
+            .unwrap();
+        assert_eq!(server.stats().oke_pod_keys, 2);
+
+        // A proxymux whose certificate the service account CA did not sign: no exchange.
+        env.oke_ca_path = other_ca;
+        let e = auth::credentials(AuthMode::OkeWorkloadIdentity, None, &env, &http, timeout)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("certificate"), "{e}");
+        assert_eq!(server.stats().oke_exchanges, 2);
     }
 
     #[test]

@@ -24,19 +24,40 @@
 //!   `MODELFS_OCI_AUTH_ENDPOINT`) for a session token: the request carries the leaf and
 //!   intermediate certificates and a session public key, and is signed by the leaf key with
 //!   `keyId` `<tenancy>/fed-x509-sha256/<SHA-256 of the certificate>` (the tenancy is the
-//!   certificate's `OU=opc-tenant:` attribute). Requests then sign with `ST$<token>`. One
-//!   difference from the SDKs: they generate a fresh RSA session key pair for the exchange;
-//!   ring (the crypto library in use) does not generate RSA keys, so the leaf key doubles as
-//!   the session key. The leaf key already proves the instance's identity, so this grants
-//!   nothing new, but it is checked against the look-alike only, not the real service. The
+//!   certificate's `OU=opc-tenant:` attribute). As in the SDKs, the session public key is a
+//!   freshly generated RSA-2048 key's ([`SigningKey::generate`]); requests then sign with
+//!   `ST$<token>` and that key. Checked against the look-alike only, not the real service. The
 //!   exchange happens once per resolve and once per fetch (a token lasts 20 minutes; a fetch
 //!   that outlives it fails and is retried by the reconciler with a new token).
-//! * **`OkeWorkloadIdentity`** needs a freshly generated session key by design (the pod's key
-//!   is sent to the OKE proxymux with the service account token), so it fails with a reason
-//!   that names the modes that work. See the README.
+//! * **`OkeWorkloadIdentity`**: the flow of the SDKs' OKE workload identity signer (a
+//!   resource principal session token from the cluster's proxymux). For every exchange a fresh
+//!   RSA-2048 session key pair is generated ([`SigningKey::generate`]). Its public half goes,
+//!   with the pod's Kubernetes service account token, to
+//!   `POST https://$KUBERNETES_SERVICE_HOST:12250/resourcePrincipalSessionTokens`: headers
+//!   `Authorization: Bearer <service account token>`, `Content-Type: application/json` and an
+//!   `opc-request-id`; body `{"podKey": "<base64 DER SubjectPublicKeyInfo>"}` (the PEM of the
+//!   public key without its armour and newlines). TLS is checked against the service account
+//!   CA only (no system roots), as the SDKs pass it to their HTTP client. The answer is the
+//!   base64 of `{"token": "ST$<token>"}`; requests then sign with `keyId` `ST$<token>` and the
+//!   session key. Files: the token from `/var/run/secrets/kubernetes.io/serviceaccount/token`
+//!   (env `OCI_KUBERNETES_SERVICE_ACCOUNT_TOKEN_PATH`; the Python SDK takes this path as an
+//!   argument), the CA from `.../serviceaccount/ca.crt` (env
+//!   `OCI_KUBERNETES_SERVICE_ACCOUNT_CERT_PATH`, the variable the SDKs read). Both are read
+//!   again for every exchange (kubelet rotates projected tokens). As the SDKs do, a token
+//!   whose JWT `exp` has passed is refused before it is sent. Env
+//!   `MODELFS_OKE_PROXYMUX_ENDPOINT` (`https://host:port`) replaces
+//!   `https://$KUBERNETES_SERVICE_HOST:12250` (tests; TLS and the CA still apply). The region is
+//!   `parameters.region`, else `OCI_RESOURCE_PRINCIPAL_REGION` (full names such as
+//!   `us-ashburn-1`; the SDKs' short aliases are not translated). A `403` adds the SDKs' hint
+//!   that the cluster must be an enhanced cluster. The exchange happens once per resolve and
+//!   once per fetch, as for instance principals (a fetch that outlives the token fails and is
+//!   retried with a new one). Differences from the SDKs: no local retry of the exchange (the
+//!   pipeline's and the reconciler's retries apply), and the token is not reused across
+//!   resolves and fetches.
 //!
-//! Nothing here logs or reports key material: errors name files and fields, never values; the
-//! `keyId` of an API key (tenancy, user, fingerprint) is public and may appear.
+//! Nothing here logs or reports key material or tokens (service account token, session tokens):
+//! errors name files and fields, never values; the `keyId` of an API key (tenancy, user,
+//! fingerprint) is public and may appear.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -111,6 +132,30 @@ pub struct AgentOciEnv {
     pub metadata_endpoint: String,
     /// Replaces `https://auth.<region>.oraclecloud.com`.
     pub auth_endpoint: Option<String>,
+    /// OKE workload identity: the proxymux's base URL (`None` outside a pod), the service
+    /// account token file and the CA bundle that signs the proxymux's certificate.
+    pub oke_proxymux: Option<String>,
+    pub oke_token_path: PathBuf,
+    pub oke_ca_path: PathBuf,
+}
+
+/// Where Kubernetes mounts a pod's service account.
+const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+/// The proxymux's port on the API server's service address, as the SDKs hard-code it.
+pub const OKE_PROXYMUX_PORT: u16 = 12250;
+
+/// The proxymux's base URL: `overridden` (already trimmed), else
+/// `https://<kubernetes service host>:12250` (an IPv6 address in brackets).
+fn proxymux_base(overridden: Option<String>, service_host: Option<&str>) -> Option<String> {
+    if overridden.is_some() {
+        return overridden;
+    }
+    let host = service_host.map(str::trim).filter(|h| !h.is_empty())?;
+    Some(if host.contains(':') && !host.starts_with('[') {
+        format!("https://[{host}]:{OKE_PROXYMUX_PORT}")
+    } else {
+        format!("https://{host}:{OKE_PROXYMUX_PORT}")
+    })
 }
 
 /// The instance metadata service of OCI compute instances.
@@ -134,6 +179,11 @@ impl AgentOciEnv {
                 .map(|e| e.trim().trim_end_matches('/').to_string())
                 .filter(|e| !e.is_empty())
         };
+        let path = |name: &str| {
+            std::env::var_os(name)
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from)
+        };
         Self {
             config_file,
             profile,
@@ -141,6 +191,14 @@ impl AgentOciEnv {
             metadata_endpoint: endpoint("MODELFS_OCI_METADATA_ENDPOINT")
                 .unwrap_or_else(|| DEFAULT_METADATA_ENDPOINT.into()),
             auth_endpoint: endpoint("MODELFS_OCI_AUTH_ENDPOINT"),
+            oke_proxymux: proxymux_base(
+                endpoint("MODELFS_OKE_PROXYMUX_ENDPOINT"),
+                std::env::var("KUBERNETES_SERVICE_HOST").ok().as_deref(),
+            ),
+            oke_token_path: path("OCI_KUBERNETES_SERVICE_ACCOUNT_TOKEN_PATH")
+                .unwrap_or_else(|| Path::new(SERVICE_ACCOUNT_DIR).join("token")),
+            oke_ca_path: path("OCI_KUBERNETES_SERVICE_ACCOUNT_CERT_PATH")
+                .unwrap_or_else(|| Path::new(SERVICE_ACCOUNT_DIR).join("ca.crt")),
         }
     }
 }
@@ -162,8 +220,10 @@ pub async fn credentials(
     http: &reqwest::Client,
     timeout: Duration,
 ) -> Result<Credentials, OciError> {
-    if mode == AuthMode::InstancePrincipal {
-        return instance_principal(env, http, timeout).await;
+    match mode {
+        AuthMode::InstancePrincipal => return instance_principal(env, http, timeout).await,
+        AuthMode::OkeWorkloadIdentity => return oke_workload_identity(env, timeout).await,
+        AuthMode::UserPrincipal | AuthMode::ResourcePrincipal => {}
     }
     static_credentials(mode, secret, env)
 }
@@ -198,16 +258,20 @@ fn static_credentials(
             }
         },
         AuthMode::ResourcePrincipal => resource_principal(&env.resource_principal),
-        AuthMode::InstancePrincipal => unreachable!("instance principals are fetched"),
-        AuthMode::OkeWorkloadIdentity => Err(cred_err(
+        AuthMode::InstancePrincipal | AuthMode::OkeWorkloadIdentity => Err(cred_err(
             mode,
-            "OKE workload identity needs a freshly generated RSA session key for every token \
-             exchange, which modelfs cannot generate yet; use parameters.auth: UserPrincipal \
-             (an API key in the model's Secret or the agent's OCI config file), \
-             ResourcePrincipal (OCI_RESOURCE_PRINCIPAL_* 2.2 in the agent's environment) or \
-             InstancePrincipal",
+            "this mode exchanges a token over the network (credentials(), not static)",
         )),
     }
+}
+
+/// A fresh session key pair for a token exchange (generated off the async runtime); its key id
+/// is set once the token is known.
+async fn session_key(mode: AuthMode) -> Result<SigningKey, OciError> {
+    tokio::task::spawn_blocking(|| SigningKey::generate(String::new()))
+        .await
+        .map_err(|e| cred_err(mode, format!("generating the session key: {e}")))?
+        .map_err(|e| cred_err(mode, format!("generating the session key: {e}")))
 }
 
 /// One GET of the instance metadata service (its v2 API wants `Authorization: Bearer Oracle`).
@@ -284,9 +348,10 @@ async fn instance_principal(
     let fingerprint = sign::certificate_sha256_fingerprint(&cert);
     let leaf = SigningKey::from_pem(format!("{tenancy}/fed-x509-sha256/{fingerprint}"), &key_pem)
         .map_err(|e| cred_err(mode, format!("the instance key: {e}")))?;
+    let session = session_key(mode).await?;
     let body = serde_json::json!({
         "certificate": B64.encode(&cert),
-        "publicKey": B64.encode(leaf.public_key_spki()),
+        "publicKey": B64.encode(session.public_key_spki()),
         "intermediateCertificates": [B64.encode(&intermediate)],
         "purpose": "DEFAULT",
         "fingerprintAlgorithm": "SHA256",
@@ -352,8 +417,192 @@ async fn instance_principal(
             detail: "no token in the answer".into(),
         })?;
     Ok(Credentials {
-        key: Arc::new(leaf.with_key_id(format!("ST${token}"))),
+        key: Arc::new(session.with_key_id(format!("ST${token}"))),
         region: Some(region),
+    })
+}
+
+/// The `exp` claim (seconds since the epoch) of a JWT, if `token` is one and has it. Only the
+/// payload is decoded; nothing is verified (the proxymux does that).
+fn jwt_expiry(token: &str) -> Option<u64> {
+    let payload = token.split('.').nth(1)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&json).ok()?;
+    let exp = claims.get("exp")?;
+    exp.as_u64().or_else(|| exp.as_f64().map(|f| f as u64))
+}
+
+/// A file of the pod's service account, read for one exchange; the error names the file.
+fn service_account_file(what: &str, path: &Path) -> Result<Vec<u8>, OciError> {
+    std::fs::read(path).map_err(|e| {
+        cred_err(
+            AuthMode::OkeWorkloadIdentity,
+            format!("reading the service account {what} {}: {e}", path.display()),
+        )
+    })
+}
+
+/// A request id for the exchange (`opc-request-id`), as the SDKs send one.
+fn opc_request_id() -> String {
+    (0..32)
+        .map(|_| char::from(b"0123456789ABCDEF"[fastrand::usize(..16)]))
+        .collect()
+}
+
+async fn oke_workload_identity(
+    env: &AgentOciEnv,
+    timeout: Duration,
+) -> Result<Credentials, OciError> {
+    let mode = AuthMode::OkeWorkloadIdentity;
+    let base = env.oke_proxymux.clone().ok_or_else(|| {
+        cred_err(
+            mode,
+            "KUBERNETES_SERVICE_HOST is not set: OKE workload identity works in a pod of an \
+             enhanced OKE cluster (the proxymux is at $KUBERNETES_SERVICE_HOST:12250)",
+        )
+    })?;
+    if !base.starts_with("https://") {
+        return Err(cred_err(
+            mode,
+            format!(
+                "the proxymux endpoint {base} is not https:// (the service account token is \
+                 only sent over TLS)"
+            ),
+        ));
+    }
+    let token_path = &env.oke_token_path;
+    let sa_token = String::from_utf8(service_account_file("token", token_path)?)
+        .map_err(|_| cred_err(mode, format!("{} is not UTF-8", token_path.display())))?;
+    let sa_token = sa_token.trim();
+    if sa_token.is_empty() {
+        return Err(cred_err(
+            mode,
+            format!(
+                "the service account token {} is empty",
+                token_path.display()
+            ),
+        ));
+    }
+    if sa_token.chars().any(|c| !c.is_ascii_graphic()) {
+        return Err(cred_err(
+            mode,
+            format!(
+                "the service account token {} holds characters a header cannot carry",
+                token_path.display()
+            ),
+        ));
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    if let Some(exp) = jwt_expiry(sa_token).filter(|&exp| exp <= now) {
+        return Err(cred_err(
+            mode,
+            format!(
+                "the service account token {} expired {}s ago (JWT exp {exp})",
+                token_path.display(),
+                now - exp
+            ),
+        ));
+    }
+    let ca = service_account_file("CA", &env.oke_ca_path)?;
+    let roots = reqwest::Certificate::from_pem_bundle(&ca)
+        .ok()
+        .filter(|certs| !certs.is_empty())
+        .ok_or_else(|| {
+            cred_err(
+                mode,
+                format!(
+                    "the service account CA {} holds no PEM certificate",
+                    env.oke_ca_path.display()
+                ),
+            )
+        })?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::builder()
+        .tls_certs_only(roots)
+        .connect_timeout(timeout)
+        .build()
+        .map_err(|e| cred_err(mode, format!("the proxymux client: {e}")))?;
+
+    let session = session_key(mode).await?;
+    let body = serde_json::json!({ "podKey": B64.encode(session.public_key_spki()) }).to_string();
+    let what = format!("OKE workload identity: token exchange at {base}");
+    let request = http
+        .post(format!("{base}/resourcePrincipalSessionTokens"))
+        .bearer_auth(sa_token)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .header("opc-request-id", opc_request_id())
+        .body(body)
+        .send();
+    let resp = tokio::time::timeout(timeout, request)
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))?;
+    let status = resp.status().as_u16();
+    let text = tokio::time::timeout(timeout, resp.text())
+        .await
+        .map_err(|_| OciError::Stalled {
+            what: what.clone(),
+            secs: timeout.as_secs(),
+        })?
+        .map_err(|e| super::network(&what, e))?;
+    if !(200..300).contains(&status) {
+        // The service's error JSON (code, message) when there is one; any other body is not
+        // repeated.
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let field = |k: &str| {
+            json.get(k).and_then(|v| v.as_str()).map(|s| {
+                s.chars()
+                    .filter(|c| !c.is_control())
+                    .take(300)
+                    .collect::<String>()
+            })
+        };
+        let mut message = field("message")
+            .unwrap_or_else(|| "the proxymux refused the service account token".into());
+        if status == 403 {
+            message.push_str(" (OKE workload identity needs an enhanced cluster)");
+        }
+        return Err(OciError::Status {
+            what,
+            status,
+            code: field("code"),
+            message,
+            retry_after: None,
+        });
+    }
+    // base64 of {"token": "ST$<token>"}; the SDKs drop the three-character prefix.
+    let token = B64
+        .decode(text.trim())
+        .ok()
+        .and_then(|json| serde_json::from_slice::<serde_json::Value>(&json).ok())
+        .and_then(|v| v.get("token")?.as_str().map(str::to_string))
+        .ok_or_else(|| OciError::Protocol {
+            what: what.clone(),
+            detail: "the answer is not the base64 of {\"token\": ...}".into(),
+        })?;
+    let token = token.strip_prefix("ST$").unwrap_or(&token);
+    if token.is_empty() || !token.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(OciError::Protocol {
+            what,
+            detail: "the session token is empty or not printable ASCII".into(),
+        });
+    }
+    let region = env
+        .resource_principal
+        .get("OCI_RESOURCE_PRINCIPAL_REGION")
+        .map(|r| r.trim().to_string())
+        .filter(|r| !r.is_empty());
+    Ok(Credentials {
+        key: Arc::new(session.with_key_id(format!("ST${token}"))),
+        region,
     })
 }
 
@@ -641,8 +890,107 @@ mod tests {
             AuthMode::UserPrincipal
         );
         assert!(AuthMode::from_parameter(Some("user_principal")).is_err());
-        let e = static_credentials(AuthMode::OkeWorkloadIdentity, None, &AgentOciEnv::default())
-            .unwrap_err();
-        assert!(e.to_string().contains("UserPrincipal"));
+        assert_eq!(
+            AuthMode::from_parameter(Some("OkeWorkloadIdentity")).unwrap(),
+            AuthMode::OkeWorkloadIdentity
+        );
+    }
+
+    #[test]
+    fn the_proxymux_is_the_api_servers_address_on_port_12250() {
+        assert_eq!(
+            proxymux_base(None, Some("10.96.0.1")).as_deref(),
+            Some("https://10.96.0.1:12250")
+        );
+        assert_eq!(
+            proxymux_base(None, Some(" fd00::1 ")).as_deref(),
+            Some("https://[fd00::1]:12250")
+        );
+        assert_eq!(
+            proxymux_base(Some("https://127.0.0.1:4443".into()), Some("10.96.0.1")).as_deref(),
+            Some("https://127.0.0.1:4443"),
+            "the test override wins"
+        );
+        assert_eq!(proxymux_base(None, Some("")), None);
+        assert_eq!(proxymux_base(None, None), None);
+    }
+
+    #[test]
+    fn jwt_expiry_reads_the_payload_only() {
+        let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        let jwt = format!(
+            "{}.{}.sig",
+            b64("{\"alg\":\"RS256\"}"),
+            b64("{\"exp\":1700000000}")
+        );
+        assert_eq!(jwt_expiry(&jwt), Some(1_700_000_000));
+        let no_exp = format!("{}.{}.sig", b64("{}"), b64("{\"sub\":\"x\"}"));
+        assert_eq!(jwt_expiry(&no_exp), None);
+        assert_eq!(jwt_expiry("opaque-token"), None);
+    }
+
+    fn oke_env(dir: &Path) -> AgentOciEnv {
+        AgentOciEnv {
+            oke_proxymux: Some("https://127.0.0.1:1".into()),
+            oke_token_path: dir.join("token"),
+            oke_ca_path: dir.join("ca.crt"),
+            ..Default::default()
+        }
+    }
+
+    async fn oke_error(env: &AgentOciEnv) -> String {
+        credentials(
+            AuthMode::OkeWorkloadIdentity,
+            None,
+            env,
+            &reqwest::Client::builder().build().unwrap(),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap_err()
+        .to_string()
+    }
+
+    #[tokio::test]
+    async fn oke_workload_identity_errors_name_files_and_never_the_token() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let dir = tempfile::tempdir().unwrap();
+        // Outside a pod.
+        let e = oke_error(&AgentOciEnv::default()).await;
+        assert!(e.contains("KUBERNETES_SERVICE_HOST is not set"), "{e}");
+        // The token is only sent over TLS.
+        let env = AgentOciEnv {
+            oke_proxymux: Some("http://127.0.0.1:1".into()),
+            ..oke_env(dir.path())
+        };
+        assert!(oke_error(&env).await.contains("not https://"));
+        // No token file.
+        let env = oke_env(dir.path());
+        let e = oke_error(&env).await;
+        assert!(e.contains("reading the service account token"), "{e}");
+        assert!(
+            e.contains(&dir.path().join("token").display().to_string()),
+            "{e}"
+        );
+        // An expired token is refused before it is sent; its text is not shown.
+        let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        let expired = format!("{}.{}.SECRETSIG", b64("{}"), b64("{\"exp\":1000}"));
+        std::fs::write(dir.path().join("token"), &expired).unwrap();
+        let e = oke_error(&env).await;
+        assert!(e.contains("expired") && e.contains("exp 1000"), "{e}");
+        assert!(!e.contains("SECRETSIG") && !e.contains(&expired), "{e}");
+        // A valid token, no CA; then a CA file without a certificate.
+        let fresh = format!("{}.{}.SECRETSIG", b64("{}"), b64("{\"exp\":99999999999}"));
+        std::fs::write(dir.path().join("token"), &fresh).unwrap();
+        let e = oke_error(&env).await;
+        assert!(
+            e.contains("reading the service account CA")
+                && e.contains(&dir.path().join("ca.crt").display().to_string()),
+            "{e}"
+        );
+        std::fs::write(dir.path().join("ca.crt"), "not a certificate\n").unwrap();
+        let e = oke_error(&env).await;
+        assert!(e.contains("holds no PEM certificate"), "{e}");
+        assert!(!e.contains("SECRETSIG"), "{e}");
     }
 }

@@ -9,7 +9,8 @@
 //!   signs `x-content-sha256` (base64 SHA-256 of the body), `content-type` and `content-length`.
 //! * The header is `Authorization: Signature version="1",keyId="...",algorithm="rsa-sha256",
 //!   headers="...",signature="<base64>"`. `keyId` is `<tenancy>/<user>/<fingerprint>` for an
-//!   API key, and `ST$<token>` for a session token (instance and resource principals).
+//!   API key, and `ST$<token>` for a session token (instance and resource principals, OKE
+//!   workload identity).
 //!
 //! The service rejects a `date` more than five minutes from its clock. Both the client side
 //! ([`SigningKey`]) and the verifier of the development look-alike
@@ -115,6 +116,26 @@ impl SigningKey {
             _ => RsaKeyPair::from_der(&der),
         }
         .map_err(|e| KeyError::Rejected(e.to_string()))?;
+        Ok(Self {
+            key_id: key_id.into(),
+            pair,
+        })
+    }
+
+    /// A freshly generated RSA-2048 key (public exponent 65537), as the SDKs make the session
+    /// key of a token exchange. The `rsa` crate generates it (ring cannot); ring signs with it
+    /// like any other key. CPU-bound (tens of milliseconds, occasionally more): call it off the
+    /// async runtime.
+    pub fn generate(key_id: impl Into<String>) -> Result<Self, KeyError> {
+        use rsa::pkcs1::EncodeRsaPrivateKey as _;
+        let key = rsa::RsaPrivateKey::new(&mut rsa::rand_core::OsRng, 2048)
+            .map_err(|e| KeyError::Rejected(e.to_string()))?;
+        // PKCS#1 DER in a zeroized-on-drop document; the rsa key zeroizes itself too.
+        let der = key
+            .to_pkcs1_der()
+            .map_err(|e| KeyError::Rejected(e.to_string()))?;
+        let pair =
+            RsaKeyPair::from_der(der.as_bytes()).map_err(|e| KeyError::Rejected(e.to_string()))?;
         Ok(Self {
             key_id: key_id.into(),
             pair,
@@ -322,6 +343,22 @@ pub fn rsa_public_key_from_spki(der: &[u8]) -> Result<Vec<u8>, KeyError> {
         (0x03, Some((0, key))) => Ok(key.to_vec()),
         _ => Err(KeyError::BadPublicKey),
     }
+}
+
+/// The modulus size in bits of a DER `RSAPublicKey` (`SEQUENCE { modulus INTEGER, ... }`).
+pub fn rsa_modulus_bits(rsa_public_key_der: &[u8]) -> Option<usize> {
+    let (tag, key, _) = der_read(rsa_public_key_der)?;
+    if tag != 0x30 {
+        return None;
+    }
+    let (tag, modulus, _) = der_read(key)?;
+    if tag != 0x02 {
+        return None;
+    }
+    // A leading zero keeps a positive INTEGER positive; it is not part of the number.
+    let first = modulus.iter().position(|&b| b != 0)?;
+    let significant = &modulus[first..];
+    Some(significant.len() * 8 - significant[0].leading_zeros() as usize)
 }
 
 /// The DER of the first PEM block labelled `label` (`CERTIFICATE`...).
@@ -541,6 +578,40 @@ pub(crate) mod tests {
                 "content-length"
             ]
         );
+    }
+
+    #[test]
+    fn generated_session_keys_are_fresh_2048_bit_keys_that_sign() {
+        let a = SigningKey::generate("ST$a").unwrap();
+        let b = SigningKey::generate("ST$b").unwrap();
+        assert_ne!(
+            a.public_key_der(),
+            b.public_key_der(),
+            "a new key each time"
+        );
+        assert_eq!(a.pair.public().modulus_len(), 256, "RSA-2048");
+        assert_eq!(rsa_modulus_bits(&a.public_key_der()), Some(2048));
+        // The SubjectPublicKeyInfo round-trips to the key that verifies its signatures.
+        let spki = a.public_key_spki();
+        assert_eq!(rsa_public_key_from_spki(&spki).unwrap(), a.public_key_der());
+        let headers = a.sign(&RequestToSign {
+            method: "GET",
+            path_and_query: "/n/ns/b/b/o",
+            host: "objectstorage.us-ashburn-1.oraclecloud.com",
+            date: "Tue, 01 Dec 2026 17:00:00 GMT",
+            body: None,
+        });
+        let auth = &headers
+            .iter()
+            .find(|(n, _)| *n == "authorization")
+            .unwrap()
+            .1;
+        let parsed = parse_authorization(auth).unwrap();
+        assert_eq!(parsed.key_id, "ST$a");
+        let text = "date: Tue, 01 Dec 2026 17:00:00 GMT\n(request-target): get /n/ns/b/b/o\n\
+                    host: objectstorage.us-ashburn-1.oraclecloud.com";
+        assert!(verify(&a.public_key_der(), text, &parsed.signature));
+        assert!(!verify(&b.public_key_der(), text, &parsed.signature));
     }
 
     #[test]

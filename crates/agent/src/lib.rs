@@ -31,5 +31,6 @@ pub mod kubernetes;
 pub mod metrics;
 pub mod mount_client;
 pub mod reconciler;
+pub mod retry;
 pub mod source;
 pub mod standalone;

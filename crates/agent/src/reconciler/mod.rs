@@ -584,8 +584,8 @@ pub struct Reconciler {
     gc_usage_seen: u64,
     /// Failing writes of `records.json` / `status.json` (a full disk): retried with backoff,
     /// reported once when they start failing and once when they work again.
-    records_writes: persist::Backoff,
-    status_writes: persist::Backoff,
+    records_writes: persist::FileWrites,
+    status_writes: persist::FileWrites,
     /// The latest status document could not be written to `status.json` yet.
     status_file_stale: bool,
 }
@@ -645,8 +645,8 @@ impl Reconciler {
             hf_cache: None,
             gc_due: true,
             gc_usage_seen: 0,
-            records_writes: persist::Backoff::new("records.json"),
-            status_writes: persist::Backoff::new("status.json"),
+            records_writes: persist::FileWrites::new("records.json"),
+            status_writes: persist::FileWrites::new("status.json"),
             status_file_stale: false,
         };
         r.hf_cache = r
@@ -1830,7 +1830,7 @@ impl Reconciler {
                 self.config.retry_base,
                 self.config.retry_max,
                 attempts,
-                now_nanos_fraction(),
+                fastrand::f64(),
             );
             reason = format!("{reason} (retry {attempts} in {}s)", delay.as_secs().max(1));
             self.retries.insert(
@@ -2222,14 +2222,6 @@ fn split_key(key: &ModelKey) -> (Option<String>, String) {
         Some((ns, name)) => (Some(ns.to_string()), name.to_string()),
         None => (None, s.to_string()),
     }
-}
-
-fn now_nanos_fraction() -> f64 {
-    let n = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    f64::from(n % 1000) / 1000.0
 }
 
 #[cfg(test)]

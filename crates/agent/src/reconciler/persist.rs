@@ -10,14 +10,15 @@
 use std::time::{Duration, Instant};
 
 use super::Reconciler;
+use crate::retry::Backoff;
 use modelfs_core::artifact::Sha256Digest;
 
-const FIRST_RETRY: Duration = Duration::from_secs(1);
-const MAX_RETRY: Duration = Duration::from_secs(60);
+/// 1 s doubling to 60 s, without jitter ([`crate::retry`]).
+const WRITE_RETRY: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
 
 /// Failure state of one file's writes.
 #[derive(Debug)]
-pub(super) struct Backoff {
+pub(super) struct FileWrites {
     file: &'static str,
     /// Failures in a row (0: the last write worked).
     failures: u32,
@@ -25,7 +26,7 @@ pub(super) struct Backoff {
     next_attempt: Option<Instant>,
 }
 
-impl Backoff {
+impl FileWrites {
     pub(super) fn new(file: &'static str) -> Self {
         Self {
             file,
@@ -57,9 +58,7 @@ impl Backoff {
 
     fn failed(&mut self, error: &std::io::Error) {
         self.failures += 1;
-        let delay = FIRST_RETRY
-            .saturating_mul(1 << (self.failures - 1).min(16))
-            .min(MAX_RETRY);
+        let delay = WRITE_RETRY.step(self.failures);
         self.next_attempt = Some(Instant::now() + delay);
         if self.failures == 1 {
             tracing::error!(

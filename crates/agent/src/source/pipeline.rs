@@ -304,11 +304,7 @@ impl Transfers {
         if let Some(after) = err.retry_after() {
             return after.min(t.retry_max);
         }
-        let step = t
-            .retry_base
-            .saturating_mul(1u32 << attempt.saturating_sub(1).min(16))
-            .min(t.retry_max);
-        step.mul_f64(0.5 + 0.5 * fastrand::f64())
+        crate::retry::Backoff::new(t.retry_base, t.retry_max).random(attempt)
     }
 
     fn stalled(&self, what: &str) -> TransferError {

@@ -837,11 +837,12 @@ pub fn children_of<'a>(records: &'a Records, key: &ModelKey) -> Vec<&'a ModelKey
 }
 
 /// The delay before retry number `attempts` of a transient failure: `base` doubling per
-/// attempt up to `max`, scaled by `jitter` (0..1 maps to 50..100%), so a node full of failing
-/// models does not retry in lockstep.
+/// attempt up to `max`, scaled by `jitter` (0..1 maps to 50..100%; see [`crate::retry`]), so a
+/// node full of failing models does not retry in lockstep.
 pub fn retry_delay(base: Duration, max: Duration, attempts: u32, jitter: f64) -> Duration {
-    let exp = base.saturating_mul(1u32 << attempts.min(16)).min(max);
-    exp.mul_f64(0.5 + 0.5 * jitter.clamp(0.0, 1.0))
+    // The first retry already waits twice `base`: `base` is the delay of a failure's own
+    // attempt, which the model has had.
+    crate::retry::Backoff::new(base, max).jittered(attempts.saturating_add(1), jitter)
 }
 
 /// What a model's work claims on its wanted path, as the reconciler knows it.

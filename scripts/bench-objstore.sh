@@ -82,7 +82,15 @@ listed=$(s3client list "$BUCKET" "$PREFIX/" | jq length)
 [[ $listed == "$NFILES" ]] || { echo "uploaded $listed of $NFILES files"; exit 1; }
 
 drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
-cpu_ticks() { awk '{print $14 + $15 + $16 + $17}' "/proc/$1/stat"; }
+# CPU ticks of process $1 and its running children (modelfs serve runs the agent as its child;
+# a running child's time is not in the parent's cutime/cstime).
+cpu_ticks() {
+  local p sum=0
+  for p in "$1" $(pgrep -P "$1"); do
+    sum=$((sum + $(awk '{print $14 + $15 + $16 + $17}' "/proc/$p/stat" 2>/dev/null || echo 0)))
+  done
+  echo "$sum"
+}
 TICK=$(getconf CLK_TCK)
 
 # --- ceiling: parallel curl, one plain GET per file (the fewest requests moto can be asked), 8 at

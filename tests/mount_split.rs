@@ -589,13 +589,24 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
     entries.push(nostore);
     let mapping: WireMapping =
         serde_json::from_value(serde_json::json!({"entries": entries, "files": []})).unwrap();
-    let (mut stream, _welcome, rest) =
-        handshake(&split.socket, protocol::PROTOCOL_VERSION).unwrap();
+    // An agent that says so in its hello hears which artifacts the server holds, and need not
+    // send their manifests; an older agent's hello gets no list (it reads its welcome with a
+    // 64 KiB limit).
+    let old_style = hello(&split.socket, protocol::PROTOCOL_VERSION);
+    assert!(
+        old_style.contains("welcome") && old_style.contains(r#""artifacts":[]"#),
+        "{old_style}"
+    );
+    let (mut stream, welcome, rest) = handshake(&split.socket, protocol::PROTOCOL_VERSION).unwrap();
+    assert_eq!(
+        welcome.held,
+        std::collections::HashSet::from([artifact.id.clone()])
+    );
     protocol::write_message(
         &mut stream,
         &AgentMessage::Apply {
             seq: 1,
-            artifacts: vec![artifact],
+            artifacts: Vec::new(),
             mapping,
         },
     )

@@ -668,6 +668,16 @@ fn serve_runs_the_agent_as_a_supervised_child() {
     };
     let agent = children(d.pid());
     assert_eq!(agent.len(), 1, "one agent child");
+    // The supervisor gives the agent its malloc settings (BENCHMARKS.md, memory).
+    let environ = std::fs::read(format!("/proc/{}/environ", agent[0])).unwrap();
+    let environ: Vec<&[u8]> = environ.split(|b| *b == 0).collect();
+    for (name, value) in modelfs_mount::supervise::AGENT_MALLOC_ENV {
+        let want = format!("{name}={value}");
+        assert!(
+            environ.contains(&want.as_bytes()),
+            "{want} in the agent's environment"
+        );
+    }
     let pid = rustix::process::Pid::from_raw(agent[0] as i32).expect("a pid");
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("SIGKILL the agent");
     wait_for(

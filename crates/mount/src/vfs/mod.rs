@@ -598,7 +598,10 @@ impl FsCore {
         }
         for h in self.handles.iter() {
             if let Some(store) = &h.store {
-                out.blobs.entry(store.id.clone()).or_default().insert(h.blob);
+                out.blobs
+                    .entry(store.id.clone())
+                    .or_default()
+                    .insert(h.blob);
             }
         }
         // While the remote server's uses are unknown the last report still counts (and

@@ -589,6 +589,11 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
     entries.push(nostore);
     let mapping: WireMapping =
         serde_json::from_value(serde_json::json!({"entries": entries, "files": []})).unwrap();
+    // A persisted artifact that no mapping names is removed when the next mapping is persisted.
+    let stray = state_dir
+        .join("artifacts")
+        .join(format!("{}.json", "0".repeat(64)));
+    std::fs::write(&stray, b"{}").unwrap();
     // An agent that says so in its hello hears which artifacts the server holds, and need not
     // send their manifests; an older agent's hello gets no list (it reads its welcome with a
     // 64 KiB limit).
@@ -633,6 +638,11 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
         "{reasons:?}"
     );
     assert!(reasons["nostore"].contains("does not exist"), "{reasons:?}");
+    assert!(!stray.exists(), "an artifact file no mapping names");
+    assert!(state_dir
+        .join("artifacts")
+        .join(format!("{artifact_id}.json"))
+        .exists());
     check_good(&split);
     let listing: Vec<String> = std::fs::read_dir(&split.env.mount)
         .unwrap()

@@ -680,12 +680,12 @@ impl Shared {
         };
         let bytes = serde_json::to_vec(&doc).map_err(io::Error::other)?;
         modelfs_core::store::fsutil::atomic_write(&self.mapping_path(), &bytes)?;
+        // One set of names, not every id formatted again for every file (at 1,000 models that
+        // was a million hex encodings per mapping applied).
+        let named: HashSet<String> = artifacts.keys().map(|id| format!("{id}.json")).collect();
         for entry in std::fs::read_dir(self.dir.join("artifacts"))?.flatten() {
             let name = entry.file_name();
-            let name = name.to_string_lossy();
-            let keep = name
-                .strip_suffix(".json")
-                .is_some_and(|id| artifacts.keys().any(|a| a.to_string() == id));
+            let keep = name.to_str().is_some_and(|n| named.contains(n));
             if !keep {
                 let _ = std::fs::remove_file(entry.path());
             }

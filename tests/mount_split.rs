@@ -589,13 +589,29 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
     entries.push(nostore);
     let mapping: WireMapping =
         serde_json::from_value(serde_json::json!({"entries": entries, "files": []})).unwrap();
-    let (mut stream, _welcome, rest) =
-        handshake(&split.socket, protocol::PROTOCOL_VERSION).unwrap();
+    // A persisted artifact that no mapping names is removed when the next mapping is persisted.
+    let stray = state_dir
+        .join("artifacts")
+        .join(format!("{}.json", "0".repeat(64)));
+    std::fs::write(&stray, b"{}").unwrap();
+    // An agent that says so in its hello hears which artifacts the server holds, and need not
+    // send their manifests; an older agent's hello gets no list (it reads its welcome with a
+    // 64 KiB limit).
+    let old_style = hello(&split.socket, protocol::PROTOCOL_VERSION);
+    assert!(
+        old_style.contains("welcome") && old_style.contains(r#""artifacts":[]"#),
+        "{old_style}"
+    );
+    let (mut stream, welcome, rest) = handshake(&split.socket, protocol::PROTOCOL_VERSION).unwrap();
+    assert_eq!(
+        welcome.held,
+        std::collections::HashSet::from([artifact.id.clone()])
+    );
     protocol::write_message(
         &mut stream,
         &AgentMessage::Apply {
             seq: 1,
-            artifacts: vec![artifact],
+            artifacts: Vec::new(),
             mapping,
         },
     )
@@ -622,6 +638,11 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
         "{reasons:?}"
     );
     assert!(reasons["nostore"].contains("does not exist"), "{reasons:?}");
+    assert!(!stray.exists(), "an artifact file no mapping names");
+    assert!(state_dir
+        .join("artifacts")
+        .join(format!("{artifact_id}.json"))
+        .exists());
     check_good(&split);
     let listing: Vec<String> = std::fs::read_dir(&split.env.mount)
         .unwrap()
@@ -657,6 +678,16 @@ fn serve_runs_the_agent_as_a_supervised_child() {
     };
     let agent = children(d.pid());
     assert_eq!(agent.len(), 1, "one agent child");
+    // The supervisor gives the agent its malloc settings (BENCHMARKS.md, memory).
+    let environ = std::fs::read(format!("/proc/{}/environ", agent[0])).unwrap();
+    let environ: Vec<&[u8]> = environ.split(|b| *b == 0).collect();
+    for (name, value) in modelfs_mount::supervise::AGENT_MALLOC_ENV {
+        let want = format!("{name}={value}");
+        assert!(
+            environ.contains(&want.as_bytes()),
+            "{want} in the agent's environment"
+        );
+    }
     let pid = rustix::process::Pid::from_raw(agent[0] as i32).expect("a pid");
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("SIGKILL the agent");
     wait_for(

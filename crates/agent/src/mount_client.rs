@@ -3,11 +3,16 @@
 //! calls [`MountSink::invalidate`]; this side then sends that core's last mapping to the mount
 //! server, which computes its own kernel invalidations. One thread keeps the connection:
 //! connect, `hello`, the whole mapping, then every change; after any failure it reconnects
-//! and sends the whole mapping again.
+//! and sends the whole mapping again, with the manifests of only those artifacts the server's
+//! `welcome` did not list as held (see [`modelfs_mount::protocol`]).
 //!
 //! Memory: nothing here copies the mapping. What to send (again, after a reconnect) is the
 //! core's last applied entries, whose artifacts are the reconciler's own `Arc`s, and a message
-//! is serialized straight onto the socket through a small buffer.
+//! is serialized straight onto the socket through a small buffer. After a restart of either
+//! side the server already holds every manifest (its persisted mapping, or the mapping it kept
+//! serving), so the reconnect costs neither side a second copy of them: sending them again
+//! made the mount server parse tens of MB of JSON into a second set of manifests, a peak its
+//! heap kept as resident memory.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufRead, BufReader, IoSliceMut, Read, Write};
@@ -36,6 +41,9 @@ pub struct Welcome {
     pub passthrough: bool,
     /// The directory underneath the mount (see [`crate::adopt`]).
     pub under: OwnedFd,
+    /// Artifacts the server already holds: not sent on this connection unless they leave
+    /// the mapping and come back (protocol module docs).
+    pub held: HashSet<ArtifactId>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +75,7 @@ pub fn handshake(
         &AgentMessage::Hello {
             protocol: version,
             agent: env!("CARGO_PKG_VERSION").to_string(),
+            held_artifacts: true,
         },
     )
     .map_err(unavailable)?;
@@ -97,7 +106,8 @@ pub fn handshake(
     }
     let mut reader =
         BufReader::new(io::Cursor::new(buf).chain(stream.try_clone().map_err(unavailable)?));
-    let line = protocol::read_line(&mut reader, protocol::MAX_HELLO_BYTES)
+    // Longer than a hello: it lists the artifacts the server holds.
+    let line = protocol::read_line(&mut reader, protocol::MAX_MESSAGE_BYTES)
         .map_err(|e| ConnectError::Protocol(e.to_string()))?
         .ok_or_else(|| ConnectError::Protocol("connection closed before the welcome".into()))?;
     let message: ServerMessage =
@@ -108,6 +118,7 @@ pub fn handshake(
             server,
             mount_dev,
             passthrough,
+            artifacts,
         } => {
             if protocol != version {
                 return Err(ConnectError::Protocol(format!(
@@ -121,6 +132,7 @@ pub fn handshake(
                 under: under.ok_or_else(|| {
                     ConnectError::Protocol("welcome without the models root descriptor".into())
                 })?,
+                held: artifacts.into_iter().collect(),
             }
         }
         ServerMessage::Refused { reason } => return Err(ConnectError::Refused(reason)),
@@ -215,7 +227,7 @@ impl RemoteMount {
     ) -> Result<(Arc<RemoteMount>, Welcome, Arc<AtomicU64>), ConnectError> {
         core.set_remote_unknown();
         let mut logged = false;
-        let (stream, welcome, rest) = loop {
+        let (stream, mut welcome, rest) = loop {
             match handshake(socket, PROTOCOL_VERSION) {
                 Ok(x) => break x,
                 Err(ConnectError::Unavailable { .. }) | Err(ConnectError::Protocol(_)) => {
@@ -246,9 +258,10 @@ impl RemoteMount {
             refusal_listener: Mutex::new(None),
         });
         let thread_shared = shared.clone();
+        let held = std::mem::take(&mut welcome.held);
         std::thread::Builder::new()
             .name("mount-client".into())
-            .spawn(move || connection_loop(thread_shared, stream, rest))
+            .spawn(move || connection_loop(thread_shared, stream, rest, held))
             .map_err(|e| ConnectError::Unavailable {
                 path: socket.to_path_buf(),
                 source: e,
@@ -257,9 +270,20 @@ impl RemoteMount {
     }
 }
 
-fn connection_loop(shared: Arc<Shared>, mut stream: UnixStream, mut rest: Vec<u8>) {
+fn connection_loop(
+    shared: Arc<Shared>,
+    mut stream: UnixStream,
+    mut rest: Vec<u8>,
+    mut held: HashSet<ArtifactId>,
+) {
     loop {
-        if let Err(e) = run_connection(&shared, &stream, std::mem::take(&mut rest)) {
+        let connection = run_connection(
+            &shared,
+            &stream,
+            std::mem::take(&mut rest),
+            std::mem::take(&mut held),
+        );
+        if let Err(e) = connection {
             tracing::warn!(error = %e, "mount server connection lost; reconnecting");
         }
         shared.core.set_remote_unknown();
@@ -278,6 +302,7 @@ fn connection_loop(shared: Arc<Shared>, mut stream: UnixStream, mut rest: Vec<u8
                     shared.mount_dev.store(welcome.mount_dev, Ordering::Relaxed);
                     stream = s;
                     rest = r;
+                    held = welcome.held;
                     break;
                 }
                 Err(e) => {
@@ -301,7 +326,13 @@ fn connection_loop(shared: Arc<Shared>, mut stream: UnixStream, mut rest: Vec<u8
 }
 
 /// One connection: a reader thread for the server's messages, this thread sends mappings.
-fn run_connection(shared: &Arc<Shared>, stream: &UnixStream, rest: Vec<u8>) -> io::Result<()> {
+/// `held`: the artifacts the server's welcome said it holds.
+fn run_connection(
+    shared: &Arc<Shared>,
+    stream: &UnixStream,
+    rest: Vec<u8>,
+    held: HashSet<ArtifactId>,
+) -> io::Result<()> {
     let reader_stream = stream.try_clone()?;
     let reader_shared = shared.clone();
     let reader = std::thread::Builder::new()
@@ -314,7 +345,8 @@ fn run_connection(shared: &Arc<Shared>, stream: &UnixStream, rest: Vec<u8>) -> i
             reader_shared.wake.notify_all();
             result
         })?;
-    let mut sent_artifacts: HashSet<ArtifactId> = HashSet::new();
+    // Artifacts the server knows on this connection (protocol module docs).
+    let mut sent_artifacts = held;
     let mut writer = stream.try_clone()?;
     let result = loop {
         let seq = {
@@ -352,6 +384,9 @@ fn run_connection(shared: &Arc<Shared>, stream: &UnixStream, rest: Vec<u8>) -> i
                 store: e.store.id.clone(),
             });
         }
+        // The server forgets the artifacts this mapping does not name; so does this side.
+        let named: HashSet<&ArtifactId> = entries.iter().map(|e| &e.artifact).collect();
+        sent_artifacts.retain(|id| named.contains(id));
         let message = ApplyMessage::Apply {
             seq,
             artifacts,

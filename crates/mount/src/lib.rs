@@ -37,8 +37,9 @@
 //! (an upgraded agent may connect while the old one is still exiting).
 //!
 //! # What the server checks
-//! Each entry names a path, an artifact (whose manifest travels once per connection and is
-//! validated as a source's would be, its id checked against its digest) and a store id. An
+//! Each entry names a path, an artifact (whose manifest travels at most once per connection,
+//! not at all if the server already serves it, and is validated as a source's would be, its id
+//! checked against its digest) and a store id. An
 //! entry whose store is missing, whose blobs are not all present with their sizes (checked once
 //! per (store, artifact) while served), or whose path is invalid is left out with a reason
 //! (`applied.refused`, logged by both sides); the other models are served. A mapping the core

@@ -5,10 +5,19 @@
 //!    clear answer) and answers `welcome`, with the descriptor of the directory underneath the
 //!    mount attached (`SCM_RIGHTS`, see `modelfs_agent::adopt`), or `refused` with the reason and
 //!    closes the connection.
-//! 2. The agent sends `apply` with the whole mapping (entries name artifacts and stores by id;
-//!    the artifacts' manifests travel once per connection). Applying the same mapping twice
-//!    changes nothing, so the agent simply sends it again after every reconnect. The server
-//!    answers `applied` with the entries it refused and why, then `usage`.
+//! 2. The agent sends `apply` with the whole mapping (entries name artifacts and stores by id).
+//!    Applying the same mapping twice changes nothing, so the agent simply sends it again after
+//!    every reconnect. The server answers `applied` with the entries it refused and why, then
+//!    `usage`.
+//!
+//! Manifests travel at most once per connection, and not at all when the server already has
+//! them: `welcome` lists the artifacts the server serves (when the agent's `hello` says it
+//! reads that list), and those are known on that connection from the start. After each `apply`, both sides forget the artifacts its mapping
+//! does not name (the server's copy is dropped unless it is served; the agent sends it again
+//! should it come back). So a reconnect after a restart of either side sends the mapping's
+//! entries only, not 100,000 manifest entries the server has just loaded from its persisted
+//! mapping, and neither side's set of known artifacts grows with the models that came and went
+//! over a long-lived connection.
 //! 3. The server sends `usage` whenever a use of a store may have ended or begun (open files,
 //!    retired slots): what garbage collection must not remove.
 //!
@@ -40,10 +49,14 @@ pub enum AgentMessage {
         protocol: u32,
         /// The agent's build (`CARGO_PKG_VERSION`), for the server's log.
         agent: String,
+        /// The agent reads the artifacts listed in `welcome`. An older agent's hello lacks it;
+        /// the server then lists none (such an agent reads its welcome with a 64 KiB limit).
+        #[serde(default)]
+        held_artifacts: bool,
     },
     Apply {
         seq: u64,
-        /// Artifacts not sent before on this connection.
+        /// Artifacts of the mapping the server does not know on this connection (module docs).
         artifacts: Vec<StoredArtifact>,
         mapping: WireMapping,
     },
@@ -59,6 +72,11 @@ pub enum ServerMessage {
         mount_dev: u64,
         /// Whether the kernel granted passthrough.
         passthrough: bool,
+        /// Artifacts the server holds (those of the mapping it serves), when the agent's
+        /// hello asked for them: known on this connection without being sent. Absent from an
+        /// older server's welcome.
+        #[serde(default)]
+        artifacts: Vec<ArtifactId>,
     },
     Refused {
         reason: String,

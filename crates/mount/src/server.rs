@@ -361,12 +361,22 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
         }
         Err(reason) => return refuse(&mut stream, reason),
     }
-    let agent = match serde_json::from_slice::<AgentMessage>(&line) {
-        Ok(AgentMessage::Hello { agent, .. }) => agent,
+    let (agent, held_artifacts) = match serde_json::from_slice::<AgentMessage>(&line) {
+        Ok(AgentMessage::Hello {
+            agent,
+            held_artifacts,
+            ..
+        }) => (agent, held_artifacts),
         _ => return refuse(&mut stream, "malformed hello".into()),
     };
     stream.set_read_timeout(None)?;
-    send_welcome(shared, &stream)?;
+    // Artifacts known on this connection: those served now, named in the welcome, so an agent
+    // that reconnects need not send them (protocol module docs), then those it sends.
+    let mut artifacts = HashMap::new();
+    if held_artifacts {
+        artifacts = shared.served_artifacts.lock().expect("served").clone();
+    }
+    send_welcome(shared, &stream, artifacts.keys().cloned().collect())?;
     let peer = Arc::new(Peer {
         id: shared.next_peer.fetch_add(1, Ordering::Relaxed),
         writer: Mutex::new(stream.try_clone()?),
@@ -382,8 +392,6 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
             .shutdown(std::net::Shutdown::Both);
     }
     tracing::info!(agent = %agent, pid = cred.pid.as_raw_nonzero(), "agent connected");
-    // Artifacts sent on this connection.
-    let mut artifacts: HashMap<ArtifactId, Arc<StoredArtifact>> = HashMap::new();
     let result = loop {
         let message = match protocol::read_message::<_, AgentMessage>(
             &mut reader,
@@ -424,6 +432,10 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
                 }
                 let (more, error) = shared.apply(&artifacts, &mapping);
                 refused.extend(more);
+                // The agent forgets the same ones (protocol module docs).
+                let named: HashSet<&ArtifactId> =
+                    mapping.entries.iter().map(|e| &e.artifact).collect();
+                artifacts.retain(|id, _| named.contains(id));
                 let generation = shared.core.generation();
                 peer.send(&ServerMessage::Applied {
                     seq,
@@ -443,12 +455,17 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
     result
 }
 
-fn send_welcome(shared: &Shared, stream: &UnixStream) -> io::Result<()> {
+fn send_welcome(
+    shared: &Shared,
+    stream: &UnixStream,
+    artifacts: Vec<ArtifactId>,
+) -> io::Result<()> {
     let welcome = ServerMessage::Welcome {
         protocol: PROTOCOL_VERSION,
         server: env!("CARGO_PKG_VERSION").to_string(),
         mount_dev: shared.mount_dev.load(Ordering::Relaxed),
         passthrough: shared.passthrough.load(Ordering::Relaxed),
+        artifacts,
     };
     let mut bytes = serde_json::to_vec(&welcome).map_err(io::Error::other)?;
     bytes.push(b'\n');
@@ -663,12 +680,12 @@ impl Shared {
         };
         let bytes = serde_json::to_vec(&doc).map_err(io::Error::other)?;
         modelfs_core::store::fsutil::atomic_write(&self.mapping_path(), &bytes)?;
+        // One set of names, not every id formatted again for every file (at 1,000 models that
+        // was a million hex encodings per mapping applied).
+        let named: HashSet<String> = artifacts.keys().map(|id| format!("{id}.json")).collect();
         for entry in std::fs::read_dir(self.dir.join("artifacts"))?.flatten() {
             let name = entry.file_name();
-            let name = name.to_string_lossy();
-            let keep = name
-                .strip_suffix(".json")
-                .is_some_and(|id| artifacts.keys().any(|a| a.to_string() == id));
+            let keep = name.to_str().is_some_and(|n| named.contains(n));
             if !keep {
                 let _ = std::fs::remove_file(entry.path());
             }

@@ -93,8 +93,27 @@ fn spawn(program: &PathBuf, args: &[OsString]) -> std::io::Result<Child> {
     // one starts its own agent. The agent arranges that itself at start (no code may run
     // between fork and exec without `unsafe`); see `exit_with_supervisor`.
     cmd.env(SUPERVISOR_PID_ENV, std::process::id().to_string());
+    for (name, value) in AGENT_MALLOC_ENV {
+        if std::env::var_os(name).is_none() {
+            cmd.env(name, value);
+        }
+    }
     cmd.spawn()
 }
+
+/// glibc malloc settings for the agent, unless the environment already sets them (the
+/// Kubernetes manifests set them in the containers; see BENCHMARKS.md, "Memory of the mount
+/// server and the agent"). The agent's runtime runs dozens of threads while it imports (the
+/// blocking pool's copies and hashes); glibc gives threads up to 8 arenas per core, each
+/// keeping its freed memory, so two arenas hold less resident memory for the same heap.
+/// A fixed mmap threshold keeps allocations of 128 KiB and more (whole-state JSON documents,
+/// read buffers) out of the heap, so freeing them returns them to the system instead of
+/// leaving a peak resident. glibc reads both when the process starts, so they can only be
+/// given through the environment.
+pub const AGENT_MALLOC_ENV: [(&str, &str); 2] = [
+    ("MALLOC_ARENA_MAX", "2"),
+    ("MALLOC_MMAP_THRESHOLD_", "131072"),
+];
 
 /// Set by the mount server for the agent it supervises: the supervisor's pid.
 pub const SUPERVISOR_PID_ENV: &str = "MODELFS_SUPERVISOR_PID";

@@ -4,7 +4,7 @@
 //! or the filesystem core reports a use (mapping, a retired slot the kernel has not been told
 //! about yet, open file: see `FsCore::store_in_use`). Inodes the kernel still caches do not
 //! count: once told, the core answers them `ESTALE`. Inside a live store, a blob is live while an artifact the store
-//! holds lists it, or the core may still read it (`FsCore::blobs_in_use`: an old revision that
+//! holds lists it, or the core may still read it (`FsCore::blob_uses`: an old revision that
 //! an open file or a process's working directory still references).
 //!
 //! *Sweep*: what is garbage is removed only after it has been garbage for the whole grace period,
@@ -17,7 +17,7 @@
 //! the disk holds and computes the garbage without touching anything; the daemon and `modelfs gc` execute
 //! it.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -28,6 +28,7 @@ use super::records::Records;
 use super::{Reconciler, Stage};
 use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use modelfs_core::store::{StateDir, StoreId};
+use modelfs_mount::vfs::BlobUses;
 
 /// How the garbage collector learns about uses that the records do not show.
 pub trait Usage {
@@ -190,8 +191,9 @@ pub fn execute(state: &StateDir, plan: &GcPlan) -> Vec<String> {
 
 struct DaemonUsage<'a> {
     reconciler: &'a Reconciler,
-    /// Computed once per pass: it walks every mounted tree.
-    blobs_in_use: HashMap<StoreId, HashSet<Sha256Digest>>,
+    /// Computed once per pass (one walk over the slots); each store's set is built when
+    /// that store is looked at.
+    blob_uses: BlobUses,
     /// Stores fetches write into, computed once per pass (not once per store).
     fetching: HashSet<StoreId>,
 }
@@ -206,7 +208,7 @@ impl Usage for DaemonUsage<'_> {
     }
 
     fn blobs_in_use(&self, id: &StoreId) -> HashSet<Sha256Digest> {
-        self.blobs_in_use.get(id).cloned().unwrap_or_default()
+        self.blob_uses.of(id)
     }
 
     fn artifact(&self, id: &ArtifactId) -> Option<Arc<StoredArtifact>> {
@@ -246,7 +248,7 @@ impl Reconciler {
         let partial_max_age = self.config.gc_grace.max(Duration::from_secs(3600));
         let usage = DaemonUsage {
             reconciler: self,
-            blobs_in_use: self.fs.blobs_in_use(),
+            blob_uses: self.fs.blob_uses(),
             fetching: self
                 .works
                 .values()

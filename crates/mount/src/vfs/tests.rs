@@ -643,3 +643,35 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn blob_uses_share_the_slots_artifacts_and_build_one_stores_set_on_request() {
+    let f = fixture();
+    let a = artifact(&f.store_a.store, &[("x", b"one"), ("d/y", b"two")]);
+    let b = artifact(&f.store_b.store, &[("z", b"three")]);
+    f.core
+        .apply(&[entry("m/a", &a, &f.store_a), entry("m/b", &b, &f.store_b)])
+        .unwrap();
+    let held = Sha256Digest::of(b"reported by the server");
+    f.core.set_remote_usage(RemoteUsage {
+        known: true,
+        stores: HashSet::from([f.store_a.id.clone()]),
+        blobs: HashMap::from([(f.store_a.id.clone(), HashSet::from([held]))]),
+    });
+    let uses = f.core.blob_uses();
+    let in_a = &uses.artifacts[&f.store_a.id];
+    assert_eq!(in_a.len(), 1);
+    assert!(Arc::ptr_eq(&in_a[0], &a), "the slot's artifact, not a copy");
+    assert_eq!(
+        uses.of(&f.store_a.id),
+        HashSet::from([Sha256Digest::of(b"one"), Sha256Digest::of(b"two"), held])
+    );
+    assert_eq!(
+        uses.of(&f.store_b.id),
+        HashSet::from([Sha256Digest::of(b"three")])
+    );
+    assert!(uses.of(&StoreId::from_seq(3)).is_empty());
+    let all = f.core.blobs_in_use();
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[&f.store_a.id], uses.of(&f.store_a.id));
+}

@@ -1076,11 +1076,7 @@ impl Reconciler {
     }
 
     fn start_refresh(&mut self, key: &ModelKey, spec: &ModelSpec) {
-        let token = self
-            .desired
-            .as_ref()
-            .and_then(|d| d.tokens.get(key))
-            .cloned();
+        let token = self.token(key);
         let fp = fingerprint(spec, token.as_ref());
         if self
             .records
@@ -1209,13 +1205,18 @@ impl Reconciler {
         true
     }
 
-    /// Starts work for a new or changed spec. Returns whether the records changed.
-    fn ensure(&mut self, key: &ModelKey, spec: &ModelSpec) -> bool {
-        let token = self
-            .desired
+    /// The model's token as the desired state resolved it (Secret, `parameters.token`, or the
+    /// environment).
+    fn token(&self, key: &ModelKey) -> Option<crate::source::Token> {
+        self.desired
             .as_ref()
             .and_then(|d| d.tokens.get(key))
-            .cloned();
+            .cloned()
+    }
+
+    /// Starts work for a new or changed spec. Returns whether the records changed.
+    fn ensure(&mut self, key: &ModelKey, spec: &ModelSpec) -> bool {
+        let token = self.token(key);
         let fp = fingerprint(spec, token.as_ref());
         if let Some(w) = self.works.get(key) {
             if w.fingerprint == fp {

@@ -375,39 +375,11 @@ async fn instance_principal(
     for (name, value) in headers {
         request = request.header(name, value);
     }
-    let resp = tokio::time::timeout(timeout, request.send())
-        .await
-        .map_err(|_| OciError::Stalled {
-            what: what.clone(),
-            secs: timeout.as_secs(),
-        })?
-        .map_err(|e| super::network(&what, e))?;
-    let status = resp.status().as_u16();
-    let text = tokio::time::timeout(timeout, resp.text())
-        .await
-        .map_err(|_| OciError::Stalled {
-            what: what.clone(),
-            secs: timeout.as_secs(),
-        })?
-        .map_err(|e| super::network(&what, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let (status, text) = send_for_text(&what, request, timeout).await?;
     if !(200..300).contains(&status) {
-        let field = |k: &str| {
-            json.get(k).and_then(|v| v.as_str()).map(|s| {
-                s.chars()
-                    .filter(|c| !c.is_control())
-                    .take(300)
-                    .collect::<String>()
-            })
-        };
-        return Err(OciError::Status {
-            what,
-            status,
-            code: field("code"),
-            message: field("message").unwrap_or_default(),
-            retry_after: None,
-        });
+        return Err(service_error(what, status, &text, ""));
     }
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
     let token = json
         .get("token")
         .and_then(|t| t.as_str())
@@ -420,6 +392,51 @@ async fn instance_principal(
         key: Arc::new(session.with_key_id(format!("ST${token}"))),
         region: Some(region),
     })
+}
+
+/// Sends a token exchange and reads its answer as text, each step within `timeout`. Returns
+/// the status and the body.
+async fn send_for_text(
+    what: &str,
+    request: reqwest::RequestBuilder,
+    timeout: Duration,
+) -> Result<(u16, String), OciError> {
+    let stalled = || OciError::Stalled {
+        what: what.to_string(),
+        secs: timeout.as_secs(),
+    };
+    let resp = tokio::time::timeout(timeout, request.send())
+        .await
+        .map_err(|_| stalled())?
+        .map_err(|e| super::network(what, e))?;
+    let status = resp.status().as_u16();
+    let text = tokio::time::timeout(timeout, resp.text())
+        .await
+        .map_err(|_| stalled())?
+        .map_err(|e| super::network(what, e))?;
+    Ok((status, text))
+}
+
+/// A refused token exchange: the service's error JSON (`code`, `message`; control characters
+/// dropped, at most 300 characters each) when there is one, else `fallback` as the message. Any
+/// other body is not repeated (it could echo what was sent).
+fn service_error(what: String, status: u16, text: &str, fallback: &str) -> OciError {
+    let json: serde_json::Value = serde_json::from_str(text).unwrap_or_default();
+    let field = |k: &str| {
+        json.get(k).and_then(|v| v.as_str()).map(|s| {
+            s.chars()
+                .filter(|c| !c.is_control())
+                .take(300)
+                .collect::<String>()
+        })
+    };
+    OciError::Status {
+        what,
+        status,
+        code: field("code"),
+        message: field("message").unwrap_or_else(|| fallback.to_string()),
+        retry_after: None,
+    }
 }
 
 /// The `exp` claim (seconds since the epoch) of a JWT, if `token` is one and has it. Only the
@@ -536,47 +553,21 @@ async fn oke_workload_identity(
         .bearer_auth(sa_token)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .header("opc-request-id", opc_request_id())
-        .body(body)
-        .send();
-    let resp = tokio::time::timeout(timeout, request)
-        .await
-        .map_err(|_| OciError::Stalled {
-            what: what.clone(),
-            secs: timeout.as_secs(),
-        })?
-        .map_err(|e| super::network(&what, e))?;
-    let status = resp.status().as_u16();
-    let text = tokio::time::timeout(timeout, resp.text())
-        .await
-        .map_err(|_| OciError::Stalled {
-            what: what.clone(),
-            secs: timeout.as_secs(),
-        })?
-        .map_err(|e| super::network(&what, e))?;
+        .body(body);
+    let (status, text) = send_for_text(&what, request, timeout).await?;
     if !(200..300).contains(&status) {
-        // The service's error JSON (code, message) when there is one; any other body is not
-        // repeated.
-        let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
-        let field = |k: &str| {
-            json.get(k).and_then(|v| v.as_str()).map(|s| {
-                s.chars()
-                    .filter(|c| !c.is_control())
-                    .take(300)
-                    .collect::<String>()
-            })
-        };
-        let mut message = field("message")
-            .unwrap_or_else(|| "the proxymux refused the service account token".into());
-        if status == 403 {
-            message.push_str(" (OKE workload identity needs an enhanced cluster)");
-        }
-        return Err(OciError::Status {
+        let mut err = service_error(
             what,
             status,
-            code: field("code"),
-            message,
-            retry_after: None,
-        });
+            &text,
+            "the proxymux refused the service account token",
+        );
+        if let OciError::Status { message, .. } = &mut err {
+            if status == 403 {
+                message.push_str(" (OKE workload identity needs an enhanced cluster)");
+            }
+        }
+        return Err(err);
     }
     // base64 of {"token": "ST$<token>"}; the SDKs drop the three-character prefix.
     let token = B64

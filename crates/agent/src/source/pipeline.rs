@@ -16,9 +16,12 @@
 //!   prefix that [`Store::resume_writer`](modelfs_core::store::Store::resume_writer) re-hashes and
 //!   continues with a range from its end. At most `range_streams` chunks per file wait in memory.
 //! * **Verified before published.** The writer (a blocking thread per file) streams into
-//!   `tmp/<digest>.part`; `commit` checks size and the source's digest and renames into `blobs/`
-//!   (named by sha256) only on a match. A mismatch deletes the partial file and the file is
-//!   downloaded again, up to `verify_attempts` times; then the model is `Failed`.
+//!   `tmp/<digest>.part` the network's buffers as they were received (a range is a list of
+//!   them, never copied into one allocation), in writes of at most
+//!   [`WRITE_PIECE`](modelfs_core::store::blob::WRITE_PIECE) bytes; `commit` checks size and
+//!   the source's digest and renames into `blobs/` (named by sha256) only on a match. A
+//!   mismatch deletes the partial file and the file is downloaded again, up to
+//!   `verify_attempts` times; then the model is `Failed`.
 //! * **Every transfer is watched**: no body byte for `stall_timeout` aborts and retries it (the
 //!   adapter bounds the wait for response headers with [`Transfers::within_stall`]); a body
 //!   shorter than its range is retried; each request holds a slot of the node-wide transfer

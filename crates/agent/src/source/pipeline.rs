@@ -16,9 +16,12 @@
 //!   prefix that [`Store::resume_writer`](modelfs_core::store::Store::resume_writer) re-hashes and
 //!   continues with a range from its end. At most `range_streams` chunks per file wait in memory.
 //! * **Verified before published.** The writer (a blocking thread per file) streams into
-//!   `tmp/<digest>.part`; `commit` checks size and the source's digest and renames into `blobs/`
-//!   (named by sha256) only on a match. A mismatch deletes the partial file and the file is
-//!   downloaded again, up to `verify_attempts` times; then the model is `Failed`.
+//!   `tmp/<digest>.part` the network's buffers as they were received (a range is a list of
+//!   them, never copied into one allocation), in writes of at most
+//!   [`WRITE_PIECE`](modelfs_core::store::blob::WRITE_PIECE) bytes; `commit` checks size and
+//!   the source's digest and renames into `blobs/` (named by sha256) only on a match. A
+//!   mismatch deletes the partial file and the file is downloaded again, up to
+//!   `verify_attempts` times; then the model is `Failed`.
 //! * **Every transfer is watched**: no body byte for `stall_timeout` aborts and retries it (the
 //!   adapter bounds the wait for response headers with [`Transfers::within_stall`]); a body
 //!   shorter than its range is retried; each request holds a slot of the node-wide transfer
@@ -44,7 +47,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::stream::BoxStream;
 use futures_util::{stream, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -678,19 +681,25 @@ fn joined(e: tokio::task::JoinError) -> TransferError {
 
 /// What a range request brought.
 enum RangeAnswer {
-    /// The bytes of the range, and how many were counted into progress.
-    Part(Bytes, u64),
+    /// The bytes of the range (the network's buffers, in order), and how many were counted
+    /// into progress.
+    Part(Vec<Bytes>, u64),
     /// The server ignored the range and answers with the whole file (only when the caller
     /// accepts that), with the transfer slot the answer holds.
     WholeFile(BodyStream, OwnedSemaphorePermit),
 }
 
-type Chunks = tokio::sync::mpsc::Sender<Option<Bytes>>;
+/// To the writer: the next bytes of the file (buffers in order), or `None` to commit.
+type Chunks = tokio::sync::mpsc::Sender<Option<Vec<Bytes>>>;
 
 /// The bytes of one range received so far (from its start), counted into progress; taken
-/// back from progress if the range fails for good.
+/// back from progress if the range fails for good. The network's buffers are kept as they
+/// came (a slice of the last one if it ran past the range), not copied into one allocation of
+/// the range's size: that copy, and the page faults of a fresh allocation per range, were a
+/// fifth of the agent's CPU time.
 struct PartialRange<'a> {
-    buf: BytesMut,
+    parts: Vec<Bytes>,
+    have: u64,
     counted: Counted<'a>,
 }
 
@@ -728,12 +737,15 @@ impl<S: RangeSource> FileFetch<'_, S> {
 
             // `None` tells the writer to commit; a closed channel without it leaves the partial
             // file in place for a later resume.
-            let (tx, mut rx) = tokio::sync::mpsc::channel::<Option<Bytes>>(2);
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<Option<Vec<Bytes>>>(2);
             let writer_task = tokio::task::spawn_blocking(move || {
                 let mut w = writer;
                 while let Some(msg) = rx.blocking_recv() {
                     match msg {
-                        Some(buf) => w.write_all(&buf)?,
+                        Some(parts) => {
+                            let parts: Vec<&[u8]> = parts.iter().map(|b| &b[..]).collect();
+                            w.write_parts(&parts)?
+                        }
                         None => return w.commit().map(Some),
                     }
                 }
@@ -834,7 +846,8 @@ impl<S: RangeSource> FileFetch<'_, S> {
         // What earlier attempts received: an answer that broke off is continued from its first
         // missing byte, so a flaky link costs the missing bytes, not the whole chunk again.
         let partial = tokio::sync::Mutex::new(PartialRange {
-            buf: BytesMut::with_capacity(len as usize),
+            parts: Vec::new(),
+            have: 0,
             counted: Counted {
                 progress: &self.ctx.progress,
                 n: 0,
@@ -858,16 +871,19 @@ impl<S: RangeSource> FileFetch<'_, S> {
     ) -> Result<RangeAnswer, TransferError> {
         // Attempts run one after the other: the lock is never contended.
         let mut partial = partial.lock().await;
-        let PartialRange { buf, counted } = &mut *partial;
-        let have = buf.len() as u64;
+        let PartialRange {
+            parts,
+            have,
+            counted,
+        } = &mut *partial;
         let slot = self.transfers.slot().await;
         let mut body = match self
             .source
-            .open_range(what, entry, at + have, Some(at + len))
+            .open_range(what, entry, at + *have, Some(at + len))
             .await?
         {
             RangeBody::Part(body) => body,
-            RangeBody::WholeFile(body) if accept_whole && have == 0 => {
+            RangeBody::WholeFile(body) if accept_whole && *have == 0 => {
                 return Ok(RangeAnswer::WholeFile(body, slot))
             }
             // It honoured ranges for the first range of this file: a hiccup (another server
@@ -880,27 +896,32 @@ impl<S: RangeSource> FileFetch<'_, S> {
                 })
             }
         };
-        while (buf.len() as u64) < len {
-            let Some(chunk) = self.transfers.next_chunk(what, &mut body).await? else {
+        while *have < len {
+            let Some(mut chunk) = self.transfers.next_chunk(what, &mut body).await? else {
                 break;
             };
             if self.ctx.cancel.load(Ordering::Relaxed) {
                 return Err(TransferError::Cancelled);
             }
-            let take = (len - buf.len() as u64).min(chunk.len() as u64) as usize;
-            buf.extend_from_slice(&chunk[..take]);
+            let take = (len - *have).min(chunk.len() as u64) as usize;
+            if take == 0 {
+                continue;
+            }
+            chunk.truncate(take);
+            parts.push(chunk);
+            *have += take as u64;
             counted.add(take as u64);
         }
         drop(slot);
-        if (buf.len() as u64) < len {
+        if *have < len {
             return Err(TransferError::Truncated {
                 what: what.into(),
-                got: buf.len() as u64,
+                got: *have,
                 want: len,
             });
         }
         let n = std::mem::take(&mut counted.n);
-        Ok(RangeAnswer::Part(std::mem::take(buf).freeze(), n))
+        Ok(RangeAnswer::Part(std::mem::take(parts), n))
     }
 
     /// The rest of one file from a server that ignores ranges: whole-file answers, read from
@@ -998,7 +1019,7 @@ impl<S: RangeSource> FileFetch<'_, S> {
             let part = chunk.split_to(take);
             *from += take as u64;
             file_counted.add(take as u64);
-            if tx.send(Some(part)).await.is_err() {
+            if tx.send(Some(vec![part])).await.is_err() {
                 return Ok(false);
             }
         }

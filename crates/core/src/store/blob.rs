@@ -1,7 +1,7 @@
 //! One store: content-addressed blobs plus the partial files of downloads in progress.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::io::{self, IoSlice, Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -516,6 +516,16 @@ fn object_md5_matches(expected: &FileDigest, md5: Option<Md5>) -> (bool, FileDig
     (ok, FileDigest::Object { identity, md5: got })
 }
 
+/// Largest write [`BlobWriter`] hands the kernel at once. Copying into the page cache cost about
+/// five times the CPU per byte in 8 MiB writes as in 256 KiB ones (ext4, 2 GiB from the same
+/// buffers; 64 KiB writes cost twice as much as 256 KiB in system calls): a piece of this size
+/// is still in the CPU's cache while the kernel copies it and while it is hashed. See
+/// `BENCHMARKS.md`, "Object-store download (S3)".
+pub const WRITE_PIECE: usize = 256 << 10;
+
+/// Most buffers gathered into one `writev` (Linux refuses more than 1,024).
+const MAX_WRITE_PARTS: usize = 512;
+
 /// Streams one blob into `tmp/`, hashing as it goes; [`BlobWriter::commit`] verifies size and
 /// digest and only then renames the file into `blobs/`.
 pub struct BlobWriter {
@@ -573,16 +583,56 @@ impl BlobWriter {
     }
 
     pub fn write_all(&mut self, buf: &[u8]) -> Result<(), StoreError> {
-        if self.written + buf.len() as u64 > self.size {
+        self.write_parts(&[buf])
+    }
+
+    /// Writes `parts` in order, as if they were one buffer: gathered into writes of at most
+    /// [`WRITE_PIECE`] bytes (one `writev` of several small parts, a large part in slices),
+    /// each hashed right after it is written, while its bytes are still in the CPU's cache.
+    /// A download hands over the network's buffers as they came, without first copying them
+    /// into one.
+    pub fn write_parts(&mut self, parts: &[&[u8]]) -> Result<(), StoreError> {
+        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        if self.written + total > self.size {
             return Err(StoreError::SizeMismatch {
                 expected: self.size,
-                actual: self.written + buf.len() as u64,
+                actual: self.written + total,
             });
         }
-        self.file
-            .write_all(buf)
-            .map_err(|e| StoreError::io(format!("writing {}", self.path.display()), e))?;
-        self.hash(buf);
+        let mut batch: Vec<&[u8]> = Vec::new();
+        let mut batch_len = 0;
+        for part in parts {
+            for piece in part.chunks(WRITE_PIECE) {
+                if batch_len + piece.len() > WRITE_PIECE || batch.len() == MAX_WRITE_PARTS {
+                    self.write_batch(&batch)?;
+                    batch.clear();
+                    batch_len = 0;
+                }
+                batch.push(piece);
+                batch_len += piece.len();
+            }
+        }
+        if !batch.is_empty() {
+            self.write_batch(&batch)?;
+        }
+        Ok(())
+    }
+
+    fn write_batch(&mut self, batch: &[&[u8]]) -> Result<(), StoreError> {
+        let err = |e| StoreError::io(format!("writing {}", self.path.display()), e);
+        let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|b| IoSlice::new(b)).collect();
+        let mut rest = &mut slices[..];
+        while !rest.is_empty() {
+            match self.file.write_vectored(rest) {
+                Ok(0) => return Err(err(io::ErrorKind::WriteZero.into())),
+                Ok(n) => IoSlice::advance_slices(&mut rest, n),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(err(e)),
+            }
+        }
+        for piece in batch {
+            self.hash(piece);
+        }
         Ok(())
     }
 
@@ -712,6 +762,43 @@ mod tests {
         let mut w = store.writer(object(None), data.len() as u64).unwrap();
         w.write_all(&data[..4]).unwrap();
         assert!(matches!(w.commit(), Err(StoreError::SizeMismatch { .. })));
+    }
+
+    #[test]
+    fn parts_are_written_in_order_in_pieces_of_any_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s")).unwrap();
+        // Larger than a write piece, thousands of tiny parts (more than one writev takes),
+        // empty parts, and parts that straddle piece boundaries.
+        let data: Vec<u8> = (0..3 * WRITE_PIECE + 12_345)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        let mut parts: Vec<&[u8]> = Vec::new();
+        let (big, rest) = data.split_at(WRITE_PIECE + 7);
+        parts.push(big);
+        parts.push(&[]);
+        let (tiny, rest) = rest.split_at(3_000);
+        parts.extend(tiny.chunks(1));
+        let (mid, rest) = rest.split_at(WRITE_PIECE / 2 + 1);
+        parts.extend(mid.chunks(1000));
+        parts.push(rest);
+        let want = Sha256Digest::of(&data);
+        let mut w = store
+            .writer(FileDigest::Sha256(want.0), data.len() as u64)
+            .unwrap();
+        w.write_parts(&parts[..2000]).unwrap();
+        w.write_parts(&parts[2000..]).unwrap();
+        assert_eq!(w.written(), data.len() as u64);
+        assert_eq!(w.commit().unwrap(), want);
+        assert_eq!(std::fs::read(store.blob_path(&want)).unwrap(), data);
+
+        // Too many bytes in total: refused before any is written.
+        let mut w = store
+            .writer(FileDigest::Sha256(want.0), data.len() as u64)
+            .unwrap();
+        let err = w.write_parts(&[&data, b"x"]).unwrap_err();
+        assert!(matches!(err, StoreError::SizeMismatch { .. }), "{err}");
+        assert_eq!(w.written(), 0);
     }
 
     #[test]

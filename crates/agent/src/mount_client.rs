@@ -501,6 +501,7 @@ fn remote_usage(usage: WireUsage) -> RemoteUsage {
             .into_iter()
             .map(|(s, b)| (s, b.into_iter().collect()))
             .collect::<HashMap<_, _>>(),
+        epoch: usage.epoch,
     }
 }
 

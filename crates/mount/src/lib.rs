@@ -149,6 +149,7 @@ mod tests {
             known: true,
             stores: HashSet::from([store.clone()]),
             blobs: HashMap::from([(store.clone(), HashSet::from([blob]))]),
+            epoch: 1,
         });
         assert!(core.store_in_use(&store));
         assert!(!core.store_in_use(&StoreId::from_seq(2)));
@@ -161,6 +162,28 @@ mod tests {
             core.usage_epoch(),
             epoch,
             "a use that ended wakes garbage collection"
+        );
+        // The same uses reported again after a file was opened and closed in between: the
+        // remote's epoch moved, so a use may have ended.
+        let epoch = core.usage_epoch();
+        core.set_remote_usage(RemoteUsage {
+            epoch: 7,
+            ..RemoteUsage::default()
+        });
+        assert_ne!(
+            core.usage_epoch(),
+            epoch,
+            "an open and close between two reports wakes garbage collection"
+        );
+        let epoch = core.usage_epoch();
+        core.set_remote_usage(RemoteUsage {
+            epoch: 7,
+            ..RemoteUsage::default()
+        });
+        assert_eq!(
+            core.usage_epoch(),
+            epoch,
+            "the same report again changes nothing"
         );
     }
 }

@@ -136,6 +136,12 @@ pub struct WireUsage {
     pub stores: Vec<StoreId>,
     /// Blobs read by open files or retired slots, per store.
     pub blobs: BTreeMap<StoreId, Vec<Sha256Digest>>,
+    /// The server's usage epoch when measured ([`crate::vfs::FsCore::usage_epoch`]): it moves
+    /// whenever a use may have ended there, also when the uses reported look the same as in
+    /// the last report (a file opened and closed between two reports). Absent from older
+    /// servers: 0.
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 /// Writes one message as a line.

@@ -541,6 +541,7 @@ impl Shared {
             generation,
             stores,
             blobs,
+            epoch,
         }))
     }
 

@@ -396,6 +396,10 @@ pub struct RemoteUsage {
     pub known: bool,
     pub stores: HashSet<StoreId>,
     pub blobs: HashMap<StoreId, HashSet<Sha256Digest>>,
+    /// The remote's own usage epoch when it measured: a report whose epoch moved counts as a
+    /// use that may have ended even if the uses look the same, so a file opened and closed
+    /// between two reports still wakes garbage collection.
+    pub epoch: u64,
 }
 
 impl Default for RemoteUsage {
@@ -405,6 +409,7 @@ impl Default for RemoteUsage {
             known: true,
             stores: HashSet::new(),
             blobs: HashMap::new(),
+            epoch: 0,
         }
     }
 }

@@ -657,6 +657,7 @@ fn blob_uses_share_the_slots_artifacts_and_build_one_stores_set_on_request() {
         known: true,
         stores: HashSet::from([f.store_a.id.clone()]),
         blobs: HashMap::from([(f.store_a.id.clone(), HashSet::from([held]))]),
+        epoch: 1,
     });
     let uses = f.core.blob_uses();
     let in_a = &uses.artifacts[&f.store_a.id];

@@ -134,21 +134,7 @@ pub fn path_verdicts(claims: &[PathClaim]) -> Vec<PathVerdict> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use modelfs_core::artifact::Sha256Digest;
-    use modelfs_ome::ModelKind;
-
-    fn key(ns: Option<&str>, name: &str) -> ModelKey {
-        let kind = if ns.is_some() {
-            ModelKind::BaseModel
-        } else {
-            ModelKind::ClusterBaseModel
-        };
-        ModelKey::new(kind, ns, name).unwrap()
-    }
-
-    fn art(n: u8) -> ArtifactId {
-        ArtifactId(Sha256Digest([n; 32]))
-    }
+    use crate::reconciler::decide::tests::{art, key};
 
     fn claim(
         name: &str,
@@ -158,7 +144,7 @@ mod tests {
         artifact: ClaimArtifact,
     ) -> PathClaim {
         PathClaim {
-            key: key(None, name),
+            key: key(name),
             seq,
             kind,
             path: MountPath::from_relative(path).unwrap(),

@@ -148,22 +148,8 @@ pub fn place(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reconciler::decide::tests::{art, key};
     use crate::reconciler::records::{ModelRecord, StoreRecord};
-    use modelfs_core::artifact::Sha256Digest;
-    use modelfs_ome::ModelKind;
-
-    fn key(ns: Option<&str>, name: &str) -> ModelKey {
-        let kind = if ns.is_some() {
-            ModelKind::BaseModel
-        } else {
-            ModelKind::ClusterBaseModel
-        };
-        ModelKey::new(kind, ns, name).unwrap()
-    }
-
-    fn art(n: u8) -> ArtifactId {
-        ArtifactId(Sha256Digest([n; 32]))
-    }
 
     fn add_model(
         r: &mut Records,
@@ -204,16 +190,16 @@ mod tests {
     fn reuse_maps_onto_in_scope_ready_holder_only() {
         let mut r = Records::default();
         let a = art(1);
-        let team_b = key(Some("b"), "m");
+        let team_b = key("b/m");
         let s_b = add_parent(&mut r, &team_b, Some("b"), &a);
-        let me = key(Some("a"), "m");
+        let me = key("a/m");
         add_model(&mut r, &me, Some("a"), ModelPhase::Updating, None);
         let none = InFlight::default();
         assert_eq!(
             place(&r, &me, DownloadPolicy::ReuseIfExists, &a, &none),
             Placement::Fetch
         );
-        let cluster = key(None, "m");
+        let cluster = key("m");
         let s_c = add_parent(&mut r, &cluster, None, &a);
         assert_eq!(
             place(&r, &me, DownloadPolicy::ReuseIfExists, &a, &none),
@@ -241,18 +227,18 @@ mod tests {
     fn candidate_choice_is_deterministic_most_children_then_key() {
         let mut r = Records::default();
         let a = art(1);
-        let x = key(None, "x");
-        let y = key(None, "y");
+        let x = key("x");
+        let y = key("y");
         let s_y = add_parent(&mut r, &y, None, &a);
         let s_x = add_parent(&mut r, &x, None, &a);
-        let me = key(None, "me");
+        let me = key("me");
         add_model(&mut r, &me, None, ModelPhase::Updating, None);
         assert_eq!(
             reuse_candidates(&r, &me, &a),
             vec![s_x.clone(), s_y.clone()],
             "tie -> key order"
         );
-        let child = key(None, "child");
+        let child = key("child");
         add_model(&mut r, &child, None, ModelPhase::Ready, Some(s_y.clone()));
         assert_eq!(
             reuse_candidates(&r, &me, &a),
@@ -265,9 +251,9 @@ mod tests {
     fn single_flight_waits_for_in_scope_fetch() {
         let mut r = Records::default();
         let a = art(1);
-        let first = key(None, "first");
+        let first = key("first");
         add_model(&mut r, &first, None, ModelPhase::Updating, None);
-        let second = key(Some("ns"), "second");
+        let second = key("ns/second");
         add_model(&mut r, &second, Some("ns"), ModelPhase::Updating, None);
         let fetching = InFlight {
             fetching: BTreeMap::from([(first.clone(), a.clone())]),
@@ -305,14 +291,14 @@ mod tests {
     fn reserved_store_without_owner_is_a_candidate_in_scope() {
         let mut r = Records::default();
         let a = art(3);
-        let gone = key(None, "gone");
+        let gone = key("gone");
         let id = r.allocate_store(&gone);
         let mut s = r.store_mut(&id).unwrap();
         s.owner = None;
         s.reserved = true;
         s.artifacts.insert(a.clone());
         drop(s);
-        let me = key(Some("ns"), "me");
+        let me = key("ns/me");
         add_model(&mut r, &me, Some("ns"), ModelPhase::Updating, None);
         assert_eq!(reuse_candidates(&r, &me, &a), vec![id.clone()]);
         r.store_mut(&id).unwrap().reserved = false;

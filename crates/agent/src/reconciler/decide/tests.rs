@@ -10,12 +10,13 @@ use modelfs_ome::{DownloadPolicy, ModelKind};
 
 use DownloadPolicy::{AlwaysDownload as Always, ReuseIfExists as Reuse};
 
-fn art(n: u8) -> ArtifactId {
+/// Artifact `n` of the tables (also used by the path rule's and placement's own tests).
+pub(super) fn art(n: u8) -> ArtifactId {
     ArtifactId(Sha256Digest([n; 32]))
 }
 
 /// `"x"` is the ClusterBaseModel x, `"ns/x"` the BaseModel x of namespace ns.
-fn key(name: &str) -> ModelKey {
+pub(super) fn key(name: &str) -> ModelKey {
     match name.split_once('/') {
         Some((ns, n)) => ModelKey::new(ModelKind::BaseModel, Some(ns), n).unwrap(),
         None => ModelKey::new(ModelKind::ClusterBaseModel, None, name).unwrap(),

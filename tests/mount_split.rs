@@ -50,6 +50,25 @@ struct Split {
 }
 
 impl Split {
+    /// A split daemon (server, then agent) with one `local://` AlwaysDownload model `name`
+    /// (see [`model_source`]); returns its files, path -> sha256.
+    fn serving_one_model(name: &str, seed: u64) -> (Self, BTreeMap<String, String>) {
+        let mut split = Split::new();
+        let (src, files) = model_source(&split.env, name, seed);
+        split.env.write_models(
+            &format!("{name}.yaml"),
+            &cluster_model(
+                name,
+                &format!("local://{}", src.display()),
+                "AlwaysDownload",
+                None,
+            ),
+        );
+        split.start_server();
+        split.start_agent(Path::new(BIN));
+        (split, files)
+    }
+
     fn new() -> Self {
         let env = TestEnv::new();
         let socket = env.root.path().join("run").join("agent.sock");
@@ -372,21 +391,8 @@ fn agent_killed_50_times_and_upgraded_10_times_under_readers() {
 
 #[test]
 fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
-    let mut split = Split::new();
-    let (src, files) = model_source(&split.env, "m", 3);
-    split.env.write_models(
-        "m.yaml",
-        &cluster_model(
-            "m",
-            &format!("local://{}", src.display()),
-            "AlwaysDownload",
-            None,
-        ),
-    );
-    split.start_server();
-    split.start_agent(Path::new(BIN));
+    let (mut split, files) = Split::serving_one_model("m", 3);
     split.wait_ready("clusterbasemodel.m");
-    let first = mount_id(&split.env.mount).unwrap();
     split.kill_agent();
     split.kill_server();
     // The dead connection: ENOTCONN until a new server cleans it up.
@@ -395,7 +401,6 @@ fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
     split.start_server();
     // A fresh mount (the kernel may reuse the mount id of the one it replaced).
     assert!(mount_id(&split.env.mount).is_some());
-    let _ = first;
     for (rel, sha) in &files {
         let data = std::fs::read(split.env.mount.join("m").join(rel)).unwrap();
         assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
@@ -417,19 +422,7 @@ fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
 /// status, and the retry fetches what is missing, after which it is served again.
 #[test]
 fn a_refused_entry_is_failed_with_the_servers_reason_then_retried() {
-    let mut split = Split::new();
-    let (src, files) = model_source(&split.env, "m", 6);
-    split.env.write_models(
-        "m.yaml",
-        &cluster_model(
-            "m",
-            &format!("local://{}", src.display()),
-            "AlwaysDownload",
-            None,
-        ),
-    );
-    split.start_server();
-    split.start_agent(Path::new(BIN));
+    let (mut split, files) = Split::serving_one_model("m", 6);
     let key = "clusterbasemodel.m";
     split.wait_ready(key);
     // The agent stays up; the server goes, and one blob of the model's store with it.
@@ -487,19 +480,7 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
     use modelfs_agent::mount_client::{handshake, ConnectError};
     use modelfs_mount::protocol::{self, AgentMessage, ServerMessage, WireMapping};
 
-    let mut split = Split::new();
-    let (src, files) = model_source(&split.env, "good", 4);
-    split.env.write_models(
-        "good.yaml",
-        &cluster_model(
-            "good",
-            &format!("local://{}", src.display()),
-            "AlwaysDownload",
-            None,
-        ),
-    );
-    split.start_server();
-    split.start_agent(Path::new(BIN));
+    let (mut split, files) = Split::serving_one_model("good", 4);
     split.wait_ready("clusterbasemodel.good");
     let check_good = |split: &Split| {
         for (rel, sha) in &files {

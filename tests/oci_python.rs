@@ -180,14 +180,7 @@ fn run_sdk(
     for (k, v) in extra_env {
         cmd.env(k, v);
     }
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "oci SDK failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+    sdk_json(cmd)
 }
 
 #[test]
@@ -332,16 +325,20 @@ print(json.dumps(out))
 "#;
 
 fn run_oke_sdk(dev: &DevProcess, token_path: &Path, mode: &str, vars: &[(&str, &str)]) -> Value {
-    let out = Command::new(python())
-        .arg("-c")
+    let mut cmd = Command::new(python());
+    cmd.arg("-c")
         .arg(OKE_SCRIPT)
         .arg(&dev.url)
         .arg(token_path)
         .args(["testns", "models", "llama/", mode])
         .envs(vars.iter().copied())
-        .env_remove("OCI_KUBERNETES_SERVICE_ACCOUNT_TOKEN_PATH")
-        .output()
-        .unwrap();
+        .env_remove("OCI_KUBERNETES_SERVICE_ACCOUNT_TOKEN_PATH");
+    sdk_json(cmd)
+}
+
+/// Runs an SDK script; its standard output is one JSON document.
+fn sdk_json(mut cmd: Command) -> Value {
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
         "oci SDK failed: {}",

@@ -557,7 +557,8 @@ impl Shared {
         let mut entries = Vec::with_capacity(mapping.entries.len());
         let mut accepted = Vec::with_capacity(mapping.entries.len());
         let mut used_artifacts = HashMap::new();
-        let served = self.served_artifacts.lock().expect("served").clone();
+        // Held for the whole apply (not copied): applies are serialized anyway.
+        let mut served = self.served_artifacts.lock().expect("served");
         let mut verified = self.verified.lock().expect("verified");
         let mut now_verified = HashSet::new();
         for e in &mapping.entries {
@@ -600,7 +601,8 @@ impl Shared {
         }
         *verified = now_verified;
         drop(verified);
-        *self.served_artifacts.lock().expect("served") = used_artifacts.clone();
+        *served = used_artifacts.clone();
+        drop(served);
         let persisted = WireMapping {
             entries: accepted,
             files: accepted_files,

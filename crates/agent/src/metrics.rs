@@ -230,6 +230,9 @@ pub struct Metrics {
     /// From a desired-state change reaching the reconciler to the new mapping being live, for
     /// changes that need no fetch (policy flips, deletions, re-points).
     pub mapping_update_seconds: Histogram,
+    /// One run of the reconciler's whole-state passes (path rule, mapping, records, status):
+    /// proportional to the number of models, and what paces them.
+    pub state_pass_seconds: Histogram,
     /// Standalone mode: rescans of the models directory, and manifest files read and parsed
     /// (only new or changed files are).
     pub manifest_rescans: Counter,
@@ -261,6 +264,7 @@ impl Metrics {
             local_linked_files: Counter::default(),
             // 10 us .. ~5 s.
             mapping_update_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
+            state_pass_seconds: Histogram::new(exponential_buckets(1e-5, 2.0, 20)),
             manifest_rescans: Counter::default(),
             gc_passes: Counter::default(),
             gc_pending: Gauge::default(),
@@ -300,6 +304,11 @@ impl Metrics {
             "mapping_update_seconds",
             "Desired-state change received to new mapping live (changes needing no fetch)",
             m.mapping_update_seconds.clone(),
+        );
+        registry.register(
+            "state_pass_seconds",
+            "One run of the reconciler's passes over all models (path rule, mapping, records, status)",
+            m.state_pass_seconds.clone(),
         );
         registry.register(
             "manifest_rescans",

@@ -62,7 +62,9 @@
 //! of work in flight by artifact and source; a model that waits is woken only by the model it
 //! waits for ([`Reconciler::work_changed`]), not by every event; the whole-state passes (the
 //! path rule over all claims, the mapping swap, saving the records, the status document) run
-//! once per batch of up to `MAX_BATCH` queued events, not once per event.
+//! once per batch of up to `MAX_BATCH` queued events, not once per event, and no more often
+//! than their own cost allows ([`FlushPacer`]): at 10,000 models a pass costs a noticeable
+//! fraction of a second, and running one after each fetch completing made an import quadratic.
 //!
 //! # Mount server refusals
 //! The mount server checks each entry of a mapping (store present, blobs present with their
@@ -73,8 +75,10 @@
 //! what is missing.
 //!
 //! # Durability
-//! Records are saved after every batch of events that changed them, always after the data
-//! they point at is durable (blobs synced, artifact file written): a SIGKILL leaves a state
+//! Records are saved by the whole-state passes after the events that changed them (paced: at
+//! most [`FLUSH_DELAY_MAX`] plus one pass later; explicitly and at once where an action must
+//! follow them, such as creating a store directory or collecting garbage), always after the
+//! data they point at is durable (blobs synced, artifact file written): a SIGKILL leaves a state
 //! that start-up turns back into a consistent mapping by `stat`ing blobs, never re-hashing
 //! them.
 //!
@@ -126,6 +130,15 @@ struct PathLoser {
 
 /// Most events handled before the records are saved and the status published.
 const MAX_BATCH: usize = 64;
+
+/// The whole-state passes after a batch (path rule, mapping, records, status: each O(models))
+/// wait after each run for this many times what that run cost, so they take at most about a
+/// fifth of the actor's time however fast events arrive (see [`FlushPacer`]).
+const FLUSH_COST_RATIO: u32 = 4;
+
+/// ... but never longer than this: the status and the mapping lag the records by at most this
+/// plus one pass.
+const FLUSH_DELAY_MAX: Duration = Duration::from_secs(1);
 
 /// Longest time between two garbage collection passes when nothing changes.
 const GC_BACKSTOP: Duration = Duration::from_secs(600);
@@ -194,6 +207,8 @@ pub struct DesiredState {
 }
 
 enum Event {
+    /// The pacer's wake-up: deferred whole-state passes are due (see [`FlushPacer`]).
+    Flush,
     Desired(DesiredState),
     Resolved {
         key: ModelKey,
@@ -588,6 +603,54 @@ pub struct Reconciler {
     status_writes: persist::FileWrites,
     /// The latest status document could not be written to `status.json` yet.
     status_file_stale: bool,
+    /// Events changed the records or the status since the last whole-state passes.
+    flush_pending: bool,
+    /// Saves of the records attempted so far. A fetch into a store directory that does not
+    /// exist yet waits for the save after its decision before creating it (the effect
+    /// `SaveRecords`), so a crash never leaves a directory that no saved record names, and
+    /// the fetches decided between two paced passes share one records write instead of
+    /// costing one each (a write is O(models): at 10,000 models, one per fetch made the
+    /// import quadratic).
+    saves: tokio::sync::watch::Sender<u64>,
+    /// A fetch waits for the next save (see `saves`).
+    fetch_awaits_save: bool,
+    flush_pacer: FlushPacer,
+}
+
+/// When the whole-state passes may run again. Each pass over the state costs time proportional
+/// to the number of models, and events arrive one by one while a node imports (a fetch
+/// completing, a config parsed): run after every batch, the passes made an import of N models
+/// cost O(N^2) (10,000 models: most of the actor's time went to rebuilding the mapping, the
+/// records file and the status document). Paced by their own measured cost instead, they take
+/// a bounded share of the time at any scale, and with few models (a pass of microseconds) they
+/// still run after every batch. Decisions never wait for them: only what is derived from the
+/// records (the mapping, `records.json`, the status) lags, by at most [`FLUSH_DELAY_MAX`] plus
+/// one pass, and all of it together, so the status never says Ready before the mapping serves
+/// the model.
+struct FlushPacer {
+    /// Not before this instant.
+    next: Instant,
+    /// A wake-up for `next` is on its way.
+    wake_pending: bool,
+}
+
+impl FlushPacer {
+    fn new() -> Self {
+        Self {
+            next: Instant::now(),
+            wake_pending: false,
+        }
+    }
+
+    fn due(&self, now: Instant) -> bool {
+        now >= self.next
+    }
+
+    /// A pass that started at `started` just ended.
+    fn ran(&mut self, started: Instant) {
+        let now = Instant::now();
+        self.next = now + ((now - started) * FLUSH_COST_RATIO).min(FLUSH_DELAY_MAX);
+    }
 }
 
 impl Reconciler {
@@ -648,6 +711,10 @@ impl Reconciler {
             records_writes: persist::FileWrites::new("records.json"),
             status_writes: persist::FileWrites::new("status.json"),
             status_file_stale: false,
+            flush_pending: false,
+            saves: tokio::sync::watch::Sender::new(0),
+            fetch_awaits_save: false,
+            flush_pacer: FlushPacer::new(),
         };
         r.hf_cache = r
             .config
@@ -734,11 +801,10 @@ impl Reconciler {
             if runtime_gone.load(Ordering::Acquire) {
                 return;
             }
-            // Handle what is queued (up to MAX_BATCH events) before saving and publishing once:
-            // a burst of events (a node's models arriving together) costs one records write,
-            // not one each, while a steady stream still publishes every MAX_BATCH events.
+            // Handle what is queued (up to MAX_BATCH events), then run the whole-state passes
+            // once for all of them when the pacer allows: a burst of events (a node's models
+            // arriving together) costs one mapping swap and one records write, not one each.
             let mut next = Some(first);
-            let mut changed = false;
             let mut handled = 0;
             while let Some(event) = next.take() {
                 match event {
@@ -750,27 +816,54 @@ impl Reconciler {
                         return;
                     }
                     Event::Panic(message) => panic!("{message}"),
-                    other => changed |= self.handle(other),
+                    Event::Flush => self.flush_pacer.wake_pending = false,
+                    other => self.flush_pending |= self.handle(other),
                 }
                 handled += 1;
                 if handled < MAX_BATCH && !runtime_gone.load(Ordering::Acquire) {
                     next = rx.try_recv().ok();
                 }
             }
-            changed |= self.finish_batch();
-            if changed {
-                // Records that failed to save wait for their backoff (the explicit saves that
-                // must precede a directory's creation do not).
-                if !self.records_writes.failing() || self.records_writes.due() {
-                    self.save();
-                }
-                self.publish();
-            } else {
+            let pending = self.flush_pending
+                || self.settle_due
+                || self.remap_needed
+                || self.desired_received.is_some();
+            if !pending {
                 // Only retries of writes that failed (a full disk), when their backoff is over.
                 self.retry_failed_writes();
+            } else if self.flush_pacer.due(Instant::now()) {
+                self.flush();
+            } else if !self.flush_pacer.wake_pending {
+                self.flush_pacer.wake_pending = true;
+                let tx = self.sender();
+                let at = tokio::time::Instant::from_std(self.flush_pacer.next);
+                tokio::runtime::Handle::current().spawn(async move {
+                    tokio::time::sleep_until(at).await;
+                    let _ = tx.send(Event::Flush);
+                });
             }
             self.alive.store(now_secs(), Ordering::Relaxed);
         }
+    }
+
+    /// The whole-state passes: the path rule and the mapping ([`Reconciler::finish_batch`]),
+    /// then the records and the status if anything changed. Paced by [`FlushPacer`].
+    fn flush(&mut self) {
+        let started = Instant::now();
+        let changed = self.finish_batch() | std::mem::take(&mut self.flush_pending);
+        if changed {
+            // Records that failed to save wait for their backoff, unless a fetch waits for
+            // the save to create its store directory.
+            let awaited = std::mem::take(&mut self.fetch_awaits_save);
+            if awaited || !self.records_writes.failing() || self.records_writes.due() {
+                self.save();
+            }
+            self.publish();
+        }
+        self.flush_pacer.ran(started);
+        self.metrics
+            .state_pass_seconds
+            .observe(started.elapsed().as_secs_f64());
     }
 
     /// Stops all work at a safe point and saves.
@@ -882,7 +975,7 @@ impl Reconciler {
                 self.gc_due = true;
                 self.on_mount_refused(entries)
             }
-            Event::Shutdown(_) | Event::Panic(_) => unreachable!("handled in run"),
+            Event::Shutdown(_) | Event::Panic(_) | Event::Flush => unreachable!("handled in run"),
         };
         // A tick that changed nothing (the idle case) changed no claim either.
         self.settle_due |= !tick || self.remap_needed;
@@ -1425,6 +1518,7 @@ impl Reconciler {
         store: StoreId,
         seed: Option<StoreId>,
         manifest: Arc<Manifest>,
+        after_save: Option<u64>,
     ) {
         let Some(work) = self.works.get(key) else {
             return;
@@ -1432,17 +1526,6 @@ impl Reconciler {
         let fp = work.fingerprint.clone();
         let spec = work.spec.clone();
         let artifact = manifest.id();
-        let handle = match self.state.store(&store) {
-            Ok(h) => h,
-            Err(e) => {
-                let err = SourceError::Store {
-                    path: store.to_string(),
-                    source: modelfs_core::store::StoreError::io("creating store", e),
-                };
-                self.fail(key, &fp, &err);
-                return;
-            }
-        };
         let progress = Arc::new(Progress::for_manifest(&manifest));
         self.set_stage(
             key,
@@ -1455,13 +1538,12 @@ impl Reconciler {
         let existing =
             Arc::new(self.known_blobs(&[Some(store.clone()), seed.clone()], seed.as_ref()));
         let w = self.works.get_mut(key).expect("work");
-        let ctx = FetchContext {
-            store: handle,
-            progress,
-            cancel: w.cancel.flag.clone(),
-            metrics: self.metrics.clone(),
-            existing,
-        };
+        let flag = w.cancel.flag.clone();
+        let metrics = self.metrics.clone();
+        let state = self.state.clone();
+        let mut saves = self.saves.subscribe();
+        let store_id = store.clone();
+        let store_name = store.to_string();
         let source = w.source.clone();
         let cancel = w.cancel.clone();
         let tx = self.sender();
@@ -1474,6 +1556,27 @@ impl Reconciler {
         // The slot is taken inside the cancellable work: a cancelled fetch stops waiting
         // for one, and one that holds a slot drops it when its future is dropped.
         let work = async move {
+            if let Some(n) = after_save {
+                // The actor is gone when the sender is: nothing would record this fetch.
+                saves
+                    .wait_for(|done| *done >= n)
+                    .await
+                    .map_err(|_| SourceError::Cancelled)?;
+            }
+            let handle = tokio::task::spawn_blocking(move || state.store(&store_id))
+                .await
+                .map_err(|_| SourceError::Cancelled)?
+                .map_err(|e| SourceError::Store {
+                    path: store_name,
+                    source: modelfs_core::store::StoreError::io("creating store", e),
+                })?;
+            let ctx = FetchContext {
+                store: handle,
+                progress,
+                cancel: flag,
+                metrics,
+                existing,
+            };
             let _slot = slots
                 .acquire_owned()
                 .await
@@ -1634,17 +1737,29 @@ impl Reconciler {
     /// thread, never on the async runtime's workers. `manifest`: the artifact of the model the
     /// decision is about (a fetch or a wait keeps it).
     fn execute(&mut self, effects: Vec<Effect>, manifest: Option<&Arc<Manifest>>) {
+        // A save owed by `SaveRecords` before the directories of the next effects exist.
+        let mut save_owed = false;
         for effect in effects {
             match effect {
                 Effect::SaveRecords => {
-                    self.save();
+                    // Fetches wait for the next paced save; anything else that creates a
+                    // directory saves now.
+                    save_owed = true;
+                    self.flush_pending = true;
                 }
                 Effect::LinkStore(split) => {
+                    if std::mem::take(&mut save_owed) {
+                        self.save();
+                    }
                     let result = self.link_store(&split);
                     self.apply_event(&decide::Event::SplitLinked { split, result }, None);
                 }
                 Effect::Fetch { key, store, seed } => match manifest {
-                    Some(m) => self.start_fetch(&key, store, seed, m.clone()),
+                    Some(m) => {
+                        let after_save = save_owed.then(|| *self.saves.borrow() + 1);
+                        self.fetch_awaits_save |= save_owed;
+                        self.start_fetch(&key, store, seed, m.clone(), after_save)
+                    }
                     None => tracing::error!(model = %key, "a fetch decided without a manifest"),
                 },
                 Effect::Wait { key, on, reason } => {

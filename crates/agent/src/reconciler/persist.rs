@@ -99,6 +99,15 @@ impl Reconciler {
     /// that nothing asks for (see [`Reconciler::retry_failed_writes`]). Returns whether the
     /// records on disk are current.
     pub(super) fn save(&mut self) -> bool {
+        let ok = self.write_records();
+        // Fetches waiting for this save may create their store directories now (a failed
+        // write lets them go too, as it always did: the write is retried with backoff, and
+        // holding every download back while a disk is full would only add a second failure).
+        self.saves.send_modify(|n| *n += 1);
+        ok
+    }
+
+    fn write_records(&mut self) -> bool {
         let bytes = match serde_json::to_vec_pretty(&self.records) {
             Ok(b) => b,
             Err(e) => {

@@ -231,7 +231,7 @@ fn sigkill_then_restart_serves_everything_without_reimport() {
         let got: Vec<_> = contents(&env.mount.join(m));
         assert_eq!(got, want, "{m}");
     }
-    assert_eq!(d.get("/readyz").0, 200);
+    d.wait_ready();
 }
 
 #[test]

@@ -201,6 +201,19 @@ impl Daemon {
     }
 
     /// Waits until model `key` has status `want` and returns its entry.
+    /// Waits until `/readyz` answers 200: the first desired state is applied to the mapping,
+    /// which may come after the status (loaded from the records at start) says Ready.
+    pub fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Some((200, _)) = self.try_get("/readyz") {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("/readyz never answered 200; log:\n{}", self.log_text());
+    }
+
     pub fn wait_model(&self, key: &str, want: &str) -> Value {
         let doc = self.wait_until(&format!("{key} {want}"), Duration::from_secs(60), |d| {
             d[key]["status"] == want

@@ -90,9 +90,9 @@ pub fn spec_patch(spec: &Value, config: &ModelConfigStatus) -> Map<String, Value
     }
     if let Some(new) = &config.decoded_model_configuration {
         let current = spec.get("modelConfiguration");
-        if current != Some(new) {
+        if current != Some(&**new) {
             // Replace, not merge: keys the derived object lacks are removed.
-            let mut value = new.clone();
+            let mut value = (**new).clone();
             if let (Some(Value::Object(current)), Value::Object(new)) = (current, &mut value) {
                 for key in current.keys() {
                     new.entry(key.clone()).or_insert(Value::Null);

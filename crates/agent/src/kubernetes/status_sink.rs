@@ -555,7 +555,7 @@ impl EventPublisher {
             .unwrap_or_else(|e| e.into_inner())
             .clone();
         for (key, entry) in after {
-            let Some(event) = transition_event(before.get(key), entry) else {
+            let Some(event) = transition_event(before.get(key).map(|e| &**e), entry) else {
                 continue;
             };
             let Some(reference) = references
@@ -781,11 +781,14 @@ mod tests {
         let mut doc = StatusDoc::new();
         let mut ready = entry("Ready", "", "AlwaysDownload");
         ready.config.model_type = "llama".into();
-        ready.config.decoded_model_configuration = Some(json!({"model_type": "llama"}));
-        doc.insert("team.basemodel.m".into(), ready);
-        doc.insert("file:broken.yaml".into(), entry("Failed", "", ""));
+        ready.config.decoded_model_configuration = Some(Arc::new(json!({"model_type": "llama"})));
+        doc.insert("team.basemodel.m".into(), Arc::new(ready));
+        doc.insert("file:broken.yaml".into(), Arc::new(entry("Failed", "", "")));
         let long = format!("clusterbasemodel.{}", "x".repeat(60));
-        doc.insert(long.clone(), entry("Updating", "", "AlwaysDownload"));
+        doc.insert(
+            long.clone(),
+            Arc::new(entry("Updating", "", "AlwaysDownload")),
+        );
         let w = wanted(&doc).unwrap();
         let full = fit(&w.entries, 1 << 20);
         assert_eq!((full.layout, full.omitted.len()), (Layout::Full, 0));
@@ -843,7 +846,7 @@ mod tests {
             e.config.artifact.sha = "a".repeat(40);
             e.config.model_type = "llama".into();
             e.config.model_architecture = "LlamaForCausalLM".into();
-            doc.insert(key, e);
+            doc.insert(key, Arc::new(e));
         }
         let w = wanted(&doc).unwrap();
         let sizes: Vec<usize> = (0..3)

@@ -148,14 +148,16 @@ impl Reconciler {
                 .get_or_create(&crate::metrics::StatusLabel { status })
                 .set(n as i64);
         }
-        let doc = std::sync::Arc::new(doc);
-        self.status.store(doc.clone());
-        self.status_changes.send_replace(doc);
-        self.status_digest = Some(digest);
+        // The file first: whoever sees a document in memory (`GET /v1/models`) then finds
+        // `status.json` at least as new (`modelfs status --state` reads it).
         self.status_file_stale = true;
         if self.status_writes.due() {
             self.write_status_bytes(&bytes);
         }
+        let doc = std::sync::Arc::new(doc);
+        self.status.store(doc.clone());
+        self.status_changes.send_replace(doc);
+        self.status_digest = Some(digest);
     }
 
     /// Writes the published document again (a retry after a failed write).

@@ -21,6 +21,16 @@ impl Reconciler {
 
     pub(super) fn status_doc(&self) -> StatusDoc {
         let mut doc = StatusDoc::new();
+        // An entry equal to the published one is that one (see `StatusDoc`): the new document
+        // then shares it, and the old one's copy is freed with the old document.
+        let previous = self.status.load();
+        let mut insert = |key: String, e: ModelStatus| {
+            let e = match previous.get(&key) {
+                Some(old) if **old == e => old.clone(),
+                _ => std::sync::Arc::new(e),
+            };
+            doc.insert(key, e);
+        };
         // Owners and users come from the records' indexes, so the document costs
         // O(models log models), not O(models x stores) (it is rebuilt on every change).
         for (key, rec) in self.records.models() {
@@ -108,11 +118,11 @@ impl Reconciler {
             if rec.phase == ModelPhase::Failed && e.reason.is_none() {
                 e.reason = Some("failed".into());
             }
-            doc.insert(key.to_string(), e);
+            insert(key.to_string(), e);
         }
         if let Some(desired) = &self.desired {
             for (what, reason) in &desired.errors {
-                doc.insert(
+                insert(
                     what.clone(),
                     ModelStatus {
                         name: what.clone(),

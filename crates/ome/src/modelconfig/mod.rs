@@ -208,7 +208,7 @@ pub struct DerivedConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantization: Option<String>,
     /// OME's compact `modelConfiguration` object (keys sorted).
-    pub model_configuration: Value,
+    pub model_configuration: std::sync::Arc<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub diffusion_pipeline: Option<DiffusionPipeline>,
 }
@@ -363,7 +363,7 @@ pub fn metadata(source_file: &str, m: &HfModel) -> DerivedConfig {
         max_tokens: m.context_length as i32,
         model_capabilities: capabilities(m),
         quantization,
-        model_configuration: Value::Object(conf),
+        model_configuration: std::sync::Arc::new(Value::Object(conf)),
         diffusion_pipeline,
     }
 }

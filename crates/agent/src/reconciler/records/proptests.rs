@@ -96,7 +96,7 @@ fn status_sample() -> Vec<u8> {
         .artifact
         .children_paths
         .push("/mnt/models/c".into());
-    let doc: StatusDoc = [("clusterbasemodel.m".to_owned(), entry)].into();
+    let doc: StatusDoc = [("clusterbasemodel.m".to_owned(), std::sync::Arc::new(entry))].into();
     serde_json::to_vec(&doc).unwrap()
 }
 

@@ -566,7 +566,7 @@ pub struct Reconciler {
     /// The first desired state of this batch: when it arrived and the mapping's generation then.
     desired_received: Option<(Instant, u64)>,
     /// Every model's wanted and served paths, by path (see [`Reconciler::index_paths`]).
-    path_index: BTreeMap<Vec<String>, BTreeSet<ModelKey>>,
+    path_index: BTreeMap<Vec<String>, records::SmallSet<ModelKey>>,
     indexed_paths: HashMap<ModelKey, Vec<Vec<String>>>,
     /// Models waiting (single flight, or an earlier model resolving on the same path), by the
     /// model whose work they wait for: only its changes wake them.

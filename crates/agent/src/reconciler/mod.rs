@@ -1581,7 +1581,12 @@ impl Reconciler {
                 .acquire_owned()
                 .await
                 .map_err(|_| SourceError::Cancelled)?;
-            crate::adopt::fetch_adopting(&adopt_key, &source, adopt, &fetched, ctx).await
+            // Boxed: the fetch's own state is kilobytes, and every model decided at once
+            // waits here for a slot (10,000 waiting fetches held 66 MB of it unboxed).
+            Box::pin(crate::adopt::fetch_adopting(
+                &adopt_key, &source, adopt, &fetched, ctx,
+            ))
+            .await
         };
         cancel.spawn(work, move |result| {
             let _ = tx.send(Event::Fetched {

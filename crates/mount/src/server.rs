@@ -822,17 +822,25 @@ impl Shared {
         if !unchanged {
             last.mapping_written = false;
         }
-        let mut written = Vec::new();
-        for (id, a) in artifacts {
-            if !last.artifact_files.contains(id) {
-                let bytes = serde_json::to_vec(&**a).map_err(io::Error::other)?;
-                write_synced(&self.artifact_path(id), &bytes)?;
-                written.push(id.clone());
-            }
+        let new: Vec<(&ArtifactId, &Arc<StoredArtifact>)> = artifacts
+            .iter()
+            .filter(|(id, _)| !last.artifact_files.contains(*id))
+            .collect();
+        for batch in new.chunks(WRITE_BATCH) {
+            let files: Vec<(PathBuf, Vec<u8>)> = batch
+                .iter()
+                .map(|(id, a)| {
+                    serde_json::to_vec(&***a)
+                        .map(|bytes| (self.artifact_path(id), bytes))
+                        .map_err(io::Error::other)
+                })
+                .collect::<io::Result<_>>()?;
+            write_all_synced(&files)?;
         }
-        if !written.is_empty() {
+        if !new.is_empty() {
             modelfs_core::store::fsutil::sync_dir(&self.artifacts_dir())?;
-            last.artifact_files.extend(written);
+            last.artifact_files
+                .extend(new.into_iter().map(|(id, _)| id.clone()));
         }
         if !unchanged {
             let doc = PersistedMapping {
@@ -928,25 +936,44 @@ impl Shared {
     }
 }
 
-/// Writes a file through a temporary one and a rename, the file synced but not its directory
-/// (the caller syncs that once for many files).
-fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+/// Files written by [`write_all_synced`] at a time (each is open until all are synced).
+const WRITE_BATCH: usize = 256;
+
+/// Writes files through temporary ones and renames, each file synced but not the directory
+/// (the caller syncs it once for all). All are written before any is synced: the first sync
+/// commits the journal for all of them, so the others cost little, where a sync per file
+/// written cost a journal commit each.
+fn write_all_synced(files: &[(PathBuf, Vec<u8>)]) -> io::Result<()> {
     use std::io::Write;
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::other("no file name"))?
-        .to_string_lossy();
-    let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-    let written = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
+    let mut tmps = Vec::with_capacity(files.len());
+    let result = (|| {
+        let mut open = Vec::with_capacity(files.len());
+        for (path, bytes) in files {
+            let name = path
+                .file_name()
+                .ok_or_else(|| io::Error::other("no file name"))?
+                .to_string_lossy();
+            let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+            let mut f = std::fs::File::create(&tmp)?;
+            tmps.push(tmp);
+            f.write_all(bytes)?;
+            open.push(f);
+        }
+        for f in &open {
+            f.sync_all()?;
+        }
+        for ((path, _), tmp) in files.iter().zip(&tmps) {
+            std::fs::rename(tmp, path)?;
+        }
+        Ok(())
     })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    if result.is_err() {
+        // A partial temporary file on a full disk would keep the space the retry needs.
+        for tmp in &tmps {
+            let _ = std::fs::remove_file(tmp);
+        }
     }
-    written
+    result
 }
 
 /// For tests and the `WireFile` conversion on the agent side.

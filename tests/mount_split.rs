@@ -398,7 +398,22 @@ fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
     // The dead connection: ENOTCONN until a new server cleans it up.
     let err = std::fs::read_dir(&split.env.mount).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN));
+    // Files of the artifacts directory that the mapping does not name (a stray, the temporary
+    // file of a write a crash cut short) are removed at start.
+    let artifacts_dir = split.env.state.join("mount-server").join("artifacts");
+    let named: Vec<PathBuf> = std::fs::read_dir(&artifacts_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(named.len(), 1, "{named:?}");
+    let stray = artifacts_dir.join(format!("{}.json", "0".repeat(64)));
+    std::fs::write(&stray, b"{}").unwrap();
+    let cut_short = artifacts_dir.join(".x.json.tmp.1");
+    std::fs::write(&cut_short, b"{").unwrap();
     split.start_server();
+    assert!(!stray.exists(), "an artifact file no mapping names");
+    assert!(!cut_short.exists(), "a temporary file");
+    assert!(named[0].exists(), "the artifact the mapping names");
     // A fresh mount (the kernel may reuse the mount id of the one it replaced).
     assert!(mount_id(&split.env.mount).is_some());
     for (rel, sha) in &files {
@@ -415,6 +430,57 @@ fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
         .filter(|l| l.split(' ').nth(4) == split.env.mount.to_str())
         .count();
     assert_eq!(at, 1);
+}
+
+/// The persisted mapping is served at start without a look at its blobs (they were checked
+/// when it was applied); they are checked once the mount answers, and an entry whose blob is
+/// gone is then no longer served, with the reason logged, with no agent to send a mapping.
+#[test]
+fn a_persisted_entry_whose_blob_is_gone_is_dropped_after_the_restart() {
+    let (mut split, _files) = Split::serving_one_model("m", 7);
+    split.wait_ready("clusterbasemodel.m");
+    split.kill_agent();
+    split.kill_server();
+    let blobs: Vec<PathBuf> = std::fs::read_dir(split.env.state.join("stores"))
+        .unwrap()
+        .flat_map(|store| std::fs::read_dir(store.unwrap().path().join("blobs")).unwrap())
+        .map(|b| b.unwrap().path())
+        .collect();
+    let missing = blobs.iter().max().unwrap();
+    std::fs::remove_file(missing).unwrap();
+    let digest = missing.file_name().unwrap().to_str().unwrap().to_string();
+    split.start_server();
+    wait_for(
+        "the check of the persisted mapping",
+        Duration::from_secs(30),
+        || split.log_text().contains("persisted mapping checked"),
+    );
+    let log = split.log_text();
+    assert!(
+        log.contains("persisted mapping checked entries=1 broken=1"),
+        "{log}"
+    );
+    let reason = log
+        .lines()
+        .find(|l| l.contains("no longer served"))
+        .unwrap_or_else(|| panic!("no reason logged: {log}"));
+    assert!(
+        reason.contains(&digest) && reason.contains("missing from store"),
+        "{reason}"
+    );
+    assert!(log.contains("mapping entry refused path=m"), "{log}");
+    assert!(!split.env.mount.join("m").exists());
+    // Persisted without it: the next start serves nothing and checks nothing.
+    let state_dir = split.env.state.join("mount-server");
+    let persisted: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(state_dir.join("mapping.json")).unwrap()).unwrap();
+    assert_eq!(persisted["mapping"]["entries"], serde_json::json!([]));
+    assert_eq!(
+        std::fs::read_dir(state_dir.join("artifacts"))
+            .unwrap()
+            .count(),
+        0
+    );
 }
 
 /// A mapping entry the mount server refuses (a blob deleted behind the daemon's back while the
@@ -570,11 +636,6 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
     entries.push(nostore);
     let mapping: WireMapping =
         serde_json::from_value(serde_json::json!({"entries": entries, "files": []})).unwrap();
-    // A persisted artifact that no mapping names is removed when the next mapping is persisted.
-    let stray = state_dir
-        .join("artifacts")
-        .join(format!("{}.json", "0".repeat(64)));
-    std::fs::write(&stray, b"{}").unwrap();
     // An agent that says so in its hello hears which artifacts the server holds, and need not
     // send their manifests; an older agent's hello gets no list (it reads its welcome with a
     // 64 KiB limit).
@@ -619,7 +680,6 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
         "{reasons:?}"
     );
     assert!(reasons["nostore"].contains("does not exist"), "{reasons:?}");
-    assert!(!stray.exists(), "an artifact file no mapping names");
     assert!(state_dir
         .join("artifacts")
         .join(format!("{artifact_id}.json"))

@@ -9,8 +9,8 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -22,7 +22,7 @@ use crate::fuse::{FuseConfig, MountHandle};
 use crate::metrics::FuseMetrics;
 use crate::vfs::{FsCore, InlineFile, MountEntry};
 use modelfs_core::artifact::{ArtifactId, Manifest, StoredArtifact};
-use modelfs_core::store::{StateDir, StoreId};
+use modelfs_core::store::{StateDir, Store, StoreId};
 
 /// How often the usage of stores is compared with what the agent was last told.
 const USAGE_POLL: Duration = Duration::from_millis(100);
@@ -44,6 +44,19 @@ pub struct ServerConfig {
 struct PersistedMapping {
     protocol: u32,
     mapping: WireMapping,
+}
+
+/// The mapping the last apply accepted (refused entries left out) and what of it is on disk.
+/// Held for the whole of an apply, which it serializes. Persisting a mapping writes only the
+/// artifacts not yet on disk and removes only those no longer named: no look at the directory
+/// per apply, whatever the number of models.
+#[derive(Default)]
+struct Accepted {
+    mapping: WireMapping,
+    /// `mapping.json` holds `mapping`.
+    mapping_written: bool,
+    /// Artifacts whose `artifacts/<id>.json` is written and its directory synced.
+    artifact_files: HashSet<ArtifactId>,
 }
 
 /// The server's own directory below the state directory.
@@ -83,8 +96,14 @@ struct Shared {
     passthrough: AtomicBool,
     /// Artifacts of the mapping being served.
     served_artifacts: Mutex<HashMap<ArtifactId, Arc<StoredArtifact>>>,
-    /// (store, artifact) pairs whose blobs were all found when they entered the mapping.
+    /// (store, artifact) pairs whose blobs were all found when they entered the mapping (or,
+    /// after a restart, when the mapping that was persisted entered it; see `check_persisted`).
     verified: Mutex<HashSet<(StoreId, ArtifactId)>>,
+    accepted: Mutex<Accepted>,
+    /// True while the blobs of the persisted mapping served at start are being checked; an
+    /// agent's mapping waits until they are (`wait_checked`).
+    checking: Mutex<bool>,
+    checked: Condvar,
     peer: Mutex<Option<Arc<Peer>>>,
     next_peer: AtomicU64,
     stopping: AtomicBool,
@@ -134,7 +153,8 @@ fn check_artifact(a: StoredArtifact) -> Result<Arc<StoredArtifact>, String> {
 
 impl MountServer {
     /// Cleans a stale mount, opens the directory underneath, serves the persisted mapping,
-    /// mounts, and listens on the socket.
+    /// mounts, checks the persisted mapping's blobs in the background, and listens on the
+    /// socket.
     pub fn start(config: ServerConfig, metrics: Arc<FuseMetrics>) -> anyhow::Result<Self> {
         use anyhow::Context;
         std::fs::create_dir_all(&config.state)
@@ -172,6 +192,9 @@ impl MountServer {
             passthrough: AtomicBool::new(false),
             served_artifacts: Mutex::new(HashMap::new()),
             verified: Mutex::new(HashSet::new()),
+            accepted: Mutex::new(Accepted::default()),
+            checking: Mutex::new(false),
+            checked: Condvar::new(),
             peer: Mutex::new(None),
             next_peer: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
@@ -182,19 +205,35 @@ impl MountServer {
                 .unwrap_or(0)
                 ^ u64::from(std::process::id()),
         });
+        let started = Instant::now();
+        let mut trusted = Vec::new();
         match shared.load_persisted() {
             Ok(Some((artifacts, mapping))) => {
+                // Its entries were checked when they were applied: served at once, their
+                // blobs checked again once mounted (`check_persisted`).
+                shared.verified.lock().expect("verified").extend(
+                    mapping
+                        .entries
+                        .iter()
+                        .filter(|e| artifacts.contains_key(&e.artifact))
+                        .map(|e| (e.store.clone(), e.artifact.clone())),
+                );
                 let (refused, error) = shared.apply(&artifacts, &mapping);
                 for r in &refused {
                     tracing::error!(path = %r.path.join("/"), reason = %r.reason, "persisted mapping entry not served");
                 }
+                let mut verified = shared.verified.lock().expect("verified");
                 if let Some(e) = error {
                     tracing::error!(error = %e, "persisted mapping refused");
+                    verified.clear();
+                } else {
+                    tracing::info!(
+                        models = mapping.entries.len() - refused.len(),
+                        elapsed_ms = started.elapsed().as_millis() as u64,
+                        "serving the persisted mapping"
+                    );
                 }
-                tracing::info!(
-                    models = mapping.entries.len() - refused.len(),
-                    "serving the persisted mapping"
-                );
+                trusted.extend(verified.iter().cloned());
             }
             Ok(None) => {}
             Err(e) => tracing::error!(error = %e, "persisted mapping unreadable; starting empty"),
@@ -216,6 +255,13 @@ impl MountServer {
             .mount_dev
             .store(std::fs::metadata(&config.mount)?.dev(), Ordering::Relaxed);
         *shared.mount.lock().expect("mount slot") = Some(mount);
+        if !trusted.is_empty() {
+            *shared.checking.lock().expect("checking") = true;
+            let check_shared = shared.clone();
+            std::thread::Builder::new()
+                .name("check-persisted".into())
+                .spawn(move || check_shared.check_persisted(trusted))?;
+        }
 
         let listener = bind_socket(&config.socket)
             .with_context(|| format!("listening on {}", config.socket.display()))?;
@@ -430,6 +476,7 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
                         }
                     }
                 }
+                shared.wait_checked();
                 let (more, error) = shared.apply(&artifacts, &mapping);
                 refused.extend(more);
                 // The agent forgets the same ones (protocol module docs).
@@ -553,6 +600,17 @@ impl Shared {
         artifacts: &HashMap<ArtifactId, Arc<StoredArtifact>>,
         mapping: &WireMapping,
     ) -> (Vec<RefusedEntry>, Option<String>) {
+        let mut accepted = self.accepted.lock().expect("accepted");
+        self.apply_locked(&mut accepted, artifacts, mapping)
+    }
+
+    fn apply_locked(
+        &self,
+        last: &mut Accepted,
+        artifacts: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+        mapping: &WireMapping,
+    ) -> (Vec<RefusedEntry>, Option<String>) {
+        let started = Instant::now();
         let mut refused = Vec::new();
         let mut entries = Vec::with_capacity(mapping.entries.len());
         let mut accepted = Vec::with_capacity(mapping.entries.len());
@@ -591,28 +649,41 @@ impl Shared {
                 });
             }
         }
+        let checked = started.elapsed();
         let inv = match self.core.apply_with_files(&entries, &files) {
             Ok(inv) => inv,
             Err(e) => return (refused, Some(e.to_string())),
         };
+        let swapped = started.elapsed();
         match &*self.mount.lock().expect("mount slot") {
             Some(m) => m.invalidate(inv),
             None => self.core.detach_all(&inv),
         }
+        let invalidated = started.elapsed();
         *verified = now_verified;
         drop(verified);
-        *served = used_artifacts.clone();
-        drop(served);
+        *served = used_artifacts;
         let persisted = WireMapping {
             entries: accepted,
             files: accepted_files,
         };
-        if let Err(e) = self.persist(&persisted, &used_artifacts) {
+        if let Err(e) = self.persist(last, persisted, &served) {
             tracing::error!(error = %e, "persisting the mapping failed; a restart would serve an older one");
         }
+        drop(served);
         for r in &refused {
             tracing::error!(path = %r.path.join("/"), reason = %r.reason, "mapping entry refused");
         }
+        tracing::debug!(
+            entries = mapping.entries.len(),
+            refused = refused.len(),
+            check_us = checked.as_micros() as u64,
+            swap_us = (swapped - checked).as_micros() as u64,
+            invalidate_us = (invalidated - swapped).as_micros() as u64,
+            persist_us = (started.elapsed() - invalidated).as_micros() as u64,
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "mapping applied"
+        );
         (refused, None)
     }
 
@@ -634,20 +705,13 @@ impl Shared {
             .or_else(|| served.get(&e.artifact))
             .cloned()
             .ok_or_else(|| format!("artifact {} was never sent", e.artifact))?;
-        let store = self
-            .state
-            .existing_store(&e.store)
-            .ok_or_else(|| format!("store {} does not exist", e.store))?;
-        if !verified.contains(&(e.store.clone(), e.artifact.clone())) {
-            for (entry, blob) in artifact.manifest.entries().iter().zip(&artifact.blobs) {
-                if !store.has_blob(blob, entry.size) {
-                    return Err(format!(
-                        "blob {blob} of {} ({} bytes) is missing from store {}",
-                        entry.path, entry.size, e.store
-                    ));
-                }
-            }
-        }
+        // A pair already checked costs no system call: its store's handle is the served one
+        // (or, at start, a path: `check_persisted` looks at the disk once mounted).
+        let store = if verified.contains(&(e.store.clone(), e.artifact.clone())) {
+            self.state.store_unchecked(&e.store)
+        } else {
+            self.check_blobs(&e.store, &artifact)?
+        };
         Ok(MountEntry {
             path: e.path.clone(),
             artifact,
@@ -655,49 +719,190 @@ impl Shared {
         })
     }
 
+    /// The store, if it exists and holds every blob of the artifact with its size.
+    fn check_blobs(&self, id: &StoreId, artifact: &StoredArtifact) -> Result<Store, String> {
+        let store = self
+            .state
+            .existing_store(id)
+            .ok_or_else(|| format!("store {id} does not exist"))?;
+        for (entry, blob) in artifact.manifest.entries().iter().zip(&artifact.blobs) {
+            if !store.has_blob(blob, entry.size) {
+                return Err(format!(
+                    "blob {blob} of {} ({} bytes) is missing from store {id}",
+                    entry.path, entry.size
+                ));
+            }
+        }
+        Ok(store)
+    }
+
+    /// Checks the blobs of the entries of the persisted mapping, served at start on trust
+    /// (`trusted`: their (store, artifact) pairs), while the mount already answers. Entries
+    /// whose store or blobs are gone lose their trust and the current mapping is applied
+    /// again, which leaves them out with the reason logged. An agent's mapping waits until
+    /// this is done, so what it hears back is the result of a real check.
+    fn check_persisted(&self, trusted: Vec<(StoreId, ArtifactId)>) {
+        /// Lets agents' mappings through however the check ends.
+        struct Done<'a>(&'a Shared);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                *self.0.checking.lock().expect("checking") = false;
+                self.0.checked.notify_all();
+            }
+        }
+        let _done = Done(self);
+        let started = Instant::now();
+        let artifacts = self.served_artifacts.lock().expect("served").clone();
+        let mut lost = Vec::new();
+        for (store, id) in &trusted {
+            let Some(artifact) = artifacts.get(id) else {
+                continue;
+            };
+            if let Err(reason) = self.check_blobs(store, artifact) {
+                tracing::error!(%store, artifact = %id, %reason, "an entry of the persisted mapping is broken; no longer served");
+                lost.push((store.clone(), id.clone()));
+            }
+        }
+        if !lost.is_empty() {
+            let mut accepted = self.accepted.lock().expect("accepted");
+            {
+                let mut verified = self.verified.lock().expect("verified");
+                for pair in &lost {
+                    verified.remove(pair);
+                }
+            }
+            let mapping = accepted.mapping.clone();
+            let artifacts = self.served_artifacts.lock().expect("served").clone();
+            let (_, error) = self.apply_locked(&mut accepted, &artifacts, &mapping);
+            if let Some(e) = error {
+                tracing::error!(error = %e, "the mapping without the broken entries was refused");
+            }
+        }
+        tracing::info!(
+            entries = trusted.len(),
+            broken = lost.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "persisted mapping checked"
+        );
+    }
+
+    /// Returns once the persisted mapping's blobs are checked (at once if they were).
+    fn wait_checked(&self) {
+        let mut checking = self.checking.lock().expect("checking");
+        while *checking {
+            checking = self.checked.wait(checking).expect("checking");
+        }
+    }
+
     fn mapping_path(&self) -> PathBuf {
         self.dir.join("mapping.json")
     }
 
-    fn artifact_path(&self, id: &ArtifactId) -> PathBuf {
-        self.dir.join("artifacts").join(format!("{id}.json"))
+    fn artifacts_dir(&self) -> PathBuf {
+        self.dir.join("artifacts")
     }
 
-    /// Artifacts first (each written once), then the mapping that names them, then artifacts
-    /// no longer named are removed: a crash anywhere leaves a mapping whose artifacts exist.
+    fn artifact_path(&self, id: &ArtifactId) -> PathBuf {
+        self.artifacts_dir().join(format!("{id}.json"))
+    }
+
+    /// Artifacts first (each written once: those `last` does not record as written, their
+    /// directory synced once for all), then the mapping that names them (not rewritten when it
+    /// is the one on disk), then the artifacts no longer named are removed: a crash anywhere
+    /// leaves a mapping whose artifacts exist. Files no mapping names (a stray, or a temporary
+    /// file of a write a crash cut short) are removed at start (`load_persisted`).
     fn persist(
         &self,
-        mapping: &WireMapping,
+        last: &mut Accepted,
+        mapping: WireMapping,
         artifacts: &HashMap<ArtifactId, Arc<StoredArtifact>>,
     ) -> io::Result<()> {
-        for (id, a) in artifacts {
-            let path = self.artifact_path(id);
-            if !path.exists() {
-                let bytes = serde_json::to_vec(&**a).map_err(io::Error::other)?;
-                modelfs_core::store::fsutil::atomic_write(&path, &bytes)?;
-            }
+        let unchanged = last.mapping_written && last.mapping == mapping;
+        last.mapping = mapping;
+        if !unchanged {
+            last.mapping_written = false;
         }
-        let doc = PersistedMapping {
-            protocol: PROTOCOL_VERSION,
-            mapping: mapping.clone(),
-        };
-        let bytes = serde_json::to_vec(&doc).map_err(io::Error::other)?;
-        modelfs_core::store::fsutil::atomic_write(&self.mapping_path(), &bytes)?;
-        // One set of names, not every id formatted again for every file (at 1,000 models that
-        // was a million hex encodings per mapping applied).
-        let named: HashSet<String> = artifacts.keys().map(|id| format!("{id}.json")).collect();
-        for entry in std::fs::read_dir(self.dir.join("artifacts"))?.flatten() {
-            let name = entry.file_name();
-            let keep = name.to_str().is_some_and(|n| named.contains(n));
-            if !keep {
-                let _ = std::fs::remove_file(entry.path());
+        let new: Vec<(&ArtifactId, &Arc<StoredArtifact>)> = artifacts
+            .iter()
+            .filter(|(id, _)| !last.artifact_files.contains(*id))
+            .collect();
+        for batch in new.chunks(WRITE_BATCH) {
+            let files: Vec<(PathBuf, Vec<u8>)> = batch
+                .iter()
+                .map(|(id, a)| {
+                    serde_json::to_vec(&***a)
+                        .map(|bytes| (self.artifact_path(id), bytes))
+                        .map_err(io::Error::other)
+                })
+                .collect::<io::Result<_>>()?;
+            write_all_synced(&files)?;
+        }
+        if !new.is_empty() {
+            modelfs_core::store::fsutil::sync_dir(&self.artifacts_dir())?;
+            last.artifact_files
+                .extend(new.into_iter().map(|(id, _)| id.clone()));
+        }
+        if !unchanged {
+            let doc = PersistedMapping {
+                protocol: PROTOCOL_VERSION,
+                mapping: last.mapping.clone(),
+            };
+            let bytes = serde_json::to_vec(&doc).map_err(io::Error::other)?;
+            modelfs_core::store::fsutil::atomic_write(&self.mapping_path(), &bytes)?;
+            last.mapping_written = true;
+        }
+        if last.artifact_files.len() > artifacts.len() {
+            let dropped: Vec<ArtifactId> = last
+                .artifact_files
+                .iter()
+                .filter(|id| !artifacts.contains_key(*id))
+                .cloned()
+                .collect();
+            for id in dropped {
+                match std::fs::remove_file(self.artifact_path(&id)) {
+                    Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                        tracing::warn!(artifact = %id, error = %e, "removing a persisted artifact no mapping names");
+                    }
+                    _ => {
+                        last.artifact_files.remove(&id);
+                    }
+                }
             }
         }
         Ok(())
     }
 
+    /// Reads the persisted mapping and its artifacts and records them as what is on disk;
+    /// every other file of the artifacts directory is removed (a mapping persisted later
+    /// removes only what it wrote).
     #[allow(clippy::type_complexity)]
     fn load_persisted(
+        &self,
+    ) -> io::Result<Option<(HashMap<ArtifactId, Arc<StoredArtifact>>, WireMapping)>> {
+        let loaded = self.read_persisted();
+        let empty = HashMap::new();
+        let kept = match &loaded {
+            Ok(Some((artifacts, _))) => artifacts,
+            _ => &empty,
+        };
+        let names: HashSet<String> = kept.keys().map(|id| format!("{id}.json")).collect();
+        for entry in std::fs::read_dir(self.artifacts_dir())?.flatten() {
+            let name = entry.file_name();
+            if !name.to_str().is_some_and(|n| names.contains(n)) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        if let Ok(Some((artifacts, mapping))) = &loaded {
+            let mut last = self.accepted.lock().expect("accepted");
+            last.artifact_files = artifacts.keys().cloned().collect();
+            last.mapping = mapping.clone();
+            last.mapping_written = true;
+        }
+        loaded
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn read_persisted(
         &self,
     ) -> io::Result<Option<(HashMap<ArtifactId, Arc<StoredArtifact>>, WireMapping)>> {
         let bytes = match std::fs::read(self.mapping_path()) {
@@ -729,6 +934,46 @@ impl Shared {
         }
         Ok(Some((artifacts, doc.mapping)))
     }
+}
+
+/// Files written by [`write_all_synced`] at a time (each is open until all are synced).
+const WRITE_BATCH: usize = 256;
+
+/// Writes files through temporary ones and renames, each file synced but not the directory
+/// (the caller syncs it once for all). All are written before any is synced: the first sync
+/// commits the journal for all of them, so the others cost little, where a sync per file
+/// written cost a journal commit each.
+fn write_all_synced(files: &[(PathBuf, Vec<u8>)]) -> io::Result<()> {
+    use std::io::Write;
+    let mut tmps = Vec::with_capacity(files.len());
+    let result = (|| {
+        let mut open = Vec::with_capacity(files.len());
+        for (path, bytes) in files {
+            let name = path
+                .file_name()
+                .ok_or_else(|| io::Error::other("no file name"))?
+                .to_string_lossy();
+            let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+            let mut f = std::fs::File::create(&tmp)?;
+            tmps.push(tmp);
+            f.write_all(bytes)?;
+            open.push(f);
+        }
+        for f in &open {
+            f.sync_all()?;
+        }
+        for ((path, _), tmp) in files.iter().zip(&tmps) {
+            std::fs::rename(tmp, path)?;
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        // A partial temporary file on a full disk would keep the space the retry needs.
+        for tmp in &tmps {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
+    result
 }
 
 /// For tests and the `WireFile` conversion on the agent side.

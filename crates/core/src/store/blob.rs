@@ -57,6 +57,13 @@ impl Store {
         Ok(Self { root })
     }
 
+    /// The store at `root` without looking at the disk (no directory is created): for a
+    /// caller that knows it was there and checks its blobs later (the mount server serving its
+    /// persisted mapping at start).
+    pub fn at(root: PathBuf) -> Self {
+        Self { root }
+    }
+
     pub fn root(&self) -> &Path {
         &self.root
     }

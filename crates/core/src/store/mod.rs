@@ -102,6 +102,11 @@ impl StateDir {
         Store::open(self.stores_dir().join(id.as_str()))
     }
 
+    /// Store `id` without looking at the disk (see [`Store::at`]).
+    pub fn store_unchecked(&self, id: &StoreId) -> Store {
+        Store::at(self.stores_dir().join(id.as_str()))
+    }
+
     /// Opens a store only if its directory exists (used where creating it would be wrong).
     pub fn existing_store(&self, id: &StoreId) -> Option<Store> {
         let dir = self.stores_dir().join(id.as_str());

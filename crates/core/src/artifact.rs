@@ -258,7 +258,7 @@ impl EntryRef<'_> {
     }
 }
 
-/// The kind of a packed digest, in the top bits of its [`Manifest::digest_at`] word.
+/// The kind of a packed digest, in the top bits of its word in `Manifest::digest_at`.
 const KIND_SHIFT: u32 = 30;
 const AT_MASK: u32 = (1 << KIND_SHIFT) - 1;
 const KIND_SHA256: u32 = 0;

@@ -263,11 +263,11 @@ pub fn import_into(
         if present || !entry.digest.checks_content() {
             continue;
         }
-        let file = match from.under.open_file(&from.dir.join(&entry.path)) {
+        let file = match from.under.open_file(&from.dir.join(entry.path)) {
             Ok(Some(f)) => f,
             Ok(None) => continue,
             Err(e) => {
-                out.rejected.push((entry.path.clone(), e.to_string()));
+                out.rejected.push((entry.path.to_string(), e.to_string()));
                 continue;
             }
         };
@@ -275,13 +275,13 @@ pub fn import_into(
             Ok(m) if m.len() == entry.size => {}
             Ok(m) => {
                 out.rejected.push((
-                    entry.path.clone(),
+                    entry.path.to_string(),
                     format!("size {} instead of {}", m.len(), entry.size),
                 ));
                 continue;
             }
             Err(e) => {
-                out.rejected.push((entry.path.clone(), e.to_string()));
+                out.rejected.push((entry.path.to_string(), e.to_string()));
                 continue;
             }
         }
@@ -295,7 +295,7 @@ pub fn import_into(
                 out.bytes += entry.size;
             }
             Err(_) if cancel.load(Ordering::Relaxed) => return Err(Cancelled),
-            Err(e) => out.rejected.push((entry.path.clone(), e.to_string())),
+            Err(e) => out.rejected.push((entry.path.to_string(), e.to_string())),
         }
     }
     Ok(out)

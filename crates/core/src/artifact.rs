@@ -17,8 +17,30 @@
 //! Entry paths are validated here, once, for every source: a hostile listing (absolute paths,
 //! `..`, NUL and control characters, duplicates, a file and a directory of the same name,
 //! absurd sizes) is rejected before anything touches the disk.
+//!
+//! # Memory
+//! Both processes of a node hold the manifest of every artifact they serve for as long as they
+//! serve it (100,000 files at 1,000 models of 100), so a [`Manifest`] is packed rather than a
+//! list of entries: all paths in one string with a `u32` end offset each, the sizes in one
+//! array, and the digests' bytes back to back with one `u32` each for their kind (two bits)
+//! and offset. No entry has an allocation of its own and the arrays are boxed (no growth
+//! slack): 16 bytes per entry plus its path and its digest (32 bytes for a sha256), against
+//! about 150 for a `Vec` of [`ManifestEntry`] (a path `String` of 24 bytes and its own
+//! allocation, a 50-byte [`FileDigest`], padding). [`Manifest::entries`] and
+//! [`Manifest::get`] hand out [`EntryRef`]s, copies of the size and digest with the path
+//! borrowed; [`Manifest::position`] finds a path by binary search, the entries being in path
+//! order.
+//!
+//! A [`StoredArtifact`]'s blob of an entry is the sha256 of its bytes, which is the entry's
+//! own file digest whenever that is a sha256 (local files, Hugging Face LFS files: the
+//! download checks it). Only the other blobs are stored, with their entries' indices; an
+//! artifact whose entries all have other digests (git sha1, object store) stores every blob,
+//! without indices. A local artifact thus holds no blob digest at all.
+//!
+//! Serialized (artifact files, the mount server's persisted mapping, the socket protocol) both
+//! keep the JSON form of a list of entries and of a blob list, byte for byte; reading packs
+//! the entries one at a time.
 
-use std::collections::BTreeSet;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -204,7 +226,9 @@ impl fmt::Display for ArtifactId {
     }
 }
 
-/// One file of an artifact.
+/// One file of an artifact, owned: what a source lists, what [`Manifest::new`] takes, and the
+/// JSON form of one entry. A [`Manifest`] does not keep these (see "Memory" above); it hands
+/// out [`EntryRef`]s.
 #[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub struct ManifestEntry {
     /// Relative, '/'-separated, validated by [`Manifest::new`].
@@ -213,24 +237,265 @@ pub struct ManifestEntry {
     pub digest: FileDigest,
 }
 
-/// A validated, path-sorted list of files plus the revision it was resolved at.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+/// One file of a [`Manifest`], read out of its packed storage: the path is borrowed, the size
+/// and digest copied. Serializes exactly as a [`ManifestEntry`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize)]
+#[serde(rename = "ManifestEntry")]
+pub struct EntryRef<'a> {
+    pub path: &'a str,
+    pub size: u64,
+    pub digest: FileDigest,
+}
+
+impl EntryRef<'_> {
+    /// An owned copy, for code that keeps an entry beyond its manifest's borrow.
+    pub fn to_entry(&self) -> ManifestEntry {
+        ManifestEntry {
+            path: self.path.to_string(),
+            size: self.size,
+            digest: self.digest,
+        }
+    }
+}
+
+/// The kind of a packed digest, in the top bits of its word in `Manifest::digest_at`.
+const KIND_SHIFT: u32 = 30;
+const AT_MASK: u32 = (1 << KIND_SHIFT) - 1;
+const KIND_SHA256: u32 = 0;
+const KIND_GITSHA1: u32 = 1;
+const KIND_OBJECT: u32 = 2;
+const KIND_OBJECT_MD5: u32 = 3;
+
+/// A validated, path-sorted list of files plus the revision it was resolved at, packed (see
+/// "Memory" in the module docs).
+#[derive(Clone)]
 pub struct Manifest {
     /// Resolved revision: a 40-hex commit for Hugging Face, the manifest digest for local sources.
     pub revision: String,
-    entries: Vec<ManifestEntry>,
+    /// Every entry's path, back to back, in entry order.
+    paths: Box<str>,
+    /// Where each entry's path ends in `paths` (it starts where the previous one ends).
+    path_ends: Box<[u32]>,
+    sizes: Box<[u64]>,
+    /// Each entry's digest: its kind (`KIND_*`) in the top two bits, below them the offset of
+    /// its bytes in `digests`.
+    digest_at: Box<[u32]>,
+    /// Every entry's digest bytes, back to back: 32 for a sha256, 20 for a git sha1, 32 for an
+    /// object's identity followed by 16 for its MD5 when it has one.
+    digests: Box<[u8]>,
     /// The digest, computed once: it is O(files) and asked for on every placement decision.
-    #[serde(skip)]
     id: std::sync::OnceLock<ArtifactId>,
 }
 
+/// Equal entries pack to equal arrays, so comparing the arrays compares the entries.
 impl PartialEq for Manifest {
     fn eq(&self, other: &Self) -> bool {
-        self.revision == other.revision && self.entries == other.entries
+        self.revision == other.revision
+            && self.paths == other.paths
+            && self.path_ends == other.path_ends
+            && self.sizes == other.sizes
+            && self.digest_at == other.digest_at
+            && self.digests == other.digests
     }
 }
 
 impl Eq for Manifest {}
+
+impl fmt::Debug for Manifest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        struct List<'a>(&'a Manifest);
+        impl fmt::Debug for List<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_list().entries(self.0.entries()).finish()
+            }
+        }
+        f.debug_struct("Manifest")
+            .field("revision", &self.revision)
+            .field("entries", &List(self))
+            .finish()
+    }
+}
+
+/// Entries being packed into a [`Manifest`]'s arrays, in the order they are pushed.
+#[derive(Default)]
+struct Packer {
+    paths: String,
+    path_ends: Vec<u32>,
+    sizes: Vec<u64>,
+    digest_at: Vec<u32>,
+    digests: Vec<u8>,
+}
+
+fn digest_len(d: &FileDigest) -> usize {
+    match d {
+        FileDigest::Sha256(_) => 32,
+        FileDigest::GitSha1(_) => 20,
+        FileDigest::Object { md5: None, .. } => 32,
+        FileDigest::Object { md5: Some(_), .. } => 48,
+    }
+}
+
+impl Packer {
+    /// Room for exactly `entries`, so that boxing the arrays does not copy them.
+    fn for_entries(entries: &[ManifestEntry]) -> Self {
+        let n = entries.len();
+        Self {
+            paths: String::with_capacity(entries.iter().map(|e| e.path.len()).sum()),
+            path_ends: Vec::with_capacity(n),
+            sizes: Vec::with_capacity(n),
+            digest_at: Vec::with_capacity(n),
+            digests: Vec::with_capacity(entries.iter().map(|e| digest_len(&e.digest)).sum()),
+        }
+    }
+
+    /// Fails only past the offsets' range, which a validated listing cannot reach
+    /// ([`MAX_ENTRIES`] paths of [`MAX_PATH_LEN`] bytes fit in a `u32`).
+    fn push(&mut self, path: &str, size: u64, digest: &FileDigest) -> Result<(), &'static str> {
+        let at = u32::try_from(self.digests.len())
+            .ok()
+            .filter(|at| *at <= AT_MASK)
+            .ok_or("manifest digests exceed 1 GiB")?;
+        let end = u32::try_from(self.paths.len() + path.len())
+            .map_err(|_| "manifest paths exceed 4 GiB")?;
+        let kind = match digest {
+            FileDigest::Sha256(d) => {
+                self.digests.extend_from_slice(d);
+                KIND_SHA256
+            }
+            FileDigest::GitSha1(d) => {
+                self.digests.extend_from_slice(d);
+                KIND_GITSHA1
+            }
+            FileDigest::Object { identity, md5 } => {
+                self.digests.extend_from_slice(identity);
+                match md5 {
+                    Some(m) => {
+                        self.digests.extend_from_slice(m);
+                        KIND_OBJECT_MD5
+                    }
+                    None => KIND_OBJECT,
+                }
+            }
+        };
+        self.paths.push_str(path);
+        self.path_ends.push(end);
+        self.sizes.push(size);
+        self.digest_at.push(kind << KIND_SHIFT | at);
+        Ok(())
+    }
+
+    /// Boxed: no growth slack stays for as long as the manifest is served.
+    fn finish(self, revision: String) -> Manifest {
+        Manifest {
+            revision,
+            paths: self.paths.into_boxed_str(),
+            path_ends: self.path_ends.into_boxed_slice(),
+            sizes: self.sizes.into_boxed_slice(),
+            digest_at: self.digest_at.into_boxed_slice(),
+            digests: self.digests.into_boxed_slice(),
+            id: std::sync::OnceLock::new(),
+        }
+    }
+}
+
+/// The entries of a [`Manifest`], in order.
+#[derive(Clone)]
+pub struct Entries<'a> {
+    manifest: &'a Manifest,
+    range: std::ops::Range<usize>,
+}
+
+impl<'a> Iterator for Entries<'a> {
+    type Item = EntryRef<'a>;
+    fn next(&mut self) -> Option<EntryRef<'a>> {
+        let i = self.range.next()?;
+        Some(self.manifest.entry(i))
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.range.size_hint()
+    }
+    fn nth(&mut self, n: usize) -> Option<EntryRef<'a>> {
+        let i = self.range.nth(n)?;
+        Some(self.manifest.entry(i))
+    }
+}
+
+impl ExactSizeIterator for Entries<'_> {}
+
+impl DoubleEndedIterator for Entries<'_> {
+    fn next_back(&mut self) -> Option<Self::Item> {
+        let i = self.range.next_back()?;
+        Some(self.manifest.entry(i))
+    }
+}
+
+impl std::iter::FusedIterator for Entries<'_> {}
+
+impl<'a> IntoIterator for &'a Manifest {
+    type Item = EntryRef<'a>;
+    type IntoIter = Entries<'a>;
+    fn into_iter(self) -> Entries<'a> {
+        self.entries()
+    }
+}
+
+impl Serialize for Manifest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        struct List<'a>(&'a Manifest);
+        impl Serialize for List<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_seq(self.0.entries())
+            }
+        }
+        let mut st = s.serialize_struct("Manifest", 2)?;
+        st.serialize_field("revision", &self.revision)?;
+        st.serialize_field("entries", &List(self))?;
+        st.end()
+    }
+}
+
+/// The JSON entries of a manifest, packed one at a time as they are read: a manifest read from
+/// a file or the socket never exists as a list of separately allocated entries.
+struct PackedEntries(Packer);
+
+impl<'de> Deserialize<'de> for PackedEntries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = PackedEntries;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list of manifest entries")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<PackedEntries, A::Error> {
+                let mut packer = Packer::default();
+                while let Some(e) = seq.next_element::<ManifestEntry>()? {
+                    packer
+                        .push(&e.path, e.size, &e.digest)
+                        .map_err(serde::de::Error::custom)?;
+                }
+                Ok(PackedEntries(packer))
+            }
+        }
+        d.deserialize_seq(Visitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for Manifest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(rename = "Manifest")]
+        struct Wire {
+            revision: String,
+            entries: PackedEntries,
+        }
+        let Wire { revision, entries } = Wire::deserialize(d)?;
+        Ok(entries.0.finish(revision))
+    }
+}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ArtifactError {
@@ -238,6 +503,8 @@ pub enum ArtifactError {
     BadPath { path: String, why: &'static str },
     #[error("file listing names {path:?} twice")]
     Duplicate { path: String },
+    #[error("manifest is not in path order at {path:?}")]
+    Unsorted { path: String },
     #[error("file listing has both a file and a directory named {path:?}")]
     FileDirClash { path: String },
     #[error("file listing gives {path:?} an absurd size of {size} bytes")]
@@ -290,6 +557,18 @@ pub fn validate_relative_path(path: &str) -> Result<(), ArtifactError> {
     Ok(())
 }
 
+/// Checks one entry's path and size.
+fn check_entry(path: &str, size: u64) -> Result<(), ArtifactError> {
+    validate_relative_path(path)?;
+    if size > MAX_FILE_SIZE {
+        return Err(ArtifactError::AbsurdSize {
+            path: path.to_string(),
+            size,
+        });
+    }
+    Ok(())
+}
+
 impl Manifest {
     /// Validates and canonicalises (sorts) a listing.
     pub fn new(revision: String, mut entries: Vec<ManifestEntry>) -> Result<Self, ArtifactError> {
@@ -299,32 +578,60 @@ impl Manifest {
             });
         }
         for e in &entries {
-            validate_relative_path(&e.path)?;
-            if e.size > MAX_FILE_SIZE {
-                return Err(ArtifactError::AbsurdSize {
-                    path: e.path.clone(),
-                    size: e.size,
-                });
-            }
+            check_entry(&e.path, e.size)?;
         }
         entries.sort_by(|a, b| a.path.cmp(&b.path));
-        let mut files = BTreeSet::new();
-        for pair in entries.windows(2) {
-            if pair[0].path == pair[1].path {
-                return Err(ArtifactError::Duplicate {
-                    path: pair[0].path.clone(),
-                });
+        let mut packer = Packer::for_entries(&entries);
+        for e in &entries {
+            packer
+                .push(&e.path, e.size, &e.digest)
+                .expect("a validated listing fits the packed offsets");
+        }
+        drop(entries);
+        let manifest = packer.finish(revision);
+        manifest.check_order()?;
+        Ok(manifest)
+    }
+
+    /// Validates a manifest that arrived from outside (the socket, a persisted file) as
+    /// [`Manifest::new`] validates a listing, in place. Its entries must already be in order:
+    /// whoever sent them had them from [`Manifest::new`], and blobs sent alongside are
+    /// parallel to that order, so a list out of order is refused rather than sorted.
+    pub fn validate(&self) -> Result<(), ArtifactError> {
+        if self.len() > MAX_ENTRIES {
+            return Err(ArtifactError::TooManyEntries { count: self.len() });
+        }
+        for e in self.entries() {
+            check_entry(e.path, e.size)?;
+        }
+        self.check_order()
+    }
+
+    /// Paths strictly ascending (so no duplicates), and no file that is also a directory.
+    fn check_order(&self) -> Result<(), ArtifactError> {
+        for i in 1..self.len() {
+            let (a, b) = (self.path(i - 1), self.path(i));
+            match a.cmp(b) {
+                std::cmp::Ordering::Less => {}
+                std::cmp::Ordering::Equal => {
+                    return Err(ArtifactError::Duplicate {
+                        path: a.to_string(),
+                    })
+                }
+                std::cmp::Ordering::Greater => {
+                    return Err(ArtifactError::Unsorted {
+                        path: b.to_string(),
+                    })
+                }
             }
         }
-        for e in &entries {
-            files.insert(e.path.as_str());
-        }
         // A file "a" and a file "a/b" would need "a" to be both a file and a directory.
-        for e in &entries {
+        for i in 0..self.len() {
+            let path = self.path(i);
             let mut prefix_end = 0;
-            while let Some(pos) = e.path[prefix_end..].find('/') {
-                let dir = &e.path[..prefix_end + pos];
-                if files.contains(dir) {
+            while let Some(pos) = path[prefix_end..].find('/') {
+                let dir = &path[..prefix_end + pos];
+                if self.position(dir).is_some() {
                     return Err(ArtifactError::FileDirClash {
                         path: dir.to_string(),
                     });
@@ -332,27 +639,101 @@ impl Manifest {
                 prefix_end += pos + 1;
             }
         }
-        // Kept for as long as the artifact is served: no growth slack (a listing parsed
-        // from JSON or collected from a walk carries up to half its length again).
-        entries.shrink_to_fit();
-        Ok(Self {
-            revision,
-            entries,
-            id: std::sync::OnceLock::new(),
+        Ok(())
+    }
+
+    /// The entries, in path order.
+    pub fn entries(&self) -> Entries<'_> {
+        Entries {
+            manifest: self,
+            range: 0..self.len(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.path_ends.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.path_ends.is_empty()
+    }
+
+    pub fn get(&self, i: usize) -> Option<EntryRef<'_>> {
+        (i < self.len()).then(|| self.entry(i))
+    }
+
+    /// Entry `i`; panics past the end, as indexing a slice does.
+    pub fn entry(&self, i: usize) -> EntryRef<'_> {
+        EntryRef {
+            path: self.path(i),
+            size: self.sizes[i],
+            digest: self.digest(i),
+        }
+    }
+
+    /// The path of entry `i`.
+    pub fn path(&self, i: usize) -> &str {
+        let start = match i {
+            0 => 0,
+            _ => self.path_ends[i - 1] as usize,
+        };
+        &self.paths[start..self.path_ends[i] as usize]
+    }
+
+    /// The digest of entry `i`.
+    pub fn digest(&self, i: usize) -> FileDigest {
+        let word = self.digest_at[i];
+        let bytes = &self.digests[(word & AT_MASK) as usize..];
+        let array =
+            |from: usize| -> [u8; 32] { bytes[from..from + 32].try_into().expect("32 bytes") };
+        match word >> KIND_SHIFT {
+            KIND_SHA256 => FileDigest::Sha256(array(0)),
+            KIND_GITSHA1 => FileDigest::GitSha1(bytes[..20].try_into().expect("20 bytes")),
+            KIND_OBJECT => FileDigest::Object {
+                identity: array(0),
+                md5: None,
+            },
+            _ => FileDigest::Object {
+                identity: array(0),
+                md5: Some(bytes[32..48].try_into().expect("16 bytes")),
+            },
+        }
+    }
+
+    /// The sha256 file digest of entry `i`, if that is its kind of digest.
+    fn sha256(&self, i: usize) -> Option<&[u8; 32]> {
+        let word = self.digest_at[i];
+        (word >> KIND_SHIFT == KIND_SHA256).then(|| {
+            let at = (word & AT_MASK) as usize;
+            self.digests[at..at + 32].try_into().expect("32 bytes")
         })
     }
 
-    pub fn entries(&self) -> &[ManifestEntry] {
-        &self.entries
-    }
-
-    /// The revision and the entries, to validate them again without a copy.
-    pub fn into_parts(self) -> (String, Vec<ManifestEntry>) {
-        (self.revision, self.entries)
+    /// The index of the entry at `path`: a binary search, the entries being in path order.
+    pub fn position(&self, path: &str) -> Option<usize> {
+        let (mut lo, mut hi) = (0, self.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.path(mid).cmp(path) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Some(mid),
+            }
+        }
+        None
     }
 
     pub fn total_size(&self) -> u64 {
-        self.entries.iter().map(|e| e.size).sum()
+        self.sizes.iter().sum()
+    }
+
+    /// Bytes of heap the entries take (not the revision): what holding this manifest costs.
+    pub fn heap_bytes(&self) -> usize {
+        self.paths.len()
+            + std::mem::size_of_val::<[u32]>(&self.path_ends)
+            + std::mem::size_of_val::<[u64]>(&self.sizes)
+            + std::mem::size_of_val::<[u32]>(&self.digest_at)
+            + self.digests.len()
     }
 
     /// sha256 over the canonical list of (path, size, digest). The revision is not part of it:
@@ -364,7 +745,7 @@ impl Manifest {
     fn compute_id(&self) -> ArtifactId {
         let mut h = Sha256::new();
         h.update(b"modelfs-manifest-v1\n");
-        for e in &self.entries {
+        for e in self.entries() {
             h.update(e.path.as_bytes());
             h.update([0]);
             h.update(e.size.to_string().as_bytes());
@@ -379,31 +760,76 @@ impl Manifest {
 /// A complete artifact as held by a store: the manifest and, for each entry, the sha256 of the
 /// blob that holds its bytes. Written once when the artifact first becomes complete and never
 /// changed, so it is safe to share between models and to cache forever.
-#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Debug)]
 pub struct StoredArtifact {
     pub id: ArtifactId,
     /// Shared: placement decisions hand it around without copying 10,000 entries.
     pub manifest: Arc<Manifest>,
-    /// Parallel to `manifest.entries()`.
-    pub blobs: Vec<Sha256Digest>,
+    /// One blob per entry ([`StoredArtifact::blob`]).
+    blobs: Blobs,
     /// When the artifact first became complete, seconds since the epoch: the mtime the mount shows.
     pub completed_at: u64,
 }
 
-impl StoredArtifact {
-    pub fn new(
-        manifest: impl Into<Arc<Manifest>>,
-        mut blobs: Vec<Sha256Digest>,
-        completed_at: u64,
-    ) -> Result<Self, ArtifactError> {
-        let manifest = manifest.into();
-        blobs.shrink_to_fit();
-        if blobs.len() != manifest.entries().len() {
+/// The blob of every entry, stored only where it is not the entry's own sha256 file digest
+/// (see "Memory" in the module docs).
+#[derive(Clone, PartialEq, Eq, Debug)]
+struct Blobs {
+    /// The entries whose blob is in `other`, ascending. Empty when `other` holds the blob of
+    /// every entry (then `other[i]` is entry `i`'s).
+    at: Box<[u32]>,
+    other: Box<[Sha256Digest]>,
+}
+
+impl Blobs {
+    fn new(manifest: &Manifest, blobs: Vec<Sha256Digest>) -> Result<Self, ArtifactError> {
+        if blobs.len() != manifest.len() {
             return Err(ArtifactError::BlobCountMismatch {
-                entries: manifest.entries().len(),
+                entries: manifest.len(),
                 blobs: blobs.len(),
             });
         }
+        let at: Vec<u32> = (0..blobs.len())
+            .filter(|&i| manifest.sha256(i) != Some(&blobs[i].0))
+            .map(|i| i as u32)
+            .collect();
+        Ok(if at.len() == blobs.len() {
+            Self {
+                at: Box::default(),
+                other: blobs.into_boxed_slice(),
+            }
+        } else {
+            Self {
+                other: at.iter().map(|&i| blobs[i as usize]).collect(),
+                at: at.into_boxed_slice(),
+            }
+        })
+    }
+
+    fn get(&self, manifest: &Manifest, i: usize) -> Sha256Digest {
+        if self.other.len() == manifest.len() {
+            return self.other[i];
+        }
+        match self.at.binary_search(&(i as u32)) {
+            Ok(k) => self.other[k],
+            Err(_) => Sha256Digest(
+                *manifest
+                    .sha256(i)
+                    .expect("an entry without a stored blob has a sha256 digest"),
+            ),
+        }
+    }
+}
+
+impl StoredArtifact {
+    /// `blobs` is parallel to `manifest.entries()`.
+    pub fn new(
+        manifest: impl Into<Arc<Manifest>>,
+        blobs: Vec<Sha256Digest>,
+        completed_at: u64,
+    ) -> Result<Self, ArtifactError> {
+        let manifest = manifest.into();
+        let blobs = Blobs::new(&manifest, blobs)?;
         Ok(Self {
             id: manifest.id(),
             manifest,
@@ -412,20 +838,75 @@ impl StoredArtifact {
         })
     }
 
-    /// Drops the growth slack of a freshly parsed artifact (JSON arrays are read into
-    /// doubling vectors) before it is kept for as long as it is served.
-    pub fn shrink_to_fit(&mut self) {
-        if let Some(manifest) = Arc::get_mut(&mut self.manifest) {
-            manifest.entries.shrink_to_fit();
-        }
-        self.blobs.shrink_to_fit();
+    /// The blob of entry `i`; panics past the end.
+    pub fn blob(&self, i: usize) -> Sha256Digest {
+        self.blobs.get(&self.manifest, i)
     }
 
-    pub fn files(&self) -> impl Iterator<Item = (&ManifestEntry, &Sha256Digest)> {
-        self.manifest.entries().iter().zip(self.blobs.iter())
+    /// The blob of every entry, in entry order.
+    pub fn blobs(&self) -> impl ExactSizeIterator<Item = Sha256Digest> + '_ {
+        (0..self.manifest.len()).map(|i| self.blob(i))
+    }
+
+    pub fn files(&self) -> impl ExactSizeIterator<Item = (EntryRef<'_>, Sha256Digest)> + '_ {
+        self.manifest
+            .entries()
+            .enumerate()
+            .map(|(i, e)| (e, self.blob(i)))
+    }
+
+    /// Bytes of heap the artifact takes, its manifest included.
+    pub fn heap_bytes(&self) -> usize {
+        self.manifest.heap_bytes()
+            + std::mem::size_of_val::<[u32]>(&self.blobs.at)
+            + std::mem::size_of_val::<[Sha256Digest]>(&self.blobs.other)
     }
 }
 
+impl Serialize for StoredArtifact {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        struct List<'a>(&'a StoredArtifact);
+        impl Serialize for List<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_seq(self.0.blobs())
+            }
+        }
+        let mut st = s.serialize_struct("StoredArtifact", 4)?;
+        st.serialize_field("id", &self.id)?;
+        st.serialize_field("manifest", &*self.manifest)?;
+        st.serialize_field("blobs", &List(self))?;
+        st.serialize_field("completed_at", &self.completed_at)?;
+        st.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for StoredArtifact {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(rename = "StoredArtifact")]
+        struct Wire {
+            id: ArtifactId,
+            manifest: Manifest,
+            blobs: Vec<Sha256Digest>,
+            completed_at: u64,
+        }
+        let Wire {
+            id,
+            manifest,
+            blobs,
+            completed_at,
+        } = Wire::deserialize(d)?;
+        // The id is kept as read: whoever loads an artifact checks it against the manifest.
+        let blobs = Blobs::new(&manifest, blobs).map_err(serde::de::Error::custom)?;
+        Ok(Self {
+            id,
+            manifest: Arc::new(manifest),
+            blobs,
+            completed_at,
+        })
+    }
+}
 /// The git blob sha1 of `bytes` (`sha1("blob <len>\0" + bytes)`), as test data (also for the
 /// tests of the crates above this one).
 pub fn git_blob_sha1(bytes: &[u8]) -> [u8; 20] {
@@ -487,6 +968,230 @@ mod tests {
                 err.to_string().contains(want),
                 "{entries:?}: {err} should mention {want}"
             );
+        }
+    }
+
+    /// Every kind of digest, in an order [`Manifest::new`] sorts, and the blobs parallel to
+    /// the sorted order: config.json, tok\u{e9}n/vocab.txt, weights 1, weights 2 (whose blob is
+    /// its own sha256 file digest).
+    fn sample() -> StoredArtifact {
+        let m = Manifest::new(
+            "rev-1".into(),
+            vec![
+                ManifestEntry {
+                    path: "weights/model-00002.safetensors".into(),
+                    size: 1 << 40,
+                    digest: FileDigest::Sha256([0xab; 32]),
+                },
+                ManifestEntry {
+                    path: "config.json".into(),
+                    size: 512,
+                    digest: FileDigest::GitSha1([0x12; 20]),
+                },
+                ManifestEntry {
+                    path: "weights/model-00001.safetensors".into(),
+                    size: 0,
+                    digest: FileDigest::Object {
+                        identity: [0x34; 32],
+                        md5: Some([0x56; 16]),
+                    },
+                },
+                ManifestEntry {
+                    path: "tok\u{e9}n/vocab.txt".into(),
+                    size: 7,
+                    digest: FileDigest::Object {
+                        identity: [0x78; 32],
+                        md5: None,
+                    },
+                },
+            ],
+        )
+        .unwrap();
+        let blobs = [[1; 32], [3; 32], [2; 32], [0xab; 32]].map(Sha256Digest);
+        StoredArtifact::new(m, blobs.to_vec(), 1_700_000_000).unwrap()
+    }
+
+    /// The JSON of [`sample`] as written by the build before manifests were packed (a list of
+    /// entry structs and a list of blobs): artifact files, persisted mappings and the socket
+    /// protocol keep exactly this form.
+    const SAMPLE_JSON: &str = concat!(
+        r#"{"id":"1ba34bc0ee822ede98bd1dade1af769765b9808ecd33e4c6a120e9070aa16c88","#,
+        r#""manifest":{"revision":"rev-1","entries":["#,
+        r#"{"path":"config.json","size":512,"digest":"gitsha1:1212121212121212121212121212121212121212"},"#,
+        "{\"path\":\"tok\u{e9}n/vocab.txt\",",
+        r#""size":7,"digest":"object:7878787878787878787878787878787878787878787878787878787878787878"},"#,
+        r#"{"path":"weights/model-00001.safetensors","size":0,"#,
+        r#""digest":"object:3434343434343434343434343434343434343434343434343434343434343434:md5:56565656565656565656565656565656"},"#,
+        r#"{"path":"weights/model-00002.safetensors","size":1099511627776,"#,
+        r#""digest":"sha256:abababababababababababababababababababababababababababababababab"}]},"#,
+        r#""blobs":["0101010101010101010101010101010101010101010101010101010101010101","#,
+        r#""0303030303030303030303030303030303030303030303030303030303030303","#,
+        r#""0202020202020202020202020202020202020202020202020202020202020202","#,
+        r#""abababababababababababababababababababababababababababababababab"],"#,
+        r#""completed_at":1700000000}"#
+    );
+
+    #[test]
+    fn the_id_is_the_one_computed_before_manifests_were_packed() {
+        // Computed by the build before this representation: a changed id would make every
+        // existing store fetch its artifacts again.
+        assert_eq!(
+            sample().id.to_string(),
+            "1ba34bc0ee822ede98bd1dade1af769765b9808ecd33e4c6a120e9070aa16c88"
+        );
+        assert_eq!(sample().manifest.id(), sample().id);
+    }
+
+    #[test]
+    fn json_is_the_old_format_and_round_trips() {
+        let a = sample();
+        assert_eq!(serde_json::to_string(&a).unwrap(), SAMPLE_JSON);
+        let back: StoredArtifact = serde_json::from_str(SAMPLE_JSON).unwrap();
+        assert_eq!(back, a);
+        assert_eq!(serde_json::to_string(&back).unwrap(), SAMPLE_JSON);
+        let blobs: Vec<String> = back.blobs().map(|b| b.to_hex()).collect();
+        assert_eq!(
+            blobs,
+            ["01", "03", "02", "ab"].map(|b| b.repeat(32)).to_vec()
+        );
+        // A manifest alone, and an entry alone, have the old form too.
+        let m: serde_json::Value = serde_json::from_str(SAMPLE_JSON).unwrap();
+        assert_eq!(serde_json::to_value(&*a.manifest).unwrap(), m["manifest"]);
+        assert_eq!(
+            serde_json::to_value(a.manifest.entry(0)).unwrap(),
+            serde_json::to_value(a.manifest.entry(0).to_entry()).unwrap()
+        );
+        // A blob list that does not match the entries is refused when read.
+        let short = SAMPLE_JSON.replace(
+            r#""0101010101010101010101010101010101010101010101010101010101010101","#,
+            "",
+        );
+        let err = serde_json::from_str::<StoredArtifact>(&short).unwrap_err();
+        assert!(err.to_string().contains("3 blobs for 4 entries"), "{err}");
+    }
+
+    #[test]
+    fn packed_entries_read_back_as_listed() {
+        let a = sample();
+        let m = &a.manifest;
+        assert_eq!(m.len(), 4);
+        assert!(!m.is_empty());
+        let listed: Vec<(&str, u64)> = m.entries().map(|e| (e.path, e.size)).collect();
+        assert_eq!(
+            listed,
+            [
+                ("config.json", 512),
+                ("tok\u{e9}n/vocab.txt", 7),
+                ("weights/model-00001.safetensors", 0),
+                ("weights/model-00002.safetensors", 1 << 40),
+            ]
+        );
+        assert_eq!(m.entry(0).digest, FileDigest::GitSha1([0x12; 20]));
+        assert_eq!(
+            m.entry(2).digest,
+            FileDigest::Object {
+                identity: [0x34; 32],
+                md5: Some([0x56; 16])
+            }
+        );
+        assert_eq!(m.entries().next_back(), m.get(3));
+        assert_eq!(m.entries().nth(1), m.get(1));
+        assert_eq!(m.entries().len(), 4);
+        assert_eq!(m.get(4), None);
+        for (i, e) in m.entries().enumerate() {
+            assert_eq!(m.position(e.path), Some(i));
+        }
+        for missing in [
+            "",
+            "a",
+            "config.jso",
+            "weights",
+            "weights/model-00003.safetensors",
+            "z",
+        ] {
+            assert_eq!(m.position(missing), None, "{missing}");
+        }
+        assert_eq!(m.total_size(), (1 << 40) + 512 + 7);
+        let files: Vec<Sha256Digest> = a.files().map(|(_, b)| b).collect();
+        assert_eq!(files, a.blobs().collect::<Vec<_>>());
+        assert_eq!(a.blob(3), Sha256Digest([0xab; 32]));
+    }
+
+    #[test]
+    fn a_blob_equal_to_its_sha256_file_digest_is_not_stored_twice() {
+        let n = 1000usize;
+        let entries: Vec<ManifestEntry> = (0..n)
+            .map(|i| ManifestEntry {
+                path: format!("sub/f{i:06}.txt"),
+                size: i as u64,
+                digest: FileDigest::Sha256(Sha256Digest::of(&i.to_le_bytes()).0),
+            })
+            .collect();
+        let m = Manifest::new("r".into(), entries.clone()).unwrap();
+        let paths: usize = entries.iter().map(|e| e.path.len()).sum();
+        // 16 bytes of offsets and size per entry, its path, its 32-byte digest.
+        assert_eq!(m.heap_bytes(), paths + n * (16 + 32));
+        let same: Vec<Sha256Digest> = m
+            .entries()
+            .map(|e| match e.digest {
+                FileDigest::Sha256(d) => Sha256Digest(d),
+                _ => unreachable!(),
+            })
+            .collect();
+        let a = StoredArtifact::new(m.clone(), same.clone(), 0).unwrap();
+        assert_eq!(a.heap_bytes(), m.heap_bytes());
+        assert_eq!(a.blobs().collect::<Vec<_>>(), same);
+        // One blob that is not its entry's digest is stored with its index; the others are not.
+        let mut odd = same.clone();
+        odd[500] = Sha256Digest([7; 32]);
+        let b = StoredArtifact::new(m.clone(), odd.clone(), 0).unwrap();
+        assert_eq!(b.heap_bytes(), m.heap_bytes() + 4 + 32);
+        assert_eq!(b.blobs().collect::<Vec<_>>(), odd);
+        let back: StoredArtifact =
+            serde_json::from_str(&serde_json::to_string(&b).unwrap()).unwrap();
+        assert_eq!(back, b);
+        assert_ne!(back, a);
+        // Entries with other digests store every blob, without indices.
+        let git = Manifest::new(
+            "r".into(),
+            entries
+                .iter()
+                .map(|e| ManifestEntry {
+                    digest: FileDigest::GitSha1([1; 20]),
+                    ..e.clone()
+                })
+                .collect(),
+        )
+        .unwrap();
+        let c = StoredArtifact::new(git.clone(), same.clone(), 0).unwrap();
+        assert_eq!(c.heap_bytes(), git.heap_bytes() + n * 32);
+        assert_eq!(c.blobs().collect::<Vec<_>>(), same);
+    }
+
+    #[test]
+    fn a_manifest_read_from_outside_is_validated_in_place() {
+        let a = sample();
+        let json = serde_json::to_string(&*a.manifest).unwrap();
+        let m: Manifest = serde_json::from_str(&json).unwrap();
+        m.validate().unwrap();
+        assert_eq!(m, *a.manifest);
+        let cases = [
+            (json.replace("config.json", "../config.json"), "dot segment"),
+            (
+                json.replace("\"size\":7", "\"size\":18446744073709551615"),
+                "absurd size",
+            ),
+            (json.replace("config.json", "zzz"), "not in path order"),
+            (json.replace("model-00001", "model-00002"), "twice"),
+            (
+                json.replace("config.json", "tok\u{e9}n"),
+                "both a file and a directory",
+            ),
+        ];
+        for (bad, want) in cases {
+            let m: Manifest = serde_json::from_str(&bad).unwrap();
+            let err = m.validate().unwrap_err().to_string();
+            assert!(err.contains(want), "{bad}: {err} should mention {want}");
         }
     }
 

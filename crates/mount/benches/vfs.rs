@@ -20,7 +20,6 @@ fn artifact(files: usize, salt: u8) -> Arc<StoredArtifact> {
     let manifest = Manifest::new("r".into(), entries).unwrap();
     let blobs = manifest
         .entries()
-        .iter()
         .map(|e| match e.digest {
             FileDigest::Sha256(d) => Sha256Digest(d),
             FileDigest::GitSha1(_) | FileDigest::Object { .. } => unreachable!(),

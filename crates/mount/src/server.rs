@@ -21,7 +21,7 @@ use super::protocol::{
 use crate::fuse::{FuseConfig, MountHandle};
 use crate::metrics::FuseMetrics;
 use crate::vfs::{FsCore, InlineFile, MountEntry};
-use modelfs_core::artifact::{ArtifactId, Manifest, StoredArtifact};
+use modelfs_core::artifact::{ArtifactId, StoredArtifact};
 use modelfs_core::store::{StateDir, Store, StoreId};
 
 /// How often the usage of stores is compared with what the agent was last told.
@@ -134,21 +134,16 @@ fn valid_store_id(id: &StoreId) -> bool {
 /// A manifest that arrived over the socket (or from the persisted file) passes the same
 /// validation as one from a source, and its id must be its digest.
 fn check_artifact(a: StoredArtifact) -> Result<Arc<StoredArtifact>, String> {
-    // Taken apart and validated in place: a manifest of 100,000 entries is not copied.
-    let StoredArtifact {
-        id,
-        manifest,
-        blobs,
-        completed_at,
-    } = a;
-    let (revision, entries) = Arc::unwrap_or_clone(manifest).into_parts();
-    let manifest = Manifest::new(revision, entries).map_err(|e| format!("artifact {id}: {e}"))?;
-    if manifest.id() != id {
+    // Validated in place: a manifest of 100,000 entries is not copied. Its blobs were checked
+    // against its entries when it was read.
+    let id = a.id.clone();
+    if let Err(e) = a.manifest.validate() {
+        return Err(format!("artifact {id}: {e}"));
+    }
+    if a.manifest.id() != id {
         return Err(format!("artifact {id}: id is not its manifest's digest"));
     }
-    StoredArtifact::new(manifest, blobs, completed_at)
-        .map(Arc::new)
-        .map_err(|e| format!("artifact {id}: {e}"))
+    Ok(Arc::new(a))
 }
 
 impl MountServer {
@@ -725,8 +720,8 @@ impl Shared {
             .state
             .existing_store(id)
             .ok_or_else(|| format!("store {id} does not exist"))?;
-        for (entry, blob) in artifact.manifest.entries().iter().zip(&artifact.blobs) {
-            if !store.has_blob(blob, entry.size) {
+        for (entry, blob) in artifact.files() {
+            if !store.has_blob(&blob, entry.size) {
                 return Err(format!(
                     "blob {blob} of {} ({} bytes) is missing from store {id}",
                     entry.path, entry.size

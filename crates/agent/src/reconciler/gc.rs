@@ -96,7 +96,7 @@ pub fn plan(
         let mut live: HashSet<Sha256Digest> = usage.blobs_in_use(id);
         for a in &s.artifacts {
             match usage.artifact(a) {
-                Some(art) => live.extend(art.blobs.iter().copied()),
+                Some(art) => live.extend(art.blobs()),
                 // Unreadable artifact record: sweep nothing of this store rather than guess.
                 None => live.extend(
                     store

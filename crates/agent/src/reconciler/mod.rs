@@ -1628,7 +1628,7 @@ impl Reconciler {
         for a in ids {
             if let Some(stored) = self.artifact(&a) {
                 for (e, blob) in stored.files() {
-                    known.insert(e.digest, *blob);
+                    known.insert(e.digest, blob);
                 }
             }
         }
@@ -1861,7 +1861,7 @@ impl Reconciler {
         let mut blobs = Vec::new();
         for a in &split.artifacts {
             let stored = self.artifact(a).ok_or("artifact record missing")?;
-            blobs.extend(stored.blobs.iter().copied());
+            blobs.extend(stored.blobs());
         }
         self.state
             .link_blobs(&split.from, &split.to, &blobs)
@@ -2288,7 +2288,7 @@ impl Reconciler {
         };
         let complete = stored
             .files()
-            .all(|(e, blob)| handle.has_blob(blob, e.size));
+            .all(|(e, blob)| handle.has_blob(&blob, e.size));
         complete
     }
 

@@ -59,7 +59,7 @@ impl Reconciler {
             let Some(stored) = self.artifact(&id) else {
                 continue;
             };
-            if stored.manifest.entries().is_empty() {
+            if stored.manifest.is_empty() {
                 // Nothing to parse (a source with no files): no fields and no warning.
                 continue;
             }
@@ -69,7 +69,7 @@ impl Reconciler {
             let files = PathFiles(
                 stored
                     .files()
-                    .map(|(entry, blob)| (entry.path.clone(), handle.blob_path(blob)))
+                    .map(|(entry, blob)| (entry.path.to_string(), handle.blob_path(&blob)))
                     .collect(),
             );
             self.model_configs_pending.insert(id.clone());

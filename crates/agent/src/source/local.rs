@@ -75,7 +75,7 @@ use sha2::{Digest, Sha256};
 use super::{FetchContext, SourceError};
 use crate::metrics::SourceScheme;
 use modelfs_core::artifact::{
-    validate_relative_path, FileDigest, Manifest, ManifestEntry, Sha256Digest,
+    validate_relative_path, EntryRef, FileDigest, Manifest, ManifestEntry, Sha256Digest,
 };
 use modelfs_core::store::{StagedBlob, StoreError};
 
@@ -619,7 +619,7 @@ impl LocalSource {
                 if import.stop.load(Ordering::Relaxed) {
                     return;
                 }
-                let entry = &entries[i];
+                let entry = manifest.entry(i);
                 let done = self
                     .import_entry(&tree, entry, ctx, &import, &mut buf)
                     .and_then(|staged| match staged {
@@ -647,7 +647,6 @@ impl LocalSource {
         // Blobs taken from a seed store by hard links (`reuse_existing`) are renames to sync too.
         ctx.store.sync().map_err(store_err)?;
         Ok(entries
-            .iter()
             .map(|entry| match entry.digest {
                 FileDigest::Sha256(sha) => Sha256Digest(sha),
                 FileDigest::GitSha1(_) | FileDigest::Object { .. } => {
@@ -662,7 +661,7 @@ impl LocalSource {
     fn import_entry(
         &self,
         tree: &Tree,
-        entry: &ManifestEntry,
+        entry: EntryRef<'_>,
         ctx: &FetchContext,
         import: &Import,
         buf: &mut Vec<u8>,
@@ -677,15 +676,15 @@ impl LocalSource {
         if ctx.reuse_existing(entry)?.is_some() {
             return Ok(None);
         }
-        let path = self.root.join(&entry.path);
+        let path = self.root.join(entry.path);
         let changed = || SourceError::LocalChanged {
             path: path.display().to_string(),
         };
         let store_err = |source| SourceError::Store {
-            path: entry.path.clone(),
+            path: entry.path.to_string(),
             source,
         };
-        let src = self.open_file(tree, &entry.path)?;
+        let src = self.open_file(tree, entry.path)?;
         let stat = rustix::fs::fstat(&src).map_err(|e| io_err(&path, e))?;
         if is_immutable(&stat) {
             match ctx
@@ -715,7 +714,7 @@ impl LocalSource {
         &self,
         mut src: &File,
         path: &Path,
-        entry: &ManifestEntry,
+        entry: EntryRef<'_>,
         ctx: &FetchContext,
         buf: &mut Vec<u8>,
     ) -> Result<StagedBlob, SourceError> {
@@ -723,7 +722,7 @@ impl LocalSource {
             path: path.display().to_string(),
         };
         let store_err = |source| SourceError::Store {
-            path: entry.path.clone(),
+            path: entry.path.to_string(),
             source,
         };
         let mut writer = ctx
@@ -912,7 +911,7 @@ mod tests {
     }
 
     fn paths(m: &Manifest) -> Vec<&str> {
-        m.entries().iter().map(|e| e.path.as_str()).collect()
+        m.entries().map(|e| e.path).collect()
     }
 
     fn permanent(err: SourceError, want: &str) {
@@ -1007,10 +1006,7 @@ mod tests {
                 "weights/model.bin"
             ]
         );
-        assert!(m
-            .entries()
-            .iter()
-            .all(|e| e.digest == m.entries()[0].digest));
+        assert!(m.entries().all(|e| e.digest == m.entry(0).digest));
 
         symlink("../secret", src.join("escape")).unwrap();
         permanent(
@@ -1137,9 +1133,9 @@ mod tests {
         let blobs = LocalSource::new(src.clone())
             .fetch(&manifest, &ctx)
             .unwrap();
-        for (entry, blob) in manifest.entries().iter().zip(&blobs) {
+        for (entry, blob) in manifest.entries().zip(&blobs) {
             let bytes = std::fs::read(ctx.store.blob_path(blob)).unwrap();
-            assert_eq!(bytes, std::fs::read(src.join(&entry.path)).unwrap());
+            assert_eq!(bytes, std::fs::read(src.join(entry.path)).unwrap());
             assert_eq!(Sha256Digest::of(&bytes), *blob);
         }
         let unique: HashSet<_> = blobs.iter().collect();
@@ -1179,14 +1175,14 @@ mod tests {
         let blobs = LocalSource::new(src.clone())
             .fetch(&manifest, &ctx)
             .unwrap();
-        for (entry, blob) in manifest.entries().iter().zip(&blobs) {
-            let source = std::fs::metadata(src.join(&entry.path)).unwrap();
+        for (entry, blob) in manifest.entries().zip(&blobs) {
+            let source = std::fs::metadata(src.join(entry.path)).unwrap();
             let stored = std::fs::metadata(ctx.store.blob_path(blob)).unwrap();
             let linked = entry.path == "frozen.bin";
             assert_eq!(source.ino() == stored.ino(), linked, "{}", entry.path);
             assert_eq!(
                 std::fs::read(ctx.store.blob_path(blob)).unwrap(),
-                std::fs::read(src.join(&entry.path)).unwrap()
+                std::fs::read(src.join(entry.path)).unwrap()
             );
         }
         assert_eq!(ctx.metrics.local_linked_files.get(), 1);

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::metrics::{Metrics, SourceLabel, SourceScheme};
-use modelfs_core::artifact::{ArtifactError, FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use modelfs_core::artifact::{ArtifactError, EntryRef, FileDigest, Manifest, Sha256Digest};
 use modelfs_core::store::{Store, StoreError};
 use modelfs_ome::SourceUri;
 use pipeline::TransferError;
@@ -271,10 +271,7 @@ pub struct FetchContext {
 impl FetchContext {
     /// The blob of `entry` if the target store has it or can take it from the seed store by a
     /// hard link (a copy across filesystems). Verified blobs are never fetched again.
-    pub fn reuse_existing(
-        &self,
-        entry: &ManifestEntry,
-    ) -> Result<Option<Sha256Digest>, SourceError> {
+    pub fn reuse_existing(&self, entry: EntryRef<'_>) -> Result<Option<Sha256Digest>, SourceError> {
         let sha = match entry.digest {
             FileDigest::Sha256(d) => Some(Sha256Digest(d)),
             other => self.existing.known.get(&other).copied(),
@@ -299,7 +296,7 @@ impl FetchContext {
             Err(e) => Err(e),
         };
         linked.map_err(|e| SourceError::Store {
-            path: entry.path.clone(),
+            path: entry.path.to_string(),
             source: StoreError::io(format!("linking {}", to.display()), e),
         })?;
         Ok(Some(sha))
@@ -585,23 +582,23 @@ fn verify_fetched(
     digests: &[Sha256Digest],
     store: &Store,
 ) -> Result<(), SourceError> {
-    if digests.len() != manifest.entries().len() {
+    if digests.len() != manifest.len() {
         return Err(SourceError::Panicked {
             detail: format!(
                 "a fetch returned {} blobs for {} manifest entries",
                 digests.len(),
-                manifest.entries().len()
+                manifest.len()
             ),
         });
     }
-    for (entry, digest) in manifest.entries().iter().zip(digests) {
+    for (entry, digest) in manifest.entries().zip(digests) {
         let path = store.blob_path(digest);
         let actual = match std::fs::metadata(&path) {
             Ok(m) if m.is_file() => m.len(),
             Ok(_) => 0,
             Err(e) => {
                 return Err(SourceError::Store {
-                    path: entry.path.clone(),
+                    path: entry.path.to_string(),
                     source: StoreError::io(
                         format!("verifying {} after the fetch", path.display()),
                         e,
@@ -611,7 +608,7 @@ fn verify_fetched(
         };
         if actual != entry.size {
             return Err(SourceError::Store {
-                path: entry.path.clone(),
+                path: entry.path.to_string(),
                 source: StoreError::SizeMismatch {
                     expected: entry.size,
                     actual,
@@ -628,6 +625,7 @@ impl Source {}
 mod tests {
     use super::*;
     use crate::metrics::DownloadOutcome;
+    use modelfs_core::artifact::ManifestEntry;
 
     #[test]
     fn failures_count_in_omes_download_metrics_by_kind() {

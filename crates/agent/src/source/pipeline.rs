@@ -488,7 +488,10 @@ pub fn manifest_from_listing(
     }
     let manifest = Manifest::new(String::new(), entries)?;
     let revision = manifest.id().to_string();
-    Ok(Manifest::new(revision, manifest.entries().to_vec())?)
+    Ok(Manifest::new(
+        revision,
+        manifest.entries().map(|e| e.to_entry()).collect(),
+    )?)
 }
 
 /// Fetches every entry of `manifest` the store lacks through `source`; returns the sha256 blob
@@ -516,7 +519,7 @@ pub async fn fetch<S: RangeSource>(
     // two writers must never share one partial file.
     let mut todo: Vec<(usize, Vec<usize>)> = Vec::new();
     let mut by_digest: std::collections::HashMap<FileDigest, usize> = Default::default();
-    for (i, e) in entries.iter().enumerate() {
+    for (i, e) in entries.clone().enumerate() {
         // Blobs the store has (or can hard-link from the model's previous store), then files
         // committed before a crash, known only by their alias.
         let have = match ctx.reuse_existing(e).map_err(|e| match e {
@@ -546,12 +549,12 @@ pub async fn fetch<S: RangeSource>(
             },
         }
     }
-    todo.sort_by_key(|(i, _)| (Reverse(entries[*i].size), *i));
+    todo.sort_by_key(|(i, _)| (Reverse(manifest.entry(*i).size), *i));
     let label = source.label();
     tracing::info!(
         source = %label,
         files = todo.len(),
-        bytes = todo.iter().map(|(i, _)| entries[*i].size).sum::<u64>(),
+        bytes = todo.iter().map(|(i, _)| manifest.entry(*i).size).sum::<u64>(),
         already_present = entries.len() - todo.iter().map(|(_, d)| d.len() + 1).sum::<usize>(),
         "downloading"
     );
@@ -565,8 +568,10 @@ pub async fn fetch<S: RangeSource>(
         let mut blobs = blobs;
         let mut downloads = stream::iter(todo)
             .map(|(i, same)| {
-                let fut = file_fetch.download(&entries[i]);
-                async move { (i, same, fut.await) }
+                // Owned for the download's lifetime: one entry per download in flight.
+                let entry = manifest.entry(i).to_entry();
+                let file_fetch = &file_fetch;
+                async move { (i, same, file_fetch.download(&entry).await) }
             })
             .buffer_unordered(tuning.max_files.max(1));
         while let Some((i, same, result)) = downloads.next().await {
@@ -576,7 +581,7 @@ pub async fn fetch<S: RangeSource>(
                 blobs[j] = Some(sha);
                 let p = &ctx.progress;
                 p.completed_bytes
-                    .fetch_add(entries[j].size, Ordering::Relaxed);
+                    .fetch_add(manifest.entry(j).size, Ordering::Relaxed);
                 p.completed_files.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -1062,7 +1067,7 @@ mod tests {
             ],
         )
         .unwrap();
-        let paths: Vec<&str> = m.entries().iter().map(|e| e.path.as_str()).collect();
+        let paths: Vec<&str> = m.entries().map(|e| e.path).collect();
         assert_eq!(paths, ["config.json", "sub/w.bin"]);
         assert_eq!(m.revision, m.id().to_string());
         // A changed object (new ETag) is a new artifact; another bucket too.

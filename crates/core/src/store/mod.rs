@@ -221,9 +221,8 @@ impl StateDir {
 
     pub fn load_artifact(&self, id: &ArtifactId) -> io::Result<StoredArtifact> {
         let bytes = std::fs::read(self.artifact_path(id))?;
-        let mut artifact: StoredArtifact = serde_json::from_slice(&bytes)
+        let artifact: StoredArtifact = serde_json::from_slice(&bytes)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        artifact.shrink_to_fit();
         if artifact.manifest.id() != *id || artifact.id != *id {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,

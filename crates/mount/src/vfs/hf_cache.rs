@@ -267,7 +267,6 @@ mod tests {
         let manifest = Manifest::new(commit.into(), entries).unwrap();
         let blobs = manifest
             .entries()
-            .iter()
             .map(|e| match e.digest {
                 FileDigest::Sha256(d) => Sha256Digest(d),
                 _ => unreachable!(),

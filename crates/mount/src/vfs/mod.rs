@@ -381,7 +381,7 @@ impl BlobUses {
     pub fn of(&self, store: &StoreId) -> HashSet<Sha256Digest> {
         let mut out = self.blobs.get(store).cloned().unwrap_or_default();
         for a in self.artifacts.get(store).into_iter().flatten() {
-            out.extend(a.blobs.iter().copied());
+            out.extend(a.blobs());
         }
         out
     }
@@ -502,7 +502,7 @@ impl FsCore {
                 out.blobs
                     .entry(store.id.clone())
                     .or_default()
-                    .extend(slot.artifact.blobs.iter().copied());
+                    .extend(slot.artifact.blobs());
             }
         }
         for h in self.handles.iter() {

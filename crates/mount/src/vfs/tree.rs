@@ -81,9 +81,9 @@ impl ModelTree {
     /// The manifest was validated when it was created (no clashes, no dot segments), so every
     /// entry inserts cleanly.
     pub fn from_artifact(artifact: &Arc<StoredArtifact>) -> Self {
-        let entries = artifact.manifest.entries();
+        let manifest = &artifact.manifest;
         let mut root = Building::default();
-        for (i, entry) in entries.iter().enumerate() {
+        for (i, entry) in manifest.entries().enumerate() {
             let mut dir = &mut root;
             let mut segments = entry.path.split('/').peekable();
             while let Some(seg) = segments.next() {
@@ -103,7 +103,7 @@ impl ModelTree {
             }
         }
 
-        let mut nodes = Vec::with_capacity(entries.len() + 1);
+        let mut nodes = Vec::with_capacity(manifest.len() + 1);
         nodes.push(Node {
             parent: Self::ROOT,
             index: DIR_BIT,
@@ -163,13 +163,13 @@ impl ModelTree {
                 kind: NodeKind::Dir { subdirs: d.subdirs },
             }
         } else {
-            let entry = &self.artifact.manifest.entries()[n.index as usize];
+            let entry = self.artifact.manifest.entry(n.index as usize);
             NodeRef {
-                name: last_segment(&entry.path),
+                name: last_segment(entry.path),
                 parent: n.parent,
                 kind: NodeKind::File {
                     size: entry.size,
-                    blob: self.artifact.blobs[n.index as usize],
+                    blob: self.artifact.blob(n.index as usize),
                 },
             }
         })
@@ -206,7 +206,7 @@ impl ModelTree {
         if n.index & DIR_BIT != 0 {
             &self.dirs[(n.index & !DIR_BIT) as usize].name
         } else {
-            last_segment(&self.artifact.manifest.entries()[n.index as usize].path)
+            last_segment(self.artifact.manifest.path(n.index as usize))
         }
     }
 
@@ -263,7 +263,6 @@ mod tests {
         let manifest = Manifest::new("r".into(), entries).unwrap();
         let blobs = manifest
             .entries()
-            .iter()
             .map(|e| Sha256Digest::of(e.path.as_bytes()))
             .collect();
         Arc::new(StoredArtifact::new(manifest, blobs, 0).unwrap())

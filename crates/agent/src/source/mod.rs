@@ -533,9 +533,11 @@ impl Source {
                     .await
                     .unwrap_or_else(|e| Err(SourceError::from_join(e)))
             }
-            Source::Hf(s) => s.resolve(cancel).await,
-            Source::Oci(s) => s.resolve(cancel).await,
-            Source::Object(s) => s.resolve(cancel).await,
+            // Boxed: a resolve's state is kilobytes and every model of a node's first desired
+            // state has one at once; inline, each future would be the size of the largest.
+            Source::Hf(s) => Box::pin(s.resolve(cancel)).await,
+            Source::Oci(s) => Box::pin(s.resolve(cancel)).await,
+            Source::Object(s) => Box::pin(s.resolve(cancel)).await,
         }
     }
 
@@ -553,9 +555,9 @@ impl Source {
                     .await
                     .unwrap_or_else(|e| Err(SourceError::from_join(e)))?
             }
-            Source::Hf(s) => s.fetch(manifest.clone(), ctx.clone()).await?,
-            Source::Oci(s) => s.fetch(manifest.clone(), ctx.clone()).await?,
-            Source::Object(s) => s.fetch(manifest.clone(), ctx.clone()).await?,
+            Source::Hf(s) => Box::pin(s.fetch(manifest.clone(), ctx.clone())).await?,
+            Source::Oci(s) => Box::pin(s.fetch(manifest.clone(), ctx.clone())).await?,
+            Source::Object(s) => Box::pin(s.fetch(manifest.clone(), ctx.clone())).await?,
         };
         let metrics = ctx.metrics.clone();
         tokio::task::spawn_blocking(move || {

@@ -5,7 +5,8 @@
 # Ready (after importing them) with their peaks during the import (VmHWM), then again after a
 # restart of both (records and the persisted mapping loaded, nothing imported), then after the
 # agent alone is killed and restarted, then after a `find -printf %s` over the whole mount
-# (the mount server builds the directory tree of every model it is asked about).
+# (the mount server builds the directory tree of every model it is asked about). Each line also
+# gives the node's cost, the sum of both processes' PSS (shared pages counted once).
 # Needs root. Usage: scripts/bench-split-rss.sh [models] [files] [binary]
 # The binary defaults to a release build (built here); pass target/debug/modelfs to measure a
 # debug build.
@@ -127,9 +128,21 @@ breakdown() {
     ' /proc/"$1"/smaps
     echo ", $(ls /proc/"$1"/task | wc -l) threads"
 }
+# The node's cost: the sum of both processes' proportional set sizes. Both run the same
+# executable, so the binary's pages that both touch are resident once but in both RSS figures;
+# PSS counts each shared page once, split between its users.
+pss_sum() {
+    local total=0 p kb
+    for p in "$@"; do
+        [ -n "$p" ] && [ -e /proc/"$p"/smaps_rollup ] || continue
+        kb=$(awk '/^Pss:/ {print $2}' /proc/"$p"/smaps_rollup)
+        total=$((total + kb))
+    done
+    awk -v kb="$total" 'BEGIN {printf "%.1f MiB", kb / 1024}'
+}
 report() {
     sleep 5
-    echo "  $1: mount server $(mem "$(server_pid)"), agent $(mem "$(agent_pid)")"
+    echo "  $1: mount server $(mem "$(server_pid)"), agent $(mem "$(agent_pid)"); node (sum of PSS) $(pss_sum "$(server_pid)" "$(agent_pid)")"
     if [ -n "${SMAPS:-}" ]; then
         echo "    mount server: $(breakdown "$(server_pid)")"
         echo "    agent: $(breakdown "$(agent_pid)")"

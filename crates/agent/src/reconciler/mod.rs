@@ -48,8 +48,9 @@
 //! One rule decides path conflicts ([`decide::path_verdicts`]): nesting paths, or equal paths
 //! with different artifacts, and the later model (creation order, then key) loses. It is
 //! applied where placement happens (before work starts, when the artifact is known, when a
-//! fetch completes, right before the flip) and to the whole state after every batch of events
-//! and at start-up, so whatever the order in which resolves and fetches finish, and whatever
+//! fetch completes, right before the flip) and to the whole state in the passes that follow
+//! batches of events (paced: see "Scale") and at start-up, always before the mapping is
+//! rebuilt, so whatever the order in which resolves and fetches finish, and whatever
 //! older records say, the mapping never holds two conflicting models and a loser is never
 //! `Ready`. A loser waits without retries until the rule clears it, then gets its turn.
 //!
@@ -623,8 +624,9 @@ pub struct Reconciler {
 /// cost O(N^2) (10,000 models: most of the actor's time went to rebuilding the mapping, the
 /// records file and the status document). Paced by their own measured cost instead, they take
 /// a bounded share of the time at any scale, and with few models (a pass of microseconds) they
-/// still run after every batch. Decisions never wait for them: only what is derived from the
-/// records (the mapping, `records.json`, the status) lags, by at most [`FLUSH_DELAY_MAX`] plus
+/// still run after every batch. Decisions never wait for them (only a fetch into a new store
+/// directory waits for the next records write: see `Reconciler::saves`): what is derived from
+/// the records (the mapping, `records.json`, the status) lags, by at most [`FLUSH_DELAY_MAX`] plus
 /// one pass, and all of it together, so the status never says Ready before the mapping serves
 /// the model.
 struct FlushPacer {
@@ -1563,6 +1565,12 @@ impl Reconciler {
                     .await
                     .map_err(|_| SourceError::Cancelled)?;
             }
+            let _slot = slots
+                .acquire_owned()
+                .await
+                .map_err(|_| SourceError::Cancelled)?;
+            // With the slot: a burst of fetches released by one records write must not ask
+            // the blocking pool for a thread each (tokio starts up to 512).
             let handle = tokio::task::spawn_blocking(move || state.store(&store_id))
                 .await
                 .map_err(|_| SourceError::Cancelled)?
@@ -1577,10 +1585,6 @@ impl Reconciler {
                 metrics,
                 existing,
             };
-            let _slot = slots
-                .acquire_owned()
-                .await
-                .map_err(|_| SourceError::Cancelled)?;
             // Boxed: the fetch's own state is kilobytes, and every model decided at once
             // waits here for a slot (10,000 waiting fetches held 66 MB of it unboxed).
             Box::pin(crate::adopt::fetch_adopting(

@@ -30,6 +30,11 @@ struct CachedOutcome {
     outcome: Outcome,
 }
 
+/// Config parses running at once. The artifacts of a whole import become served in one pass,
+/// and a blocking thread each (tokio starts up to 512) kept their stacks and allocator caches
+/// resident after the import, for no speed on a few cores.
+static CONFIG_PARSES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+
 impl Reconciler {
     /// Starts a parse for every served artifact that has no result yet (loading the cached one
     /// when there is).
@@ -74,15 +79,23 @@ impl Reconciler {
             );
             self.model_configs_pending.insert(id.clone());
             let tx = self.sender();
-            tokio::task::spawn_blocking(move || {
-                // A parser panic is a bug: reported as the config's problem (a warning on the
-                // model, logged), never a parse that stays pending forever.
-                let outcome = std::panic::catch_unwind(|| derive(&files)).unwrap_or_else(|panic| {
-                    Outcome::Broken(
-                        crate::source::SourceError::from_panic(panic)
-                            .to_string()
-                            .replace("a worker", "the config parser"),
-                    )
+            tokio::spawn(async move {
+                // Waiting here holds no thread; the semaphore is never closed.
+                let _permit = CONFIG_PARSES.acquire().await;
+                let parsed = tokio::task::spawn_blocking(move || {
+                    // A parser panic is a bug: reported as the config's problem (a warning on
+                    // the model, logged), never a parse that stays pending forever.
+                    std::panic::catch_unwind(|| derive(&files)).unwrap_or_else(|panic| {
+                        Outcome::Broken(
+                            crate::source::SourceError::from_panic(panic)
+                                .to_string()
+                                .replace("a worker", "the config parser"),
+                        )
+                    })
+                })
+                .await;
+                let outcome = parsed.unwrap_or_else(|e| {
+                    Outcome::Broken(format!("the config parser did not finish: {e}"))
                 });
                 let _ = tx.send(Event::ConfigParsed {
                     artifact: id,

@@ -432,6 +432,20 @@ fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
     assert_eq!(at, 1);
 }
 
+/// Deletes one blob from the stores behind the daemon's back (the last by name); returns its
+/// path and digest.
+fn remove_a_blob(split: &Split) -> (PathBuf, String) {
+    let blobs: Vec<PathBuf> = std::fs::read_dir(split.env.state.join("stores"))
+        .unwrap()
+        .flat_map(|store| std::fs::read_dir(store.unwrap().path().join("blobs")).unwrap())
+        .map(|b| b.unwrap().path())
+        .collect();
+    let missing = blobs.into_iter().max().expect("a blob in the stores");
+    std::fs::remove_file(&missing).unwrap();
+    let digest = missing.file_name().unwrap().to_str().unwrap().to_string();
+    (missing, digest)
+}
+
 /// The persisted mapping is served at start without a look at its blobs (they were checked
 /// when it was applied); they are checked once the mount answers, and an entry whose blob is
 /// gone is then no longer served, with the reason logged, with no agent to send a mapping.
@@ -441,14 +455,7 @@ fn a_persisted_entry_whose_blob_is_gone_is_dropped_after_the_restart() {
     split.wait_ready("clusterbasemodel.m");
     split.kill_agent();
     split.kill_server();
-    let blobs: Vec<PathBuf> = std::fs::read_dir(split.env.state.join("stores"))
-        .unwrap()
-        .flat_map(|store| std::fs::read_dir(store.unwrap().path().join("blobs")).unwrap())
-        .map(|b| b.unwrap().path())
-        .collect();
-    let missing = blobs.iter().max().unwrap();
-    std::fs::remove_file(missing).unwrap();
-    let digest = missing.file_name().unwrap().to_str().unwrap().to_string();
+    let (_, digest) = remove_a_blob(&split);
     split.start_server();
     wait_for(
         "the check of the persisted mapping",
@@ -493,15 +500,7 @@ fn a_refused_entry_is_failed_with_the_servers_reason_then_retried() {
     split.wait_ready(key);
     // The agent stays up; the server goes, and one blob of the model's store with it.
     split.kill_server();
-    let blobs: Vec<PathBuf> = std::fs::read_dir(split.env.state.join("stores"))
-        .unwrap()
-        .flat_map(|store| std::fs::read_dir(store.unwrap().path().join("blobs")).unwrap())
-        .map(|b| b.unwrap().path())
-        .collect();
-    assert!(!blobs.is_empty());
-    let missing = blobs.iter().max().unwrap();
-    std::fs::remove_file(missing).unwrap();
-    let digest = missing.file_name().unwrap().to_str().unwrap().to_string();
+    let (missing, digest) = remove_a_blob(&split);
     split.start_server();
     // The server refuses the model (its persisted mapping, then the agent's) with the reason;
     // the status shows it.

@@ -417,20 +417,33 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
     if held_artifacts {
         artifacts = shared.served_artifacts.lock().expect("served").clone();
     }
-    send_welcome(shared, &stream, artifacts.keys().cloned().collect())?;
     let peer = Arc::new(Peer {
         id: shared.next_peer.fetch_add(1, Ordering::Relaxed),
         writer: Mutex::new(stream.try_clone()?),
         reported: Mutex::new(None),
         stats: Mutex::new(BTreeMap::new()),
     });
-    // The newest agent wins: an upgraded agent may connect before the old one is gone.
-    if let Some(old) = shared.peer.lock().expect("peer").replace(peer.clone()) {
-        let _ = old
-            .writer
-            .lock()
-            .expect("peer writer")
-            .shutdown(std::net::Shutdown::Both);
+    {
+        // The newest agent wins: an upgraded agent may connect before the old one is gone.
+        // "Newest" is the order of the welcomes: the peer is registered before its welcome is
+        // sent (and holds its writer meanwhile, so no usage report can come first), so a
+        // connection that saw its welcome earlier can never displace a later one.
+        let writer = peer.writer.lock().expect("peer writer");
+        if let Some(old) = shared.peer.lock().expect("peer").replace(peer.clone()) {
+            let _ = old
+                .writer
+                .lock()
+                .expect("peer writer")
+                .shutdown(std::net::Shutdown::Both);
+        }
+        if let Err(e) = send_welcome(shared, &writer, artifacts.keys().cloned().collect()) {
+            drop(writer);
+            let mut current = shared.peer.lock().expect("peer");
+            if current.as_ref().is_some_and(|p| p.id == peer.id) {
+                *current = None;
+            }
+            return Err(e);
+        }
     }
     tracing::info!(agent = %agent, pid = cred.pid.as_raw_nonzero(), "agent connected");
     let result = loop {

@@ -333,6 +333,19 @@ impl ModelFs {
     }
 }
 
+/// The `Filesystem` methods of operations that would write: each refused with `EROFS`
+/// through `read_only`, whatever its arguments (listed by type, in the trait's order after the
+/// request).
+macro_rules! refuse_writes {
+    ($($op:ident($($arg:ty),* $(,)?) -> $reply:ty;)*) => {
+        $(
+            fn $op(&self, _req: &Request, $(_: $arg,)* reply: $reply) {
+                reply.error(self.read_only(stringify!($op)));
+            }
+        )*
+    };
+}
+
 impl Filesystem for ModelFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
         if self.config.passthrough != PassthroughMode::Never {
@@ -563,138 +576,43 @@ impl Filesystem for ModelFs {
     // Everything that would modify the tree is refused. The mount is also read-only (`ro`), so
     // the kernel answers most of these itself; these handlers are the second line.
 
-    fn setattr(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _mode: Option<u32>,
-        _uid: Option<u32>,
-        _gid: Option<u32>,
-        _size: Option<u64>,
-        _atime: Option<fuser::TimeOrNow>,
-        _mtime: Option<fuser::TimeOrNow>,
-        _ctime: Option<std::time::SystemTime>,
-        _fh: Option<FileHandle>,
-        _crtime: Option<std::time::SystemTime>,
-        _chgtime: Option<std::time::SystemTime>,
-        _bkuptime: Option<std::time::SystemTime>,
-        _flags: Option<fuser::BsdFileFlags>,
-        reply: ReplyAttr,
-    ) {
-        reply.error(self.read_only("setattr"));
-    }
-
-    fn mknod(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _mode: u32,
-        _umask: u32,
-        _rdev: u32,
-        reply: ReplyEntry,
-    ) {
-        reply.error(self.read_only("mknod"));
-    }
-
-    fn mkdir(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _mode: u32,
-        _umask: u32,
-        reply: ReplyEntry,
-    ) {
-        reply.error(self.read_only("mkdir"));
-    }
-
-    fn unlink(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
-        reply.error(self.read_only("unlink"));
-    }
-
-    fn rmdir(&self, _req: &Request, _parent: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
-        reply.error(self.read_only("rmdir"));
-    }
-
-    fn symlink(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _link_name: &OsStr,
-        _target: &Path,
-        reply: ReplyEntry,
-    ) {
-        reply.error(self.read_only("symlink"));
-    }
-
-    fn rename(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _newparent: INodeNo,
-        _newname: &OsStr,
-        _flags: fuser::RenameFlags,
-        reply: ReplyEmpty,
-    ) {
-        reply.error(self.read_only("rename"));
-    }
-
-    fn link(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _newparent: INodeNo,
-        _newname: &OsStr,
-        reply: ReplyEntry,
-    ) {
-        reply.error(self.read_only("link"));
-    }
-
-    fn write(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _offset: u64,
-        _data: &[u8],
-        _write_flags: fuser::WriteFlags,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyWrite,
-    ) {
-        reply.error(self.read_only("write"));
-    }
-
-    fn create(
-        &self,
-        _req: &Request,
-        _parent: INodeNo,
-        _name: &OsStr,
-        _mode: u32,
-        _umask: u32,
-        _flags: i32,
-        reply: ReplyCreate,
-    ) {
-        reply.error(self.read_only("create"));
-    }
-
-    fn setxattr(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _name: &OsStr,
-        _value: &[u8],
-        _flags: i32,
-        _position: u32,
-        reply: ReplyEmpty,
-    ) {
-        reply.error(self.read_only("setxattr"));
-    }
-
-    fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
-        reply.error(self.read_only("removexattr"));
+    // Every writing operation is refused with `EROFS` (counted, logged at debug level).
+    refuse_writes! {
+        setattr(
+            INodeNo,
+            Option<u32>,
+            Option<u32>,
+            Option<u32>,
+            Option<u64>,
+            Option<fuser::TimeOrNow>,
+            Option<fuser::TimeOrNow>,
+            Option<std::time::SystemTime>,
+            Option<FileHandle>,
+            Option<std::time::SystemTime>,
+            Option<std::time::SystemTime>,
+            Option<std::time::SystemTime>,
+            Option<fuser::BsdFileFlags>
+        ) -> ReplyAttr;
+        mknod(INodeNo, &OsStr, u32, u32, u32) -> ReplyEntry;
+        mkdir(INodeNo, &OsStr, u32, u32) -> ReplyEntry;
+        unlink(INodeNo, &OsStr) -> ReplyEmpty;
+        rmdir(INodeNo, &OsStr) -> ReplyEmpty;
+        symlink(INodeNo, &OsStr, &Path) -> ReplyEntry;
+        rename(INodeNo, &OsStr, INodeNo, &OsStr, fuser::RenameFlags) -> ReplyEmpty;
+        link(INodeNo, INodeNo, &OsStr) -> ReplyEntry;
+        write(
+            INodeNo,
+            FileHandle,
+            u64,
+            &[u8],
+            fuser::WriteFlags,
+            OpenFlags,
+            Option<LockOwner>
+        ) -> ReplyWrite;
+        create(INodeNo, &OsStr, u32, u32, i32) -> ReplyCreate;
+        setxattr(INodeNo, &OsStr, &[u8], i32, u32) -> ReplyEmpty;
+        removexattr(INodeNo, &OsStr) -> ReplyEmpty;
+        fallocate(INodeNo, FileHandle, u64, u64, i32) -> ReplyEmpty;
     }
 
     /// No entry has extended attributes, and asking for one by name is answered `ENOSYS` once
@@ -725,19 +643,6 @@ impl Filesystem for ModelFs {
             Ok(_) => reply.data(&[]),
             Err(e) => reply.error(self.fail("listxattr", &e)),
         }
-    }
-
-    fn fallocate(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _offset: u64,
-        _length: u64,
-        _mode: i32,
-        reply: ReplyEmpty,
-    ) {
-        reply.error(self.read_only("fallocate"));
     }
 }
 

@@ -843,7 +843,7 @@ impl Shared {
                         .map_err(io::Error::other)
                 })
                 .collect::<io::Result<_>>()?;
-            write_all_synced(&files)?;
+            modelfs_core::store::fsutil::replace_all_synced(&files)?;
         }
         if !new.is_empty() {
             modelfs_core::store::fsutil::sync_dir(&self.artifacts_dir())?;
@@ -944,45 +944,8 @@ impl Shared {
     }
 }
 
-/// Files written by [`write_all_synced`] at a time (each is open until all are synced).
+/// Files written by `fsutil::replace_all_synced` at a time (each is open until all are synced).
 const WRITE_BATCH: usize = 256;
-
-/// Writes files through temporary ones and renames, each file synced but not the directory
-/// (the caller syncs it once for all). All are written before any is synced: the first sync
-/// commits the journal for all of them, so the others cost little, where a sync per file
-/// written cost a journal commit each.
-fn write_all_synced(files: &[(PathBuf, Vec<u8>)]) -> io::Result<()> {
-    use std::io::Write;
-    let mut tmps = Vec::with_capacity(files.len());
-    let result = (|| {
-        let mut open = Vec::with_capacity(files.len());
-        for (path, bytes) in files {
-            let name = path
-                .file_name()
-                .ok_or_else(|| io::Error::other("no file name"))?
-                .to_string_lossy();
-            let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-            let mut f = std::fs::File::create(&tmp)?;
-            tmps.push(tmp);
-            f.write_all(bytes)?;
-            open.push(f);
-        }
-        for f in &open {
-            f.sync_all()?;
-        }
-        for ((path, _), tmp) in files.iter().zip(&tmps) {
-            std::fs::rename(tmp, path)?;
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        // A partial temporary file on a full disk would keep the space the retry needs.
-        for tmp in &tmps {
-            let _ = std::fs::remove_file(tmp);
-        }
-    }
-    result
-}
 
 /// For tests and the `WireFile` conversion on the agent side.
 pub fn wire_files(files: &[InlineFile]) -> Vec<WireFile> {

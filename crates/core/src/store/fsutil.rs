@@ -10,23 +10,45 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::other("atomic_write needs a parent directory"))?;
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::other("atomic_write needs a file name"))?
-        .to_string_lossy();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let written = (|| {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = written {
-        // A partial temporary file on a full disk would keep the space the retry needs.
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
+    replace_all_synced(&[(path, bytes)])?;
     sync_dir(dir)
+}
+
+/// [`atomic_write`] for many files at once, without the directory syncs: every temporary
+/// sibling is written, then all are fsynced (one journal commit for the lot on most
+/// filesystems, not one per file), then each is renamed over its target. The caller fsyncs the
+/// directories (once) when the renames must survive a power loss.
+pub fn replace_all_synced<P: AsRef<Path>, B: AsRef<[u8]>>(files: &[(P, B)]) -> io::Result<()> {
+    let mut tmps = Vec::with_capacity(files.len());
+    let result = (|| {
+        let mut open = Vec::with_capacity(files.len());
+        for (path, bytes) in files {
+            let path = path.as_ref();
+            let name = path
+                .file_name()
+                .ok_or_else(|| io::Error::other("a file to replace needs a file name"))?
+                .to_string_lossy();
+            let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
+            let mut f = File::create(&tmp)?;
+            tmps.push(tmp);
+            f.write_all(bytes.as_ref())?;
+            open.push(f);
+        }
+        for f in &open {
+            f.sync_all()?;
+        }
+        for ((path, _), tmp) in files.iter().zip(&tmps) {
+            std::fs::rename(tmp, path)?;
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        // A partial temporary file on a full disk would keep the space the retry needs.
+        for tmp in &tmps {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
+    result
 }
 
 /// fsyncs a directory so that renames and creations inside it survive a power loss.

@@ -11,6 +11,9 @@
 # also with the daemon and the loop confined to one CPU (taskset -c 0): the difference is what
 # the wakeups on the other CPU cost (two per round trip). Times are per operation, median of 7 passes
 # over all files, from a Python loop (its own overhead is in the native figures too).
+# Each case runs for every FUSE transport in TRANSPORTS (default "dev uring"): /dev/fuse, and FUSE
+# over io_uring (per-CPU queues; the script turns on the fuse module parameter enable_uring for the
+# run and restores it after).
 # Needs root. Usage: scripts/bench-open.sh [binary]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +21,13 @@ BIN=${1:-}
 FILES=${FILES:-2000}
 THREADS=${THREADS:-"1 2 8"}
 PLACEMENTS=${PLACEMENTS:-"any one-cpu"}
+TRANSPORTS=${TRANSPORTS:-"dev uring"}
+URING_PARAM=/sys/module/fuse/parameters/enable_uring
+URING_BEFORE=
+if [[ " $TRANSPORTS " == *" uring "* ]]; then
+    URING_BEFORE=$(cat "$URING_PARAM")
+    echo Y >"$URING_PARAM"
+fi
 if [ -z "$BIN" ]; then
     cargo build --release --quiet
     BIN=target/release/modelfs
@@ -30,6 +40,7 @@ cleanup() {
     if [ -n "$PID" ]; then kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true; fi
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
+    if [ -n "$URING_BEFORE" ]; then echo "$URING_BEFORE" >"$URING_PARAM"; fi
 }
 trap cleanup EXIT
 mkdir -p "$WORK/src" "$WORK/models"
@@ -76,22 +87,24 @@ echo "machine: $(nproc) cores, kernel $(uname -r); $FILES files of 4 KiB; per op
 for placement in $PLACEMENTS; do
     if [ "$placement" = one-cpu ]; then PIN=(taskset -c 0); else PIN=(); fi
     read -r N_SF N_ST N_OC N_ORC <<<"$(loop "$WORK/native" "${PIN[@]}")"
-    printf '%-38s statfs %6s  stat %6s  open+close %6s  open+read+close %6s\n' "native, $placement" "$N_SF" "$N_ST" "$N_OC" "$N_ORC"
+    printf '%-50s statfs %6s  stat %6s  open+close %6s  open+read+close %6s\n' "native, $placement" "$N_SF" "$N_ST" "$N_OC" "$N_ORC"
+    for transport in $TRANSPORTS; do
     for mode in always never; do
         for threads in $THREADS; do
             "${PIN[@]}" "$BIN" serve --mount "$WORK/mnt" --state "$WORK/state" --models "$WORK/models" \
                 --listen "127.0.0.1:$PORT" --passthrough "$mode" --fuse-threads "$threads" \
-                >>"$WORK/daemon.log" 2>&1 &
+                --fuse-transport "$transport" >>"$WORK/daemon.log" 2>&1 &
             PID=$!
             for _ in $(seq 1 600); do
                 if curl -sf "127.0.0.1:$PORT/v1/models" | grep -q '"status": *"Ready"'; then break; fi
                 sleep 0.2
             done
             read -r SF ST OC ORC <<<"$(loop "$WORK/mnt/bench" "${PIN[@]}")"
-            label="$([ "$mode" = always ] && echo passthrough || echo read-through), $threads threads, $placement"
-            printf '%-38s statfs %6s  stat %6s  open+close %6s  open+read+close %6s  (%sx native)\n' \
+            label="$transport, $([ "$mode" = always ] && echo passthrough || echo read-through), $threads threads, $placement"
+            printf '%-50s statfs %6s  stat %6s  open+close %6s  open+read+close %6s  (%sx native)\n' \
                 "$label" "$SF" "$ST" "$OC" "$ORC" "$(awk -v a="$ORC" -v b="$N_ORC" 'BEGIN { printf "%.1f", a / b }')"
             kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
         done
+    done
     done
 done

@@ -25,6 +25,8 @@
 # GETS=<n> requests of `GET /v1/models` for its latency percentiles (default 100);
 # IMPORT_TIMEOUT=<seconds> gives up waiting for Ready (default 3600; the figures so far are
 # printed), or with PARTIAL=1 goes on with the models Ready by then.
+# FUSE_TRANSPORT=auto|dev|uring (default auto) is passed as --fuse-transport; with uring the
+# script turns on the fuse module parameter enable_uring for the run and restores it after.
 # The binary defaults to a release build (built here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,10 +53,18 @@ stop_daemon() { # SIGTERM, then SIGKILL if the daemon has not exited after 30 s
     wait "$PID" 2>/dev/null || true
     PID=
 }
+FUSE_TRANSPORT=${FUSE_TRANSPORT:-auto}
+URING_PARAM=/sys/module/fuse/parameters/enable_uring
+URING_BEFORE=
+if [ "$FUSE_TRANSPORT" = uring ]; then
+    URING_BEFORE=$(cat "$URING_PARAM")
+    echo Y >"$URING_PARAM"
+fi
 cleanup() {
     if [ -n "$PID" ]; then stop_daemon; fi
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
+    if [ -n "$URING_BEFORE" ]; then echo "$URING_BEFORE" >"$URING_PARAM"; fi
 }
 trap cleanup EXIT
 
@@ -76,6 +86,7 @@ ready_count() {
 }
 
 echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r), $(df -T /var/tmp | awk 'NR == 2 {print $2}') on $(df /var/tmp | awk 'NR == 2 {print $1}')"
+echo "FUSE transport: $FUSE_TRANSPORT (enable_uring=$(cat "$URING_PARAM" 2>/dev/null || echo absent)); RT=$RT"
 echo "models: $N x $M files; binary: $BIN; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # Source trees: model i has config.json, M/2 files at its root and the rest in shards/, with
@@ -163,7 +174,7 @@ echo "native: cp -a + sync ${NATIVE_COPY} s; find cold ${NF_COLD} s, warm ${NF_W
 # --- modelfs ---------------------------------------------------------------------------------
 start() { # start <binary>
     "$1" serve --mount "$WORK/mnt" --state "$WORK/state" --models "$WORK/models" \
-        --listen "127.0.0.1:$PORT" >>"$WORK/daemon.log" 2>&1 &
+        --listen "127.0.0.1:$PORT" --fuse-transport "$FUSE_TRANSPORT" >>"$WORK/daemon.log" 2>&1 &
     PID=$!
 }
 get_latency() { # size and p50/p99 latency of GETS requests of GET /v1/models

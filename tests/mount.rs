@@ -118,7 +118,7 @@ fn read_full_at(f: &File, buf: &mut [u8], off: u64) -> usize {
     done
 }
 
-fn serve_one_model(mode: &str) {
+fn serve_one_model(mode: &str, transport: Transport) {
     let env = TestEnv::new();
     let src = env.dir("src");
     make_model_dir(&src, 7, 24 << 20);
@@ -126,7 +126,7 @@ fn serve_one_model(mode: &str) {
         "m.yaml",
         &cluster_model("m", &uri(&src), "AlwaysDownload", Some("org/m")),
     );
-    let d = Daemon::start(&env, &["--passthrough", mode]);
+    let d = Daemon::start_over(&env, transport, &["--passthrough", mode]);
     let entry = d.wait_model("clusterbasemodel.m", "Ready");
     assert_eq!(entry["path"], env.mount.join("org/m").to_str().unwrap());
     let model_dir = env.mount.join("org/m");
@@ -150,6 +150,7 @@ fn serve_one_model(mode: &str) {
             assert_eq!(read_through_opens, 0.0);
         }
     }
+    transport.assert_served(&d);
     assert!(d.stop(), "clean shutdown");
     assert!(
         !sh("cat /proc/self/mountinfo").contains(env.mount.to_str().unwrap()),
@@ -159,16 +160,25 @@ fn serve_one_model(mode: &str) {
 
 #[test]
 fn mount_equals_source_with_passthrough() {
-    serve_one_model("always");
+    serve_one_model("always", Transport::Dev);
 }
 
 #[test]
 fn mount_equals_source_with_read_through() {
-    serve_one_model("never");
+    serve_one_model("never", Transport::Dev);
 }
 
 #[test]
-fn every_write_fails_with_erofs() {
+fn mount_equals_source_with_passthrough_over_io_uring() {
+    serve_one_model("always", Transport::Uring);
+}
+
+#[test]
+fn mount_equals_source_with_read_through_over_io_uring() {
+    serve_one_model("never", Transport::Uring);
+}
+
+fn every_write_fails_with_erofs_over(transport: Transport) {
     let env = TestEnv::new();
     let src = env.dir("src");
     make_model_dir(&src, 3, 1000);
@@ -176,7 +186,7 @@ fn every_write_fails_with_erofs() {
         "m.yaml",
         &cluster_model("m", &uri(&src), "AlwaysDownload", None),
     );
-    let d = Daemon::start(&env, &[]);
+    let d = Daemon::start_over(&env, transport, &[]);
     d.wait_model("clusterbasemodel.m", "Ready");
     let dir = env.mount.join("m");
     let file = dir.join("config.json");
@@ -225,10 +235,10 @@ fn every_write_fails_with_erofs() {
         std::fs::read(&file).unwrap(),
         std::fs::read(src.join("config.json")).unwrap()
     );
+    transport.assert_served(&d);
 }
 
-#[test]
-fn safetensors_loads_by_mmap_from_the_mount() {
+fn safetensors_loads_by_mmap_from_the_mount_over(transport: Transport) {
     let env = TestEnv::new();
     let src = env.dir("src");
     let py = python();
@@ -265,7 +275,7 @@ save_file({{"embed": rng.standard_normal((512, 256)).astype(np.float32),
         "m.yaml",
         &cluster_model("st", &uri(&src), "AlwaysDownload", None),
     );
-    let d = Daemon::start(&env, &[]);
+    let d = Daemon::start_over(&env, transport, &[]);
     d.wait_model("clusterbasemodel.st", "Ready");
     // safe_open maps the file (mmap) and reads tensors out of the mapping.
     let check = format!(
@@ -298,6 +308,7 @@ print("ok", sum(v.nbytes for v in a.values()))
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("ok "));
+    transport.assert_served(&d);
 }
 
 #[test]
@@ -352,8 +363,7 @@ fn model_is_never_visible_half_imported() {
 /// answered by `READDIRPLUS` listings: no `LOOKUP` per entry, whatever the directory size (the
 /// big directory spans several replies, so the kernel's adaptive mode, which falls back to
 /// plain `READDIR` after the first reply, would fail this too). The sizes are the source's.
-#[test]
-fn tree_walks_need_no_lookup_per_file() {
+fn tree_walks_need_no_lookup_per_file_over(transport: Transport) {
     let env = TestEnv::new();
     let src = env.dir("src");
     let mut want = Vec::new();
@@ -370,7 +380,7 @@ fn tree_walks_need_no_lookup_per_file() {
         "m.yaml",
         &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
     );
-    let d = Daemon::start(&env, &[]);
+    let d = Daemon::start_over(&env, transport, &[]);
     d.wait_model("clusterbasemodel.m", "Ready");
     let model = env.mount.join("m");
     let lookups = r#"modelfs_fuse_requests_total{op="lookup"}"#;
@@ -396,6 +406,7 @@ fn tree_walks_need_no_lookup_per_file() {
         d.metrics()
     );
     assert!(d.metric(r#"modelfs_fuse_requests_total{op="readdirplus"}"#) >= 2.0);
+    transport.assert_served(&d);
 }
 
 /// `find -printf '%y %P\n'` of `dir`, sorted: what a walk sees, types included.
@@ -428,8 +439,7 @@ fn expected_walk(models: &[(&str, &Path)]) -> Vec<String> {
 /// `drop_caches`. Each listing was read
 /// (and cached) before the change. Waits for the new listing with a deadline: a cache that is
 /// never invalidated never shows it.
-#[test]
-fn listings_follow_mapping_changes() {
+fn listings_follow_mapping_changes_over(transport: Transport) {
     let env = TestEnv::new();
     let src_a = env.dir("src-a");
     make_model_dir(&src_a, 1, 1000);
@@ -450,7 +460,7 @@ fn listings_follow_mapping_changes() {
         ]
         .join("---\n"),
     );
-    let d = Daemon::start(&env, &[]);
+    let d = Daemon::start_over(&env, transport, &[]);
     d.wait_model("clusterbasemodel.m", "Ready");
     d.wait_model("clusterbasemodel.gone", "Ready");
     let before = expected_walk(&[("gone", &src_c), ("m", &src_a)]);
@@ -517,12 +527,12 @@ fn listings_follow_mapping_changes() {
     }
     let all = expected_walk(&[("m", &src_b), ("new", &src_c), ("z", &src_a)]);
     assert_eq!(walk(&env.mount), all);
+    transport.assert_served(&d);
 }
 
 /// A file opened again after its last close reuses the passthrough registration of its inode
 /// (no second `FUSE_DEV_IOC_BACKING_OPEN`), and reads the same bytes.
-#[test]
-fn reopening_a_file_reuses_its_passthrough_registration() {
+fn reopening_a_file_reuses_its_passthrough_registration_over(transport: Transport) {
     let env = TestEnv::new();
     let src = env.dir("src");
     make_model_dir(&src, 4, 100_000);
@@ -530,7 +540,7 @@ fn reopening_a_file_reuses_its_passthrough_registration() {
         "m.yaml",
         &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
     );
-    let d = Daemon::start(&env, &["--passthrough", "always"]);
+    let d = Daemon::start_over(&env, transport, &["--passthrough", "always"]);
     d.wait_model("clusterbasemodel.m", "Ready");
     let rel = "weights/model-00001-of-00002.safetensors";
     let want = std::fs::read(src.join(rel)).unwrap();
@@ -545,4 +555,55 @@ fn reopening_a_file_reuses_its_passthrough_registration() {
         "{reused} reuses for 3 opens: {}",
         d.metrics()
     );
+    transport.assert_served(&d);
+}
+
+#[test]
+fn every_write_fails_with_erofs() {
+    every_write_fails_with_erofs_over(Transport::Dev);
+}
+
+#[test]
+fn every_write_fails_with_erofs_over_io_uring() {
+    every_write_fails_with_erofs_over(Transport::Uring);
+}
+
+#[test]
+fn safetensors_loads_by_mmap_from_the_mount() {
+    safetensors_loads_by_mmap_from_the_mount_over(Transport::Dev);
+}
+
+#[test]
+fn safetensors_loads_by_mmap_from_the_mount_over_io_uring() {
+    safetensors_loads_by_mmap_from_the_mount_over(Transport::Uring);
+}
+
+#[test]
+fn tree_walks_need_no_lookup_per_file() {
+    tree_walks_need_no_lookup_per_file_over(Transport::Dev);
+}
+
+#[test]
+fn tree_walks_need_no_lookup_per_file_over_io_uring() {
+    tree_walks_need_no_lookup_per_file_over(Transport::Uring);
+}
+
+#[test]
+fn listings_follow_mapping_changes() {
+    listings_follow_mapping_changes_over(Transport::Dev);
+}
+
+#[test]
+fn listings_follow_mapping_changes_over_io_uring() {
+    listings_follow_mapping_changes_over(Transport::Uring);
+}
+
+#[test]
+fn reopening_a_file_reuses_its_passthrough_registration() {
+    reopening_a_file_reuses_its_passthrough_registration_over(Transport::Dev);
+}
+
+#[test]
+fn reopening_a_file_reuses_its_passthrough_registration_over_io_uring() {
+    reopening_a_file_reuses_its_passthrough_registration_over(Transport::Uring);
 }

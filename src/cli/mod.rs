@@ -22,7 +22,7 @@ use modelfs_agent::source::proxy::{Proxies, ProxyUrl};
 use modelfs_agent::source::{SourceConfig, Token};
 use modelfs_agent::standalone::ModelsDirConfig;
 use modelfs_core::store::StateDir;
-use modelfs_mount::fuse::{FuseConfig, PassthroughMode};
+use modelfs_mount::fuse::{FuseConfig, FuseTransport, PassthroughMode};
 use modelfs_mount::vfs::FsCore;
 
 #[derive(Parser, Debug)]
@@ -113,9 +113,13 @@ pub struct ServeArgs {
     /// 0 (the default, as OME's agent): a source is read only when the model object changes.
     #[arg(long, default_value_t = 0)]
     resolve_interval_secs: u64,
-    /// FUSE worker threads.
+    /// FUSE worker threads (with io_uring: the ring threads, spread over one queue per CPU).
     #[arg(long, default_value_t = FuseConfig::default().threads)]
     fuse_threads: usize,
+    /// How FUSE requests reach the daemon: io_uring per-CPU queues when the kernel offers them
+    /// (`auto`: Linux >= 6.14 with the fuse module parameter enable_uring=1), or /dev/fuse.
+    #[arg(long, value_enum, default_value = "auto")]
+    fuse_transport: FuseTransport,
     /// Node-wide limit on concurrent fetches.
     #[arg(long, default_value_t = ReconcilerConfig::default().max_concurrent_fetches)]
     max_concurrent_fetches: usize,
@@ -202,9 +206,13 @@ pub struct MountServerArgs {
     /// How file data is served.
     #[arg(long, value_enum, default_value = "auto")]
     passthrough: PassthroughMode,
-    /// FUSE worker threads.
+    /// FUSE worker threads (with io_uring: the ring threads, spread over one queue per CPU).
     #[arg(long, default_value_t = FuseConfig::default().threads)]
     fuse_threads: usize,
+    /// How FUSE requests reach the daemon: io_uring per-CPU queues when the kernel offers them
+    /// (`auto`: Linux >= 6.14 with the fuse module parameter enable_uring=1), or /dev/fuse.
+    #[arg(long, value_enum, default_value = "auto")]
+    fuse_transport: FuseTransport,
     /// Log lines as JSON.
     #[arg(long)]
     log_json: bool,
@@ -313,6 +321,7 @@ pub fn main() -> Result<()> {
                     mount_socket: Some(socket),
                     passthrough: args.passthrough,
                     fuse_threads: args.fuse_threads,
+                    fuse_transport: args.fuse_transport,
                     log_json: args.log_json,
                 },
                 Some(agent_args),
@@ -403,6 +412,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         fuse: FuseConfig {
             passthrough: args.passthrough,
             threads: args.fuse_threads,
+            transport: args.fuse_transport,
             ..FuseConfig::default()
         },
     };

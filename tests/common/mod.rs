@@ -98,6 +98,69 @@ pub struct Daemon {
     pub state: PathBuf,
     pub listen: String,
     pub log: PathBuf,
+    /// Keeps the kernel offering FUSE over io_uring while this daemon runs.
+    _uring: Option<UringParam>,
+}
+
+/// How a test daemon's FUSE requests reach it (`--fuse-transport`). Tests name one: `Dev`
+/// unless they say otherwise, so that which path a test covers never depends on another test
+/// having switched the kernel's `enable_uring` parameter on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Dev,
+    Uring,
+}
+
+impl Transport {
+    pub fn flag(self) -> &'static str {
+        match self {
+            Transport::Dev => "dev",
+            Transport::Uring => "uring",
+        }
+    }
+
+    /// Waits until the daemon has counted a request made now, then checks that requests came
+    /// over the transport the test asked for (`modelfs_fuse_uring_requests_total`).
+    pub fn assert_served(self, d: &Daemon) {
+        let uring = counters_after_marker(d, &d.mount, "modelfs_fuse_uring_requests_total");
+        match self {
+            Transport::Dev => assert_eq!(uring, 0.0, "requests over io_uring: {}", d.metrics()),
+            Transport::Uring => assert!(uring > 0.0, "no request over io_uring: {}", d.metrics()),
+        }
+    }
+}
+
+/// The `fuse` module parameter `enable_uring`, switched on while any holder lives in this test
+/// process (tests run in parallel threads) and restored after the last one.
+pub struct UringParam;
+
+const URING_PARAM: &str = "/sys/module/fuse/parameters/enable_uring";
+static URING_HOLDERS: std::sync::Mutex<(usize, String)> = std::sync::Mutex::new((0, String::new()));
+
+impl UringParam {
+    pub fn acquire() -> Self {
+        let mut holders = URING_HOLDERS.lock().unwrap();
+        if holders.0 == 0 {
+            // This project's test machines run Linux >= 6.14 built with FUSE over io_uring.
+            holders.1 = std::fs::read_to_string(URING_PARAM)
+                .unwrap_or_else(|e| panic!("{URING_PARAM}: {e} (needs Linux >= 6.14)"))
+                .trim()
+                .to_string();
+            std::fs::write(URING_PARAM, "Y").unwrap();
+        }
+        holders.0 += 1;
+        UringParam
+    }
+}
+
+impl Drop for UringParam {
+    fn drop(&mut self) {
+        let mut holders = URING_HOLDERS.lock().unwrap();
+        holders.0 -= 1;
+        if holders.0 == 0 {
+            let _ = std::fs::write(URING_PARAM, &holders.1);
+        }
+    }
 }
 
 impl Daemon {
@@ -107,7 +170,23 @@ impl Daemon {
         Self::start_with_env(env, extra, &[])
     }
 
+    /// Starts `modelfs serve` over `transport` (see [`Transport`]).
+    pub fn start_over(env: &TestEnv, transport: Transport, extra: &[&str]) -> Daemon {
+        let mut args = vec!["--fuse-transport", transport.flag()];
+        args.extend_from_slice(extra);
+        Self::start_with_env(env, &args, &[])
+    }
+
     pub fn start_with_env(env: &TestEnv, extra: &[&str], vars: &[(&str, &str)]) -> Daemon {
+        let uring = extra
+            .windows(2)
+            .any(|w| w == ["--fuse-transport", "uring"] || w == ["--fuse-transport", "auto"])
+            .then(UringParam::acquire);
+        let transport: &[&str] = if extra.contains(&"--fuse-transport") {
+            &[]
+        } else {
+            &["--fuse-transport", "dev"]
+        };
         let listen = format!("127.0.0.1:{}", free_port());
         let log = env.root.path().join(format!("daemon-{}.log", free_port()));
         let log_file = std::fs::File::create(&log).unwrap();
@@ -123,6 +202,7 @@ impl Daemon {
             .arg(&listen)
             .arg("--gc-grace-secs")
             .arg("1")
+            .args(transport)
             .args(extra)
             .env("RUST_LOG", "info,modelfs=debug")
             .stdin(Stdio::null())
@@ -138,6 +218,7 @@ impl Daemon {
             state: env.state.clone(),
             listen,
             log,
+            _uring: uring,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {

@@ -63,6 +63,8 @@ pub struct FuseMetrics {
     /// Passthrough opens that reused the inode's registered backing id (no registration ioctl).
     pub backing_reuses: Counter,
     pub kernel_invalidations: Counter,
+    /// Requests that arrived over FUSE's io_uring transport (each also counts by operation).
+    pub uring_requests: Counter,
     pub open_files: Gauge,
 }
 
@@ -114,6 +116,11 @@ impl FuseMetrics {
             self.kernel_invalidations.clone(),
         );
         registry.register(
+            "fuse_uring_requests",
+            "FUSE requests that arrived over io_uring (per-CPU queues) instead of /dev/fuse",
+            self.uring_requests.clone(),
+        );
+        registry.register(
             "open_files",
             "Files open through the mount",
             self.open_files.clone(),
@@ -147,6 +154,7 @@ impl FuseMetrics {
             "kernel_invalidations".into(),
             self.kernel_invalidations.get(),
         );
+        out.insert("uring_requests".into(), self.uring_requests.get());
         out.insert("open_files".into(), self.open_files.get().max(0) as u64);
         out.retain(|_, v| *v > 0);
         out
@@ -190,6 +198,9 @@ impl FuseMetrics {
                 ("kernel_invalidations", None) => {
                     self.kernel_invalidations.inc_by(delta);
                 }
+                ("uring_requests", None) => {
+                    self.uring_requests.inc_by(delta);
+                }
                 _ => {}
             }
         }
@@ -217,6 +228,7 @@ mod tests {
         server.request("lookup");
         server.error("open");
         server.read_bytes.inc_by(10);
+        server.uring_requests.inc_by(3);
         server.open_files.inc();
         let first = server.snapshot();
         assert!(

@@ -1,0 +1,651 @@
+//! The ring threads: one io_uring per thread, pinned to the CPU of the queue it serves.
+//!
+//! `unsafe` is confined to this module, for three things the kernel ABI needs and no safe API
+//! offers: pushing SQEs whose buffers the kernel writes (they live in the thread, which drops its
+//! ring before them, and the kernel touches them only inside this thread's own system calls:
+//! request copies run as task work of the thread that registered the entry, replies are read
+//! during its `COMMIT_AND_FETCH`), setting the SQE's `len` field (which the io-uring crate's
+//! `UringCmd80` does not expose), and the passthrough backing ioctls.
+
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+
+use crate::abi::{self, FileAttr, InHeader, Statfs};
+
+const CMD_REGISTER: u32 = 1;
+const CMD_COMMIT_AND_FETCH: u32 = 2;
+
+/// Request payload bytes a handler sees (names, xattr names). Only writing operations carry
+/// more, and they are refused whatever their data.
+const REQUEST_PAYLOAD_MAX: usize = 4096;
+
+/// A request taken from the ring.
+pub struct Request<'a> {
+    pub header: InHeader,
+    /// The operation's fixed input structure (`fuse_open_in`, `fuse_read_in`, ...).
+    pub op_in: &'a [u8],
+    /// The rest of the input (a name), at most [`REQUEST_PAYLOAD_MAX`] bytes.
+    pub payload: &'a [u8],
+}
+
+/// The answer to a [`Request`], written straight into the ring entry's payload buffer.
+pub struct Reply<'a> {
+    buf: &'a mut [u8],
+    len: usize,
+    /// Negative errno, 0 for success.
+    error: i32,
+}
+
+impl Reply<'_> {
+    pub fn error(&mut self, errno: i32) {
+        self.error = -errno.abs();
+        self.len = 0;
+    }
+
+    /// Success without data (`RELEASE`, `FLUSH`).
+    pub fn empty(&mut self) {
+        self.error = 0;
+        self.len = 0;
+    }
+
+    pub fn entry(&mut self, ttl: Duration, attr: &FileAttr) {
+        abi::encode_entry(self.buf, ttl, attr);
+        self.ok(abi::ENTRY_OUT_LEN);
+    }
+
+    pub fn attr(&mut self, ttl: Duration, attr: &FileAttr) {
+        abi::encode_attr_out(self.buf, ttl, attr);
+        self.ok(abi::ATTR_OUT_LEN);
+    }
+
+    /// An open reply; `backing_id` is used only with [`abi::fopen::PASSTHROUGH`] in `flags`.
+    pub fn open(&mut self, fh: u64, flags: u32, backing_id: u32) {
+        abi::encode_open(self.buf, fh, flags, backing_id);
+        self.ok(abi::OPEN_OUT_LEN);
+    }
+
+    pub fn statfs(&mut self, s: &Statfs) {
+        abi::encode_statfs(self.buf, s);
+        self.ok(abi::STATFS_OUT_LEN);
+    }
+
+    /// The size answer of `LISTXATTR`/`GETXATTR` asked with a zero-sized buffer.
+    pub fn xattr_size(&mut self, size: u32) {
+        self.buf[..abi::GETXATTR_OUT_LEN].fill(0);
+        abi::put_u32(self.buf, 0, size);
+        self.ok(abi::GETXATTR_OUT_LEN);
+    }
+
+    /// Data (`READ`, `LISTXATTR`), cut to `max` bytes and to the payload buffer.
+    pub fn data(&mut self, data: &[u8], max: u32) {
+        let n = data.len().min(max as usize).min(self.buf.len());
+        self.buf[..n].copy_from_slice(&data[..n]);
+        self.ok(n);
+    }
+
+    /// A directory listing of at most `size` bytes, filled by the caller through the returned
+    /// buffer and length (see [`abi::push_dirent`], [`abi::push_direntplus`]).
+    pub fn listing(&mut self, size: u32, fill: impl FnOnce(&mut [u8], &mut usize)) {
+        let limit = (size as usize).min(self.buf.len());
+        let mut len = 0;
+        fill(&mut self.buf[..limit], &mut len);
+        self.ok(len);
+    }
+
+    fn ok(&mut self, len: usize) {
+        self.error = 0;
+        self.len = len;
+    }
+}
+
+/// The filesystem side of the ring: answers one request (every request is answered: a handler
+/// that sets nothing answers success without data).
+pub trait Handler: Send + Sync + 'static {
+    fn handle(&self, req: &Request<'_>, reply: &mut Reply<'_>);
+}
+
+#[derive(Clone, Debug)]
+pub struct RingConfig {
+    /// Threads (each with one ring entry) per CPU queue.
+    pub threads_per_queue: usize,
+    /// Bytes of each entry's payload buffer: at least the kernel's largest request or reply,
+    /// `max(max_write, max_pages * page size)` as negotiated at `INIT`.
+    pub payload_size: usize,
+}
+
+/// The CPUs the kernel may run a task on (`/sys/devices/system/cpu/possible`): the kernel makes
+/// one queue per possible CPU and uses the ring only once every one has an entry.
+pub fn possible_cpus() -> io::Result<usize> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/possible")?;
+    parse_cpu_list(text.trim()).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("unreadable possible CPU list {text:?}"),
+        )
+    })
+}
+
+/// The number of CPUs in a list like `0-3,8-11`, if they are numbered from 0 without gaps (the
+/// kernel names a queue by the CPU number, so gaps would leave queues unserved).
+fn parse_cpu_list(list: &str) -> Option<usize> {
+    let mut next = 0usize;
+    for part in list.split(',') {
+        let (lo, hi) = match part.split_once('-') {
+            Some((lo, hi)) => (lo.parse::<usize>().ok()?, hi.parse::<usize>().ok()?),
+            None => {
+                let one = part.parse::<usize>().ok()?;
+                (one, one)
+            }
+        };
+        if lo != next || hi < lo {
+            return None;
+        }
+        next = hi + 1;
+    }
+    (next > 0).then_some(next)
+}
+
+enum Start {
+    Serve {
+        dev: Arc<OwnedFd>,
+        handler: Arc<dyn Handler>,
+    },
+}
+
+struct Worker {
+    start: mpsc::Sender<Start>,
+    registered: mpsc::Receiver<io::Result<()>>,
+    thread: JoinHandle<()>,
+}
+
+/// Rings created and buffers allocated, before the mount: a connection asks the kernel for the
+/// ring only if all of them exist.
+pub struct PreparedRing {
+    workers: Vec<Worker>,
+    queues: usize,
+}
+
+/// Creates `threads_per_queue` rings per possible CPU, each in its own thread pinned to that
+/// CPU. Fails if any ring cannot be created (io_uring disabled by `kernel.io_uring_disabled`, a
+/// seccomp filter, memory limits): then the mount must not ask for the ring.
+pub fn prepare(config: &RingConfig) -> io::Result<PreparedRing> {
+    let queues = possible_cpus()?;
+    let per_queue = config.threads_per_queue.max(1);
+    let mut workers = Vec::with_capacity(queues * per_queue);
+    let mut failure = None;
+    for qid in 0..queues {
+        for n in 0..per_queue {
+            let (start_tx, start_rx) = mpsc::channel::<Start>();
+            let (reg_tx, reg_rx) = mpsc::channel::<io::Result<()>>();
+            let (setup_tx, setup_rx) = mpsc::channel::<io::Result<()>>();
+            let payload_size = config.payload_size;
+            let thread = std::thread::Builder::new()
+                .name(format!("fuse-ring-{qid}.{n}"))
+                .spawn(move || worker(qid, payload_size, setup_tx, start_rx, reg_tx))?;
+            let setup = setup_rx
+                .recv()
+                .unwrap_or_else(|_| Err(io::Error::other("ring thread ended during its setup")));
+            workers.push(Worker {
+                start: start_tx,
+                registered: reg_rx,
+                thread,
+            });
+            if let Err(e) = setup {
+                failure = Some(e);
+                break;
+            }
+        }
+        if failure.is_some() {
+            break;
+        }
+    }
+    let prepared = PreparedRing { workers, queues };
+    match failure {
+        Some(e) => {
+            prepared.cancel();
+            Err(e)
+        }
+        None => Ok(prepared),
+    }
+}
+
+impl PreparedRing {
+    pub fn queues(&self) -> usize {
+        self.queues
+    }
+
+    /// Ends the threads without registering (the connection did not get the ring).
+    pub fn cancel(self) {
+        for w in self.workers {
+            drop(w.start);
+            let _ = w.thread.join();
+        }
+    }
+
+    /// Registers every entry on `dev` (the session's `/dev/fuse` descriptor, after `INIT`) and
+    /// starts serving. Returns the running threads and whether every registration was accepted;
+    /// if one was refused the kernel has turned the ring off for this connection and requests go
+    /// to `/dev/fuse`, so the caller only logs it.
+    pub fn start(
+        self,
+        dev: Arc<OwnedFd>,
+        handler: Arc<dyn Handler>,
+    ) -> (RunningRing, io::Result<()>) {
+        let mut outcome = Ok(());
+        let mut pending = Vec::with_capacity(self.workers.len());
+        for w in self.workers {
+            let _ = w.start.send(Start::Serve {
+                dev: dev.clone(),
+                handler: handler.clone(),
+            });
+            pending.push(w);
+        }
+        let mut threads = Vec::with_capacity(pending.len());
+        for w in pending {
+            let result = w
+                .registered
+                .recv()
+                .unwrap_or_else(|_| Err(io::Error::other("ring thread ended before registering")));
+            if let Err(e) = result {
+                if outcome.is_ok() {
+                    outcome = Err(e);
+                }
+            }
+            threads.push(w.thread);
+        }
+        (RunningRing { threads, dev }, outcome)
+    }
+}
+
+/// The serving threads. They end on their own when the connection ends (unmount or abort).
+pub struct RunningRing {
+    threads: Vec<JoinHandle<()>>,
+    dev: Arc<OwnedFd>,
+}
+
+impl RunningRing {
+    /// The `/dev/fuse` descriptor the ring serves (for passthrough backing ids).
+    pub fn dev(&self) -> &Arc<OwnedFd> {
+        &self.dev
+    }
+
+    /// Waits for every thread to end (after the connection ended).
+    pub fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One entry's buffers, at fixed addresses for the kernel.
+struct Slot {
+    header: Box<[u8]>,
+    payload: Box<[u8]>,
+    iov: Box<[libc::iovec; 2]>,
+}
+
+impl Slot {
+    fn new(payload_size: usize) -> Self {
+        let mut header = vec![0u8; abi::RING_HEADER_LEN].into_boxed_slice();
+        let mut payload = vec![0u8; payload_size].into_boxed_slice();
+        let iov = Box::new([
+            libc::iovec {
+                iov_base: header.as_mut_ptr().cast(),
+                iov_len: header.len(),
+            },
+            libc::iovec {
+                iov_base: payload.as_mut_ptr().cast(),
+                iov_len: payload.len(),
+            },
+        ]);
+        Self {
+            header,
+            payload,
+            iov,
+        }
+    }
+}
+
+type Ring = IoUring<squeue::Entry128, cqueue::Entry>;
+
+fn new_ring(entries: u32) -> io::Result<Ring> {
+    // One issuer and task work run only when the thread waits: completions are delivered to the
+    // thread as it asks for them, without interrupting it.
+    IoUring::<squeue::Entry128, cqueue::Entry>::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(entries)
+        .or_else(|_| IoUring::<squeue::Entry128, cqueue::Entry>::builder().build(entries))
+}
+
+fn pin_to_cpu(cpu: usize) -> io::Result<()> {
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(cpu);
+    rustix::thread::sched_setaffinity(None, &set).map_err(io::Error::from)
+}
+
+fn worker(
+    qid: usize,
+    payload_size: usize,
+    setup: mpsc::Sender<io::Result<()>>,
+    start: mpsc::Receiver<Start>,
+    registered: mpsc::Sender<io::Result<()>>,
+) {
+    if let Err(e) = pin_to_cpu(qid) {
+        // A possible CPU that is offline: its queue gets requests only once it comes online.
+        tracing::debug!(qid, error = %e, "ring thread not pinned");
+    }
+    let mut ring = match new_ring(2) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = setup.send(Err(e));
+            return;
+        }
+    };
+    let mut slot = Slot::new(payload_size);
+    let _ = setup.send(Ok(()));
+    let Ok(Start::Serve { dev, handler }) = start.recv() else {
+        return;
+    };
+    let fd = types::Fd(dev.as_raw_fd());
+    let register = with_len(
+        uring_cmd(fd, CMD_REGISTER, qid, 0)
+            .addr(Some(slot.iov.as_ptr() as u64))
+            .build()
+            .user_data(0),
+        2,
+    );
+    // SAFETY: the entry points at `slot`'s iovecs and buffers, which outlive `ring` (dropped
+    // first, below); the kernel uses them only inside this thread's io_uring calls.
+    if let Err(e) = unsafe { push(&mut ring, &register) }.and_then(|_| ring.submit().map(|_| ())) {
+        let _ = registered.send(Err(e));
+        return;
+    }
+    // A refused registration completes at once; an accepted one only when a request arrives.
+    let early = ring.completion().next().map(|cqe| cqe.result());
+    match early {
+        Some(result) if result < 0 => {
+            let _ = registered.send(Err(io::Error::from_raw_os_error(-result)));
+            return;
+        }
+        _ => {
+            let _ = registered.send(Ok(()));
+            serve(&mut ring, &mut slot, fd, qid, &*handler, early);
+        }
+    }
+    drop(ring);
+    drop(slot);
+}
+
+fn serve(
+    ring: &mut Ring,
+    slot: &mut Slot,
+    fd: types::Fd,
+    qid: usize,
+    handler: &dyn Handler,
+    mut ready: Option<i32>,
+) {
+    let mut scratch = Vec::with_capacity(REQUEST_PAYLOAD_MAX);
+    loop {
+        let result = match ready.take() {
+            Some(r) => r,
+            None => match wait_one(ring) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(qid, error = %e, "FUSE ring wait failed; the thread ends");
+                    return;
+                }
+            },
+        };
+        if result < 0 {
+            let errno = -result;
+            if ![
+                libc::ENOTCONN,
+                libc::ECONNABORTED,
+                libc::ECANCELED,
+                libc::ENODEV,
+            ]
+            .contains(&errno)
+            {
+                tracing::error!(qid, error = %io::Error::from_raw_os_error(errno), "FUSE ring command failed; the thread ends");
+            }
+            return;
+        }
+        let unique = answer(slot, handler, &mut scratch);
+        let commit = uring_cmd(fd, CMD_COMMIT_AND_FETCH, qid, unique)
+            .build()
+            .user_data(0);
+        // SAFETY: as for the registration: the slot outlives the ring.
+        if let Err(e) = unsafe { push(ring, &commit) } {
+            tracing::error!(qid, error = %e, "FUSE ring submission failed; the thread ends");
+            return;
+        }
+    }
+}
+
+/// Submits what is queued and waits for one completion; its result.
+fn wait_one(ring: &mut Ring) -> io::Result<i32> {
+    loop {
+        if let Some(cqe) = ring.completion().next() {
+            return Ok(cqe.result());
+        }
+        match ring.submit_and_wait(1) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Answers the request in `slot` and writes the reply header; returns the request's id.
+fn answer(slot: &mut Slot, handler: &dyn Handler, scratch: &mut Vec<u8>) -> u64 {
+    let header = InHeader::parse(&slot.header[..abi::IN_HEADER_LEN]);
+    let payload_len = (abi::u32_at(&slot.header, abi::RING_PAYLOAD_SZ) as usize)
+        .min(slot.payload.len())
+        .min(REQUEST_PAYLOAD_MAX);
+    scratch.clear();
+    scratch.extend_from_slice(&slot.payload[..payload_len]);
+    let mut op_in = [0u8; 128];
+    op_in.copy_from_slice(&slot.header[abi::RING_OP_IN..abi::RING_OP_IN + 128]);
+    let req = Request {
+        header,
+        op_in: &op_in,
+        payload: scratch,
+    };
+    let mut reply = Reply {
+        buf: &mut slot.payload,
+        len: 0,
+        error: 0,
+    };
+    if let Err(panic) = catch_unwind(AssertUnwindSafe(|| handler.handle(&req, &mut reply))) {
+        let reason = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        tracing::error!(
+            opcode = header.opcode,
+            reason,
+            "FUSE request handler panicked; answered EIO"
+        );
+        reply.error(libc::EIO);
+    }
+    let (len, error) = (reply.len, reply.error);
+    let h = &mut slot.header;
+    abi::put_u32(h, 0, (abi::OUT_HEADER_LEN + len) as u32);
+    abi::put_u32(h, 4, error as u32);
+    abi::put_u64(h, 8, header.unique);
+    abi::put_u32(h, abi::RING_PAYLOAD_SZ, len as u32);
+    header.unique
+}
+
+fn uring_cmd(fd: types::Fd, cmd_op: u32, qid: usize, commit_id: u64) -> opcode::UringCmd80 {
+    // struct fuse_uring_cmd_req: flags, commit_id, qid.
+    let mut cmd = [0u8; 80];
+    cmd[8..16].copy_from_slice(&commit_id.to_le_bytes());
+    cmd[16..18].copy_from_slice(&(qid as u16).to_le_bytes());
+    opcode::UringCmd80::new(fd, cmd_op).cmd(cmd)
+}
+
+/// Sets the SQE's `len` (the iovec count of a registration), which `UringCmd80` has no setter
+/// for.
+fn with_len(entry: squeue::Entry128, len: u32) -> squeue::Entry128 {
+    const _: () = assert!(std::mem::size_of::<squeue::Entry128>() == 128);
+    // SAFETY: `Entry128` is `repr(C)`: a `repr(C)` `io_uring_sqe` (integers and unions of
+    // integers) and 64 bytes; every bit pattern is a valid value, so it round-trips through
+    // bytes. `len` is the `u32` at offset 24 of `struct io_uring_sqe`.
+    let mut raw: [u8; 128] = unsafe { std::mem::transmute(entry) };
+    raw[24..28].copy_from_slice(&len.to_le_bytes());
+    unsafe { std::mem::transmute::<[u8; 128], squeue::Entry128>(raw) }
+}
+
+/// # Safety
+/// Every buffer the entry points at must stay valid until the ring is dropped.
+unsafe fn push(ring: &mut Ring, entry: &squeue::Entry128) -> io::Result<()> {
+    let mut sq = ring.submission();
+    // SAFETY: forwarded to the caller.
+    if unsafe { sq.push(entry) }.is_ok() {
+        return Ok(());
+    }
+    drop(sq);
+    // One entry per ring is ever in flight, so a full queue only holds unsubmitted entries.
+    ring.submit()?;
+    // SAFETY: forwarded to the caller.
+    unsafe { ring.submission().push(entry) }
+        .map_err(|_| io::Error::other("io_uring submission queue full"))
+}
+
+/// A passthrough backing file registered on a `/dev/fuse` descriptor
+/// (`FUSE_DEV_IOC_BACKING_OPEN`); closed when dropped (`FUSE_DEV_IOC_BACKING_CLOSE`).
+#[derive(Debug)]
+pub struct BackingId {
+    dev: Arc<OwnedFd>,
+    id: u32,
+}
+
+/// `_IOW(229, 1, struct fuse_backing_map)`.
+const FUSE_DEV_IOC_BACKING_OPEN: libc::c_ulong = 0x4010_e501;
+/// `_IOW(229, 2, uint32_t)`.
+const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
+
+#[repr(C)]
+struct BackingMap {
+    fd: i32,
+    flags: u32,
+    padding: u64,
+}
+
+impl BackingId {
+    pub fn open(dev: &Arc<OwnedFd>, file: &impl AsRawFd) -> io::Result<Self> {
+        let map = BackingMap {
+            fd: file.as_raw_fd(),
+            flags: 0,
+            padding: 0,
+        };
+        // SAFETY: the ioctl reads a `struct fuse_backing_map` from a valid pointer and returns
+        // the new id; both descriptors are open for the call.
+        let id = unsafe {
+            libc::ioctl(
+                dev.as_raw_fd(),
+                FUSE_DEV_IOC_BACKING_OPEN as _,
+                &map as *const BackingMap,
+            )
+        };
+        if id < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self {
+            dev: dev.clone(),
+            id: id as u32,
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+}
+
+impl Drop for BackingId {
+    fn drop(&mut self) {
+        // SAFETY: the ioctl reads a `u32` from a valid pointer.
+        let rc = unsafe {
+            libc::ioctl(
+                self.dev.as_raw_fd(),
+                FUSE_DEV_IOC_BACKING_CLOSE as _,
+                &self.id as *const u32,
+            )
+        };
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            // The connection may be gone already (unmount), which closed every id.
+            if e.raw_os_error() != Some(libc::ENOTCONN) {
+                tracing::debug!(id = self.id, error = %e, "closing a passthrough backing id failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_count_cpus_numbered_from_zero() {
+        assert_eq!(parse_cpu_list("0"), Some(1));
+        assert_eq!(parse_cpu_list("0-1"), Some(2));
+        assert_eq!(parse_cpu_list("0-3,4-7"), Some(8));
+        assert_eq!(parse_cpu_list("0,1,2"), Some(3));
+        assert_eq!(parse_cpu_list("0-3,8-11"), None, "a gap");
+        assert_eq!(parse_cpu_list("1-3"), None, "not from 0");
+        assert_eq!(parse_cpu_list(""), None);
+    }
+
+    #[test]
+    fn a_registration_entry_carries_the_iovec_count_and_the_queue() {
+        let e = with_len(
+            uring_cmd(types::Fd(7), CMD_REGISTER, 1, 0)
+                .addr(Some(0x1000))
+                .build()
+                .user_data(9),
+            2,
+        );
+        // SAFETY: see `with_len`.
+        let raw: [u8; 128] = unsafe { std::mem::transmute(e) };
+        assert_eq!(raw[0], 46, "IORING_OP_URING_CMD");
+        assert_eq!(i32::from_le_bytes(raw[4..8].try_into().unwrap()), 7, "fd");
+        assert_eq!(
+            u32::from_le_bytes(raw[8..12].try_into().unwrap()),
+            CMD_REGISTER,
+            "cmd_op"
+        );
+        assert_eq!(
+            u64::from_le_bytes(raw[16..24].try_into().unwrap()),
+            0x1000,
+            "addr"
+        );
+        assert_eq!(
+            u32::from_le_bytes(raw[24..28].try_into().unwrap()),
+            2,
+            "len"
+        );
+        assert_eq!(
+            u64::from_le_bytes(raw[32..40].try_into().unwrap()),
+            9,
+            "user_data"
+        );
+        assert_eq!(
+            u16::from_le_bytes(raw[48 + 16..48 + 18].try_into().unwrap()),
+            1,
+            "fuse_uring_cmd_req.qid"
+        );
+    }
+}

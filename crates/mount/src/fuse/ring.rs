@@ -1,0 +1,246 @@
+//! The adapter's answers over FUSE's io_uring transport ([`modelfs_fuse_ring`]): the same
+//! operations, counters and replies as the `fuser` handlers in the parent module, encoded into
+//! the ring's buffers. Both call the same [`ModelFs`] methods for anything beyond encoding
+//! (opening, releasing, errors), so the two transports cannot answer differently; the tests in
+//! `tests/mount.rs` run the mount's behaviour over both.
+//!
+//! `FORGET` and `INTERRUPT` never arrive here: the kernel sends them on `/dev/fuse` even with
+//! the ring, where `fuser`'s loop keeps serving them.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use modelfs_fuse_ring::abi::{self, fopen, opcode, FileAttr, Statfs};
+use modelfs_fuse_ring::{Handler, Reply, Request};
+
+use super::{Backing, ModelFs, Opened};
+use crate::vfs::{Attr, Kind};
+
+/// Whether the running kernel offers FUSE over io_uring to new connections (the `fuse` module
+/// parameter `enable_uring`; absent before Linux 6.14).
+pub(super) fn kernel_offers_uring() -> bool {
+    std::fs::read_to_string("/sys/module/fuse/parameters/enable_uring")
+        .map(|v| matches!(v.trim(), "Y" | "y" | "1"))
+        .unwrap_or(false)
+}
+
+/// Bytes of each ring entry's payload buffer: the kernel sizes requests by
+/// `max(max_write, max_pages * page size)`, and `init` sets `max_write` to this, which also
+/// covers the read-ahead (`fuser` derives `max_pages` from the larger of the two).
+pub(super) fn payload_size(read_ahead_kb: u32) -> usize {
+    let read_ahead = (read_ahead_kb as usize).saturating_mul(1024);
+    read_ahead.max(1 << 20).next_multiple_of(4096)
+}
+
+pub(super) struct RingFs {
+    fs: ModelFs,
+    /// The connection's `/dev/fuse` descriptor, for passthrough backing ids.
+    dev: Arc<OwnedFd>,
+}
+
+impl RingFs {
+    pub(super) fn new(fs: ModelFs, dev: Arc<OwnedFd>) -> Self {
+        Self { fs, dev }
+    }
+
+    fn file_attr(a: &Attr) -> FileAttr {
+        let kind = match a.kind {
+            Kind::Dir => libc::S_IFDIR,
+            Kind::File => libc::S_IFREG,
+        };
+        FileAttr {
+            ino: a.ino,
+            size: a.size,
+            blocks: a.size.div_ceil(512),
+            mtime: a.mtime,
+            mode: kind | u32::from(a.perm),
+            nlink: a.nlink,
+            uid: 0,
+            gid: 0,
+            // Large buffers for stdio readers: one FUSE request carries at most 1 MiB.
+            blksize: 1 << 20,
+        }
+    }
+
+    fn dirent_type(kind: Kind) -> u32 {
+        match kind {
+            Kind::Dir => abi::DT_DIR,
+            Kind::File => abi::DT_REG,
+        }
+    }
+
+    fn ttl(&self, a: &Attr) -> Duration {
+        self.fs.ttl(a)
+    }
+
+    fn lookup(&self, parent: u64, name: &[u8], reply: &mut Reply<'_>) {
+        self.fs.metrics.request("lookup");
+        let name = std::ffi::OsStr::new(std::str::from_utf8(name).unwrap_or("\u{fffd}"));
+        match self.fs.core.lookup(parent, name) {
+            Ok(a) => reply.entry(self.ttl(&a), &Self::file_attr(&a)),
+            Err(e) => reply.error(self.fs.fail("lookup", &e).code()),
+        }
+    }
+
+    fn getattr(&self, ino: u64, reply: &mut Reply<'_>) {
+        self.fs.metrics.request("getattr");
+        match self.fs.core.getattr(ino) {
+            Ok(a) => reply.attr(self.ttl(&a), &Self::file_attr(&a)),
+            Err(e) => reply.error(self.fs.fail("getattr", &e).code()),
+        }
+    }
+
+    fn open(&self, ino: u64, flags: i32, reply: &mut Reply<'_>) {
+        let opened = self.fs.open_file(ino, flags, |file| {
+            modelfs_fuse_ring::BackingId::open(&self.dev, file).map(Backing::Ring)
+        });
+        match opened {
+            Ok(Opened::Passthrough { fh, id }) => match &*id {
+                Backing::Ring(id) => reply.open(fh, fopen::NOFLUSH | fopen::PASSTHROUGH, id.id()),
+                // Only opens answered on /dev/fuse register through fuser, and a connection
+                // served over io_uring gets none there.
+                Backing::Dev(_) => {
+                    tracing::error!(
+                        ino,
+                        "an open over io_uring found a /dev/fuse backing id; answered EIO"
+                    );
+                    self.fs.release_file(fh);
+                    reply.error(libc::EIO);
+                }
+            },
+            // As on /dev/fuse: content never changes under an inode, nothing is ever written.
+            Ok(Opened::ReadThrough { fh }) => reply.open(fh, fopen::KEEP_CACHE | fopen::NOFLUSH, 0),
+            Err(e) => reply.error(e.code()),
+        }
+    }
+
+    fn read(&self, read: abi::ReadIn, reply: &mut Reply<'_>) {
+        self.fs.metrics.request("read");
+        match self.fs.core.read(read.fh, read.offset, read.size) {
+            Ok(data) => {
+                self.fs.metrics.read_bytes.inc_by(data.len() as u64);
+                reply.data(&data, read.size);
+            }
+            Err(e) => reply.error(self.fs.fail("read", &e).code()),
+        }
+    }
+
+    fn readdir(&self, ino: u64, read: abi::ReadIn, plus: bool, reply: &mut Reply<'_>) {
+        let op = if plus { "readdirplus" } else { "readdir" };
+        self.fs.metrics.request(op);
+        let mut result = Ok(());
+        reply.listing(read.size, |buf, len| {
+            result = if plus {
+                self.fs.core.readdirplus(ino, read.offset, |e, a| {
+                    let attr = Self::file_attr(a);
+                    let typ = Self::dirent_type(e.kind);
+                    !abi::push_direntplus(
+                        buf,
+                        len,
+                        e.offset,
+                        typ,
+                        e.name.as_bytes(),
+                        self.ttl(a),
+                        &attr,
+                    )
+                })
+            } else {
+                self.fs.core.readdir(ino, read.offset, |e| {
+                    !abi::push_dirent(
+                        buf,
+                        len,
+                        e.ino,
+                        e.offset,
+                        Self::dirent_type(e.kind),
+                        e.name.as_bytes(),
+                    )
+                })
+            };
+        });
+        if let Err(e) = result {
+            reply.error(self.fs.fail(op, &e).code());
+        }
+    }
+
+    fn listxattr(&self, ino: u64, size: u32, reply: &mut Reply<'_>) {
+        self.fs.metrics.request("listxattr");
+        match self.fs.core.getattr(ino) {
+            Ok(_) if size == 0 => reply.xattr_size(0),
+            Ok(_) => reply.data(&[], size),
+            Err(e) => reply.error(self.fs.fail("listxattr", &e).code()),
+        }
+    }
+
+    /// A writing operation: refused with `EROFS`, counted under the `fuser` handler's name.
+    fn read_only(&self, op: &'static str, reply: &mut Reply<'_>) {
+        reply.error(self.fs.read_only(op).code());
+    }
+}
+
+impl Handler for RingFs {
+    fn handle(&self, req: &Request<'_>, reply: &mut Reply<'_>) {
+        self.fs.metrics.uring_requests.inc();
+        let ino = req.header.nodeid;
+        match req.header.opcode {
+            opcode::LOOKUP => self.lookup(ino, abi::name_arg(req.payload), reply),
+            opcode::GETATTR => self.getattr(ino, reply),
+            opcode::OPEN => self.open(ino, abi::open_in_flags(req.op_in), reply),
+            opcode::READ => self.read(abi::ReadIn::parse(req.op_in), reply),
+            opcode::RELEASE => {
+                self.fs.release_file(abi::release_in_fh(req.op_in));
+                reply.empty();
+            }
+            opcode::FLUSH => {
+                // Opens answer FOPEN_NOFLUSH, so the kernel should never send one.
+                self.fs.metrics.request("flush");
+                reply.empty();
+            }
+            // Answered once for the whole mount, as on /dev/fuse (see the parent module).
+            opcode::OPENDIR => {
+                self.fs.metrics.request("opendir");
+                reply.error(libc::ENOSYS);
+            }
+            opcode::READDIR => self.readdir(ino, abi::ReadIn::parse(req.op_in), false, reply),
+            opcode::READDIRPLUS => self.readdir(ino, abi::ReadIn::parse(req.op_in), true, reply),
+            opcode::RELEASEDIR => {
+                self.fs.metrics.request("releasedir");
+                reply.empty();
+            }
+            opcode::STATFS => {
+                self.fs.metrics.request("statfs");
+                reply.statfs(&Statfs {
+                    bsize: 4096,
+                    namelen: 255,
+                    frsize: 4096,
+                    ..Statfs::default()
+                });
+            }
+            opcode::GETXATTR => {
+                self.fs.metrics.request("getxattr");
+                reply.error(libc::ENOSYS);
+            }
+            opcode::LISTXATTR => self.listxattr(ino, abi::getxattr_in_size(req.op_in), reply),
+            opcode::SETATTR => self.read_only("setattr", reply),
+            opcode::MKNOD => self.read_only("mknod", reply),
+            opcode::MKDIR => self.read_only("mkdir", reply),
+            opcode::UNLINK => self.read_only("unlink", reply),
+            opcode::RMDIR => self.read_only("rmdir", reply),
+            opcode::SYMLINK => self.read_only("symlink", reply),
+            opcode::RENAME | opcode::RENAME2 => self.read_only("rename", reply),
+            opcode::LINK => self.read_only("link", reply),
+            opcode::WRITE => self.read_only("write", reply),
+            opcode::CREATE => self.read_only("create", reply),
+            opcode::SETXATTR => self.read_only("setxattr", reply),
+            opcode::REMOVEXATTR => self.read_only("removexattr", reply),
+            opcode::FALLOCATE => self.read_only("fallocate", reply),
+            // Everything else is unimplemented, as `fuser`'s defaults answer (`READLINK`,
+            // `ACCESS`, `FSYNC`, `TMPFILE`, `STATX`, ...): the kernel then stops asking or
+            // answers for itself.
+            other => {
+                tracing::debug!(opcode = other, "unimplemented FUSE operation over io_uring");
+                reply.error(libc::ENOSYS);
+            }
+        }
+    }
+}

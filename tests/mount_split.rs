@@ -15,7 +15,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{cluster_model, files_of, http_get, make_model_dir, TestEnv, BIN};
+use common::{
+    cluster_model, files_of, http_get, make_model_dir, TestEnv, Transport, UringParam, BIN,
+};
 use sha2::{Digest, Sha256};
 
 /// Mount ID (first field of /proc/self/mountinfo) of the mount at `path`, if any.
@@ -47,13 +49,28 @@ struct Split {
     log: PathBuf,
     server: Option<Child>,
     agent: Option<Child>,
+    /// The mount server's `--fuse-transport`.
+    transport: Transport,
+    _uring: Option<UringParam>,
 }
 
 impl Split {
     /// A split daemon (server, then agent) with one `local://` AlwaysDownload model `name`
     /// (see [`model_source`]); returns its files, path -> sha256.
     fn serving_one_model(name: &str, seed: u64) -> (Self, BTreeMap<String, String>) {
+        Self::serving_one_model_over(name, seed, Transport::Dev)
+    }
+
+    fn serving_one_model_over(
+        name: &str,
+        seed: u64,
+        transport: Transport,
+    ) -> (Self, BTreeMap<String, String>) {
         let mut split = Split::new();
+        if transport == Transport::Uring {
+            split._uring = Some(UringParam::acquire());
+        }
+        split.transport = transport;
         let (src, files) = model_source(&split.env, name, seed);
         split.env.write_models(
             &format!("{name}.yaml"),
@@ -80,6 +97,8 @@ impl Split {
             log,
             server: None,
             agent: None,
+            transport: Transport::Dev,
+            _uring: None,
         }
     }
 
@@ -106,6 +125,8 @@ impl Split {
             .arg(&self.env.state)
             .arg("--mount-socket")
             .arg(&self.socket)
+            .arg("--fuse-transport")
+            .arg(self.transport.flag())
             .env("RUST_LOG", "info,modelfs=debug")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -391,13 +412,35 @@ fn agent_killed_50_times_and_upgraded_10_times_under_readers() {
 
 #[test]
 fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
-    let (mut split, files) = Split::serving_one_model("m", 3);
+    mount_server_sigkill_remounts_over(Transport::Dev);
+}
+
+/// Over io_uring the dead server's ring goes with its connection: callers get `ENOTCONN`, not
+/// a wait on queues nobody serves, and the restarted server registers a new ring.
+#[test]
+fn mount_server_sigkill_remounts_the_persisted_mapping_over_io_uring() {
+    mount_server_sigkill_remounts_over(Transport::Uring);
+}
+
+fn mount_server_sigkill_remounts_over(transport: Transport) {
+    let (mut split, files) = Split::serving_one_model_over("m", 3, transport);
     split.wait_ready("clusterbasemodel.m");
     split.kill_agent();
     split.kill_server();
-    // The dead connection: ENOTCONN until a new server cleans it up.
+    // The dead connection: ENOTCONN until a new server cleans it up. Over io_uring a request
+    // made while the dead server's queues are torn down (the kernel does that after the
+    // process exits) is ended with ECONNABORTED or ECANCELED instead.
     let err = std::fs::read_dir(&split.env.mount).unwrap_err();
-    assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN));
+    match transport {
+        Transport::Dev => assert_eq!(err.raw_os_error(), Some(libc::ENOTCONN)),
+        Transport::Uring => assert!(
+            matches!(
+                err.raw_os_error(),
+                Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)
+            ),
+            "{err}"
+        ),
+    }
     // Files of the artifacts directory that the mapping does not name (a stray, the temporary
     // file of a write a crash cut short) are removed at start.
     let artifacts_dir = split.env.state.join("mount-server").join("artifacts");
@@ -430,6 +473,14 @@ fn mount_server_sigkill_remounts_the_persisted_mapping_without_the_agent() {
         .filter(|l| l.split(' ').nth(4) == split.env.mount.to_str())
         .count();
     assert_eq!(at, 1);
+    let rings = split
+        .log_text()
+        .matches("serving FUSE requests over io_uring")
+        .count();
+    match transport {
+        Transport::Dev => assert_eq!(rings, 0),
+        Transport::Uring => assert_eq!(rings, 2, "the first server and the restarted one"),
+    }
 }
 
 /// Deletes one blob from the stores behind the daemon's back (the last by name); returns its

@@ -53,7 +53,19 @@ pub(crate) fn detach(path: &Path) -> io::Result<()> {
     rustix::mount::unmount(path, rustix::mount::UnmountFlags::DETACH).map_err(io::Error::from)
 }
 
-/// Detaches a mount left behind by a crashed daemon (its connection is dead: `ENOTCONN`).
+/// Whether a request's error says the daemon behind the mount is gone: `ENOTCONN` once the
+/// connection is aborted; `ECONNABORTED` or `ECANCELED` for a request made while a dead
+/// daemon's io_uring queues were still being torn down (the kernel does that after the process
+/// exits, and ends such requests with one of those). A live modelfs daemon answers neither.
+pub fn is_dead_connection(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)
+    )
+}
+
+/// Detaches a mount left behind by a crashed daemon (its connection is dead, see
+/// [`is_dead_connection`]).
 /// Returns whether one was cleaned. A live modelfs mount here is an error: the daemon must not
 /// stack on top of it. Another filesystem mounted here is the directory the daemon mounts over
 /// (in a container the models root is a bind mount of the host directory), not an error.
@@ -74,7 +86,7 @@ pub fn clean_stale_mount(path: &Path) -> Result<bool, MountpointError> {
             return Ok(cleaned);
         }
         match statfs(path) {
-            Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            Err(e) if is_dead_connection(&e) => {
                 tracing::warn!(path = %path.display(), "cleaning up a stale mount of a crashed daemon");
                 detach(path).map_err(io_err)?;
                 cleaned = true;

@@ -15,6 +15,9 @@
 #   SMAPS=1                             also split each RSS by kind (binary, anonymous, stacks)
 #   KILL_AT_END=1                       SIGKILL both processes at the end (a heap profiler then
 #                                       shows what was in use as not freed)
+#   FUSE_TRANSPORT=auto|dev|uring       the mount server's --fuse-transport (default auto); uring
+#                                       turns on the fuse module parameter enable_uring for the
+#                                       run and restores it after
 #   SERVER_WRAP / AGENT_WRAP            a command prefix (e.g. "heaptrack -o /tmp/agent"): then
 #                                       `modelfs mount-server` and `modelfs agent` are started
 #                                       as two processes instead of `modelfs serve`
@@ -33,11 +36,19 @@ WORK=$(mktemp -d /var/tmp/modelfs-rss.XXXXXX)
 PORT=$((20000 + RANDOM % 20000))
 PID=
 APID=
+FUSE_TRANSPORT=${FUSE_TRANSPORT:-auto}
+URING_PARAM=/sys/module/fuse/parameters/enable_uring
+URING_BEFORE=
+if [ "$FUSE_TRANSPORT" = uring ]; then
+    URING_BEFORE=$(cat "$URING_PARAM")
+    echo Y >"$URING_PARAM"
+fi
 cleanup() {
     [ -n "$APID" ] && kill "$APID" 2>/dev/null && wait "$APID" 2>/dev/null || true
     [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
+    if [ -n "$URING_BEFORE" ]; then echo "$URING_BEFORE" >"$URING_PARAM"; fi
 }
 trap cleanup EXIT
 
@@ -66,12 +77,12 @@ start() {
     if [ -n "${SERVER_WRAP:-}${AGENT_WRAP:-}" ]; then
         # shellcheck disable=SC2086
         ${SERVER_WRAP:-} "$BIN" mount-server --mount "$WORK/mnt" --state "$WORK/state" \
-            --mount-socket "$SOCKET" >>"$WORK/log" 2>&1 &
+            --mount-socket "$SOCKET" --fuse-transport "$FUSE_TRANSPORT" >>"$WORK/log" 2>&1 &
         PID=$!
         start_agent
     else
         "$BIN" serve --mount "$WORK/mnt" --state "$WORK/state" --models "$WORK/models" \
-            --listen "127.0.0.1:$PORT" >>"$WORK/log" 2>&1 &
+            --listen "127.0.0.1:$PORT" --fuse-transport "$FUSE_TRANSPORT" >>"$WORK/log" 2>&1 &
         PID=$!
     fi
 }

@@ -22,11 +22,10 @@ FILES=${FILES:-2000}
 THREADS=${THREADS:-"1 2 8"}
 PLACEMENTS=${PLACEMENTS:-"any one-cpu"}
 TRANSPORTS=${TRANSPORTS:-"dev uring"}
-URING_PARAM=/sys/module/fuse/parameters/enable_uring
-URING_BEFORE=
+# shellcheck source=scripts/fuse-uring.sh
+. scripts/fuse-uring.sh
 if [[ " $TRANSPORTS " == *" uring "* ]]; then
-    URING_BEFORE=$(cat "$URING_PARAM")
-    echo Y >"$URING_PARAM"
+    uring_param_on
 fi
 if [ -z "$BIN" ]; then
     cargo build --release --quiet
@@ -40,7 +39,7 @@ cleanup() {
     if [ -n "$PID" ]; then kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true; fi
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
-    if [ -n "$URING_BEFORE" ]; then echo "$URING_BEFORE" >"$URING_PARAM"; fi
+    uring_param_restore
 }
 trap cleanup EXIT
 mkdir -p "$WORK/src" "$WORK/models"

@@ -54,17 +54,16 @@ stop_daemon() { # SIGTERM, then SIGKILL if the daemon has not exited after 30 s
     PID=
 }
 FUSE_TRANSPORT=${FUSE_TRANSPORT:-auto}
-URING_PARAM=/sys/module/fuse/parameters/enable_uring
-URING_BEFORE=
+# shellcheck source=scripts/fuse-uring.sh
+. scripts/fuse-uring.sh
 if [ "$FUSE_TRANSPORT" = uring ]; then
-    URING_BEFORE=$(cat "$URING_PARAM")
-    echo Y >"$URING_PARAM"
+    uring_param_on
 fi
 cleanup() {
     if [ -n "$PID" ]; then stop_daemon; fi
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
-    if [ -n "$URING_BEFORE" ]; then echo "$URING_BEFORE" >"$URING_PARAM"; fi
+    uring_param_restore
 }
 trap cleanup EXIT
 

@@ -37,18 +37,17 @@ PORT=$((20000 + RANDOM % 20000))
 PID=
 APID=
 FUSE_TRANSPORT=${FUSE_TRANSPORT:-auto}
-URING_PARAM=/sys/module/fuse/parameters/enable_uring
-URING_BEFORE=
+# shellcheck source=scripts/fuse-uring.sh
+. scripts/fuse-uring.sh
 if [ "$FUSE_TRANSPORT" = uring ]; then
-    URING_BEFORE=$(cat "$URING_PARAM")
-    echo Y >"$URING_PARAM"
+    uring_param_on
 fi
 cleanup() {
     [ -n "$APID" ] && kill "$APID" 2>/dev/null && wait "$APID" 2>/dev/null || true
     [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
-    if [ -n "$URING_BEFORE" ]; then echo "$URING_BEFORE" >"$URING_PARAM"; fi
+    uring_param_restore
 }
 trap cleanup EXIT
 

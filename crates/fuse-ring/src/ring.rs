@@ -154,11 +154,10 @@ fn parse_cpu_list(list: &str) -> Option<usize> {
     (next > 0).then_some(next)
 }
 
-enum Start {
-    Serve {
-        dev: Arc<OwnedFd>,
-        handler: Arc<dyn Handler>,
-    },
+/// What a prepared thread needs to register and serve.
+struct Start {
+    dev: Arc<OwnedFd>,
+    handler: Arc<dyn Handler>,
 }
 
 struct Worker {
@@ -243,7 +242,7 @@ impl PreparedRing {
         let mut outcome = Ok(());
         let mut pending = Vec::with_capacity(self.workers.len());
         for w in self.workers {
-            let _ = w.start.send(Start::Serve {
+            let _ = w.start.send(Start {
                 dev: dev.clone(),
                 handler: handler.clone(),
             });
@@ -353,7 +352,7 @@ fn worker(
     };
     let mut slot = Slot::new(payload_size);
     let _ = setup.send(Ok(()));
-    let Ok(Start::Serve { dev, handler }) = start.recv() else {
+    let Ok(Start { dev, handler }) = start.recv() else {
         return;
     };
     let fd = types::Fd(dev.as_raw_fd());

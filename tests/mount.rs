@@ -607,3 +607,20 @@ fn reopening_a_file_reuses_its_passthrough_registration() {
 fn reopening_a_file_reuses_its_passthrough_registration_over_io_uring() {
     reopening_a_file_reuses_its_passthrough_registration_over(Transport::Uring);
 }
+
+/// `--fuse-transport auto` (the default) takes the ring when the kernel offers it.
+#[test]
+fn auto_transport_uses_io_uring_when_the_kernel_offers_it() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 5, 1000);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
+    );
+    let d = Daemon::start(&env, &["--fuse-transport", "auto"]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_mount_equals_source(&env.mount.join("m"), &src);
+    Transport::Uring.assert_served(&d);
+    assert!(d.log_text().contains("serving FUSE requests over io_uring"));
+}

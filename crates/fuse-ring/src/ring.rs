@@ -598,6 +598,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn replies_never_exceed_what_the_kernel_asked_for() {
+        let mut buf = vec![0xaau8; 4096];
+        let mut reply = Reply {
+            buf: &mut buf,
+            len: 0,
+            error: 0,
+        };
+        reply.data(&[7u8; 100], 10);
+        assert_eq!((reply.len, reply.error), (10, 0), "cut to the read size");
+        reply.listing(64, |b, len| {
+            assert_eq!(b.len(), 64, "a listing sees only the size asked for");
+            while abi::push_dirent(b, len, 1, 1, abi::DT_REG, b"name") {}
+        });
+        assert_eq!(reply.len, 64, "two 32-byte entries");
+        reply.error(libc::ENOENT);
+        assert_eq!(
+            (reply.len, reply.error),
+            (0, -libc::ENOENT),
+            "an error carries no data"
+        );
+        reply.xattr_size(0);
+        assert_eq!((reply.len, reply.error), (abi::GETXATTR_OUT_LEN, 0));
+    }
+
+    #[test]
     fn cpu_lists_count_cpus_numbered_from_zero() {
         assert_eq!(parse_cpu_list("0"), Some(1));
         assert_eq!(parse_cpu_list("0-1"), Some(2));

@@ -28,7 +28,9 @@
 //! SQE's 80-byte area); its completion means a request is in the buffers. The reply is written
 //! into the same buffers and `COMMIT_AND_FETCH` returns it and waits for the next request in one
 //! submission. Completions with an error mean the connection ended (`ENOTCONN` on unmount or
-//! abort, `ECANCELED` when the ring goes away): the thread then exits.
+//! abort, `ECANCELED` when the ring goes away): the thread then exits. Any other error is a bug
+//! on one side; the thread logs it and registers its entry again rather than leave its CPU's
+//! queue with one entry fewer (a queue without entries would hold that CPU's requests forever).
 //!
 //! Requests are answered in the thread that received them, one at a time per thread; each CPU's
 //! queue has `threads_per_queue` threads so a blocking read-through `pread` does not hold up the

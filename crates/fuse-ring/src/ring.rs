@@ -356,13 +356,7 @@ fn worker(
         return;
     };
     let fd = types::Fd(dev.as_raw_fd());
-    let register = with_len(
-        uring_cmd(fd, CMD_REGISTER, qid, 0)
-            .addr(Some(slot.iov.as_ptr() as u64))
-            .build()
-            .user_data(0),
-        2,
-    );
+    let register = register_entry(fd, qid, &slot);
     // SAFETY: the entry points at `slot`'s iovecs and buffers, which outlive `ring` (dropped
     // first, below); the kernel uses them only inside this thread's io_uring calls.
     if let Err(e) = unsafe { push(&mut ring, &register) }.and_then(|_| ring.submit().map(|_| ())) {
@@ -385,6 +379,32 @@ fn worker(
     drop(slot);
 }
 
+/// The `REGISTER` command of `slot` for queue `qid`.
+fn register_entry(fd: types::Fd, qid: usize, slot: &Slot) -> squeue::Entry128 {
+    with_len(
+        uring_cmd(fd, CMD_REGISTER, qid, 0)
+            .addr(Some(slot.iov.as_ptr() as u64))
+            .build()
+            .user_data(0),
+        2,
+    )
+}
+
+/// Whether a failed ring command means the connection is over (unmount, abort, the ring going
+/// away), which ends the thread quietly.
+fn connection_ended(errno: i32) -> bool {
+    [
+        libc::ENOTCONN,
+        libc::ECONNABORTED,
+        libc::ECANCELED,
+        libc::ENODEV,
+    ]
+    .contains(&errno)
+}
+
+/// Answers requests until the connection ends. A command that fails for any other reason is a
+/// bug (a commit the kernel cannot match, say); the thread logs it and registers its entry
+/// again, so the CPU's queue keeps being served, and ends only if that registration fails too.
 fn serve(
     ring: &mut Ring,
     slot: &mut Slot,
@@ -394,6 +414,7 @@ fn serve(
     mut ready: Option<i32>,
 ) {
     let mut scratch = Vec::with_capacity(REQUEST_PAYLOAD_MAX);
+    let mut failed_in_a_row = 0;
     loop {
         let result = match ready.take() {
             Some(r) => r,
@@ -407,18 +428,25 @@ fn serve(
         };
         if result < 0 {
             let errno = -result;
-            if ![
-                libc::ENOTCONN,
-                libc::ECONNABORTED,
-                libc::ECANCELED,
-                libc::ENODEV,
-            ]
-            .contains(&errno)
-            {
-                tracing::error!(qid, error = %io::Error::from_raw_os_error(errno), "FUSE ring command failed; the thread ends");
+            if connection_ended(errno) {
+                return;
             }
-            return;
+            let error = io::Error::from_raw_os_error(errno);
+            failed_in_a_row += 1;
+            if failed_in_a_row > 1 {
+                tracing::error!(qid, %error, "FUSE ring registration failed again; the thread ends");
+                return;
+            }
+            tracing::error!(qid, %error, "FUSE ring command failed; registering the entry again");
+            let register = register_entry(fd, qid, slot);
+            // SAFETY: as for the first registration: the slot outlives the ring.
+            if let Err(e) = unsafe { push(ring, &register) } {
+                tracing::error!(qid, error = %e, "FUSE ring submission failed; the thread ends");
+                return;
+            }
+            continue;
         }
+        failed_in_a_row = 0;
         let unique = answer(slot, handler, &mut scratch);
         let commit = uring_cmd(fd, CMD_COMMIT_AND_FETCH, qid, unique)
             .build()

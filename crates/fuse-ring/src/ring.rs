@@ -33,7 +33,8 @@ pub struct Request<'a> {
     pub header: InHeader,
     /// The operation's fixed input structure (`fuse_open_in`, `fuse_read_in`, ...).
     pub op_in: &'a [u8],
-    /// The rest of the input (a name), at most [`REQUEST_PAYLOAD_MAX`] bytes.
+    /// The rest of the input (a name), at most 4,096 bytes (only writing operations carry more,
+    /// and they are refused whatever their data).
     pub payload: &'a [u8],
 }
 

@@ -36,7 +36,7 @@
 //! What remains per file is `OPEN` (synchronous) and `RELEASE` (asynchronous): an open's reply
 //! must carry the passthrough backing id, so FUSE's no-open mode (which would also drop them)
 //! would send every read through the daemon. Backing ids stay registered per inode after the
-//! last release (see [`BackingCache`]), so a reopen costs no registration.
+//! last release (see `BackingCache`), so a reopen costs no registration.
 //!
 //! # Transports
 //! Requests reach the daemon over `/dev/fuse` (`fuser`'s loop, `--fuse-threads` workers) or,
@@ -45,7 +45,7 @@
 //! CPU ([`modelfs_fuse_ring`]), so a request and its reply wake no other CPU. On the reference
 //! machine that halves a round trip (a `statfs`: 9 to 11 us against 21 to 27 us) and takes an
 //! open + read 4 KiB + close from 11 to 14x native to 4.6 to 5.9x (BENCHMARKS.md). The ring
-//! answers with the same [`ModelFs`] methods as the `fuser` handlers (`ring.rs` only encodes);
+//! answers with the same `ModelFs` methods as the `fuser` handlers (`ring.rs` only encodes);
 //! `FORGET` and `INTERRUPT` still come over `/dev/fuse`, as does everything if the kernel
 //! refuses the ring's registration (then `auto` logs it and goes on, `uring` fails the mount).
 //! Passthrough works the same over both: backing ids are per connection, registered through

@@ -57,7 +57,7 @@ pub(crate) fn detach(path: &Path) -> io::Result<()> {
 /// connection is aborted; `ECONNABORTED` or `ECANCELED` for a request made while a dead
 /// daemon's io_uring queues were still being torn down (the kernel does that after the process
 /// exits, and ends such requests with one of those). A live modelfs daemon answers neither.
-pub fn is_dead_connection(e: &std::io::Error) -> bool {
+pub(crate) fn is_dead_connection(e: &std::io::Error) -> bool {
     matches!(
         e.raw_os_error(),
         Some(libc::ENOTCONN | libc::ECONNABORTED | libc::ECANCELED)
@@ -65,7 +65,7 @@ pub fn is_dead_connection(e: &std::io::Error) -> bool {
 }
 
 /// Detaches a mount left behind by a crashed daemon (its connection is dead, see
-/// [`is_dead_connection`]).
+/// `is_dead_connection`).
 /// Returns whether one was cleaned. A live modelfs mount here is an error: the daemon must not
 /// stack on top of it. Another filesystem mounted here is the directory the daemon mounts over
 /// (in a container the models root is a bind mount of the host directory), not an error.

@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::*;
 use sha2::{Digest, Sha256};
 
@@ -48,15 +46,9 @@ fn without_io_uring_auto_serves_over_dev_fuse_and_uring_refuses_to_mount() {
         ),
     );
 
-    let out = Command::new(BIN)
-        .args(["serve", "--fuse-transport", "uring", "--listen"])
-        .arg(format!("127.0.0.1:{}", free_port()))
-        .arg("--mount")
-        .arg(&env.mount)
-        .arg("--state")
-        .arg(&env.state)
-        .arg("--models")
-        .arg(&env.models)
+    let out = env
+        .serve_command(&format!("127.0.0.1:{}", free_port()))
+        .args(["--fuse-transport", "uring"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

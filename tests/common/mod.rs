@@ -54,6 +54,21 @@ impl TestEnv {
     }
 
     /// Writes a manifest file atomically (write + rename), as an operator's tool would.
+    /// `modelfs serve` on this environment's mount, state and models, listening on `listen`.
+    pub fn serve_command(&self, listen: &str) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.arg("serve")
+            .arg("--mount")
+            .arg(&self.mount)
+            .arg("--state")
+            .arg(&self.state)
+            .arg("--models")
+            .arg(&self.models)
+            .arg("--listen")
+            .arg(listen);
+        cmd
+    }
+
     pub fn write_models(&self, file: &str, yaml: &str) {
         let tmp = self.models.join(format!(".{file}.tmp"));
         std::fs::write(&tmp, yaml).unwrap();
@@ -190,17 +205,8 @@ impl Daemon {
         let listen = format!("127.0.0.1:{}", free_port());
         let log = env.root.path().join(format!("daemon-{}.log", free_port()));
         let log_file = std::fs::File::create(&log).unwrap();
-        let mut cmd = Command::new(BIN);
-        cmd.arg("serve")
-            .arg("--mount")
-            .arg(&env.mount)
-            .arg("--state")
-            .arg(&env.state)
-            .arg("--models")
-            .arg(&env.models)
-            .arg("--listen")
-            .arg(&listen)
-            .arg("--gc-grace-secs")
+        let mut cmd = env.serve_command(&listen);
+        cmd.arg("--gc-grace-secs")
             .arg("1")
             .args(transport)
             .args(extra)
@@ -224,9 +230,6 @@ impl Daemon {
         while Instant::now() < deadline {
             if d.try_get("/healthz").is_some() {
                 return d;
-            }
-            if let Some(c) = d.child.as_ref() {
-                let _ = c;
             }
             std::thread::sleep(Duration::from_millis(50));
         }

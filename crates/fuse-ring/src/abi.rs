@@ -9,13 +9,11 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// Operation codes (`enum fuse_opcode`) the ring dispatches on.
+/// Operation codes (`enum fuse_opcode`) the ring dispatches on; any other is answered `ENOSYS`.
 pub mod opcode {
     pub const LOOKUP: u32 = 1;
-    pub const FORGET: u32 = 2;
     pub const GETATTR: u32 = 3;
     pub const SETATTR: u32 = 4;
-    pub const READLINK: u32 = 5;
     pub const SYMLINK: u32 = 6;
     pub const MKNOD: u32 = 8;
     pub const MKDIR: u32 = 9;
@@ -28,7 +26,6 @@ pub mod opcode {
     pub const WRITE: u32 = 16;
     pub const STATFS: u32 = 17;
     pub const RELEASE: u32 = 18;
-    pub const FSYNC: u32 = 20;
     pub const SETXATTR: u32 = 21;
     pub const GETXATTR: u32 = 22;
     pub const LISTXATTR: u32 = 23;
@@ -37,13 +34,10 @@ pub mod opcode {
     pub const OPENDIR: u32 = 27;
     pub const READDIR: u32 = 28;
     pub const RELEASEDIR: u32 = 29;
-    pub const FSYNCDIR: u32 = 30;
-    pub const ACCESS: u32 = 34;
     pub const CREATE: u32 = 35;
     pub const FALLOCATE: u32 = 43;
     pub const READDIRPLUS: u32 = 44;
     pub const RENAME2: u32 = 45;
-    pub const TMPFILE: u32 = 51;
 }
 
 /// `FOPEN_*` flags of an open reply.

@@ -86,20 +86,14 @@ impl Reply<'_> {
         self.ok(abi::GETXATTR_OUT_LEN);
     }
 
-    /// Data (`READ`, `LISTXATTR`), cut to `max` bytes and to the payload buffer.
-    pub fn data(&mut self, data: &[u8], max: u32) {
-        let n = data.len().min(max as usize).min(self.buf.len());
-        self.buf[..n].copy_from_slice(&data[..n]);
-        self.ok(n);
-    }
-
-    /// A directory listing of at most `size` bytes, filled by the caller through the returned
-    /// buffer and length (see [`abi::push_dirent`], [`abi::push_direntplus`]).
-    pub fn listing(&mut self, size: u32, fill: impl FnOnce(&mut [u8], &mut usize)) {
+    /// A reply of at most `size` bytes (`READ` data, a directory listing), written by `fill`
+    /// into the payload buffer, which it sees cut to that size, together with the length so
+    /// far (see [`abi::push_dirent`], [`abi::push_direntplus`]).
+    pub fn fill(&mut self, size: u32, fill: impl FnOnce(&mut [u8], &mut usize)) {
         let limit = (size as usize).min(self.buf.len());
         let mut len = 0;
         fill(&mut self.buf[..limit], &mut len);
-        self.ok(len);
+        self.ok(len.min(limit));
     }
 
     fn ok(&mut self, len: usize) {
@@ -180,42 +174,45 @@ pub struct PreparedRing {
 pub fn prepare(config: &RingConfig) -> io::Result<PreparedRing> {
     let queues = possible_cpus()?;
     let per_queue = config.threads_per_queue.max(1);
-    let mut workers = Vec::with_capacity(queues * per_queue);
-    let mut failure = None;
+    let mut prepared = PreparedRing {
+        workers: Vec::with_capacity(queues * per_queue),
+        queues,
+    };
     for qid in 0..queues {
         for n in 0..per_queue {
-            let (start_tx, start_rx) = mpsc::channel::<Start>();
-            let (reg_tx, reg_rx) = mpsc::channel::<io::Result<()>>();
-            let (setup_tx, setup_rx) = mpsc::channel::<io::Result<()>>();
-            let payload_size = config.payload_size;
-            let thread = std::thread::Builder::new()
-                .name(format!("fuse-ring-{qid}.{n}"))
-                .spawn(move || worker(qid, payload_size, setup_tx, start_rx, reg_tx))?;
-            let setup = setup_rx
-                .recv()
-                .unwrap_or_else(|_| Err(io::Error::other("ring thread ended during its setup")));
-            workers.push(Worker {
-                start: start_tx,
-                registered: reg_rx,
-                thread,
-            });
-            if let Err(e) = setup {
-                failure = Some(e);
-                break;
+            match spawn_worker(qid, n, config.payload_size) {
+                Ok(w) => prepared.workers.push(w),
+                Err(e) => {
+                    prepared.cancel();
+                    return Err(e);
+                }
             }
         }
-        if failure.is_some() {
-            break;
-        }
     }
-    let prepared = PreparedRing { workers, queues };
-    match failure {
-        Some(e) => {
-            prepared.cancel();
-            Err(e)
-        }
-        None => Ok(prepared),
+    Ok(prepared)
+}
+
+/// Starts the `n`th thread of queue `qid` and waits until it has its ring and buffers.
+fn spawn_worker(qid: usize, n: usize, payload_size: usize) -> io::Result<Worker> {
+    let (start_tx, start_rx) = mpsc::channel::<Start>();
+    let (reg_tx, reg_rx) = mpsc::channel::<io::Result<()>>();
+    let (setup_tx, setup_rx) = mpsc::channel::<io::Result<()>>();
+    let thread = std::thread::Builder::new()
+        .name(format!("fuse-ring-{qid}.{n}"))
+        .spawn(move || worker(qid, payload_size, setup_tx, start_rx, reg_tx))?;
+    let setup = setup_rx
+        .recv()
+        .unwrap_or_else(|_| Err(io::Error::other("ring thread ended during its setup")));
+    if let Err(e) = setup {
+        // The thread ends by itself after a failed setup.
+        let _ = thread.join();
+        return Err(e);
     }
+    Ok(Worker {
+        start: start_tx,
+        registered: reg_rx,
+        thread,
+    })
 }
 
 impl PreparedRing {
@@ -240,25 +237,22 @@ impl PreparedRing {
         dev: Arc<OwnedFd>,
         handler: Arc<dyn Handler>,
     ) -> (RunningRing, io::Result<()>) {
-        let mut outcome = Ok(());
-        let mut pending = Vec::with_capacity(self.workers.len());
-        for w in self.workers {
+        for w in &self.workers {
             let _ = w.start.send(Start {
                 dev: dev.clone(),
                 handler: handler.clone(),
             });
-            pending.push(w);
         }
-        let mut threads = Vec::with_capacity(pending.len());
-        for w in pending {
+        // Every thread registers at once; their results are collected after.
+        let mut outcome = Ok(());
+        let mut threads = Vec::with_capacity(self.workers.len());
+        for w in self.workers {
             let result = w
                 .registered
                 .recv()
                 .unwrap_or_else(|_| Err(io::Error::other("ring thread ended before registering")));
-            if let Err(e) = result {
-                if outcome.is_ok() {
-                    outcome = Err(e);
-                }
+            if let (Err(e), Ok(())) = (result, &outcome) {
+                outcome = Err(e);
             }
             threads.push(w.thread);
         }
@@ -634,9 +628,12 @@ mod tests {
             len: 0,
             error: 0,
         };
-        reply.data(&[7u8; 100], 10);
+        reply.fill(10, |b, len| {
+            assert_eq!(b.len(), 10, "a read sees only the size asked for");
+            *len = 100;
+        });
         assert_eq!((reply.len, reply.error), (10, 0), "cut to the read size");
-        reply.listing(64, |b, len| {
+        reply.fill(64, |b, len| {
             assert_eq!(b.len(), 64, "a listing sees only the size asked for");
             while abi::push_dirent(b, len, 1, 1, abi::DT_REG, b"name") {}
         });

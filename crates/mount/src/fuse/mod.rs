@@ -43,8 +43,8 @@
 //! with `--fuse-transport auto|uring` on a kernel that offers it (Linux >= 6.14, `fuse` module
 //! parameter `enable_uring`), over io_uring: one queue per CPU served by threads pinned to that
 //! CPU ([`modelfs_fuse_ring`]), so a request and its reply wake no other CPU. On the reference
-//! machine that halves a round trip (a `statfs`: 9 to 11 us against 21 to 27 us) and takes an
-//! open + read 4 KiB + close from 11 to 14x native to 4.6 to 5.9x (BENCHMARKS.md). The ring
+//! machine that more than halves a round trip (a `statfs`: 9 to 12 us against 25 to 33 us) and
+//! takes an open + read 4 KiB + close from 10 to 15x native to 4.6 to 6.4x (BENCHMARKS.md). The ring
 //! answers with the same `ModelFs` methods as the `fuser` handlers (`ring.rs` only encodes);
 //! `FORGET` and `INTERRUPT` still come over `/dev/fuse`, as does everything if the kernel
 //! refuses the ring's registration (then `auto` logs it and goes on, `uring` fails the mount).

@@ -7,9 +7,10 @@
 //! `FORGET` and `INTERRUPT` never arrive here: the kernel sends them on `/dev/fuse` even with
 //! the ring, where `fuser`'s loop keeps serving them.
 
+use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use modelfs_fuse_ring::abi::{self, fopen, opcode, FileAttr, Statfs};
 use modelfs_fuse_ring::{Handler, Reply, Request};
@@ -70,15 +71,11 @@ impl RingFs {
         }
     }
 
-    fn ttl(&self, a: &Attr) -> Duration {
-        self.fs.ttl(a)
-    }
-
     fn lookup(&self, parent: u64, name: &[u8], reply: &mut Reply<'_>) {
         self.fs.metrics.request("lookup");
-        let name = std::ffi::OsStr::new(std::str::from_utf8(name).unwrap_or("\u{fffd}"));
-        match self.fs.core.lookup(parent, name) {
-            Ok(a) => reply.entry(self.ttl(&a), &Self::file_attr(&a)),
+        // The bytes as `fuser` passes them: the core answers a name that is not UTF-8 itself.
+        match self.fs.core.lookup(parent, OsStr::from_bytes(name)) {
+            Ok(a) => reply.entry(self.fs.ttl(&a), &Self::file_attr(&a)),
             Err(e) => reply.error(self.fs.fail("lookup", &e).code()),
         }
     }
@@ -86,7 +83,7 @@ impl RingFs {
     fn getattr(&self, ino: u64, reply: &mut Reply<'_>) {
         self.fs.metrics.request("getattr");
         match self.fs.core.getattr(ino) {
-            Ok(a) => reply.attr(self.ttl(&a), &Self::file_attr(&a)),
+            Ok(a) => reply.attr(self.fs.ttl(&a), &Self::file_attr(&a)),
             Err(e) => reply.error(self.fs.fail("getattr", &e).code()),
         }
     }
@@ -117,10 +114,15 @@ impl RingFs {
 
     fn read(&self, read: abi::ReadIn, reply: &mut Reply<'_>) {
         self.fs.metrics.request("read");
-        match self.fs.core.read(read.fh, read.offset, read.size) {
-            Ok(data) => {
-                self.fs.metrics.read_bytes.inc_by(data.len() as u64);
-                reply.data(&data, read.size);
+        let mut result = Ok(0);
+        // Straight into the ring's payload buffer.
+        reply.fill(read.size, |buf, len| {
+            result = self.fs.core.read_into(read.fh, read.offset, buf);
+            *len = *result.as_ref().unwrap_or(&0);
+        });
+        match result {
+            Ok(n) => {
+                self.fs.metrics.read_bytes.inc_by(n as u64);
             }
             Err(e) => reply.error(self.fs.fail("read", &e).code()),
         }
@@ -130,7 +132,7 @@ impl RingFs {
         let op = if plus { "readdirplus" } else { "readdir" };
         self.fs.metrics.request(op);
         let mut result = Ok(());
-        reply.listing(read.size, |buf, len| {
+        reply.fill(read.size, |buf, len| {
             result = if plus {
                 self.fs.core.readdirplus(ino, read.offset, |e, a| {
                     let attr = Self::file_attr(a);
@@ -141,7 +143,7 @@ impl RingFs {
                         e.offset,
                         typ,
                         e.name.as_bytes(),
-                        self.ttl(a),
+                        self.fs.ttl(a),
                         &attr,
                     )
                 })
@@ -167,7 +169,8 @@ impl RingFs {
         self.fs.metrics.request("listxattr");
         match self.fs.core.getattr(ino) {
             Ok(_) if size == 0 => reply.xattr_size(0),
-            Ok(_) => reply.data(&[], size),
+            // The empty list.
+            Ok(_) => reply.empty(),
             Err(e) => reply.error(self.fs.fail("listxattr", &e).code()),
         }
     }

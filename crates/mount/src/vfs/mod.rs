@@ -1255,27 +1255,19 @@ impl FsCore {
     /// Reads up to `size` bytes at `offset`; short only at end of file.
     pub fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
         let blob = self.handles.get(&fh).ok_or(FsError::BadHandle)?.clone();
-        if offset >= blob.size {
-            return Ok(Vec::new());
-        }
-        let len = (blob.size - offset).min(u64::from(size)) as usize;
+        let len = blob.size.saturating_sub(offset).min(u64::from(size)) as usize;
         let mut buf = vec![0u8; len];
-        let mut done = 0;
-        while done < len {
-            match blob.file.read_at(&mut buf[done..], offset + done as u64) {
-                Ok(0) => break,
-                Ok(n) => done += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(source) => {
-                    return Err(FsError::Io {
-                        context: format!("reading blob of inode {}", blob.ino),
-                        source,
-                    })
-                }
-            }
-        }
+        let done = read_blob(&blob, offset, &mut buf)?;
         buf.truncate(done);
         Ok(buf)
+    }
+
+    /// [`FsCore::read`] into the caller's buffer (the io_uring transport reads straight into
+    /// the ring's payload); returns the bytes read, fewer than `buf.len()` only at the end of
+    /// the file.
+    pub fn read_into(&self, fh: u64, offset: u64, buf: &mut [u8]) -> Result<usize, FsError> {
+        let blob = self.handles.get(&fh).ok_or(FsError::BadHandle)?.clone();
+        read_blob(&blob, offset, buf)
     }
 
     pub fn release(&self, fh: u64) {
@@ -1449,6 +1441,26 @@ fn diff(old: &Mapping, new: &Mapping) -> Vec<Invalidation> {
     });
     out.dedup();
     out
+}
+
+/// Reads `blob` from `offset` into `buf` until it is full or the blob ends; the bytes read.
+fn read_blob(blob: &OpenBlob, offset: u64, buf: &mut [u8]) -> Result<usize, FsError> {
+    let len = blob.size.saturating_sub(offset).min(buf.len() as u64) as usize;
+    let mut done = 0;
+    while done < len {
+        match blob.file.read_at(&mut buf[done..len], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(source) => {
+                return Err(FsError::Io {
+                    context: format!("reading blob of inode {}", blob.ino),
+                    source,
+                })
+            }
+        }
+    }
+    Ok(done)
 }
 
 #[cfg(test)]

@@ -439,18 +439,27 @@ impl<'a> IntoIterator for &'a Manifest {
     }
 }
 
+/// Serializes what a fresh iterator from the closure yields as a sequence, without collecting
+/// it first (the packed manifest and blob list have no `Vec` to hand to serde).
+struct Seq<F>(F);
+
+impl<F, I> Serialize for Seq<F>
+where
+    F: Fn() -> I,
+    I: IntoIterator,
+    I::Item: Serialize,
+{
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq((self.0)())
+    }
+}
+
 impl Serialize for Manifest {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        struct List<'a>(&'a Manifest);
-        impl Serialize for List<'_> {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.collect_seq(self.0.entries())
-            }
-        }
         let mut st = s.serialize_struct("Manifest", 2)?;
         st.serialize_field("revision", &self.revision)?;
-        st.serialize_field("entries", &List(self))?;
+        st.serialize_field("entries", &Seq(|| self.entries()))?;
         st.end()
     }
 }
@@ -866,16 +875,10 @@ impl StoredArtifact {
 impl Serialize for StoredArtifact {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        struct List<'a>(&'a StoredArtifact);
-        impl Serialize for List<'_> {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                s.collect_seq(self.0.blobs())
-            }
-        }
         let mut st = s.serialize_struct("StoredArtifact", 4)?;
         st.serialize_field("id", &self.id)?;
         st.serialize_field("manifest", &*self.manifest)?;
-        st.serialize_field("blobs", &List(self))?;
+        st.serialize_field("blobs", &Seq(|| self.blobs()))?;
         st.serialize_field("completed_at", &self.completed_at)?;
         st.end()
     }

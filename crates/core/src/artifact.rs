@@ -720,16 +720,7 @@ impl Manifest {
 
     /// The index of the entry at `path`: a binary search, the entries being in path order.
     pub fn position(&self, path: &str) -> Option<usize> {
-        let (mut lo, mut hi) = (0, self.len());
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            match self.path(mid).cmp(path) {
-                std::cmp::Ordering::Less => lo = mid + 1,
-                std::cmp::Ordering::Greater => hi = mid,
-                std::cmp::Ordering::Equal => return Some(mid),
-            }
-        }
-        None
+        crate::search_sorted(0..self.len(), |i| self.path(i).cmp(path))
     }
 
     pub fn total_size(&self) -> u64 {

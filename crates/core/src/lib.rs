@@ -18,3 +18,22 @@
 
 pub mod artifact;
 pub mod store;
+
+/// Binary search over the indexes `range` of a sorted sequence that is not a slice (packed
+/// strings read by index): the index whose key `cmp` finds equal, if any. `cmp(i)` orders the
+/// key at `i` against the one sought.
+pub fn search_sorted(
+    range: std::ops::Range<usize>,
+    cmp: impl Fn(usize) -> std::cmp::Ordering,
+) -> Option<usize> {
+    let (mut lo, mut hi) = (range.start, range.end);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        match cmp(mid) {
+            std::cmp::Ordering::Less => lo = mid + 1,
+            std::cmp::Ordering::Greater => hi = mid,
+            std::cmp::Ordering::Equal => return Some(mid),
+        }
+    }
+    None
+}

@@ -212,16 +212,8 @@ impl ModelTree {
 
     pub fn child(&self, dir: u32, name: &str) -> Option<u32> {
         let children = self.children(dir)?;
-        let (mut lo, mut hi) = (children.start, children.end);
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            match self.name(mid).cmp(name) {
-                std::cmp::Ordering::Less => lo = mid + 1,
-                std::cmp::Ordering::Greater => hi = mid,
-                std::cmp::Ordering::Equal => return Some(mid),
-            }
-        }
-        None
+        let range = children.start as usize..children.end as usize;
+        modelfs_core::search_sorted(range, |i| self.name(i as u32).cmp(name)).map(|i| i as u32)
     }
 }
 

@@ -33,7 +33,21 @@ fn healthz_fails_on_an_unwritable_state_directory_and_a_lost_mount() {
 
     let state = env.state.to_str().unwrap();
     run("mount", &["--bind", state, state]);
-    run("mount", &["-o", "remount,bind,ro", state]);
+    // A remount to read-only is refused (EBUSY) while a file is open for writing on it: the
+    // daemon may be writing its records or status at this moment. Retried until it takes.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !Command::new("mount")
+        .args(["-o", "remount,bind,ro", state])
+        .status()
+        .unwrap()
+        .success()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the state directory never remounted read-only"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let (code, body) = d.get("/healthz");
     run("umount", &[state]);
     assert_eq!(code, 503, "{body}");

@@ -3,6 +3,7 @@
 
 mod crd_cmd;
 mod gc_cmd;
+mod keeper_cmd;
 mod status_cmd;
 
 use std::net::SocketAddr;
@@ -47,6 +48,11 @@ enum Command {
     /// The mount server alone (Kubernetes runs it apart from the agent): FUSE mount, mapping,
     /// open files; serves its persisted mapping until an agent connects.
     MountServer(MountServerArgs),
+    /// Hold each mount's FUSE connection across mount server restarts and upgrades (run it
+    /// apart from the mount server; `serve` starts one by itself).
+    Keeper(keeper_cmd::KeeperArgs),
+    /// End a mount for good: the keeper drops it and its mount server unmounts and exits.
+    Unmount(keeper_cmd::UnmountArgs),
     /// Print the models of a running daemon.
     Status(status_cmd::StatusArgs),
     /// Show (--dry-run) or remove garbage in a state directory while the daemon is stopped.
@@ -120,6 +126,13 @@ pub struct ServeArgs {
     /// (`auto`: Linux >= 6.14 with the fuse module parameter enable_uring=1), or /dev/fuse.
     #[arg(long, value_enum, default_value = "auto")]
     fuse_transport: FuseTransport,
+    /// The keeper's socket (it holds the FUSE connection while the mount server restarts).
+    /// Default: <state>/mount-server/keeper.sock.
+    #[arg(long)]
+    keeper_socket: Option<PathBuf>,
+    /// No keeper: the mount ends with this process.
+    #[arg(long)]
+    no_keeper: bool,
     /// Node-wide limit on concurrent fetches.
     #[arg(long, default_value_t = ReconcilerConfig::default().max_concurrent_fetches)]
     max_concurrent_fetches: usize,
@@ -213,6 +226,13 @@ pub struct MountServerArgs {
     /// (`auto`: Linux >= 6.14 with the fuse module parameter enable_uring=1), or /dev/fuse.
     #[arg(long, value_enum, default_value = "auto")]
     fuse_transport: FuseTransport,
+    /// The keeper's socket (it holds the FUSE connection while the mount server restarts).
+    /// Default: <state>/mount-server/keeper.sock.
+    #[arg(long)]
+    keeper_socket: Option<PathBuf>,
+    /// No keeper: the mount ends with this process.
+    #[arg(long)]
+    no_keeper: bool,
     /// Log lines as JSON.
     #[arg(long)]
     log_json: bool,
@@ -322,6 +342,8 @@ pub fn main() -> Result<()> {
                     passthrough: args.passthrough,
                     fuse_threads: args.fuse_threads,
                     fuse_transport: args.fuse_transport,
+                    keeper_socket: args.keeper_socket.clone(),
+                    no_keeper: args.no_keeper,
                     log_json: args.log_json,
                 },
                 Some(agent_args),
@@ -345,6 +367,14 @@ pub fn main() -> Result<()> {
             // for it forever.
             runtime.shutdown_timeout(BLOCKING_WORK_GRACE);
             result
+        }
+        Command::Keeper(args) => {
+            init_tracing(false);
+            keeper_cmd::run_keeper(args)
+        }
+        Command::Unmount(args) => {
+            init_tracing(false);
+            keeper_cmd::run_unmount(args)
         }
         Command::Status(args) => status_cmd::run(args),
         Command::Gc(args) => gc_cmd::run(args),
@@ -405,9 +435,24 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         .enable_all()
         .build()?;
     let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
+    let keeper = if args.no_keeper {
+        None
+    } else {
+        let path = match &args.keeper_socket {
+            Some(p) => absolute(p)?,
+            None => keeper_cmd::default_keeper_socket(&absolute(&args.state)?),
+        };
+        // Standalone, the mount server starts its own keeper; on Kubernetes the keeper is a
+        // DaemonSet of its own, which the server waits for (it deposits once it is there).
+        if agent.is_some() {
+            keeper_cmd::ensure_keeper(&path)?;
+        }
+        Some(path)
+    };
     let config = modelfs_mount::server::ServerConfig {
         mount: absolute(&args.mount)?,
         state: absolute(&args.state)?,
+        keeper,
         socket,
         fuse: FuseConfig {
             passthrough: args.passthrough,
@@ -430,14 +475,28 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         ),
         None => None,
     };
-    runtime.block_on(wait_for_signal())?;
-    tracing::info!("shutting down");
+    let signal = runtime.block_on(wait_for_signal())?;
     if let Some(s) = supervisor {
         s.stop();
     }
-    server.shutdown().context("unmounting")?;
+    match signal {
+        // Ctrl-C of a foreground server: the end of the mount.
+        StopSignal::Interrupt => {
+            tracing::info!("interrupted: unmounting");
+            server.shutdown().context("unmounting")?;
+        }
+        // A service manager's or Kubernetes' stop: a restart or an upgrade follows.
+        StopSignal::Terminate => {
+            server.hand_on().context("handing the mount on")?;
+        }
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+enum StopSignal {
+    Interrupt,
+    Terminate,
 }
 
 /// How long a restarted agent waits for the previous one to release the state directory.
@@ -583,7 +642,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
     ));
 
     tokio::select! {
-        signal = wait_for_signal() => signal?,
+        signal = wait_for_signal() => { signal?; }
         // Nothing decides any more: end, so that the agent is restarted (by the mount server
         // under `serve`, by Kubernetes otherwise). The mount and what it serves stay.
         reason = reconciler.died() => {
@@ -612,7 +671,7 @@ enum Producer {
     },
 }
 
-fn absolute(p: &Path) -> Result<PathBuf> {
+pub(crate) fn absolute(p: &Path) -> Result<PathBuf> {
     if p.is_absolute() {
         Ok(p.to_path_buf())
     } else {
@@ -620,15 +679,14 @@ fn absolute(p: &Path) -> Result<PathBuf> {
     }
 }
 
-async fn wait_for_signal() -> Result<()> {
+async fn wait_for_signal() -> Result<StopSignal> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    Ok(())
+    Ok(tokio::select! {
+        _ = term.recv() => StopSignal::Terminate,
+        _ = int.recv() => StopSignal::Interrupt,
+    })
 }
 
 /// `--hf-cache-dir`: a relative path below the mount, or empty for no view.

@@ -12,8 +12,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// Operation codes (`enum fuse_opcode`) the ring dispatches on; any other is answered `ENOSYS`.
 pub mod opcode {
     pub const LOOKUP: u32 = 1;
+    pub const FORGET: u32 = 2;
     pub const GETATTR: u32 = 3;
     pub const SETATTR: u32 = 4;
+    pub const READLINK: u32 = 5;
     pub const SYMLINK: u32 = 6;
     pub const MKNOD: u32 = 8;
     pub const MKDIR: u32 = 9;
@@ -26,6 +28,7 @@ pub mod opcode {
     pub const WRITE: u32 = 16;
     pub const STATFS: u32 = 17;
     pub const RELEASE: u32 = 18;
+    pub const FSYNC: u32 = 20;
     pub const SETXATTR: u32 = 21;
     pub const GETXATTR: u32 = 22;
     pub const LISTXATTR: u32 = 23;
@@ -34,10 +37,26 @@ pub mod opcode {
     pub const OPENDIR: u32 = 27;
     pub const READDIR: u32 = 28;
     pub const RELEASEDIR: u32 = 29;
+    pub const FSYNCDIR: u32 = 30;
+    pub const GETLK: u32 = 31;
+    pub const SETLK: u32 = 32;
+    pub const SETLKW: u32 = 33;
+    pub const ACCESS: u32 = 34;
     pub const CREATE: u32 = 35;
+    pub const INTERRUPT: u32 = 36;
+    pub const BMAP: u32 = 37;
+    pub const DESTROY: u32 = 38;
+    pub const IOCTL: u32 = 39;
+    pub const POLL: u32 = 40;
+    pub const BATCH_FORGET: u32 = 42;
     pub const FALLOCATE: u32 = 43;
     pub const READDIRPLUS: u32 = 44;
     pub const RENAME2: u32 = 45;
+    pub const LSEEK: u32 = 46;
+    pub const COPY_FILE_RANGE: u32 = 47;
+    pub const SYNCFS: u32 = 50;
+    pub const TMPFILE: u32 = 51;
+    pub const STATX: u32 = 52;
 }
 
 /// `FOPEN_*` flags of an open reply.
@@ -76,13 +95,13 @@ pub const RING_ENT: usize = 256;
 /// Offset of `payload_sz` in the ring header.
 pub const RING_PAYLOAD_SZ: usize = RING_ENT + 16;
 
-pub(crate) fn u32_at(b: &[u8], at: usize) -> u32 {
+pub fn u32_at(b: &[u8], at: usize) -> u32 {
     let mut word = [0u8; 4];
     word.copy_from_slice(&b[at..at + 4]);
     u32::from_le_bytes(word)
 }
 
-pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
+pub fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut word = [0u8; 8];
     word.copy_from_slice(&b[at..at + 8]);
     u64::from_le_bytes(word)

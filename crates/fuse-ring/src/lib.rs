@@ -37,7 +37,10 @@
 //! CPU's other requests.
 
 pub mod abi;
+mod dev;
 mod ring;
+
+pub use dev::{op_in_len, serve_dev, DevConfig, Ended, Notifier, RunningDev};
 
 pub use ring::{
     possible_cpus, prepare, BackingId, Handler, PreparedRing, Reply, Request, RingConfig,

@@ -26,7 +26,7 @@ const CMD_COMMIT_AND_FETCH: u32 = 2;
 
 /// Request payload bytes a handler sees (names, xattr names). Only writing operations carry
 /// more, and they are refused whatever their data.
-const REQUEST_PAYLOAD_MAX: usize = 4096;
+pub(crate) const REQUEST_PAYLOAD_MAX: usize = 4096;
 
 /// A request taken from the ring.
 pub struct Request<'a> {
@@ -100,12 +100,47 @@ impl Reply<'_> {
         self.error = 0;
         self.len = len;
     }
+
+    pub(crate) fn new(buf: &mut [u8]) -> Reply<'_> {
+        Reply {
+            buf,
+            len: 0,
+            error: 0,
+        }
+    }
+
+    /// The reply's data length and its (negative) errno.
+    pub(crate) fn outcome(&self) -> (usize, i32) {
+        (self.len, self.error)
+    }
+}
+
+/// Calls `handler` for `req`; a panic is logged with its reason and answered `EIO` (the
+/// request still gets its one answer, and the transport thread lives on).
+pub(crate) fn call_handler(handler: &dyn Handler, req: &Request<'_>, reply: &mut Reply<'_>) {
+    if let Err(panic) = catch_unwind(AssertUnwindSafe(|| handler.handle(req, reply))) {
+        let reason = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        tracing::error!(
+            opcode = req.header.opcode,
+            reason,
+            "FUSE request handler panicked; answered EIO"
+        );
+        reply.error(libc::EIO);
+    }
 }
 
 /// The filesystem side of the ring: answers one request (every request is answered: a handler
 /// that sets nothing answers success without data).
 pub trait Handler: Send + Sync + 'static {
     fn handle(&self, req: &Request<'_>, reply: &mut Reply<'_>);
+
+    /// The kernel dropped `nlookup` references to `ino` (`FORGET`, each entry of a
+    /// `BATCH_FORGET`): never answered. Only `/dev/fuse` carries them.
+    fn forget(&self, _ino: u64, _nlookup: u64) {}
 }
 
 #[derive(Clone, Debug)]
@@ -483,25 +518,9 @@ fn answer(slot: &mut Slot, handler: &dyn Handler, scratch: &mut Vec<u8>) -> u64 
         op_in: &op_in,
         payload: scratch,
     };
-    let mut reply = Reply {
-        buf: &mut slot.payload,
-        len: 0,
-        error: 0,
-    };
-    if let Err(panic) = catch_unwind(AssertUnwindSafe(|| handler.handle(&req, &mut reply))) {
-        let reason = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_default();
-        tracing::error!(
-            opcode = header.opcode,
-            reason,
-            "FUSE request handler panicked; answered EIO"
-        );
-        reply.error(libc::EIO);
-    }
-    let (len, error) = (reply.len, reply.error);
+    let mut reply = Reply::new(&mut slot.payload);
+    call_handler(handler, &req, &mut reply);
+    let (len, error) = reply.outcome();
     let h = &mut slot.header;
     abi::put_u32(h, 0, (abi::OUT_HEADER_LEN + len) as u32);
     abi::put_u32(h, 4, error as u32);
@@ -589,6 +608,15 @@ impl BackingId {
             dev: dev.clone(),
             id: id as u32,
         })
+    }
+
+    /// An id this connection already holds, registered by a process this one took the
+    /// connection over from; closed when dropped, as one registered here.
+    pub fn adopt(dev: &Arc<OwnedFd>, id: u32) -> Self {
+        Self {
+            dev: dev.clone(),
+            id,
+        }
     }
 
     pub fn id(&self) -> u32 {

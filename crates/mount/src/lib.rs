@@ -114,6 +114,7 @@ pub mod metrics;
 pub mod protocol;
 pub mod server;
 pub mod supervise;
+pub mod takeover;
 pub mod vfs;
 
 use crate::vfs::Invalidation;

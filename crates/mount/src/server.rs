@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufReader, IoSlice};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,7 +36,16 @@ pub struct ServerConfig {
     pub state: PathBuf,
     pub socket: PathBuf,
     pub fuse: FuseConfig,
+    /// The keeper's socket (see [`crate::takeover`]); `None`: the mount does not outlive this
+    /// process.
+    pub keeper: Option<PathBuf>,
 }
+
+/// Longest wait at start for the previous mount server of the same mount to be gone.
+const PREDECESSOR_WAIT: Duration = Duration::from_secs(15);
+
+/// Longest wait, when handing on, for the keeper to hold the current session.
+const HANDOVER_DEPOSIT_WAIT: Duration = Duration::from_secs(2);
 
 /// The mapping file: what was applied last, served again after a restart before any agent
 /// speaks.
@@ -110,6 +119,11 @@ struct Shared {
     metrics: Arc<FuseMetrics>,
     /// Tells this server's counters from a restarted one's.
     instance: u64,
+    /// What a fresh mount needs (the session may die and be mounted again).
+    mountpoint: PathBuf,
+    fuse: FuseConfig,
+    keeper: Option<PathBuf>,
+    holder: Mutex<Option<crate::takeover::Holder>>,
 }
 
 /// A running mount server. [`MountServer::shutdown`] unmounts.
@@ -162,19 +176,29 @@ impl MountServer {
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
         let lock = lock_file(&dir.join("lock"))?;
 
-        crate::fuse::clean_stale_mount(&config.mount)
-            .with_context(|| format!("preparing {}", config.mount.display()))?;
-        std::fs::create_dir_all(&config.mount)
-            .with_context(|| format!("creating {}", config.mount.display()))?;
-        // The directory the mount is about to cover: handed to agents for adoption.
-        let under = rustix::fs::open(
-            &config.mount,
-            rustix::fs::OFlags::RDONLY
-                | rustix::fs::OFlags::DIRECTORY
-                | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )
-        .with_context(|| format!("opening {}", config.mount.display()))?;
+        // A connection kept by the keeper is resumed; else a fresh mount.
+        let taken = match &config.keeper {
+            Some(keeper) => take_session(keeper, &config.mount),
+            None => None,
+        };
+        let under = match &taken {
+            Some(t) => t.taken.under.try_clone()?,
+            None => {
+                crate::fuse::clean_stale_mount(&config.mount)
+                    .with_context(|| format!("preparing {}", config.mount.display()))?;
+                std::fs::create_dir_all(&config.mount)
+                    .with_context(|| format!("creating {}", config.mount.display()))?;
+                // The directory the mount is about to cover: handed to agents for adoption.
+                rustix::fs::open(
+                    &config.mount,
+                    rustix::fs::OFlags::RDONLY
+                        | rustix::fs::OFlags::DIRECTORY
+                        | rustix::fs::OFlags::CLOEXEC,
+                    rustix::fs::Mode::empty(),
+                )
+                .with_context(|| format!("opening {}", config.mount.display()))?
+            }
+        };
 
         let core = Arc::new(FsCore::new());
         let shared = Arc::new(Shared {
@@ -199,6 +223,10 @@ impl MountServer {
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(0)
                 ^ u64::from(std::process::id()),
+            mountpoint: config.mount.clone(),
+            fuse: config.fuse.clone(),
+            keeper: config.keeper.clone(),
+            holder: Mutex::new(None),
         });
         let started = Instant::now();
         let mut trusted = Vec::new();
@@ -234,13 +262,41 @@ impl MountServer {
             Err(e) => tracing::error!(error = %e, "persisted mapping unreadable; starting empty"),
         }
 
-        let mount = Arc::new(
-            crate::fuse::mount(core, metrics, &config.mount, config.fuse.clone())
-                .with_context(|| format!("mounting {}", config.mount.display()))?,
-        );
+        let mount = match taken {
+            Some(t) => {
+                let remount = t.remount;
+                let mount = crate::fuse::resume(
+                    core,
+                    metrics,
+                    &config.mount,
+                    config.fuse.clone(),
+                    t.taken.handover,
+                )
+                .with_context(|| format!("resuming the mount at {}", config.mount.display()))?;
+                if remount {
+                    mount.mount_again().with_context(|| {
+                        format!("mounting the kept connection at {}", config.mount.display())
+                    })?;
+                }
+                tracing::info!(
+                    mount = %config.mount.display(),
+                    previous = %t.taken.meta.server,
+                    open_files = mount.journal_len(),
+                    remounted = remount,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "resumed the FUSE connection of the previous mount server"
+                );
+                Arc::new(mount)
+            }
+            None => Arc::new(
+                crate::fuse::mount(core, metrics, &config.mount, config.fuse.clone())
+                    .with_context(|| format!("mounting {}", config.mount.display()))?,
+            ),
+        };
         tracing::info!(
             mount = %config.mount.display(),
             passthrough = mount.passthrough_active(),
+            uring = mount.uring_active(),
             "mounted"
         );
         shared
@@ -248,7 +304,20 @@ impl MountServer {
             .store(mount.passthrough_active(), Ordering::Relaxed);
         shared
             .mount_dev
-            .store(std::fs::metadata(&config.mount)?.dev(), Ordering::Relaxed);
+            .store(mount.connection().dev, Ordering::Relaxed);
+        if let Some(keeper) = &config.keeper {
+            let deposit = shared.deposit(&mount)?;
+            let stop_shared = shared.clone();
+            let holder = crate::takeover::Holder::start(keeper.clone(), deposit, move |event| {
+                tracing::info!(
+                    ?event,
+                    "the keeper released the mount; unmounting and exiting"
+                );
+                let _ = stop_shared.stop_and_unmount();
+                std::process::exit(0);
+            })?;
+            *shared.holder.lock().expect("holder") = Some(holder);
+        }
         *shared.mount.lock().expect("mount slot") = Some(mount);
         if !trusted.is_empty() {
             *shared.checking.lock().expect("checking") = true;
@@ -269,6 +338,10 @@ impl MountServer {
         std::thread::Builder::new()
             .name("agent-usage".into())
             .spawn(move || usage_loop(usage_shared))?;
+        let watch_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("session-watch".into())
+            .spawn(move || watch_session(watch_shared))?;
         Ok(Self {
             shared,
             socket: config.socket,
@@ -276,21 +349,158 @@ impl MountServer {
         })
     }
 
-    /// Stops answering agents and unmounts (lazily if files are still open).
+    /// Stops answering agents, unmounts (lazily if files are still open) and drops the
+    /// keeper's copy of the session: the explicit end of the mount.
     pub fn shutdown(&self) -> io::Result<()> {
-        self.shared.stopping.store(true, Ordering::Relaxed);
-        if let Some(peer) = self.shared.peer.lock().expect("peer").take() {
-            let _ = peer
-                .writer
-                .lock()
-                .expect("peer writer")
-                .shutdown(std::net::Shutdown::Both);
-        }
         let _ = std::fs::remove_file(&self.socket);
-        let mount = self.shared.mount.lock().expect("mount slot").take();
-        match mount {
-            Some(m) => m.unmount(),
-            None => Ok(()),
+        self.shared.stop_and_unmount()
+    }
+
+    /// Hands the mount on: makes sure the keeper holds the current session, then returns
+    /// without unmounting; the caller exits and a successor resumes the connection (requests
+    /// this process read and did not answer are resent to it). Without a keeper the mount
+    /// cannot outlive the process: then it unmounts, as [`MountServer::shutdown`].
+    pub fn hand_on(&self) -> io::Result<()> {
+        self.shared.stopping.store(true, Ordering::Relaxed);
+        let holder = self.shared.holder.lock().expect("holder");
+        match holder.as_ref() {
+            Some(h) if h.wait_deposited(HANDOVER_DEPOSIT_WAIT) => {
+                tracing::info!("the keeper holds the mount; handing it on");
+                Ok(())
+            }
+            _ => {
+                drop(holder);
+                tracing::warn!("no keeper holds the mount; unmounting instead of handing it on");
+                self.shutdown()
+            }
+        }
+    }
+
+    /// The mount being served (tests, metrics).
+    pub fn mount(&self) -> Option<Arc<MountHandle>> {
+        self.shared.mount.lock().expect("mount slot").clone()
+    }
+}
+
+/// A session taken from the keeper, and whether it must be mounted at the path again.
+struct TakenSession {
+    taken: crate::takeover::Taken,
+    remount: bool,
+}
+
+/// The keeper's session for `mount`, if it can be resumed: its connection is alive and is the
+/// mount at the path (or nothing is mounted there: then it is mounted again). A keeper that
+/// is away or holds nothing means a fresh mount; so does a session whose connection died.
+fn take_session(keeper: &Path, mount: &Path) -> Option<TakenSession> {
+    let taken = match crate::takeover::take(keeper, mount, PREDECESSOR_WAIT) {
+        Ok(Some(t)) => t,
+        Ok(None) => {
+            tracing::info!("the keeper holds no session for this mount; mounting afresh");
+            return None;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no session from the keeper; mounting afresh");
+            return None;
+        }
+    };
+    if crate::takeover::connection_dead(&taken.handover.dev) {
+        tracing::warn!("the kept connection has ended; mounting afresh");
+        return None;
+    }
+    match crate::fuse::mount_info_dev(mount) {
+        Some(dev) if dev == taken.meta.connection.dev => Some(TakenSession {
+            taken,
+            remount: false,
+        }),
+        None => Some(TakenSession {
+            taken,
+            remount: true,
+        }),
+        Some(_) => {
+            tracing::warn!("another modelfs mount covers the kept one; mounting afresh");
+            None
+        }
+    }
+}
+
+/// Notices the FUSE session dying and recovers: a connection that ended (aborted through
+/// `fusectl`, or unmounted everywhere) is replaced by a fresh mount; a mount removed from
+/// the path while pods keep the connection is mounted there again. A fresh mount that keeps
+/// failing ends the process (its supervisor restarts it).
+fn watch_session(shared: Arc<Shared>) {
+    let mut failures = 0u32;
+    loop {
+        if shared.stopping.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(mount) = shared.mount.lock().expect("mount slot").clone() else {
+            return;
+        };
+        match mount.wait_ended(Duration::from_millis(500)) {
+            Some(modelfs_fuse_ring::Ended::Failed(e)) => {
+                // One thread gave up on a connection that is still there (see the transport):
+                // the process exits for a restart, which resumes the connection.
+                tracing::error!(error = %e, "a FUSE thread failed for good; exiting for a restart");
+                std::process::exit(70);
+            }
+            Some(ended) => {
+                if shared.stopping.load(Ordering::Relaxed) {
+                    return;
+                }
+                tracing::error!(?ended, "the FUSE connection ended; mounting afresh");
+                shared.metrics.request("session_restart");
+                match crate::fuse::mount(
+                    shared.core.clone(),
+                    shared.metrics.clone(),
+                    &shared.mountpoint,
+                    shared.fuse.clone(),
+                ) {
+                    Ok(fresh) => {
+                        failures = 0;
+                        let fresh = Arc::new(fresh);
+                        shared
+                            .mount_dev
+                            .store(fresh.connection().dev, Ordering::Relaxed);
+                        if let Some(holder) = shared.holder.lock().expect("holder").as_ref() {
+                            match shared.deposit(&fresh) {
+                                Ok(d) => holder.replace(d),
+                                Err(e) => {
+                                    tracing::error!(error = %e, "the new session cannot be handed to the keeper")
+                                }
+                            }
+                        }
+                        *shared.mount.lock().expect("mount slot") = Some(fresh.clone());
+                        // Every kernel cache of the old connection is gone with it.
+                        fresh.invalidate(Vec::new());
+                        tracing::info!(mount = %shared.mountpoint.display(), "mounted afresh");
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        tracing::error!(error = %e, failures, "mounting afresh failed");
+                        if failures >= 5 {
+                            tracing::error!(
+                                "the mount cannot be recovered here; exiting for a restart"
+                            );
+                            std::process::exit(70);
+                        }
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                }
+            }
+            None => {
+                if shared.stopping.load(Ordering::Relaxed) {
+                    return;
+                }
+                let here = crate::fuse::mount_info_dev(&shared.mountpoint);
+                if here != Some(mount.connection().dev) {
+                    tracing::warn!(mount = %shared.mountpoint.display(), "the mount was removed from outside; mounting the same connection there again");
+                    if let Err(e) = mount.mount_again() {
+                        tracing::error!(error = %e, "mounting the connection again failed");
+                    } else {
+                        shared.metrics.request("remount");
+                    }
+                }
+            }
         }
     }
 }
@@ -570,6 +780,47 @@ fn usage_loop(shared: Arc<Shared>) {
 }
 
 impl Shared {
+    /// The session as the keeper should hold it.
+    fn deposit(&self, mount: &MountHandle) -> io::Result<crate::takeover::Deposit> {
+        let handover = mount.handover()?;
+        Ok(crate::takeover::Deposit {
+            meta: crate::takeover::SessionMeta {
+                mountpoint: self.mountpoint.clone(),
+                connection: handover.connection,
+                server: env!("CARGO_PKG_VERSION").to_string(),
+            },
+            dev: handover.dev,
+            journal: handover.journal,
+            under: self.under.try_clone()?,
+        })
+    }
+
+    /// Stops answering agents, unmounts and drops the keeper's copy of the session.
+    fn stop_and_unmount(&self) -> io::Result<()> {
+        self.stopping.store(true, Ordering::Relaxed);
+        if let Some(peer) = self.peer.lock().expect("peer").take() {
+            let _ = peer
+                .writer
+                .lock()
+                .expect("peer writer")
+                .shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(holder) = self.holder.lock().expect("holder").take() {
+            holder.close();
+        }
+        let mount = self.mount.lock().expect("mount slot").take();
+        let result = match mount {
+            Some(m) => m.unmount(),
+            None => Ok(()),
+        };
+        if let Some(keeper) = &self.keeper {
+            if let Err(e) = crate::takeover::release(keeper, &self.mountpoint) {
+                tracing::debug!(error = %e, "the keeper did not release the session");
+            }
+        }
+        result
+    }
+
     /// Sends the uses of stores when they changed since the last report (or always).
     fn report_usage(&self, peer: &Peer, generation: u64, always: bool) -> io::Result<()> {
         let epoch = self.core.usage_epoch();

@@ -39,17 +39,26 @@
 //! last release (see `BackingCache`), so a reopen costs no registration.
 //!
 //! # Transports
-//! Requests reach the daemon over `/dev/fuse` (`fuser`'s loop, `--fuse-threads` workers) or,
-//! with `--fuse-transport auto|uring` on a kernel that offers it (Linux >= 6.14, `fuse` module
-//! parameter `enable_uring`), over io_uring: one queue per CPU served by threads pinned to that
-//! CPU ([`modelfs_fuse_ring`]), so a request and its reply wake no other CPU. On the reference
-//! machine that more than halves a round trip (a `statfs`: 9 to 12 us against 25 to 33 us) and
-//! takes an open + read 4 KiB + close from 10 to 15x native to 4.6 to 6.4x (BENCHMARKS.md). The ring
-//! answers with the same `ModelFs` methods as the `fuser` handlers (`ring.rs` only encodes);
-//! `FORGET` and `INTERRUPT` still come over `/dev/fuse`, as does everything if the kernel
-//! refuses the ring's registration (then `auto` logs it and goes on, `uring` fails the mount).
-//! Passthrough works the same over both: backing ids are per connection, registered through
-//! whichever descriptor the open arrived on.
+//! `fuser` mounts and answers `FUSE_INIT` (the negotiation: passthrough, READDIRPLUS, the
+//! ring); from then on the project's own code serves the connection, so a fresh connection and
+//! one resumed from a previous mount server process (see [`crate::takeover`]) are served the
+//! same way. Requests reach the daemon over `/dev/fuse` ([`modelfs_fuse_ring::serve_dev`],
+//! `--fuse-threads` workers) or, with `--fuse-transport auto|uring` on a kernel that offers it
+//! (Linux >= 6.14, `fuse` module parameter `enable_uring`), over io_uring: one queue per CPU
+//! served by threads pinned to that CPU ([`modelfs_fuse_ring`]), so a request and its reply
+//! wake no other CPU. On the reference machine that more than halves a round trip (a
+//! `statfs`: 9 to 12 us against 25 to 33 us) and takes an open + read 4 KiB + close from 10
+//! to 15x native to 4.6 to 6.4x (BENCHMARKS.md). Both transports only decode and encode; one
+//! answer layer decides ([`answers`]). `FORGET` and `INTERRUPT` still come over `/dev/fuse`,
+//! as does everything if the kernel refuses the ring's registration (then `auto` logs it and
+//! goes on, `uring` fails the mount). Passthrough backing ids are per connection, registered
+//! through its descriptor.
+//!
+//! # What outlives the process
+//! Inode numbers are stable (the persisted mapping gives the same numbers again); open file
+//! handles and registered backing ids are recorded in a journal ([`journal`]) that travels
+//! with the connection's descriptor, so a successor answers every handle the kernel still
+//! holds and gives new opens of an inode the backing id its open handles use.
 //!
 //! # Invalidation
 //! Mapping changes return kernel entries to invalidate. They are sent by a dedicated thread,
@@ -58,11 +67,11 @@
 //! kernel forgets their inodes once unused); when a batch reaches a slot's `Detach`, everything
 //! before it has been delivered and the thread detaches the slot in the core.
 
+mod answers;
+pub mod journal;
 mod mountpoint;
-mod ring;
 
 use std::collections::HashMap;
-use std::ffi::OsStr;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,17 +79,18 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fuser::{
-    BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
-    InitFlags, KernelConfig, LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
-    Request, SessionACL,
-};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+
+use fuser::{Errno, Filesystem, InitFlags, KernelConfig, MountOption, Request, SessionACL};
+use modelfs_fuse_ring::{BackingId, Ended, Notifier, RunningDev, RunningRing};
+use serde::{Deserialize, Serialize};
+
+use self::journal::{Entry, Journal};
 
 use crate::metrics::FuseMetrics;
-use crate::vfs::{Attr, FsCore, FsError, Invalidation, Kind, OpenBlob};
+use crate::vfs::{Attr, FsCore, FsError, Invalidation, OpenBlob};
 
-pub use mountpoint::{clean_stale_mount, MountpointError};
+pub use mountpoint::{clean_stale_mount, mount_info_dev, MountpointError};
 
 /// How file data is served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -167,16 +177,8 @@ fn idle_backing_limit() -> usize {
     IDLE_BACKING_LIMIT.min(usize::try_from(soft / 4).unwrap_or(usize::MAX))
 }
 
-/// A registered passthrough backing file: through `fuser` for opens answered on `/dev/fuse`,
-/// through the ring's descriptor for opens answered over io_uring (a connection uses one or
-/// the other for all its opens; both are ids of the same connection).
-enum Backing {
-    Dev(BackingId),
-    Ring(modelfs_fuse_ring::BackingId),
-}
-
 struct BackingEntry {
-    id: Arc<Backing>,
+    id: Arc<BackingId>,
     blob: Arc<OpenBlob>,
     handles: usize,
     /// Set while no handle is open: the entry's place in [`BackingCache::idle`].
@@ -213,7 +215,7 @@ impl BackingCache {
     }
 
     /// The id for a new handle `fh` of `ino`, if one is cached (open or idle).
-    fn reuse(&mut self, ino: u64, fh: u64) -> Option<Arc<Backing>> {
+    fn reuse(&mut self, ino: u64, fh: u64) -> Option<Arc<BackingId>> {
         let entry = self.by_ino.get_mut(&ino)?;
         entry.handles += 1;
         if let Some(seq) = entry.idle_since.take() {
@@ -224,7 +226,7 @@ impl BackingCache {
         Some(id)
     }
 
-    fn insert(&mut self, ino: u64, fh: u64, id: Arc<Backing>, blob: Arc<OpenBlob>) {
+    fn insert(&mut self, ino: u64, fh: u64, id: Arc<BackingId>, blob: Arc<OpenBlob>) {
         self.by_ino.insert(
             ino,
             BackingEntry {
@@ -267,6 +269,40 @@ impl BackingCache {
         evicted
     }
 
+    /// An entry taken over from a predecessor's journal: `id` serves `fhs` (idle if none).
+    fn restore(&mut self, ino: u64, fhs: &[u64], id: Arc<BackingId>, blob: Arc<OpenBlob>) {
+        let idle_since = fhs.is_empty().then(|| {
+            let seq = self.next_idle;
+            self.next_idle += 1;
+            self.idle.insert(seq, ino);
+            seq
+        });
+        self.by_ino.insert(
+            ino,
+            BackingEntry {
+                id,
+                blob,
+                handles: fhs.len(),
+                idle_since,
+            },
+        );
+        for &fh in fhs {
+            self.by_fh.insert(fh, ino);
+        }
+    }
+
+    /// Evicts the oldest idle entries beyond the limit.
+    fn trim_idle(&mut self) -> Vec<BackingEntry> {
+        let mut evicted = Vec::new();
+        while self.idle.len() > self.idle_limit {
+            let Some((_, ino)) = self.idle.pop_first() else {
+                break;
+            };
+            evicted.extend(self.by_ino.remove(&ino));
+        }
+        evicted
+    }
+
     /// Drops every idle entry (the mapping changed); entries with open handles stay.
     fn drop_idle(&mut self) -> Vec<BackingEntry> {
         let idle = std::mem::take(&mut self.idle);
@@ -286,47 +322,21 @@ struct ModelFs {
     /// lack the privilege for it, so later opens skip the doomed attempt.
     passthrough: Arc<AtomicBool>,
     backing: Arc<Mutex<BackingCache>>,
-    /// The payload size of the prepared ring when `init` should ask for FUSE over io_uring
-    /// (0: do not ask); `ring_granted` says whether the kernel agreed.
-    ring_payload: usize,
+    /// The largest request or reply (`max_write` at `INIT`): the `/dev/fuse` threads' and the
+    /// ring entries' buffers are this size.
+    payload: usize,
+    /// `init` asks for FUSE over io_uring (a ring is prepared); `ring_granted` says whether
+    /// the kernel agreed.
+    ask_ring: bool,
     ring_granted: Arc<AtomicBool>,
+    /// Open handles and backing ids, for a successor (module docs).
+    journal: Arc<Journal>,
 }
 
 /// How an open is answered.
 enum Opened {
-    Passthrough { fh: u64, id: Arc<Backing> },
+    Passthrough { fh: u64, id: Arc<BackingId> },
     ReadThrough { fh: u64 },
-}
-
-fn to_file_attr(a: &Attr) -> FileAttr {
-    FileAttr {
-        ino: INodeNo(a.ino),
-        size: a.size,
-        blocks: a.size.div_ceil(512),
-        atime: a.mtime,
-        mtime: a.mtime,
-        ctime: a.mtime,
-        crtime: a.mtime,
-        kind: match a.kind {
-            Kind::Dir => FileType::Directory,
-            Kind::File => FileType::RegularFile,
-        },
-        perm: a.perm,
-        nlink: a.nlink,
-        uid: 0,
-        gid: 0,
-        rdev: 0,
-        flags: 0,
-        // Large buffers for stdio readers: one FUSE request carries at most 1 MiB.
-        blksize: 1 << 20,
-    }
-}
-
-fn file_type(kind: Kind) -> FileType {
-    match kind {
-        Kind::Dir => FileType::Directory,
-        Kind::File => FileType::RegularFile,
-    }
 }
 
 impl ModelFs {
@@ -357,7 +367,7 @@ impl ModelFs {
         &self,
         ino: u64,
         flags: i32,
-        register: impl FnOnce(&std::fs::File) -> io::Result<Backing>,
+        register: impl FnOnce(&std::fs::File) -> io::Result<BackingId>,
     ) -> Result<Opened, Errno> {
         self.metrics.request("open");
         let writes = libc::O_WRONLY | libc::O_RDWR | libc::O_TRUNC | libc::O_APPEND;
@@ -365,6 +375,7 @@ impl ModelFs {
             return Err(self.fail("open", &FsError::ReadOnly));
         }
         let (fh, blob) = self.core.open(ino).map_err(|e| self.fail("open", &e))?;
+        self.journaled(self.journal.handle_opened(fh, ino));
         if self.passthrough.load(Ordering::Relaxed) {
             if let Some(id) = self.open_passthrough(fh, &blob, register) {
                 self.metrics.passthrough_opens.inc();
@@ -373,6 +384,7 @@ impl ModelFs {
             }
             if self.config.passthrough == PassthroughMode::Always {
                 self.core.release(fh);
+                self.journaled(self.journal.handle_released(fh));
                 return Err(self.fail(
                     "open",
                     &FsError::Io {
@@ -392,15 +404,16 @@ impl ModelFs {
         &self,
         fh: u64,
         blob: &Arc<OpenBlob>,
-        register: impl FnOnce(&std::fs::File) -> io::Result<Backing>,
-    ) -> Option<Arc<Backing>> {
-        let mut cache = self.backing.lock().expect("backing lock");
+        register: impl FnOnce(&std::fs::File) -> io::Result<BackingId>,
+    ) -> Option<Arc<BackingId>> {
+        let mut cache = lock(&self.backing);
         if let Some(id) = cache.reuse(blob.ino, fh) {
             self.metrics.backing_reuses.inc();
             return Some(id);
         }
         match register(&blob.file) {
             Ok(id) => {
+                self.journaled(self.journal.backing_registered(blob.ino, id.id()));
                 let id = Arc::new(id);
                 cache.insert(blob.ino, fh, id.clone(), blob.clone());
                 Some(id)
@@ -425,27 +438,35 @@ impl ModelFs {
         let evicted = self
             .backing
             .lock()
-            .expect("backing lock")
+            .unwrap_or_else(|p| p.into_inner())
             .release(fh, |blob| self.core.still_serves(blob));
-        drop(evicted);
+        self.closing(evicted);
         self.core.release(fh);
+        self.journaled(self.journal.handle_released(fh));
         self.metrics.open_files.dec();
     }
 }
 
-/// The `Filesystem` methods of operations that would write: each refused with `EROFS`
-/// through `read_only`, whatever its arguments (listed by type, in the trait's order after the
-/// request).
-macro_rules! refuse_writes {
-    ($($op:ident($($arg:ty),* $(,)?) -> $reply:ty;)*) => {
-        $(
-            fn $op(&self, _req: &Request, $(_: $arg,)* reply: $reply) {
-                reply.error(self.read_only(stringify!($op)));
-            }
-        )*
-    };
+impl ModelFs {
+    /// A journal write failed: the successor of this process would not know of one handle or
+    /// backing id. Serving goes on; the failure is logged (it needs memory to be short).
+    fn journaled(&self, result: io::Result<()>) {
+        if let Err(e) = result {
+            tracing::error!(error = %e, "recording an open file for a successor failed");
+        }
+    }
+
+    /// Closes evicted backing ids, recording that first.
+    fn closing(&self, evicted: Vec<BackingEntry>) {
+        for entry in &evicted {
+            self.journaled(self.journal.backing_closed(entry.blob.ino));
+        }
+        drop(evicted);
+    }
 }
 
+/// `fuser` mounts and answers `FUSE_INIT`; its loop never runs (module docs), so `init` is
+/// the only method it calls.
 impl Filesystem for ModelFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
         if self.config.passthrough != PassthroughMode::Never {
@@ -461,11 +482,11 @@ impl Filesystem for ModelFs {
             }
         }
         let _ = config.set_max_readahead(self.config.read_ahead_kb.saturating_mul(1024));
-        if self.ring_payload > 0 {
-            // The largest request is then the ring's payload buffer: nothing is ever written, so
-            // `max_write` only sizes buffers (the kernel takes max(max_write, max_pages) for
-            // each ring entry).
-            let _ = config.set_max_write(self.ring_payload as u32);
+        // Nothing is ever written, so `max_write` only sizes the largest request, which every
+        // transport buffer must hold (the kernel takes max(max_write, max_pages) for each ring
+        // entry, and refuses a `/dev/fuse` read into a smaller buffer).
+        let _ = config.set_max_write(self.payload as u32);
+        if self.ask_ring {
             let granted = config
                 .add_capabilities(InitFlags::FUSE_OVER_IO_URING)
                 .is_ok();
@@ -487,264 +508,50 @@ impl Filesystem for ModelFs {
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
         Ok(())
     }
-
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        self.metrics.request("lookup");
-        match self.core.lookup(parent.0, name) {
-            Ok(a) => reply.entry(&self.ttl(&a), &to_file_attr(&a), Generation(0)),
-            Err(e) => reply.error(self.fail("lookup", &e)),
-        }
-    }
-
-    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
-        self.core.forget(ino.0, nlookup);
-    }
-
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        self.metrics.request("getattr");
-        match self.core.getattr(ino.0) {
-            Ok(a) => reply.attr(&self.ttl(&a), &to_file_attr(&a)),
-            Err(e) => reply.error(self.fail("getattr", &e)),
-        }
-    }
-
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        let opened = self.open_file(ino.0, flags.0, |file| {
-            reply.open_backing(file).map(Backing::Dev)
-        });
-        match opened {
-            Ok(Opened::Passthrough { fh, id }) => match &*id {
-                Backing::Dev(id) => {
-                    reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, id)
-                }
-                // Only a connection served over io_uring registers through the ring, and all
-                // its opens arrive there.
-                Backing::Ring(_) => {
-                    tracing::error!(
-                        ino = ino.0,
-                        "an open on /dev/fuse found a ring backing id; answered EIO"
-                    );
-                    self.release_file(fh);
-                    reply.error(Errno::EIO);
-                }
-            },
-            // Content never changes under an inode (keep the page cache between opens), and
-            // nothing is ever written (no FLUSH round trip on close).
-            Ok(Opened::ReadThrough { fh }) => reply.opened(
-                FileHandle(fh),
-                FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_NOFLUSH,
-            ),
-            Err(e) => reply.error(e),
-        }
-    }
-
-    fn read(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
-        self.metrics.request("read");
-        match self.core.read(fh.0, offset, size) {
-            Ok(data) => {
-                self.metrics.read_bytes.inc_by(data.len() as u64);
-                reply.data(&data)
-            }
-            Err(e) => reply.error(self.fail("read", &e)),
-        }
-    }
-
-    fn release(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        fh: FileHandle,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        _flush: bool,
-        reply: ReplyEmpty,
-    ) {
-        self.release_file(fh.0);
-        reply.ok();
-    }
-
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: LockOwner,
-        reply: ReplyEmpty,
-    ) {
-        // Opens answer FOPEN_NOFLUSH, so the kernel should never send one; counted to show it.
-        self.metrics.request("flush");
-        reply.ok();
-    }
-
-    /// `ENOSYS`, which the kernel takes for the whole mount: it stops sending `OPENDIR` and
-    /// `RELEASEDIR` (a synchronous round trip per directory visited: 2,101 for a `find` over
-    /// 1,000 models) and opens every directory as if answered `FOPEN_KEEP_CACHE |
-    /// FOPEN_CACHE_DIR`, i.e. keeps listings cached. Inside a model a listing never changes
-    /// under an inode number. Synthesized directories change with the mapping: every change
-    /// sends `inval_inode` for each one whose listing changed (which drops its cached listing)
-    /// and moves its mtime (see `fs::stamp_synth_mtimes`).
-    fn opendir(&self, _req: &Request, _ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        self.metrics.request("opendir");
-        reply.error(Errno::ENOSYS);
-    }
-
-    fn readdir(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectory,
-    ) {
-        self.metrics.request("readdir");
-        let result = self.core.readdir(ino.0, offset, |e| {
-            reply.add(INodeNo(e.ino), e.offset, file_type(e.kind), &e.name)
-        });
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(self.fail("readdir", &e)),
-        }
-    }
-
-    /// Entries with their attributes: the kernel caches both, so `find`, `ls -l`, `du` and
-    /// loaders that list a model send no `LOOKUP` per entry. The core counts one kernel
-    /// reference per entry taken (balanced by `forget`).
-    fn readdirplus(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectoryPlus,
-    ) {
-        self.metrics.request("readdirplus");
-        let result = self.core.readdirplus(ino.0, offset, |e, a| {
-            reply.add(
-                INodeNo(e.ino),
-                e.offset,
-                &e.name,
-                &self.ttl(a),
-                &to_file_attr(a),
-                Generation(0),
-            )
-        });
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(self.fail("readdirplus", &e)),
-        }
-    }
-
-    fn releasedir(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _flags: OpenFlags,
-        reply: ReplyEmpty,
-    ) {
-        self.metrics.request("releasedir");
-        reply.ok();
-    }
-
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        self.metrics.request("statfs");
-        reply.statfs(0, 0, 0, 0, 0, 4096, 255, 4096);
-    }
-
-    // Everything that would modify the tree is refused. The mount is also read-only (`ro`), so
-    // the kernel answers most of these itself; these handlers are the second line.
-
-    // Every writing operation is refused with `EROFS` (counted, logged at debug level).
-    refuse_writes! {
-        setattr(
-            INodeNo,
-            Option<u32>,
-            Option<u32>,
-            Option<u32>,
-            Option<u64>,
-            Option<fuser::TimeOrNow>,
-            Option<fuser::TimeOrNow>,
-            Option<std::time::SystemTime>,
-            Option<FileHandle>,
-            Option<std::time::SystemTime>,
-            Option<std::time::SystemTime>,
-            Option<std::time::SystemTime>,
-            Option<fuser::BsdFileFlags>
-        ) -> ReplyAttr;
-        mknod(INodeNo, &OsStr, u32, u32, u32) -> ReplyEntry;
-        mkdir(INodeNo, &OsStr, u32, u32) -> ReplyEntry;
-        unlink(INodeNo, &OsStr) -> ReplyEmpty;
-        rmdir(INodeNo, &OsStr) -> ReplyEmpty;
-        symlink(INodeNo, &OsStr, &Path) -> ReplyEntry;
-        rename(INodeNo, &OsStr, INodeNo, &OsStr, fuser::RenameFlags) -> ReplyEmpty;
-        link(INodeNo, INodeNo, &OsStr) -> ReplyEntry;
-        write(
-            INodeNo,
-            FileHandle,
-            u64,
-            &[u8],
-            fuser::WriteFlags,
-            OpenFlags,
-            Option<LockOwner>
-        ) -> ReplyWrite;
-        create(INodeNo, &OsStr, u32, u32, i32) -> ReplyCreate;
-        setxattr(INodeNo, &OsStr, &[u8], i32, u32) -> ReplyEmpty;
-        removexattr(INodeNo, &OsStr) -> ReplyEmpty;
-        fallocate(INodeNo, FileHandle, u64, u64, i32) -> ReplyEmpty;
-    }
-
-    /// No entry has extended attributes, and asking for one by name is answered `ENOSYS` once
-    /// for the whole mount: the kernel then stops sending `GETXATTR` and answers `EOPNOTSUPP`
-    /// itself. Tools ask on every file (`ls -l` asks for the ACL and the SELinux label of each
-    /// entry), and a per-file `ENODATA` cost one round trip each: 206,303 of them for `ls -lR`
-    /// over 100,000 files, 16 s against 1 s natively. Listing names (`listxattr`, which
-    /// `cp -a` and `rsync -X` ask first) still answers the empty list, so copies see a file
-    /// without attributes rather than an error. Implemented here (rather than left to
-    /// `fuser`'s default, which also answers `ENOSYS`) because the default logs a warning.
-    fn getxattr(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _name: &OsStr,
-        _size: u32,
-        reply: fuser::ReplyXattr,
-    ) {
-        self.metrics.request("getxattr");
-        reply.error(Errno::ENOSYS);
-    }
-
-    /// The empty list: its size is 0 whatever buffer was offered.
-    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: fuser::ReplyXattr) {
-        self.metrics.request("listxattr");
-        match self.core.getattr(ino.0) {
-            Ok(_) if size == 0 => reply.size(0),
-            Ok(_) => reply.data(&[]),
-            Err(e) => reply.error(self.fail("listxattr", &e)),
-        }
-    }
 }
 
-/// A live mount. Dropping it unmounts.
+/// What a successor needs to know of a connection besides its descriptors: what `INIT`
+/// negotiated, and which mount it is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Connection {
+    /// The kernel granted passthrough (and the daemon may use it).
+    pub passthrough: bool,
+    /// The kernel granted FUSE over io_uring: requests wait in per-CPU queues until entries
+    /// are registered, so a successor must register its own.
+    pub uring: bool,
+    /// The largest request or reply (`max_write` as negotiated, with the read-ahead).
+    pub payload: usize,
+    /// The mount's device number (`st_dev`), which tells this connection's mount from
+    /// another one at the same path.
+    pub dev: u64,
+}
+
+/// The descriptors of a connection that a process hands to its successor.
+pub struct Handover {
+    /// The connection's `/dev/fuse` descriptor.
+    pub dev: OwnedFd,
+    /// The journal's memory file ([`journal`]).
+    pub journal: OwnedFd,
+    pub connection: Connection,
+}
+
+/// A live mount: the connection and the threads serving it. Dropping it does not unmount (a
+/// mount server that stops hands its connection on; see [`crate::takeover`]);
+/// [`MountHandle::unmount`] does.
 pub struct MountHandle {
     inner: Mutex<MountInner>,
     mountpoint: PathBuf,
     passthrough: Arc<AtomicBool>,
-    uring: bool,
+    dev: Arc<OwnedFd>,
+    journal: Arc<Journal>,
+    connection: Connection,
+    serving: RunningDev,
+    resumed: bool,
 }
 
 struct MountInner {
-    session: Option<fuser::BackgroundSession>,
-    ring: Option<modelfs_fuse_ring::RunningRing>,
+    /// The ring's threads end by themselves with the connection.
+    _ring: Option<RunningRing>,
     invalidations: Option<mpsc::Sender<Vec<Invalidation>>>,
     notifier_thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -757,14 +564,38 @@ impl MountHandle {
 
     /// Whether requests arrive over io_uring (see [`FuseTransport`]).
     pub fn uring_active(&self) -> bool {
-        self.uring
+        self.connection.uring
+    }
+
+    /// Whether this process resumed a connection another one served.
+    pub fn resumed(&self) -> bool {
+        self.resumed
+    }
+
+    /// What `INIT` negotiated and which mount this is.
+    pub fn connection(&self) -> &Connection {
+        &self.connection
+    }
+
+    /// Records held in the journal (open handles and backing ids).
+    pub fn journal_len(&self) -> usize {
+        self.journal.len()
+    }
+
+    /// Duplicates of the connection's descriptors, for a successor.
+    pub fn handover(&self) -> io::Result<Handover> {
+        Ok(Handover {
+            dev: self.dev.as_fd().try_clone_to_owned()?,
+            journal: self.journal.file().try_clone_to_owned()?,
+            connection: self.connection.clone(),
+        })
     }
 
     /// Queues kernel cache invalidations (sent in order by the notifier thread). Called after
     /// every mapping change, also with an empty list: the notifier then drops idle passthrough
     /// backing ids, which would otherwise keep a replaced store's blobs open.
     pub fn invalidate(&self, list: Vec<Invalidation>) {
-        let inner = self.inner.lock().expect("mount lock");
+        let inner = lock(&self.inner);
         if let Some(tx) = &inner.invalidations {
             let _ = tx.send(list);
         }
@@ -774,32 +605,47 @@ impl MountHandle {
         &self.mountpoint
     }
 
+    /// Waits up to `timeout` for the connection to end (unmounted everywhere or aborted: the
+    /// `/dev/fuse` threads see `ENODEV`); why it ended.
+    pub fn wait_ended(&self, timeout: Duration) -> Option<Ended> {
+        self.serving.wait_ended(timeout)
+    }
+
+    /// Mounts this connection at the mountpoint again (after someone unmounted it there while
+    /// other mount namespaces, the pods', kept it alive): the kernel reuses the connection's
+    /// superblock, so new opens at the path and the pods' old ones reach the same inodes.
+    pub fn mount_again(&self) -> io::Result<()> {
+        let data = format!(
+            "fd={},rootmode=40000,user_id=0,group_id=0,default_permissions,allow_other",
+            self.dev.as_raw_fd()
+        );
+        let data = std::ffi::CString::new(data).map_err(io::Error::other)?;
+        use rustix::mount::MountFlags;
+        rustix::mount::mount(
+            "modelfs",
+            &self.mountpoint,
+            "fuse",
+            MountFlags::RDONLY | MountFlags::NODEV | MountFlags::NOSUID | MountFlags::NOATIME,
+            Some(data.as_c_str()),
+        )
+        .map_err(io::Error::from)
+    }
+
     /// Unmounts; if files are still open (busy), detaches lazily so the daemon never hangs on
-    /// exit. Idempotent.
+    /// exit. Stops the notifier. Idempotent.
     pub fn unmount(&self) -> io::Result<()> {
-        let (session, thread, ring) = {
-            let mut inner = self.inner.lock().expect("mount lock");
+        let thread = {
+            let mut inner = lock(&self.inner);
             inner.invalidations.take();
-            (
-                inner.session.take(),
-                inner.notifier_thread.take(),
-                inner.ring.take(),
-            )
+            inner.notifier_thread.take()
         };
         if let Some(t) = thread {
             let _ = t.join();
         }
-        let Some(session) = session else {
-            return Ok(());
-        };
-        match session.umount_and_join() {
-            Ok(()) => {
-                // The unmount ended the connection, which ends every ring command.
-                if let Some(ring) = ring {
-                    ring.join();
-                }
-                Ok(())
-            }
+        match rustix::mount::unmount(&self.mountpoint, rustix::mount::UnmountFlags::empty()) {
+            Ok(()) => Ok(()),
+            // Not (or no longer) a mount point: nothing to do.
+            Err(rustix::io::Errno::INVAL) => Ok(()),
             Err(e) => {
                 tracing::warn!(error = %e, "unmount failed; detaching the mount");
                 mountpoint::detach(&self.mountpoint)
@@ -808,11 +654,31 @@ impl MountHandle {
     }
 }
 
-impl Drop for MountHandle {
-    fn drop(&mut self) {
-        if let Err(e) = self.unmount() {
-            tracing::error!(error = %e, mountpoint = %self.mountpoint.display(), "unmount failed");
-        }
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic elsewhere must not turn every later request into an error: the guarded state is
+    // left consistent by every holder (no multi-step update spans a panic point).
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The adapter state for a connection.
+fn model_fs(
+    core: Arc<FsCore>,
+    metrics: Arc<FuseMetrics>,
+    config: &FuseConfig,
+    journal: Arc<Journal>,
+    payload: usize,
+    ask_ring: bool,
+) -> ModelFs {
+    ModelFs {
+        core,
+        metrics,
+        config: config.clone(),
+        passthrough: Arc::new(AtomicBool::new(false)),
+        backing: Arc::new(Mutex::new(BackingCache::new(idle_backing_limit()))),
+        payload,
+        ask_ring,
+        ring_granted: Arc::new(AtomicBool::new(false)),
+        journal,
     }
 }
 
@@ -824,21 +690,21 @@ pub fn mount(
     mountpoint: &Path,
     config: FuseConfig,
 ) -> Result<MountHandle, MountError> {
-    mountpoint::prepare(mountpoint)?;
-    let passthrough = Arc::new(AtomicBool::new(false));
-    let core_for_notifier = core.clone();
-    let backing = Arc::new(Mutex::new(BackingCache::new(idle_backing_limit())));
-    let prepared = prepare_ring(&config)?;
-    let fs = ModelFs {
-        core,
-        metrics: metrics.clone(),
-        config: config.clone(),
-        passthrough: passthrough.clone(),
-        backing: backing.clone(),
-        ring_payload: prepared.as_ref().map_or(0, |(_, payload)| *payload),
-        ring_granted: Arc::new(AtomicBool::new(false)),
+    let mount_err = |source| MountError::Mount {
+        path: mountpoint.to_path_buf(),
+        source,
     };
-    let ring_fs = fs.clone();
+    mountpoint::prepare(mountpoint)?;
+    let journal = Arc::new(Journal::create().map_err(mount_err)?);
+    let prepared = prepare_ring(&config)?;
+    let fs = model_fs(
+        core,
+        metrics,
+        &config,
+        journal,
+        answers::payload_size(config.read_ahead_kb),
+        prepared.is_some(),
+    );
     let mut fuse_config = fuser::Config::default();
     fuse_config.mount_options = vec![
         MountOption::RO,
@@ -851,115 +717,278 @@ pub fn mount(
     ];
     // Inference pods run as arbitrary users.
     fuse_config.acl = SessionACL::All;
-    fuse_config.n_threads = Some(config.threads.max(1));
-    fuse_config.clone_fd = true;
-    let session =
-        fuser::Session::new(fs, mountpoint, &fuse_config).map_err(|source| MountError::Mount {
-            path: mountpoint.to_path_buf(),
-            source,
-        })?;
-    let notifier = session.notifier();
-    // `INIT` is answered: start the ring before `fuser`'s loop (the kernel holds requests until
-    // every queue is registered or one registration fails).
-    let ring = match prepared {
-        Some((prepared, _)) => start_ring(prepared, &session, ring_fs, &config)?,
-        None => None,
-    };
-    let session = session.spawn().map_err(|source| MountError::Mount {
-        path: mountpoint.to_path_buf(),
-        source,
-    })?;
-    let uring = ring.is_some();
-    let handle = MountHandle {
-        inner: Mutex::new(MountInner {
-            session: Some(session),
-            ring,
-            invalidations: None,
-            notifier_thread: None,
-        }),
-        mountpoint: mountpoint.to_path_buf(),
-        passthrough: passthrough.clone(),
-        uring,
-    };
-    if config.passthrough == PassthroughMode::Always && !passthrough.load(Ordering::Relaxed) {
+    let session = fuser::Session::new(fs.clone(), mountpoint, &fuse_config).map_err(mount_err)?;
+    // `INIT` is answered. The session's own loop never runs and its drop would unmount: keep
+    // a duplicate of its descriptor and let the session go without dropping it (its state is
+    // a descriptor and the mount's path; the connection now belongs to this process's threads
+    // and, through the handover, to its successors).
+    let dev = std::os::fd::AsFd::as_fd(&session)
+        .try_clone_to_owned()
+        .map_err(mount_err)?;
+    std::mem::forget(session);
+    let dev = Arc::new(dev);
+    if config.passthrough == PassthroughMode::Always && !fs.passthrough.load(Ordering::Relaxed) {
+        let _ = rustix::mount::unmount(mountpoint, rustix::mount::UnmountFlags::DETACH);
         return Err(MountError::PassthroughUnavailable);
     }
-    if let Err(e) = mountpoint::set_read_ahead(mountpoint, config.read_ahead_kb) {
+    let ring = match prepared {
+        Some(prepared) => start_ring(prepared, &dev, &fs, &config)?,
+        None => None,
+    };
+    // Nothing here may touch the mount before its threads serve: a `stat` would wait for an
+    // answer from this very thread. The device number comes from the mount table.
+    let dev_number = mountpoint::mount_info_dev(mountpoint).ok_or_else(|| {
+        mount_err(io::Error::other(
+            "the new mount is missing from /proc/self/mountinfo",
+        ))
+    })?;
+    let connection = Connection {
+        passthrough: fs.passthrough.load(Ordering::Relaxed),
+        uring: ring.is_some(),
+        payload: fs.payload,
+        dev: dev_number,
+    };
+    let handle = serve(fs, dev, ring, connection, mountpoint, &config, false)?;
+    if let Err(e) = mountpoint::set_read_ahead(dev_number, config.read_ahead_kb) {
         tracing::warn!(error = %e, "could not raise the mount's read-ahead");
-    }
-    let (tx, rx) = mpsc::channel::<Vec<Invalidation>>();
-    let thread_metrics = metrics;
-    let notify_core = core_for_notifier;
-    let notifier_thread = Some(
-        std::thread::Builder::new()
-            .name("fuse-notify".into())
-            .spawn(move || {
-                let drop_idle_backing = || {
-                    let dropped = backing.lock().expect("backing lock").drop_idle();
-                    if !dropped.is_empty() {
-                        drop(dropped);
-                        // The blobs' stores may have lost their last user.
-                        notify_core.note_use_ended();
-                    }
-                };
-                for batch in rx {
-                    drop_idle_backing();
-                    for inv in batch {
-                        let result = match &inv {
-                            Invalidation::Delete {
-                                parent,
-                                child,
-                                name,
-                            } => {
-                                notifier.delete(INodeNo(*parent), INodeNo(*child), OsStr::new(name))
-                            }
-                            Invalidation::Entry { parent, name } => {
-                                notifier.inval_entry(INodeNo(*parent), OsStr::new(name))
-                            }
-                            Invalidation::Inode { ino } => {
-                                notifier.inval_inode(INodeNo(*ino), 0, 0)
-                            }
-                            // Everything before it has been delivered.
-                            Invalidation::Detach { slot } => {
-                                notify_core.detach(*slot);
-                                drop_idle_backing();
-                                continue;
-                            }
-                        };
-                        thread_metrics.kernel_invalidations.inc();
-                        // ENOENT: the kernel never cached it (ENOTEMPTY: a directory whose
-                        // children were looked up again meanwhile; its slot is detached anyway).
-                        // Anything else is worth a line.
-                        if let Err(e) = result {
-                            if e.raw_os_error() != Some(libc::ENOENT) {
-                                tracing::debug!(error = %e, ?inv, "kernel invalidation failed");
-                            }
-                        }
-                    }
-                }
-            })
-            .map_err(|source| MountError::Mount {
-                path: mountpoint.to_path_buf(),
-                source,
-            })?,
-    );
-    {
-        let mut inner = handle.inner.lock().expect("mount lock");
-        inner.notifier_thread = notifier_thread;
-        inner.invalidations = Some(tx);
     }
     Ok(handle)
 }
 
+/// Serves a connection another process initialized and served (its [`Handover`]): restores
+/// the open handles and backing ids of its journal, starts the transports `INIT` negotiated,
+/// then asks the kernel to resend what the previous process read but never answered. The
+/// mapping must already be in `core` (the persisted one), so every inode the kernel holds
+/// resolves.
+pub fn resume(
+    core: Arc<FsCore>,
+    metrics: Arc<FuseMetrics>,
+    mountpoint: &Path,
+    config: FuseConfig,
+    handover: Handover,
+) -> Result<MountHandle, MountError> {
+    let mount_err = |source| MountError::Mount {
+        path: mountpoint.to_path_buf(),
+        source,
+    };
+    let (journal, entries) = Journal::adopt(handover.journal).map_err(mount_err)?;
+    let connection = handover.connection;
+    let fs = model_fs(
+        core,
+        metrics,
+        &config,
+        Arc::new(journal),
+        connection.payload,
+        connection.uring,
+    );
+    fs.passthrough
+        .store(connection.passthrough, Ordering::Relaxed);
+    let dev = Arc::new(handover.dev);
+    restore(&fs, &dev, entries);
+    let ring = if connection.uring {
+        // The connection's queues hold every request until entries are registered: a ring
+        // that cannot be started here leaves the mount hung, so it fails the start (the
+        // process exits and is restarted; the connection waits in the keeper).
+        let payload = connection.payload;
+        let queues = modelfs_fuse_ring::possible_cpus().unwrap_or(1).max(1);
+        let prepared = modelfs_fuse_ring::prepare(&modelfs_fuse_ring::RingConfig {
+            threads_per_queue: config.threads.div_ceil(queues).max(1),
+            payload_size: payload,
+        })
+        .map_err(|e| MountError::RingUnavailable(format!("io_uring cannot be set up: {e}")))?;
+        fs.ring_granted.store(true, Ordering::Relaxed);
+        let strict = FuseConfig {
+            transport: FuseTransport::Uring,
+            ..config.clone()
+        };
+        start_ring(prepared, &dev, &fs, &strict)?
+    } else {
+        None
+    };
+    serve(fs, dev, ring, connection, mountpoint, &config, true)
+}
+
+/// Rebuilds the handle table and backing cache from a predecessor's journal. A handle whose
+/// inode no longer resolves (its model left the mapping before the restart) stays recorded:
+/// its reads fail, its release clears it. A backing id is kept for its inode while it
+/// resolves, else closed (open files keep their backing file; the id only names it for new
+/// opens).
+fn restore(fs: &ModelFs, dev: &Arc<OwnedFd>, entries: Vec<Entry>) {
+    let mut handles: HashMap<u64, Vec<u64>> = HashMap::new();
+    let mut backings = Vec::new();
+    for e in entries {
+        match e {
+            Entry::Handle { fh, ino } => handles.entry(ino).or_default().push(fh),
+            Entry::Backing { ino, id } => backings.push((ino, id)),
+        }
+    }
+    let mut restored = 0usize;
+    let mut lost = 0usize;
+    let mut blobs = HashMap::new();
+    for (&ino, fhs) in &handles {
+        for &fh in fhs {
+            match fs.core.reopen(fh, ino) {
+                Ok(blob) => {
+                    restored += 1;
+                    fs.metrics.open_files.inc();
+                    blobs.insert(ino, blob);
+                }
+                Err(e) => {
+                    lost += 1;
+                    tracing::warn!(fh, ino, error = %e, "an open file of the previous process cannot be reopened");
+                }
+            }
+        }
+    }
+    let mut cache = lock(&fs.backing);
+    for (ino, id) in backings {
+        let id = BackingId::adopt(dev, id);
+        let blob = match blobs.get(&ino) {
+            Some(b) => b.clone(),
+            None => match fs.core.open(ino) {
+                Ok((fh, blob)) => {
+                    fs.core.release(fh);
+                    blob
+                }
+                Err(_) => {
+                    drop(id);
+                    fs.journaled(fs.journal.backing_closed(ino));
+                    continue;
+                }
+            },
+        };
+        let fhs = handles.get(&ino).cloned().unwrap_or_default();
+        cache.restore(ino, &fhs, Arc::new(id), blob);
+    }
+    let idle = cache.trim_idle();
+    drop(cache);
+    fs.closing(idle);
+    tracing::info!(
+        restored,
+        lost,
+        "open files of the previous process restored"
+    );
+}
+
+/// Starts the `/dev/fuse` threads and the notifier over a connection whose `INIT` is done.
+fn serve(
+    fs: ModelFs,
+    dev: Arc<OwnedFd>,
+    ring: Option<RunningRing>,
+    connection: Connection,
+    mountpoint: &Path,
+    config: &FuseConfig,
+    resumed: bool,
+) -> Result<MountHandle, MountError> {
+    let mount_err = |source| MountError::Mount {
+        path: mountpoint.to_path_buf(),
+        source,
+    };
+    // With the ring, /dev/fuse carries only FORGET and INTERRUPT.
+    let threads = if ring.is_some() {
+        1
+    } else {
+        config.threads.max(1)
+    };
+    let handler = Arc::new(answers::Answers::new(fs.clone(), dev.clone(), false));
+    let serving = modelfs_fuse_ring::serve_dev(
+        dev.clone(),
+        handler,
+        &modelfs_fuse_ring::DevConfig {
+            threads,
+            buffer_size: connection.payload + 4096,
+        },
+    )
+    .map_err(mount_err)?;
+    if resumed {
+        // Everything the previous process read and never answered comes again, to these
+        // threads (requests over io_uring are not covered: see `crate::takeover`).
+        match Notifier::new(dev.clone()).resend() {
+            Ok(()) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "the kernel refused FUSE_NOTIFY_RESEND (needs Linux >= 6.9); requests the previous process had read are not answered")
+            }
+        }
+    }
+    let notifier_thread = spawn_notifier(&fs, &dev).map_err(mount_err)?;
+    Ok(MountHandle {
+        inner: Mutex::new(MountInner {
+            _ring: ring,
+            invalidations: Some(notifier_thread.0),
+            notifier_thread: Some(notifier_thread.1),
+        }),
+        mountpoint: mountpoint.to_path_buf(),
+        passthrough: fs.passthrough.clone(),
+        dev,
+        journal: fs.journal.clone(),
+        connection,
+        serving,
+        resumed,
+    })
+}
+
+type NotifierThread = (mpsc::Sender<Vec<Invalidation>>, std::thread::JoinHandle<()>);
+
+/// The thread that sends kernel invalidations in order (module docs).
+fn spawn_notifier(fs: &ModelFs, dev: &Arc<OwnedFd>) -> io::Result<NotifierThread> {
+    let (tx, rx) = mpsc::channel::<Vec<Invalidation>>();
+    let fs = fs.clone();
+    let notifier = Notifier::new(dev.clone());
+    let thread = std::thread::Builder::new()
+        .name("fuse-notify".into())
+        .spawn(move || {
+            let drop_idle_backing = || {
+                let dropped = lock(&fs.backing).drop_idle();
+                if !dropped.is_empty() {
+                    fs.closing(dropped);
+                    // The blobs' stores may have lost their last user.
+                    fs.core.note_use_ended();
+                }
+            };
+            for batch in rx {
+                drop_idle_backing();
+                for inv in batch {
+                    let result = match &inv {
+                        Invalidation::Delete {
+                            parent,
+                            child,
+                            name,
+                        } => notifier.delete(*parent, *child, name.as_bytes()),
+                        Invalidation::Entry { parent, name } => {
+                            notifier.inval_entry(*parent, name.as_bytes())
+                        }
+                        Invalidation::Inode { ino } => notifier.inval_inode(*ino),
+                        // Everything before it has been delivered.
+                        Invalidation::Detach { slot } => {
+                            fs.core.detach(*slot);
+                            drop_idle_backing();
+                            continue;
+                        }
+                    };
+                    fs.metrics.kernel_invalidations.inc();
+                    // ENOENT: the kernel never cached it (ENOTEMPTY: a directory whose
+                    // children were looked up again meanwhile; its slot is detached anyway).
+                    // Anything else is worth a line.
+                    if let Err(e) = result {
+                        if e.raw_os_error() != Some(libc::ENOENT) {
+                            tracing::debug!(error = %e, ?inv, "kernel invalidation failed");
+                        }
+                    }
+                }
+            }
+        })?;
+    Ok((tx, thread))
+}
+
 /// The ring's threads and buffers, made before the mount so `init` asks for FUSE over io_uring
-/// only if they exist; with the payload size each entry was given.
+/// only if they exist.
 fn prepare_ring(
     config: &FuseConfig,
-) -> Result<Option<(modelfs_fuse_ring::PreparedRing, usize)>, MountError> {
+) -> Result<Option<modelfs_fuse_ring::PreparedRing>, MountError> {
     if config.transport == FuseTransport::Dev {
         return Ok(None);
     }
-    if !ring::kernel_offers_uring() {
+    if !answers::kernel_offers_uring() {
         if config.transport == FuseTransport::Uring {
             return Err(MountError::RingUnavailable(
                 "the kernel does not offer FUSE over io_uring (needs Linux >= 6.14 and the fuse \
@@ -969,14 +998,14 @@ fn prepare_ring(
         }
         return Ok(None);
     }
-    let payload = ring::payload_size(config.read_ahead_kb);
+    let payload = answers::payload_size(config.read_ahead_kb);
     let queues = modelfs_fuse_ring::possible_cpus().unwrap_or(1).max(1);
     let ring_config = modelfs_fuse_ring::RingConfig {
         threads_per_queue: config.threads.div_ceil(queues).max(1),
         payload_size: payload,
     };
     match modelfs_fuse_ring::prepare(&ring_config) {
-        Ok(prepared) => Ok(Some((prepared, payload))),
+        Ok(prepared) => Ok(Some(prepared)),
         Err(e) if config.transport == FuseTransport::Uring => Err(MountError::RingUnavailable(
             format!("io_uring cannot be set up here: {e}"),
         )),
@@ -987,15 +1016,15 @@ fn prepare_ring(
     }
 }
 
-/// Registers the prepared ring on the session's connection once `INIT` is answered. `None`
-/// when requests stay on `/dev/fuse` (the kernel did not grant the ring, or refused a
+/// Registers the prepared ring on the connection once `INIT` is answered. `None` when
+/// requests stay on `/dev/fuse` (the kernel did not grant the ring, or refused a
 /// registration), which `--fuse-transport uring` turns into an error.
 fn start_ring(
     prepared: modelfs_fuse_ring::PreparedRing,
-    session: &fuser::Session<ModelFs>,
-    fs: ModelFs,
+    dev: &Arc<OwnedFd>,
+    fs: &ModelFs,
     config: &FuseConfig,
-) -> Result<Option<modelfs_fuse_ring::RunningRing>, MountError> {
+) -> Result<Option<RunningRing>, MountError> {
     let strict = config.transport == FuseTransport::Uring;
     if !fs.ring_granted.load(Ordering::Relaxed) {
         prepared.cancel();
@@ -1008,19 +1037,8 @@ fn start_ring(
         return Ok(None);
     }
     let queues = prepared.queues();
-    let dev = match std::os::fd::AsFd::as_fd(session).try_clone_to_owned() {
-        Ok(fd) => Arc::new(fd),
-        Err(e) => {
-            // The kernel holds every request until the ring is registered or refused, so a ring
-            // that cannot start must still be refused: a registration on a descriptor that is
-            // not the connection's cannot be made either, so fail the mount.
-            return Err(MountError::RingUnavailable(format!(
-                "duplicating the /dev/fuse descriptor failed: {e}"
-            )));
-        }
-    };
-    let handler = Arc::new(ring::RingFs::new(fs, dev.clone()));
-    let (running, outcome) = prepared.start(dev, handler);
+    let handler = Arc::new(answers::Answers::new(fs.clone(), dev.clone(), true));
+    let (running, outcome) = prepared.start(dev.clone(), handler);
     match outcome {
         Ok(()) => {
             tracing::info!(

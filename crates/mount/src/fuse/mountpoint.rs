@@ -1,7 +1,6 @@
 //! Mountpoint housekeeping: stale mounts of a crashed daemon, lazy detach, read-ahead.
 
 use std::io;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +33,38 @@ fn mount_info(path: &Path) -> Option<(String, String)> {
         found = Some((fstype, source));
     }
     found
+}
+
+/// The device number of the topmost mount at exactly `path`, if it is a modelfs FUSE mount,
+/// read from /proc/self/mountinfo without touching the mount itself (a `stat` of a
+/// connection no process serves waits until one does).
+pub fn mount_info_dev(path: &Path) -> Option<u64> {
+    let wanted = path.to_string_lossy().into_owned();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mut found = None;
+    for line in info.lines() {
+        let mut fields = line.split(' ');
+        let (Some(devno), Some(mount_point)) = (fields.nth(2), fields.next().and(fields.next()))
+        else {
+            continue;
+        };
+        if unescape_mountinfo(mount_point) != wanted {
+            continue;
+        }
+        let Some(tail) = line.split(" - ").nth(1) else {
+            continue;
+        };
+        let mut fields = tail.split(' ');
+        let fstype = fields.next().unwrap_or_default();
+        let source = fields.next().map(unescape_mountinfo).unwrap_or_default();
+        let ours = (fstype == "fuse" || fstype.starts_with("fuse.")) && source == "modelfs";
+        let dev = devno
+            .split_once(':')
+            .and_then(|(ma, mi)| Some(libc::makedev(ma.parse().ok()?, mi.parse().ok()?)));
+        // Later lines are mounted on top of earlier ones: keep the last.
+        found = Some(if ours { dev } else { None });
+    }
+    found.flatten()
 }
 
 /// `statfs` always reaches the FUSE daemon (no kernel cache answers it), so it tells a live
@@ -112,8 +143,7 @@ pub(crate) fn prepare(path: &Path) -> Result<(), MountpointError> {
 }
 
 /// Sets `/sys/class/bdi/<major>:<minor>/read_ahead_kb` for the mount's anonymous device.
-pub(crate) fn set_read_ahead(path: &Path, kb: u32) -> io::Result<()> {
-    let dev = std::fs::metadata(path)?.dev();
+pub(crate) fn set_read_ahead(dev: u64, kb: u32) -> io::Result<()> {
     let (major, minor) = (libc::major(dev), libc::minor(dev));
     std::fs::write(
         format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb"),

@@ -1270,6 +1270,16 @@ impl FsCore {
         read_blob(&blob, offset, buf)
     }
 
+    /// Opens `ino` again under the handle number `fh` a previous process gave the kernel (a
+    /// resumed connection, see `crate::takeover`); later handles are numbered above it.
+    pub fn reopen(&self, fh: u64, ino: u64) -> Result<Arc<OpenBlob>, FsError> {
+        let (new_fh, blob) = self.open(ino)?;
+        self.handles.remove(&new_fh);
+        self.handles.insert(fh, blob.clone());
+        self.next_fh.fetch_max(fh + 1, Ordering::Relaxed);
+        Ok(blob)
+    }
+
     pub fn release(&self, fh: u64) {
         self.handles.remove(&fh);
         self.usage_epoch.fetch_add(1, Ordering::AcqRel);

@@ -1,11 +1,15 @@
-//! The adapter's answers over FUSE's io_uring transport ([`modelfs_fuse_ring`]): the same
-//! operations, counters and replies as the `fuser` handlers in the parent module, encoded into
-//! the ring's buffers. Both call the same [`ModelFs`] methods for anything beyond encoding
-//! (opening, releasing, errors), so the two transports cannot answer differently; the tests in
-//! `tests/mount.rs` run the mount's behaviour over both.
+//! The one answer layer: what every FUSE request is answered, whichever transport carried it.
+//! The `/dev/fuse` loop and the io_uring rings of [`modelfs_fuse_ring`] only decode requests
+//! and encode replies; [`Answers`] decides (attributes, TTLs, open flags, statfs, xattrs,
+//! errors), over the same [`ModelFs`] methods (opening, releasing, the journal of open files),
+//! so the transports cannot answer differently and a resumed connection is answered exactly
+//! as the one that started it. `fuser` is used for the mount and `FUSE_INIT` only (see the
+//! parent module).
 //!
-//! `FORGET` and `INTERRUPT` never arrive here: the kernel sends them on `/dev/fuse` even with
-//! the ring, where `fuser`'s loop keeps serving them.
+//! Operations the mount does not implement are answered without a log line per request
+//! (a loader opening files in a loop would write one per `open(2)`) and counted in the
+//! metrics as `unsupported`; `IOCTL` is answered `ENOTTY`, what a terminal query such as
+//! Python's buffered `open()` expects of a file that is not a terminal.
 
 use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
@@ -15,7 +19,7 @@ use std::sync::Arc;
 use modelfs_fuse_ring::abi::{self, fopen, opcode, FileAttr, Statfs};
 use modelfs_fuse_ring::{Handler, Reply, Request};
 
-use super::{Backing, ModelFs, Opened};
+use super::{ModelFs, Opened};
 use crate::vfs::{Attr, Kind};
 
 /// Whether the running kernel offers FUSE over io_uring to new connections (the `fuse` module
@@ -34,15 +38,18 @@ pub(super) fn payload_size(read_ahead_kb: u32) -> usize {
     read_ahead.max(1 << 20).next_multiple_of(4096)
 }
 
-pub(super) struct RingFs {
+pub(super) struct Answers {
     fs: ModelFs,
     /// The connection's `/dev/fuse` descriptor, for passthrough backing ids.
     dev: Arc<OwnedFd>,
+    /// Requests arrive over io_uring (counted apart, so tests and operators see which
+    /// transport serves).
+    over_ring: bool,
 }
 
-impl RingFs {
-    pub(super) fn new(fs: ModelFs, dev: Arc<OwnedFd>) -> Self {
-        Self { fs, dev }
+impl Answers {
+    pub(super) fn new(fs: ModelFs, dev: Arc<OwnedFd>, over_ring: bool) -> Self {
+        Self { fs, dev, over_ring }
     }
 
     fn file_attr(a: &Attr) -> FileAttr {
@@ -90,22 +97,12 @@ impl RingFs {
 
     fn open(&self, ino: u64, flags: i32, reply: &mut Reply<'_>) {
         let opened = self.fs.open_file(ino, flags, |file| {
-            modelfs_fuse_ring::BackingId::open(&self.dev, file).map(Backing::Ring)
+            modelfs_fuse_ring::BackingId::open(&self.dev, file)
         });
         match opened {
-            Ok(Opened::Passthrough { fh, id }) => match &*id {
-                Backing::Ring(id) => reply.open(fh, fopen::NOFLUSH | fopen::PASSTHROUGH, id.id()),
-                // Only opens answered on /dev/fuse register through fuser, and a connection
-                // served over io_uring gets none there.
-                Backing::Dev(_) => {
-                    tracing::error!(
-                        ino,
-                        "an open over io_uring found a /dev/fuse backing id; answered EIO"
-                    );
-                    self.fs.release_file(fh);
-                    reply.error(libc::EIO);
-                }
-            },
+            Ok(Opened::Passthrough { fh, id }) => {
+                reply.open(fh, fopen::NOFLUSH | fopen::PASSTHROUGH, id.id())
+            }
             // As on /dev/fuse: content never changes under an inode, nothing is ever written.
             Ok(Opened::ReadThrough { fh }) => reply.open(fh, fopen::KEEP_CACHE | fopen::NOFLUSH, 0),
             Err(e) => reply.error(e.code()),
@@ -181,9 +178,15 @@ impl RingFs {
     }
 }
 
-impl Handler for RingFs {
+impl Handler for Answers {
+    fn forget(&self, ino: u64, nlookup: u64) {
+        self.fs.core.forget(ino, nlookup);
+    }
+
     fn handle(&self, req: &Request<'_>, reply: &mut Reply<'_>) {
-        self.fs.metrics.uring_requests.inc();
+        if self.over_ring {
+            self.fs.metrics.uring_requests.inc();
+        }
         let ino = req.header.nodeid;
         match req.header.opcode {
             opcode::LOOKUP => self.lookup(ino, abi::name_arg(req.payload), reply),
@@ -237,11 +240,17 @@ impl Handler for RingFs {
             opcode::SETXATTR => self.read_only("setxattr", reply),
             opcode::REMOVEXATTR => self.read_only("removexattr", reply),
             opcode::FALLOCATE => self.read_only("fallocate", reply),
-            // Everything else is unimplemented, as `fuser`'s defaults answer (`READLINK`,
-            // `ACCESS`, `FSYNC`, `TMPFILE`, `STATX`, ...): the kernel then stops asking or
-            // answers for itself.
+            // Not a terminal, nor any other device with controls.
+            opcode::IOCTL => {
+                self.fs.metrics.request("ioctl");
+                reply.error(libc::ENOTTY);
+            }
+            // Everything else is unimplemented (`READLINK`, `ACCESS`, `FSYNC`, `TMPFILE`,
+            // `STATX`, ...): the kernel then stops asking or answers for itself. Counted, never
+            // logged per request.
             other => {
-                tracing::debug!(opcode = other, "unimplemented FUSE operation over io_uring");
+                self.fs.metrics.request("unsupported");
+                tracing::trace!(opcode = other, "unimplemented FUSE operation");
                 reply.error(libc::ENOSYS);
             }
         }

@@ -1,0 +1,866 @@
+//! Live takeover: the FUSE connection outlives every mount server process.
+//!
+//! # Why
+//! OME's inference pods bind their model path without mount propagation, so a pod keeps the
+//! mount instance it started with, and with it the FUSE connection behind it. If the process
+//! serving that connection dies and a new one mounts afresh, every new open in every running
+//! pod fails (`ENOTCONN`) until the pod is recreated. So no process that can crash or be
+//! upgraded may own the connection alone.
+//!
+//! # The keeper
+//! `modelfs keeper` is a process with one job: it holds a duplicate of each mount's
+//! `/dev/fuse` descriptor, of its journal ([`crate::fuse::journal`]) and of the directory
+//! underneath the mount, and hands them to whichever mount server asks. It parses nothing but
+//! its own small messages, reads no request from the connection, and is never upgraded with
+//! the mount server (its own DaemonSet on Kubernetes, `updateStrategy: OnDelete`; a detached
+//! process of its own in standalone use, started by `modelfs serve`). While it holds the
+//! descriptor the kernel keeps the connection, every inode and open file of it, and the
+//! requests pods make queue up in the kernel until a server reads them.
+//!
+//! # A mount server's start
+//! 1. Load the persisted mapping (the same inode numbers as before the restart).
+//! 2. Ask the keeper for the session of its mountpoint ([`take`]). The keeper answers once
+//!    the previous holder's link is closed (its process is gone: two processes must never
+//!    serve one connection, they would share its journal). If the mount at the path is that
+//!    session's (same device number), [`crate::fuse::resume`] serves it: no `INIT` (the kernel
+//!    sends it once per connection), the journal's handles and backing ids restored, the
+//!    transports `INIT` negotiated started again, then `FUSE_NOTIFY_RESEND` asks the kernel
+//!    to queue again what the dead process had read and not answered. If the session is alive
+//!    but nothing is mounted at the path (someone unmounted it while pods kept it), it is
+//!    mounted there again.
+//! 3. Otherwise (no keeper, no session, a dead connection) it mounts afresh.
+//! 4. It deposits its session with the keeper and keeps a link open ([`Holder`]): if the
+//!    keeper restarts, the session is deposited again; the link's end tells the keeper this
+//!    holder is gone.
+//!
+//! # Stopping
+//! `SIGTERM` hands on: the server exits and leaves the mount to its successor (the requests
+//! it had read are resent to the successor). Unmounting is explicit: `modelfs unmount` (the
+//! keeper tells the holder to unmount and exit, and drops its own descriptors), or Ctrl-C
+//! (`SIGINT`) of a foreground server.
+//!
+//! # io_uring
+//! A resumed connection that negotiated FUSE over io_uring gets new ring entries registered
+//! by the successor (the kernel accepts them on a connection another process initialized).
+//! `FUSE_NOTIFY_RESEND` covers only requests read over `/dev/fuse`: a request the kernel had
+//! handed to a dead process's ring entry is ended by the kernel (`ECANCELED` to the caller)
+//! when that process's ring goes away. BENCHMARKS.md gives the measured count.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use rustix::net::{
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::fuse::{Connection, Handover};
+
+/// The keeper's message format; a keeper refuses messages of another.
+pub const KEEPER_PROTOCOL: u32 = 1;
+
+/// Longest message (a session's description).
+const MESSAGE_MAX: usize = 16 * 1024;
+
+/// What the keeper knows of a session besides its descriptors.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionMeta {
+    pub mountpoint: PathBuf,
+    pub connection: Connection,
+    /// The version of the mount server that deposited it.
+    pub server: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+enum Request {
+    /// With three descriptors: `/dev/fuse`, the journal, the directory under the mount.
+    Deposit {
+        protocol: u32,
+        meta: SessionMeta,
+    },
+    /// Waits up to `wait_ms` for the previous holder to be gone.
+    Take {
+        protocol: u32,
+        mountpoint: PathBuf,
+        wait_ms: u64,
+    },
+    /// Drops the session; its holder is told to unmount and exit.
+    Release {
+        protocol: u32,
+        mountpoint: PathBuf,
+    },
+    List {
+        protocol: u32,
+    },
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+enum Reply {
+    Done,
+    /// With the session's three descriptors.
+    Session {
+        meta: SessionMeta,
+        holder_gone: bool,
+    },
+    NoSession,
+    Sessions {
+        sessions: Vec<SessionMeta>,
+    },
+    /// Sent unasked to a holder whose session was released.
+    Stop,
+    Refused {
+        reason: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeeperError {
+    #[error("keeper socket {path}: {source}")]
+    Unavailable { path: PathBuf, source: io::Error },
+    #[error("keeper: {0}")]
+    Protocol(String),
+    #[error("keeper refused: {0}")]
+    Refused(String),
+    #[error("keeper: {0}")]
+    Io(#[from] io::Error),
+}
+
+fn send(sock: &OwnedFd, message: &impl Serialize, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let bytes = serde_json::to_vec(message).map_err(io::Error::other)?;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::other("too many descriptors for one message"));
+    }
+    rustix::net::sendmsg(
+        sock,
+        &[IoSlice::new(&bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
+    Ok(())
+}
+
+/// One message and the descriptors that came with it; `None` at the end of the stream.
+fn receive<T: for<'de> Deserialize<'de>>(sock: &OwnedFd) -> io::Result<Option<(T, Vec<OwnedFd>)>> {
+    let mut buf = vec![0u8; MESSAGE_MAX];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = loop {
+        match rustix::net::recvmsg(
+            sock,
+            &mut [IoSliceMut::new(&mut buf)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(got) => break got,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let mut fds = Vec::new();
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = message {
+            fds.extend(received);
+        }
+    }
+    if got.bytes == 0 {
+        return Ok(None);
+    }
+    let message = serde_json::from_slice(&buf[..got.bytes])
+        .map_err(|e| io::Error::other(format!("malformed keeper message: {e}")))?;
+    Ok(Some((message, fds)))
+}
+
+fn connect(socket: &Path) -> Result<OwnedFd, KeeperError> {
+    let unavailable = |source: io::Error| KeeperError::Unavailable {
+        path: socket.to_path_buf(),
+        source,
+    };
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| unavailable(e.into()))?;
+    let addr = SocketAddrUnix::new(socket).map_err(|e| unavailable(e.into()))?;
+    rustix::net::connect(&sock, &addr).map_err(|e| unavailable(e.into()))?;
+    Ok(sock)
+}
+
+fn ask(sock: &OwnedFd, request: &Request) -> Result<(Reply, Vec<OwnedFd>), KeeperError> {
+    send(sock, request, &[])?;
+    match receive::<Reply>(sock)? {
+        Some((Reply::Refused { reason }, _)) => Err(KeeperError::Refused(reason)),
+        Some(reply) => Ok(reply),
+        None => Err(KeeperError::Protocol(
+            "the keeper closed the connection".into(),
+        )),
+    }
+}
+
+/// Whether a keeper answers at `socket`.
+pub fn keeper_running(socket: &Path) -> bool {
+    connect(socket)
+        .and_then(|s| {
+            ask(
+                &s,
+                &Request::List {
+                    protocol: KEEPER_PROTOCOL,
+                },
+            )
+        })
+        .is_ok()
+}
+
+/// A session taken from the keeper.
+pub struct Taken {
+    pub meta: SessionMeta,
+    pub handover: Handover,
+    /// The directory underneath the mount.
+    pub under: OwnedFd,
+}
+
+/// Asks the keeper for the session of `mountpoint`, waiting up to `wait` for its previous
+/// holder to be gone. `Ok(None)`: no session there. An error if the holder is still there
+/// after `wait` (a second server must not serve the same connection).
+pub fn take(
+    socket: &Path,
+    mountpoint: &Path,
+    wait: Duration,
+) -> Result<Option<Taken>, KeeperError> {
+    let sock = connect(socket)?;
+    let (reply, mut fds) = ask(
+        &sock,
+        &Request::Take {
+            protocol: KEEPER_PROTOCOL,
+            mountpoint: mountpoint.to_path_buf(),
+            wait_ms: wait.as_millis() as u64,
+        },
+    )?;
+    match reply {
+        Reply::NoSession => Ok(None),
+        Reply::Session { meta, holder_gone } => {
+            if !holder_gone {
+                return Err(KeeperError::Refused(format!(
+                    "another mount server still serves {} (it did not exit within {} s)",
+                    mountpoint.display(),
+                    wait.as_secs()
+                )));
+            }
+            if fds.len() != 3 {
+                return Err(KeeperError::Protocol(format!(
+                    "a session came with {} descriptors, not 3",
+                    fds.len()
+                )));
+            }
+            let under = fds.pop().expect("3 descriptors");
+            let journal = fds.pop().expect("3 descriptors");
+            let dev = fds.pop().expect("3 descriptors");
+            Ok(Some(Taken {
+                handover: Handover {
+                    dev,
+                    journal,
+                    connection: meta.connection.clone(),
+                },
+                meta,
+                under,
+            }))
+        }
+        other => Err(KeeperError::Protocol(format!("unexpected reply {other:?}"))),
+    }
+}
+
+/// Drops the session of `mountpoint` from the keeper; its holder (if any) is told to unmount
+/// and exit. Whether the keeper had one.
+pub fn release(socket: &Path, mountpoint: &Path) -> Result<bool, KeeperError> {
+    let sock = connect(socket)?;
+    let (reply, _) = ask(
+        &sock,
+        &Request::Release {
+            protocol: KEEPER_PROTOCOL,
+            mountpoint: mountpoint.to_path_buf(),
+        },
+    )?;
+    Ok(matches!(reply, Reply::Done))
+}
+
+/// The sessions the keeper holds.
+pub fn list(socket: &Path) -> Result<Vec<SessionMeta>, KeeperError> {
+    let sock = connect(socket)?;
+    match ask(
+        &sock,
+        &Request::List {
+            protocol: KEEPER_PROTOCOL,
+        },
+    )? {
+        (Reply::Sessions { sessions }, _) => Ok(sessions),
+        (other, _) => Err(KeeperError::Protocol(format!("unexpected reply {other:?}"))),
+    }
+}
+
+/// What a holder deposits.
+pub struct Deposit {
+    pub meta: SessionMeta,
+    pub dev: OwnedFd,
+    pub journal: OwnedFd,
+    pub under: OwnedFd,
+}
+
+/// What a holder's link reports.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HolderEvent {
+    /// The session was released (`modelfs unmount`): unmount and exit.
+    Stop,
+}
+
+/// A mount server's link to the keeper: deposits its session and deposits it again whenever
+/// the keeper comes back; the link's end tells the keeper the holder is gone.
+pub struct Holder {
+    shared: Arc<HolderShared>,
+}
+
+struct HolderShared {
+    socket: PathBuf,
+    deposit: Mutex<Option<Arc<Deposit>>>,
+    /// Bumped when the deposit changes (a fresh mount after the connection died).
+    generation: Mutex<u64>,
+    changed: Condvar,
+    deposited: Mutex<u64>,
+    deposited_cv: Condvar,
+}
+
+/// How often a holder retries a keeper that is away.
+const RECONNECT: Duration = Duration::from_millis(250);
+
+impl Holder {
+    /// Starts the link thread; `on_event` is called from it.
+    pub fn start(
+        socket: PathBuf,
+        deposit: Deposit,
+        on_event: impl Fn(HolderEvent) + Send + 'static,
+    ) -> io::Result<Self> {
+        let shared = Arc::new(HolderShared {
+            socket,
+            deposit: Mutex::new(Some(Arc::new(deposit))),
+            generation: Mutex::new(1),
+            changed: Condvar::new(),
+            deposited: Mutex::new(0),
+            deposited_cv: Condvar::new(),
+        });
+        let thread_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("keeper-link".into())
+            .spawn(move || thread_shared.run(&on_event))?;
+        Ok(Self { shared })
+    }
+
+    /// Replaces the deposited session (a new connection).
+    pub fn replace(&self, deposit: Deposit) {
+        *lock(&self.shared.deposit) = Some(Arc::new(deposit));
+        *lock(&self.shared.generation) += 1;
+        self.shared.changed.notify_all();
+    }
+
+    /// Ends the link without a word to the keeper (the session is being released).
+    pub fn close(&self) {
+        *lock(&self.shared.deposit) = None;
+        *lock(&self.shared.generation) += 1;
+        self.shared.changed.notify_all();
+    }
+
+    /// Waits up to `timeout` until the current session is deposited; whether it is.
+    pub fn wait_deposited(&self, timeout: Duration) -> bool {
+        let want = *lock(&self.shared.generation);
+        let deadline = Instant::now() + timeout;
+        let mut got = lock(&self.shared.deposited);
+        while *got < want {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            got = self
+                .shared
+                .deposited_cv
+                .wait_timeout(got, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl HolderShared {
+    fn run(&self, on_event: &dyn Fn(HolderEvent)) {
+        let mut warned = false;
+        loop {
+            let generation = *lock(&self.generation);
+            let Some(deposit) = lock(&self.deposit).clone() else {
+                return;
+            };
+            let sock = match connect(&self.socket) {
+                Ok(s) => s,
+                Err(e) => {
+                    if !warned {
+                        tracing::warn!(error = %e, "no keeper: the mount will not survive this process until one runs");
+                        warned = true;
+                    }
+                    std::thread::sleep(RECONNECT);
+                    continue;
+                }
+            };
+            let request = Request::Deposit {
+                protocol: KEEPER_PROTOCOL,
+                meta: deposit.meta.clone(),
+            };
+            let fds = [
+                deposit.dev.as_fd(),
+                deposit.journal.as_fd(),
+                deposit.under.as_fd(),
+            ];
+            let outcome = send(&sock, &request, &fds).and_then(|_| receive::<Reply>(&sock));
+            match outcome {
+                Ok(Some((Reply::Done, _))) => {}
+                Ok(Some((Reply::Refused { reason }, _))) => {
+                    tracing::error!(reason, "the keeper refused the session");
+                    std::thread::sleep(RECONNECT * 4);
+                    continue;
+                }
+                other => {
+                    tracing::warn!(?other, "depositing the session with the keeper failed");
+                    std::thread::sleep(RECONNECT);
+                    continue;
+                }
+            }
+            if warned {
+                tracing::info!("the keeper holds the mount again");
+                warned = false;
+            }
+            *lock(&self.deposited) = generation;
+            self.deposited_cv.notify_all();
+            // Wait for the keeper to go away, to say stop, or for a new deposit.
+            loop {
+                let readable = wait_readable(&sock, Duration::from_millis(200));
+                if readable {
+                    match receive::<Reply>(&sock) {
+                        Ok(Some((Reply::Stop, _))) => {
+                            // A holder that closed its link is releasing the session itself.
+                            if lock(&self.deposit).is_some() {
+                                on_event(HolderEvent::Stop);
+                            }
+                            return;
+                        }
+                        Ok(Some(_)) => continue,
+                        Ok(None) | Err(_) => {
+                            tracing::warn!("the keeper went away; depositing the session again once it is back");
+                            break;
+                        }
+                    }
+                }
+                if *lock(&self.generation) != generation {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+fn wait_readable(sock: &OwnedFd, timeout: Duration) -> bool {
+    let mut fds = [rustix::event::PollFd::new(
+        sock,
+        rustix::event::PollFlags::IN,
+    )];
+    let ts = rustix::event::Timespec {
+        tv_sec: timeout.as_secs() as i64,
+        tv_nsec: i64::from(timeout.subsec_nanos()),
+    };
+    matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0)
+}
+
+// ---------------------------------------------------------------------------------------
+// The keeper process.
+
+struct Held {
+    meta: SessionMeta,
+    dev: OwnedFd,
+    journal: OwnedFd,
+    under: OwnedFd,
+    /// The connection of the process that deposited it, while open.
+    holder: Option<u64>,
+}
+
+#[derive(Default)]
+struct KeeperState {
+    sessions: HashMap<PathBuf, Held>,
+    /// Open client connections (a holder's link gets `Stop` through it).
+    links: HashMap<u64, Arc<OwnedFd>>,
+    ever_held: bool,
+}
+
+struct Keeper {
+    state: Mutex<KeeperState>,
+    changed: Condvar,
+}
+
+/// Options of `modelfs keeper`.
+#[derive(Clone, Debug)]
+pub struct KeeperConfig {
+    pub socket: PathBuf,
+    /// Exit once no session is held any more (standalone use: the keeper `modelfs serve`
+    /// starts), or after a minute if none was ever deposited.
+    pub exit_when_empty: bool,
+    /// Start a new session first: a Ctrl-C or a kill of the process group of the server that
+    /// started it does not reach it.
+    pub detach: bool,
+}
+
+/// Detaches the mount at `path` (lazily: open files keep working until closed).
+pub fn detach_mount(path: &Path) -> io::Result<()> {
+    rustix::mount::unmount(path, rustix::mount::UnmountFlags::DETACH).map_err(io::Error::from)
+}
+
+/// Binds the keeper's socket: its directory is created 0700 if missing (an existing one keeps
+/// its mode), a stale socket nobody answers on is replaced, anything else at the path is an
+/// error.
+fn bind(path: &Path) -> anyhow::Result<OwnedFd> {
+    use anyhow::Context;
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .context("the keeper socket path has no directory")?;
+    if !parent.exists() {
+        std::fs::create_dir_all(parent)?;
+        std::fs::set_permissions(parent, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if keeper_running(path) {
+                anyhow::bail!("a keeper already answers on {}", path.display());
+            }
+            std::fs::remove_file(path)?;
+        }
+        Ok(_) => anyhow::bail!("{} exists and is not a socket", path.display()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    let sock = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
+    rustix::net::bind(&sock, &SocketAddrUnix::new(path)?)
+        .with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    rustix::net::listen(&sock, 16)?;
+    Ok(sock)
+}
+
+/// Runs the keeper until it is told to exit (never, unless `exit_when_empty`).
+pub fn run_keeper(config: KeeperConfig) -> anyhow::Result<()> {
+    if config.detach {
+        let _ = rustix::process::setsid();
+    }
+    let listener = bind(&config.socket)?;
+    tracing::info!(socket = %config.socket.display(), "keeper listening");
+    let keeper = Arc::new(Keeper {
+        state: Mutex::new(KeeperState::default()),
+        changed: Condvar::new(),
+    });
+    let watch = keeper.clone();
+    std::thread::Builder::new()
+        .name("keeper-watch".into())
+        .spawn(move || watch.watch_connections())?;
+    let started = Instant::now();
+    let mut next_link = 1u64;
+    loop {
+        if config.exit_when_empty {
+            let st = lock(&keeper.state);
+            let empty = st.sessions.is_empty();
+            if empty && (st.ever_held || started.elapsed() > Duration::from_secs(60)) {
+                tracing::info!("no session left to keep; the keeper exits");
+                return Ok(());
+            }
+        }
+        let mut fds = [rustix::event::PollFd::new(
+            &listener,
+            rustix::event::PollFlags::IN,
+        )];
+        let ts = rustix::event::Timespec {
+            tv_sec: 1,
+            tv_nsec: 0,
+        };
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+            Ok(_) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let sock = match rustix::net::accept_with(&listener, SocketFlags::CLOEXEC) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                continue;
+            }
+        };
+        match rustix::net::sockopt::socket_peercred(&sock) {
+            Ok(cred) if cred.uid.is_root() => {}
+            Ok(cred) => {
+                tracing::warn!(
+                    uid = cred.uid.as_raw(),
+                    "refused a keeper client that is not root"
+                );
+                let _ = send(
+                    &sock,
+                    &Reply::Refused {
+                        reason: "only root may talk to the keeper".into(),
+                    },
+                    &[],
+                );
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "keeper client credentials unreadable");
+                continue;
+            }
+        }
+        let id = next_link;
+        next_link += 1;
+        let sock = Arc::new(sock);
+        lock(&keeper.state).links.insert(id, sock.clone());
+        let k = keeper.clone();
+        std::thread::Builder::new()
+            .name(format!("keeper-client-{id}"))
+            .spawn(move || {
+                k.serve_client(id, &sock);
+                k.client_gone(id);
+            })?;
+    }
+}
+
+impl Keeper {
+    fn serve_client(&self, id: u64, sock: &OwnedFd) {
+        loop {
+            let (request, mut fds) = match receive::<Request>(sock) {
+                Ok(Some(r)) => r,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "keeper client sent a bad message");
+                    let _ = send(
+                        sock,
+                        &Reply::Refused {
+                            reason: e.to_string(),
+                        },
+                        &[],
+                    );
+                    return;
+                }
+            };
+            let protocol = match &request {
+                Request::Deposit { protocol, .. }
+                | Request::Take { protocol, .. }
+                | Request::Release { protocol, .. }
+                | Request::List { protocol } => *protocol,
+            };
+            if protocol != KEEPER_PROTOCOL {
+                let _ = send(
+                    sock,
+                    &Reply::Refused {
+                        reason: format!(
+                            "keeper protocol {protocol} asked, this keeper speaks {KEEPER_PROTOCOL}"
+                        ),
+                    },
+                    &[],
+                );
+                return;
+            }
+            let result = match request {
+                Request::Deposit { meta, .. } => {
+                    if fds.len() != 3 || !is_fuse_device(&fds[0]) {
+                        send(
+                            sock,
+                            &Reply::Refused {
+                                reason: "a deposit carries /dev/fuse, the journal and the directory under the mount".into(),
+                            },
+                            &[],
+                        )
+                    } else {
+                        let under = fds.pop().expect("3");
+                        let journal = fds.pop().expect("3");
+                        let dev = fds.pop().expect("3");
+                        tracing::info!(mountpoint = %meta.mountpoint.display(), server = %meta.server, "session deposited");
+                        let mut st = lock(&self.state);
+                        st.ever_held = true;
+                        st.sessions.insert(
+                            meta.mountpoint.clone(),
+                            Held {
+                                meta,
+                                dev,
+                                journal,
+                                under,
+                                holder: Some(id),
+                            },
+                        );
+                        drop(st);
+                        self.changed.notify_all();
+                        send(sock, &Reply::Done, &[])
+                    }
+                }
+                Request::Take {
+                    mountpoint,
+                    wait_ms,
+                    ..
+                } => self.take(sock, id, &mountpoint, Duration::from_millis(wait_ms)),
+                Request::Release { mountpoint, .. } => {
+                    let held = lock(&self.state).sessions.remove(&mountpoint);
+                    match held {
+                        Some(held) => {
+                            tracing::info!(mountpoint = %mountpoint.display(), "session released");
+                            if let Some(holder) = held.holder {
+                                let link = lock(&self.state).links.get(&holder).cloned();
+                                if let Some(link) = link {
+                                    let _ = send(&link, &Reply::Stop, &[]);
+                                }
+                            }
+                            drop(held);
+                            self.changed.notify_all();
+                            send(sock, &Reply::Done, &[])
+                        }
+                        None => send(sock, &Reply::NoSession, &[]),
+                    }
+                }
+                Request::List { .. } => {
+                    let sessions = lock(&self.state)
+                        .sessions
+                        .values()
+                        .map(|h| h.meta.clone())
+                        .collect();
+                    send(sock, &Reply::Sessions { sessions }, &[])
+                }
+            };
+            if result.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn take(&self, sock: &OwnedFd, id: u64, mountpoint: &Path, wait: Duration) -> io::Result<()> {
+        let deadline = Instant::now() + wait.min(Duration::from_secs(60));
+        let mut st = lock(&self.state);
+        loop {
+            let Some(held) = st.sessions.get(mountpoint) else {
+                drop(st);
+                return send(sock, &Reply::NoSession, &[]);
+            };
+            let holder_gone = match held.holder {
+                None => true,
+                Some(h) => h == id,
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if holder_gone || left.is_zero() {
+                let reply = Reply::Session {
+                    meta: held.meta.clone(),
+                    holder_gone,
+                };
+                let fds = [held.dev.as_fd(), held.journal.as_fd(), held.under.as_fd()];
+                return send(sock, &reply, &fds);
+            }
+            st = self
+                .changed
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn client_gone(&self, id: u64) {
+        let mut st = lock(&self.state);
+        st.links.remove(&id);
+        for held in st.sessions.values_mut() {
+            if held.holder == Some(id) {
+                tracing::info!(mountpoint = %held.meta.mountpoint.display(), "the holder of a session is gone; keeping it for the next");
+                held.holder = None;
+            }
+        }
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    /// Drops sessions whose connection died (aborted, or unmounted everywhere): `/dev/fuse`
+    /// then polls `POLLERR`. Nothing else is read from the connection.
+    fn watch_connections(&self) {
+        loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let mut st = lock(&self.state);
+            let dead: Vec<PathBuf> = st
+                .sessions
+                .iter()
+                .filter(|(_, h)| connection_dead(&h.dev))
+                .map(|(p, _)| p.clone())
+                .collect();
+            for p in dead {
+                tracing::info!(mountpoint = %p.display(), "the connection of a session ended; dropped");
+                st.sessions.remove(&p);
+            }
+            drop(st);
+            self.changed.notify_all();
+        }
+    }
+}
+
+fn is_fuse_device(fd: &OwnedFd) -> bool {
+    // /dev/fuse is character device 10:229.
+    rustix::fs::fstat(fd).is_ok_and(|st| {
+        rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::CharacterDevice
+            && rustix::fs::major(st.st_rdev) == 10
+            && rustix::fs::minor(st.st_rdev) == 229
+    })
+}
+
+/// Whether a `/dev/fuse` descriptor's connection is gone (`POLLERR`, without reading).
+pub fn connection_dead(dev: &OwnedFd) -> bool {
+    let mut fds = [rustix::event::PollFd::new(
+        dev,
+        rustix::event::PollFlags::empty(),
+    )];
+    let ts = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(n) if n > 0 => fds[0]
+            .revents()
+            .intersects(rustix::event::PollFlags::ERR | rustix::event::PollFlags::HUP),
+        _ => false,
+    }
+}
+
+/// The device number of the mount at exactly `path` from `/proc/self/mountinfo`, if it is a
+/// modelfs FUSE mount; read without touching the mount (a `stat` of a connection nobody
+/// serves would wait for a server).
+pub fn modelfs_mount_dev(path: &Path) -> Option<u64> {
+    crate::fuse::mount_info_dev(path)
+}
+
+/// Whether `path` is a socket file (for `--keeper-socket` checks).
+pub fn is_socket(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
+}
+
+/// `st_dev` of an open directory (the mount's root is the connection's device).
+pub fn dev_of(fd: &impl AsFd) -> io::Result<u64> {
+    Ok(rustix::fs::fstat(fd)?.st_dev)
+}

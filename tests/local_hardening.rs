@@ -121,7 +121,7 @@ fn a_fifo_swapped_in_during_an_import_fails_the_model_and_sigterm_still_exits() 
     let log = d.log.clone();
     assert!(
         d.stop(),
-        "the daemon did not exit cleanly on SIGTERM; log:\n{}",
+        "the daemon did not exit cleanly on SIGINT; log:\n{}",
         std::fs::read_to_string(log).unwrap_or_default()
     );
 }
@@ -210,7 +210,7 @@ fn a_daemon_whose_import_is_blocked_in_the_kernel_exits_promptly_on_sigterm() {
     // `stop` waits 30 s for the exit: generous next to the daemon's own bounds.
     assert!(
         d.stop(),
-        "the daemon did not exit on SIGTERM while an import was blocked; log:\n{}",
+        "the daemon did not exit on SIGINT while an import was blocked; log:\n{}",
         std::fs::read_to_string(log).unwrap_or_default()
     );
     drop(hung);

@@ -154,7 +154,7 @@ fn serve_one_model(mode: &str, transport: Transport) {
     assert!(d.stop(), "clean shutdown");
     assert!(
         !sh("cat /proc/self/mountinfo").contains(env.mount.to_str().unwrap()),
-        "SIGTERM must unmount"
+        "Ctrl-C (SIGINT) must unmount"
     );
 }
 
@@ -608,7 +608,9 @@ fn reopening_a_file_reuses_its_passthrough_registration_over_io_uring() {
     reopening_a_file_reuses_its_passthrough_registration_over(Transport::Uring);
 }
 
-/// `--fuse-transport auto` (the default) takes the ring when the kernel offers it.
+/// `--fuse-transport auto` (the default) takes the ring when the kernel offers it and no
+/// keeper holds the connection; with a keeper it keeps to /dev/fuse, which a restart resumes
+/// without losing a request (see `tests/takeover.rs`).
 #[test]
 fn auto_transport_uses_io_uring_when_the_kernel_offers_it() {
     let env = TestEnv::new();
@@ -618,9 +620,18 @@ fn auto_transport_uses_io_uring_when_the_kernel_offers_it() {
         "m.yaml",
         &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
     );
-    let d = Daemon::start(&env, &["--fuse-transport", "auto"]);
+    let d = Daemon::start(&env, &["--fuse-transport", "auto", "--no-keeper"]);
     d.wait_model("clusterbasemodel.m", "Ready");
     assert_mount_equals_source(&env.mount.join("m"), &src);
     Transport::Uring.assert_served(&d);
     assert!(d.log_text().contains("serving FUSE requests over io_uring"));
+    assert!(d.stop(), "clean shutdown");
+
+    let d = Daemon::start(&env, &["--fuse-transport", "auto"]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_mount_equals_source(&env.mount.join("m"), &src);
+    Transport::Dev.assert_served(&d);
+    assert!(d
+        .log_text()
+        .contains("--fuse-transport auto with a keeper: serving over /dev/fuse"));
 }

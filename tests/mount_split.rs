@@ -799,7 +799,7 @@ fn serve_runs_the_agent_as_a_supervised_child() {
         assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
     }
     assert_eq!(mount_id(&env.mount), Some(id));
-    // SIGTERM stops both and unmounts.
+    // Ctrl-C (SIGINT) stops both and unmounts.
     let agent = children(d.pid());
     assert!(d.stop(), "clean exit");
     assert!(mount_id(&env.mount).is_none());

@@ -65,7 +65,7 @@ fn without_io_uring_auto_serves_over_dev_fuse_and_uring_refuses_to_mount() {
         "nothing mounted"
     );
 
-    let d = Daemon::start(&env, &["--fuse-transport", "auto"]);
+    let d = Daemon::start(&env, &["--fuse-transport", "auto", "--no-keeper"]);
     d.wait_model("clusterbasemodel.m", "Ready");
     for (rel, sha) in files_of(&src) {
         let data = std::fs::read(env.mount.join("m").join(&rel)).unwrap();

@@ -19,16 +19,35 @@ pub struct KeeperArgs {
     /// Exit once no session is held any more (the keeper `modelfs serve` starts by itself).
     #[arg(long)]
     exit_when_empty: bool,
-    /// Start a new session, detached from the terminal (`modelfs serve` starts it so).
+    /// Run in the background: start the keeper as a process of its own session (not a child
+    /// of the caller: `modelfs serve` starts it so) and return at once.
     #[arg(long)]
     detach: bool,
+    /// Set internally by `--detach`: the background keeper itself.
+    #[arg(long, hide = true)]
+    new_session: bool,
 }
 
 pub fn run_keeper(args: KeeperArgs) -> Result<()> {
+    let socket = super::absolute(&args.socket)?;
+    if args.detach {
+        let mut cmd =
+            std::process::Command::new(std::env::current_exe().context("finding the binary")?);
+        cmd.arg("keeper")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--new-session");
+        if args.exit_when_empty {
+            cmd.arg("--exit-when-empty");
+        }
+        // This process exits now: the keeper is reparented, a child of nobody who may kill it.
+        cmd.spawn().context("starting the keeper")?;
+        return Ok(());
+    }
     modelfs_mount::takeover::run_keeper(modelfs_mount::takeover::KeeperConfig {
-        socket: super::absolute(&args.socket)?,
+        socket,
         exit_when_empty: args.exit_when_empty,
-        detach: args.detach,
+        detach: args.new_session,
     })
 }
 
@@ -47,7 +66,7 @@ pub fn ensure_keeper(socket: &Path) -> Result<()> {
         .open(&log_path)
         .with_context(|| format!("opening {}", log_path.display()))?;
     let exe = std::env::current_exe().context("finding the modelfs binary")?;
-    let child = std::process::Command::new(exe)
+    let status = std::process::Command::new(exe)
         .arg("keeper")
         .arg("--socket")
         .arg(socket)
@@ -56,16 +75,14 @@ pub fn ensure_keeper(socket: &Path) -> Result<()> {
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(log)
-        .spawn()
+        .status()
         .context("starting the keeper")?;
-    // Reaped if it exits while this process runs (it outlives this process otherwise).
-    let mut child = child;
-    std::thread::Builder::new()
-        .name("keeper-reaper".into())
-        .spawn(move || {
-            let _ = child.wait();
-        })
-        .context("starting the keeper's reaper")?;
+    if !status.success() {
+        anyhow::bail!(
+            "starting the keeper failed ({status}; see {})",
+            log_path.display()
+        );
+    }
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         if modelfs_mount::takeover::keeper_running(socket) {

@@ -449,6 +449,20 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         }
         Some(path)
     };
+    // A request the kernel handed to a dead process's io_uring entry is not resent to its
+    // successor (FUSE_NOTIFY_RESEND covers /dev/fuse only), so with a keeper `auto` keeps to
+    // /dev/fuse, where a restart loses nothing (deploy/UPGRADE.md).
+    let transport = match (args.fuse_transport, &keeper) {
+        (FuseTransport::Auto, Some(_)) => {
+            tracing::info!("--fuse-transport auto with a keeper: serving over /dev/fuse, which a restart resumes without losing a request");
+            FuseTransport::Dev
+        }
+        (FuseTransport::Uring, Some(_)) => {
+            tracing::warn!("--fuse-transport uring with a keeper: a request in flight over io_uring when this process dies is not resent to its successor");
+            FuseTransport::Uring
+        }
+        (t, _) => t,
+    };
     let config = modelfs_mount::server::ServerConfig {
         mount: absolute(&args.mount)?,
         state: absolute(&args.state)?,
@@ -457,7 +471,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         fuse: FuseConfig {
             passthrough: args.passthrough,
             threads: args.fuse_threads,
-            transport: args.fuse_transport,
+            transport,
             ..FuseConfig::default()
         },
     };

@@ -368,12 +368,13 @@ impl Daemon {
         self.mount = PathBuf::new();
     }
 
-    /// SIGTERM and wait for a clean exit; returns whether it exited successfully.
+    /// SIGINT (Ctrl-C: the end of the mount) and wait for a clean exit; returns whether it
+    /// exited successfully. (SIGTERM hands the mount on instead: see `tests/takeover.rs`.)
     pub fn stop(mut self) -> bool {
         let Some(mut c) = self.child.take() else {
             return false;
         };
-        terminate(c.id());
+        interrupt(c.id());
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Ok(Some(status)) = c.try_wait() {
@@ -602,6 +603,12 @@ pub fn files_of(src: &Path) -> BTreeMap<String, String> {
 }
 
 /// SIGTERM to a child process of this test.
+pub fn interrupt(pid: u32) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
+    }
+}
+
 pub fn terminate(pid: u32) {
     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);

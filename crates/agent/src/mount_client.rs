@@ -74,6 +74,7 @@ pub fn handshake(
         &mut stream,
         &AgentMessage::Hello {
             protocol: version,
+            protocol_min: Some(protocol::PROTOCOL_MIN.min(version)),
             agent: env!("CARGO_PKG_VERSION").to_string(),
             held_artifacts: true,
         },
@@ -120,9 +121,10 @@ pub fn handshake(
             passthrough,
             artifacts,
         } => {
-            if protocol != version {
+            if protocol > version || protocol < protocol::PROTOCOL_MIN.min(version) {
                 return Err(ConnectError::Protocol(format!(
-                    "server answered with protocol version {protocol}"
+                    "server answered with protocol version {protocol}, outside the versions this agent speaks ({} to {version})",
+                    protocol::PROTOCOL_MIN.min(version)
                 )));
             }
             Welcome {

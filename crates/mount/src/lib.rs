@@ -78,34 +78,26 @@
 //! read. Until the server has confirmed the latest mapping and reported after it (and whenever
 //! it is away) every store counts as in use: GC waits, it never guesses.
 //!
-//! # Kernel references across a mount server restart: what fuser 0.18 lacks
-//! A restarted mount server makes a fresh mount; it cannot resume the old FUSE connection. Linux
-//! would allow it (keep the `/dev/fuse` descriptor alive in another process or pass it over a
-//! socket; since 6.9 `FUSE_NOTIFY_RESEND` asks the kernel to resend requests that were read
-//! but not answered), but fuser 0.18.0, the project's FUSE library, has no API for it:
-//! * `Session::from_fd(fs, fd, acl, config)` wraps an existing descriptor but always runs
-//!   `handshake()`, which blocks reading a `FUSE_INIT` request; the kernel sends INIT once per
-//!   connection, so on an adopted, initialized connection it waits forever. There is no way to
-//!   construct a session in the initialized state (its `proto_version` is private and set only
-//!   by that handshake), nor to hand it the negotiated `KernelConfig`.
-//! * No notification `FUSE_NOTIFY_RESEND`: `Notifier` offers `inval_entry`, `inval_inode`,
-//!   `store`, `delete` and `poll`; the notify codes (`ll::fuse_abi::fuse_notify_code`) stop at
-//!   `FUSE_NOTIFY_DELETE = 6` and are crate-private, so requests the dead process had read but
-//!   not answered would hang their callers.
-//! * No access to a running session's descriptor to hand over (`Session`/`BackgroundSession`
-//!   implement no `AsFd`; only the crate-private `Channel` does), and `BackingId`s (passthrough)
-//!   are tied to the descriptor that registered them.
-//! * Even with those, the new process would need the old one's per-connection state: which
-//!   inode numbers the kernel holds and their lookup counts, and open file handles `fh` with
-//!   their backing ids; fuser passes none of that through.
-//!
-//! So the mount server is kept small and is not upgraded with the agent: Kubernetes runs it as
-//! its own DaemonSet with `updateStrategy: OnDelete` (see `deploy/`).
+//! # Kernel references across a mount server restart
+//! The FUSE connection outlives the mount server process ([`takeover`]): a keeper process
+//! holds a duplicate of its `/dev/fuse` descriptor, and a restarted or upgraded server resumes
+//! it instead of mounting afresh. `fuser` 0.18 cannot adopt an initialized connection
+//! (`Session::from_fd` always waits for a `FUSE_INIT` the kernel sends once per connection,
+//! it has no `FUSE_NOTIFY_RESEND`, and it passes on none of the per-connection state a
+//! successor needs), so it is kept for what its API does (mounting and answering `INIT`) and
+//! the project's own loop serves every connection ([`fuse`]). What the kernel holds beyond a
+//! connection's descriptor is made recoverable: inode numbers through the inode log
+//! (`<state>/mount-server/inodes.log`, written before a mapping that shows new numbers to the
+//! kernel is swapped in: [`vfs::InodeRecord`]), open file handles and passthrough backing ids
+//! through the journal that travels with the descriptor ([`fuse::journal`]), and requests read
+//! but not answered through `FUSE_NOTIFY_RESEND`.
 //!
 //! # Standalone
 //! `modelfs serve` is still one command: it runs the mount server and supervises
 //! `modelfs agent` (same arguments) as its child ([`supervise`]): restarted with backoff, each
-//! death logged with its reason, killed with its parent (`PR_SET_PDEATHSIG`).
+//! death logged with its reason, killed with its parent (`PR_SET_PDEATHSIG`). It starts a
+//! keeper of its own, so a SIGKILL of `serve` is survived as well: the same command started
+//! again resumes the mount.
 
 #![forbid(unsafe_code)]
 

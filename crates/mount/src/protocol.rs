@@ -22,7 +22,12 @@
 //!    retired slots): what garbage collection must not remove.
 //!
 //! Version changes: a new field with a default keeps the version; anything an older peer would
-//! misread bumps [`PROTOCOL_VERSION`].
+//! misread bumps [`PROTOCOL_VERSION`]. Each side speaks a range of versions,
+//! [`PROTOCOL_MIN`]..=[`PROTOCOL_VERSION`]: `hello` carries the agent's range, the server
+//! answers with the newest version both speak ([`negotiate`]) in `welcome`, or refuses naming
+//! both ranges. So the agent's and the mount server's DaemonSets are upgraded independently, in
+//! either order, as long as the ranges overlap (a version is dropped from `PROTOCOL_MIN` only
+//! a release after its successor shipped).
 
 use std::collections::BTreeMap;
 use std::io::{self, BufRead, Write};
@@ -32,8 +37,17 @@ use serde::{Deserialize, Serialize};
 use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use modelfs_core::store::StoreId;
 
-/// The protocol this build speaks.
+/// The newest protocol version this build speaks.
 pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The oldest protocol version this build still speaks.
+pub const PROTOCOL_MIN: u32 = 1;
+
+/// The version two peers use: the newest both speak, if their ranges overlap.
+pub fn negotiate(ours: (u32, u32), theirs: (u32, u32)) -> Option<u32> {
+    let newest = ours.1.min(theirs.1);
+    (newest >= ours.0.max(theirs.0)).then_some(newest)
+}
 
 /// Longest message accepted (a mapping of many large manifests fits; a runaway peer does not
 /// exhaust memory).
@@ -46,7 +60,11 @@ pub const MAX_HELLO_BYTES: u64 = 64 * 1024;
 #[serde(rename_all = "snake_case")]
 pub enum AgentMessage {
     Hello {
+        /// The newest version the agent speaks.
         protocol: u32,
+        /// The oldest; absent from an agent that speaks one version only.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        protocol_min: Option<u32>,
         /// The agent's build (`CARGO_PKG_VERSION`), for the server's log.
         agent: String,
         /// The agent reads the artifacts listed in `welcome`. An older agent's hello lacks it;
@@ -217,14 +235,27 @@ pub fn read_message<R: BufRead, M: serde::de::DeserializeOwned>(
 
 /// The protocol version of a `hello` line, read without assuming anything else about it.
 pub fn hello_version(line: &[u8]) -> Result<u32, String> {
+    hello_range(line).map(|(_, newest)| newest)
+}
+
+/// The (oldest, newest) protocol versions a `hello` line says the agent speaks, read without
+/// assuming anything else about it.
+pub fn hello_range(line: &[u8]) -> Result<(u32, u32), String> {
     let value: serde_json::Value =
         serde_json::from_slice(line).map_err(|e| format!("hello is not JSON: {e}"))?;
-    let version = value
-        .get("hello")
-        .and_then(|h| h.get("protocol"))
+    let field = |name: &str| value.get("hello").and_then(|h| h.get(name));
+    let version = field("protocol")
         .and_then(|v| v.as_u64())
         .ok_or_else(|| "the first message must be hello with a protocol version".to_string())?;
-    u32::try_from(version).map_err(|_| format!("protocol version {version} out of range"))
+    let newest =
+        u32::try_from(version).map_err(|_| format!("protocol version {version} out of range"))?;
+    let oldest = match field("protocol_min").and_then(|v| v.as_u64()) {
+        Some(v) => u32::try_from(v)
+            .map_err(|_| format!("protocol version {v} out of range"))?
+            .min(newest),
+        None => newest,
+    };
+    Ok((oldest, newest))
 }
 
 #[cfg(test)]
@@ -239,6 +270,19 @@ mod tests {
         );
         assert!(hello_version(br#"{"apply":{}}"#).is_err());
         assert!(hello_version(b"not json").is_err());
+    }
+
+    #[test]
+    fn the_newest_common_version_is_chosen() {
+        assert_eq!(negotiate((1, 3), (2, 5)), Some(3));
+        assert_eq!(negotiate((2, 5), (1, 3)), Some(3));
+        assert_eq!(negotiate((1, 1), (1, 1)), Some(1));
+        assert_eq!(negotiate((1, 2), (3, 4)), None);
+        assert_eq!(
+            hello_range(br#"{"hello":{"protocol":4,"protocol_min":2}}"#),
+            Ok((2, 4))
+        );
+        assert_eq!(hello_range(br#"{"hello":{"protocol":4}}"#), Ok((4, 4)));
     }
 
     #[test]

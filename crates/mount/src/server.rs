@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufReader, IoSlice};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -201,6 +201,11 @@ impl MountServer {
         };
 
         let core = Arc::new(FsCore::new());
+        // The inode numbers the kernel may hold: a resumed connection gets the same numbers
+        // for the same paths; a fresh one starts a new log.
+        let inodes = open_inode_log(&dir.join("inodes.log"), &core, taken.is_some())
+            .with_context(|| format!("opening {}", dir.join("inodes.log").display()))?;
+        core.set_inode_log(inodes);
         let shared = Arc::new(Shared {
             core: core.clone(),
             state,
@@ -273,6 +278,9 @@ impl MountServer {
                     t.taken.handover,
                 )
                 .with_context(|| format!("resuming the mount at {}", config.mount.display()))?;
+                // The previous process may have died between a mapping change and its
+                // invalidations: the kernel forgets every synthesized entry and listing.
+                mount.invalidate(shared.core.synthesized_invalidations());
                 if remount {
                     mount.mount_again().with_context(|| {
                         format!("mounting the kept connection at {}", config.mount.display())
@@ -380,6 +388,56 @@ impl MountServer {
     pub fn mount(&self) -> Option<Arc<MountHandle>> {
         self.shared.mount.lock().expect("mount slot").clone()
     }
+}
+
+/// Opens the inode log (see [`crate::vfs::InodeRecord`]): replayed into `core` when the
+/// connection is resumed, emptied for a fresh one. Records are JSON lines, one per apply that
+/// gave out numbers, appended before that mapping is swapped in.
+fn open_inode_log(path: &Path, core: &FsCore, resumed: bool) -> io::Result<crate::vfs::InodeLog> {
+    use std::io::Write;
+    if resumed {
+        match std::fs::read(path) {
+            Ok(bytes) => {
+                let mut count = 0usize;
+                for line in bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+                    match serde_json::from_slice::<Vec<crate::vfs::InodeRecord>>(line) {
+                        Ok(records) => {
+                            count += records.len();
+                            core.restore_inodes(records);
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, "an inode log line is unreadable; skipped")
+                        }
+                    }
+                }
+                tracing::info!(
+                    records = count,
+                    "inode numbers of the resumed connection restored"
+                );
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                tracing::warn!("no inode log: numbers the kernel holds may not resolve");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)?;
+    if !resumed {
+        file.set_len(0)?;
+    }
+    let file = Mutex::new(file);
+    Ok(Box::new(move |records| {
+        let mut line = serde_json::to_vec(records).map_err(io::Error::other)?;
+        line.push(b'\n');
+        file.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .write_all(&line)
+    }))
 }
 
 /// A session taken from the keeper, and whether it must be mounted at the path again.
@@ -599,19 +657,24 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
     let Some(line) = protocol::read_line(&mut reader, protocol::MAX_HELLO_BYTES)? else {
         return Ok(());
     };
-    match protocol::hello_version(&line) {
-        Ok(PROTOCOL_VERSION) => {}
-        Ok(v) => {
-            return refuse(
-                &mut stream,
-                format!(
-                    "agent speaks protocol version {v}, this mount server (modelfs {}) speaks version {PROTOCOL_VERSION}",
-                    env!("CARGO_PKG_VERSION")
-                ),
-            )
-        }
+    let version = match protocol::hello_range(&line) {
+        Ok(theirs) => match protocol::negotiate((protocol::PROTOCOL_MIN, PROTOCOL_VERSION), theirs) {
+            Some(v) => v,
+            None => {
+                return refuse(
+                    &mut stream,
+                    format!(
+                        "no common protocol version: the agent speaks protocol version {} (oldest {}), this mount server (modelfs {}) speaks version {PROTOCOL_VERSION} (oldest {})",
+                        theirs.1,
+                        theirs.0,
+                        env!("CARGO_PKG_VERSION"),
+                        protocol::PROTOCOL_MIN,
+                    ),
+                )
+            }
+        },
         Err(reason) => return refuse(&mut stream, reason),
-    }
+    };
     let (agent, held_artifacts) = match serde_json::from_slice::<AgentMessage>(&line) {
         Ok(AgentMessage::Hello {
             agent,
@@ -646,7 +709,12 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
                 .expect("peer writer")
                 .shutdown(std::net::Shutdown::Both);
         }
-        if let Err(e) = send_welcome(shared, &writer, artifacts.keys().cloned().collect()) {
+        if let Err(e) = send_welcome(
+            shared,
+            &writer,
+            version,
+            artifacts.keys().cloned().collect(),
+        ) {
             drop(writer);
             let mut current = shared.peer.lock().expect("peer");
             if current.as_ref().is_some_and(|p| p.id == peer.id) {
@@ -723,10 +791,11 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
 fn send_welcome(
     shared: &Shared,
     stream: &UnixStream,
+    protocol: u32,
     artifacts: Vec<ArtifactId>,
 ) -> io::Result<()> {
     let welcome = ServerMessage::Welcome {
-        protocol: PROTOCOL_VERSION,
+        protocol,
         server: env!("CARGO_PKG_VERSION").to_string(),
         mount_dev: shared.mount_dev.load(Ordering::Relaxed),
         passthrough: shared.passthrough.load(Ordering::Relaxed),

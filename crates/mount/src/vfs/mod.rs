@@ -322,8 +322,36 @@ pub struct Mapping {
     models: HashMap<u32, MountedModel>,
 }
 
+/// An inode number the core gave out: what a successor process needs to give the same numbers
+/// to the same paths (the kernel holds them across a takeover, see `crate::takeover`). Numbers
+/// are never reused: a successor also continues the counters past every number recorded.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum InodeRecord {
+    Dir {
+        path: Vec<String>,
+        ino: u64,
+    },
+    Slot {
+        path: Vec<String>,
+        artifact: ArtifactId,
+        slot: u32,
+    },
+    File {
+        path: Vec<String>,
+        content: Vec<u8>,
+        ino: u64,
+    },
+}
+
+/// Where the core writes the inode numbers it gives out, before the mapping that shows them
+/// to the kernel is swapped in (a write-ahead log: no number reaches the kernel unrecorded).
+pub type InodeLog = Box<dyn Fn(&[InodeRecord]) -> io::Result<()> + Send + Sync>;
+
 #[derive(Default)]
 struct Registries {
+    /// Numbers given out since they were last written to the inode log.
+    fresh: Vec<InodeRecord>,
     synth_ids: HashMap<Vec<String>, u64>,
     slot_ids: HashMap<(Vec<String>, ArtifactId), u32>,
     inline_ids: HashMap<(Vec<String>, Arc<[u8]>), u64>,
@@ -332,6 +360,7 @@ struct Registries {
 }
 
 pub struct FsCore {
+    inode_log: Mutex<Option<InodeLog>>,
     mapping: ArcSwap<Mapping>,
     /// Slots of the current mapping plus retired slots the kernel still references.
     slots: RwLock<HashMap<u32, Arc<Slot>>>,
@@ -453,6 +482,58 @@ impl FsCore {
             usage_epoch: AtomicU64::new(0),
             last_applied: Mutex::new(Arc::new(AppliedMapping::default())),
             remote: RwLock::new(RemoteUsage::default()),
+            inode_log: Mutex::new(None),
+        }
+    }
+
+    /// Installs the inode log (see [`InodeRecord`]); numbers given out before it was
+    /// installed are written with the next apply.
+    pub fn set_inode_log(&self, log: InodeLog) {
+        *self.inode_log.lock().unwrap_or_else(|p| p.into_inner()) = Some(log);
+    }
+
+    /// Every entry and listing of the synthesized directories, as invalidations: what a
+    /// resumed connection's kernel caches may hold from mappings this process never saw (its
+    /// predecessor may have died between a mapping change and the invalidations it called for).
+    /// Model trees need none: their content never changes under an inode number.
+    pub fn synthesized_invalidations(&self) -> Vec<Invalidation> {
+        let mapping = self.mapping.load();
+        let mut out = Vec::new();
+        for (ino, dir) in &mapping.synth {
+            for name in dir.by_name.keys() {
+                out.push(Invalidation::Entry {
+                    parent: *ino,
+                    name: name.clone(),
+                });
+            }
+        }
+        out.extend(mapping.synth.keys().map(|&ino| Invalidation::Inode { ino }));
+        out
+    }
+
+    /// Gives the numbers a previous process gave out to the same paths again, and continues
+    /// the counters past them. Call before the first apply.
+    pub fn restore_inodes(&self, records: impl IntoIterator<Item = InodeRecord>) {
+        let mut reg = self.registries.lock().expect("registries lock");
+        for r in records {
+            match r {
+                InodeRecord::Dir { path, ino } => {
+                    reg.next_synth = reg.next_synth.max(ino + 1);
+                    reg.synth_ids.insert(path, ino);
+                }
+                InodeRecord::Slot {
+                    path,
+                    artifact,
+                    slot,
+                } => {
+                    reg.next_slot = reg.next_slot.max(slot + 1);
+                    reg.slot_ids.insert((path, artifact), slot);
+                }
+                InodeRecord::File { path, content, ino } => {
+                    reg.next_synth = reg.next_synth.max(ino + 1);
+                    reg.inline_ids.insert((path, content.into()), ino);
+                }
+            }
         }
     }
 
@@ -682,6 +763,11 @@ impl FsCore {
                     }
                     let s = reg.next_slot;
                     reg.next_slot += 1;
+                    reg.fresh.push(InodeRecord::Slot {
+                        path: key.0.clone(),
+                        artifact: key.1.clone(),
+                        slot: s,
+                    });
                     reg.slot_ids.insert(key, s);
                     s
                 }
@@ -753,6 +839,17 @@ impl FsCore {
             }
         }
         self.place_inline_files(&mut reg, &mut new, &planned, files);
+        if !reg.fresh.is_empty() {
+            if let Some(log) = &*self.inode_log.lock().unwrap_or_else(|p| p.into_inner()) {
+                // Kept for the next apply if the write fails: this one is refused, so none of
+                // the new numbers reaches the kernel.
+                log(&reg.fresh).map_err(|source| FsError::Io {
+                    context: "recording inode numbers".into(),
+                    source,
+                })?;
+            }
+            reg.fresh.clear();
+        }
         drop(reg);
 
         stamp_synth_mtimes(&old, &mut new, SystemTime::now());
@@ -801,7 +898,15 @@ impl FsCore {
             }
             let parent = Self::synthesize_parents(reg, new, path);
             let key = (f.path.clone(), f.content.clone());
+            let before = reg.next_synth;
             let ino = intern(&mut reg.inline_ids, &mut reg.next_synth, key);
+            if ino >= before {
+                reg.fresh.push(InodeRecord::File {
+                    path: f.path.clone(),
+                    content: f.content.to_vec(),
+                    ino,
+                });
+            }
             inline.entry(ino).or_insert_with(|| f.content.clone());
             new.synth.get_mut(&parent).expect("parent synthesized").add(
                 ino,
@@ -817,7 +922,11 @@ impl FsCore {
         for depth in 1..path.len() {
             let prefix = path[..depth].to_vec();
             let name = prefix[depth - 1].clone();
-            let ino = intern(&mut reg.synth_ids, &mut reg.next_synth, prefix);
+            let before = reg.next_synth;
+            let ino = intern(&mut reg.synth_ids, &mut reg.next_synth, prefix.clone());
+            if ino >= before {
+                reg.fresh.push(InodeRecord::Dir { path: prefix, ino });
+            }
             new.synth
                 .entry(ino)
                 .or_insert_with(|| SynthDir::new(parent, name.clone()));

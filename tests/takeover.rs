@@ -1,0 +1,528 @@
+//! The pod contract across mount server restarts (`modelfs_mount::takeover`): a "pod" (a
+//! process in a private mount namespace that bound a model path before the restarts, as a
+//! container without mount propagation does) reads the model throughout while the mount
+//! server is SIGKILLed 20 times and upgraded 3 times to a build whose version string differs
+//! (SIGTERM, the new binary started), as `modelfs serve` (standalone) and as `modelfs
+//! mount-server` beside a running `modelfs agent` and `modelfs keeper` (the Kubernetes
+//! layout). Not one open or read may fail, no byte may be wrong, every inode number stays;
+//! the longest stall of any operation is printed (BENCHMARKS.md).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use sha2::{Digest, Sha256};
+
+const BIN: &str = env!("CARGO_BIN_EXE_modelfs");
+
+fn wait_for(what: &str, timeout: Duration, mut pred: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if pred() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// A copy of the modelfs binary whose version string differs (the same length, so nothing
+/// else moves): the "new build" of an upgrade.
+fn upgraded_binary(dir: &Path) -> (PathBuf, String) {
+    let out = Command::new(BIN).arg("--version").output().unwrap();
+    let current = String::from_utf8(out.stdout).unwrap();
+    let version = current.trim().rsplit(' ').next().unwrap().to_string();
+    let mut next = version.clone().into_bytes();
+    let last = next.last_mut().unwrap();
+    *last = if *last == b'9' { b'8' } else { b'9' };
+    let next = String::from_utf8(next).unwrap();
+    let mut bytes = std::fs::read(BIN).unwrap();
+    let mut replaced = 0;
+    let mut i = 0;
+    while i + version.len() <= bytes.len() {
+        if &bytes[i..i + version.len()] == version.as_bytes() {
+            bytes[i..i + version.len()].copy_from_slice(next.as_bytes());
+            replaced += 1;
+            i += version.len();
+        } else {
+            i += 1;
+        }
+    }
+    assert!(replaced > 0);
+    let path = dir.join("modelfs-next");
+    std::fs::write(&path, bytes).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let shown = Command::new(&path).arg("--version").output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&shown.stdout).trim(),
+        format!("modelfs {next}"),
+        "the upgraded binary reports its own version"
+    );
+    (path, next)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// `modelfs serve`: the process killed, the same command started again.
+    Standalone,
+    /// `modelfs keeper`, `modelfs mount-server` and `modelfs agent` apart: only the mount
+    /// server restarts.
+    Kubernetes,
+}
+
+struct Node {
+    env: TestEnv,
+    layout: Layout,
+    transport: Transport,
+    listen: String,
+    socket: PathBuf,
+    keeper_socket: PathBuf,
+    log: PathBuf,
+    server: Option<Child>,
+    agent: Option<Child>,
+    keeper: Option<Child>,
+    _uring: Option<UringParam>,
+}
+
+impl Node {
+    fn new(layout: Layout, transport: Transport) -> Self {
+        let env = TestEnv::new();
+        let run = env.dir("run");
+        let log = env.root.path().join("node.log");
+        Node {
+            listen: format!("127.0.0.1:{}", free_port()),
+            socket: run.join("agent.sock"),
+            keeper_socket: run.join("keeper").join("keeper.sock"),
+            log,
+            env,
+            layout,
+            transport,
+            server: None,
+            agent: None,
+            keeper: None,
+            _uring: (transport == Transport::Uring).then(UringParam::acquire),
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn output(&self) -> (Stdio, Stdio) {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        (f.try_clone().unwrap().into(), f.into())
+    }
+
+    fn common_args(&self, cmd: &mut Command) {
+        cmd.arg("--mount")
+            .arg(&self.env.mount)
+            .arg("--state")
+            .arg(&self.env.state)
+            .arg("--mount-socket")
+            .arg(&self.socket)
+            .arg("--keeper-socket")
+            .arg(&self.keeper_socket)
+            .env("RUST_LOG", "info,modelfs=debug")
+            .stdin(Stdio::null());
+    }
+
+    fn agent_args(&self, cmd: &mut Command) {
+        cmd.arg("--models")
+            .arg(&self.env.models)
+            .arg("--listen")
+            .arg(&self.listen);
+    }
+
+    /// Starts the mount server (standalone: `serve`, which runs the agent too) with `bin`.
+    fn start_server(&mut self, bin: &Path) {
+        let (out, err) = self.output();
+        let mut cmd = Command::new(bin);
+        match self.layout {
+            Layout::Standalone => {
+                cmd.arg("serve");
+                self.common_args(&mut cmd);
+                self.agent_args(&mut cmd);
+            }
+            Layout::Kubernetes => {
+                cmd.arg("mount-server");
+                self.common_args(&mut cmd);
+            }
+        }
+        cmd.arg("--fuse-transport")
+            .arg(self.transport.flag())
+            .stdout(out)
+            .stderr(err);
+        self.server = Some(cmd.spawn().unwrap());
+    }
+
+    fn start(&mut self) {
+        if self.layout == Layout::Kubernetes {
+            let (out, err) = self.output();
+            self.keeper = Some(
+                Command::new(BIN)
+                    .arg("keeper")
+                    .arg("--socket")
+                    .arg(&self.keeper_socket)
+                    .stdin(Stdio::null())
+                    .stdout(out)
+                    .stderr(err)
+                    .spawn()
+                    .unwrap(),
+            );
+            let socket = self.keeper_socket.clone();
+            wait_for("the keeper", Duration::from_secs(30), || socket.exists());
+        }
+        self.start_server(Path::new(BIN));
+        if self.layout == Layout::Kubernetes {
+            let log = self.log.clone();
+            wait_for("the mount server", Duration::from_secs(30), || {
+                std::fs::read_to_string(&log)
+                    .unwrap_or_default()
+                    .contains("waiting for the agent")
+            });
+            let (out, err) = self.output();
+            let mut cmd = Command::new(BIN);
+            cmd.arg("agent");
+            self.common_args(&mut cmd);
+            self.agent_args(&mut cmd);
+            self.agent = Some(cmd.stdout(out).stderr(err).spawn().unwrap());
+        }
+    }
+
+    fn status(&self) -> serde_json::Value {
+        match http_get(&self.listen, "/v1/models") {
+            Some((200, body)) => serde_json::from_str(&body).unwrap_or_default(),
+            _ => serde_json::Value::Null,
+        }
+    }
+
+    fn resumed(&self) -> usize {
+        self.log_text()
+            .matches("resumed the FUSE connection of the previous mount server")
+            .count()
+    }
+
+    /// Stops the mount server: SIGKILL, or SIGTERM (a hand-on, as before an upgrade).
+    fn stop_server(&mut self, kill: bool) {
+        let mut child = self.server.take().unwrap();
+        if kill {
+            child.kill().unwrap();
+        } else {
+            terminate(child.id());
+        }
+        let status = child.wait().unwrap();
+        assert!(
+            kill || status.success(),
+            "a hand-on exits cleanly: {status}"
+        );
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for c in [self.agent.take(), self.server.take()]
+            .into_iter()
+            .flatten()
+        {
+            let mut c = c;
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = Command::new(BIN)
+            .arg("unmount")
+            .arg("--mount")
+            .arg(&self.env.mount)
+            .arg("--keeper-socket")
+            .arg(&self.keeper_socket)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if let Some(mut k) = self.keeper.take() {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    }
+}
+
+/// The pod: binds `model` in a private mount namespace and runs `support/pod_reader.py`.
+struct Pod {
+    child: Child,
+    progress: PathBuf,
+    stop: PathBuf,
+}
+
+impl Pod {
+    fn start(env: &TestEnv, model: &Path, expected: &BTreeMap<String, String>) -> Pod {
+        let dir = env.dir("pod");
+        let view = dir.join("view");
+        std::fs::create_dir_all(&view).unwrap();
+        let expected_path = dir.join("expected.json");
+        std::fs::write(&expected_path, serde_json::to_vec(expected).unwrap()).unwrap();
+        let progress = dir.join("progress.json");
+        let stop = dir.join("stop");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/pod_reader.py");
+        let child = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(r#"mount --bind "$1" "$2" && shift 2 && exec "$@""#)
+            .arg("sh")
+            .arg(model)
+            .arg(&view)
+            .arg(python())
+            .arg(script)
+            .arg(&view)
+            .arg(&expected_path)
+            .arg(&progress)
+            .arg(&stop)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pod = Pod {
+            child,
+            progress,
+            stop,
+        };
+        wait_for("the pod's first pass", Duration::from_secs(60), || {
+            pod.stats().is_some_and(|s| s["passes"].as_u64() >= Some(1))
+        });
+        pod
+    }
+
+    fn stats(&self) -> Option<serde_json::Value> {
+        let text = std::fs::read_to_string(&self.progress).ok()?;
+        serde_json::from_str(&text).ok()
+    }
+
+    fn passes(&self) -> u64 {
+        self.stats().and_then(|s| s["passes"].as_u64()).unwrap_or(0)
+    }
+
+    /// Waits for two more whole passes (every file opened, read and checked after now).
+    fn wait_passes(&self, what: &str) {
+        let target = self.passes() + 2;
+        wait_for(what, Duration::from_secs(60), || self.passes() >= target);
+    }
+
+    fn finish(mut self) -> serde_json::Value {
+        std::fs::write(&self.stop, b"").unwrap();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "the pod's reader failed: {status}");
+        self.stats().unwrap()
+    }
+}
+
+fn model_files(env: &TestEnv) -> (PathBuf, BTreeMap<String, String>) {
+    let src = env.dir("src");
+    make_model_dir(&src, 12, 4 << 20);
+    let files = tree(&src)
+        .into_iter()
+        .filter(|(_, (is_dir, ..))| !is_dir)
+        .map(|(rel, (_, _, _, sha))| (rel, sha))
+        .collect();
+    (src, files)
+}
+
+fn pod_survives_restarts(layout: Layout, transport: Transport, kills: usize, upgrades: usize) {
+    let mut node = Node::new(layout, transport);
+    let (src, expected) = model_files(&node.env);
+    node.env.write_models(
+        "m.yaml",
+        &cluster_model(
+            "m",
+            &format!("local://{}", src.display()),
+            "ReuseIfExists",
+            None,
+        ),
+    );
+    node.start();
+    let mut path = String::new();
+    wait_for("the model Ready", Duration::from_secs(60), || {
+        let s = node.status();
+        if s["clusterbasemodel.m"]["status"] == "Ready" {
+            path = s["clusterbasemodel.m"]["path"]
+                .as_str()
+                .unwrap_or("")
+                .into();
+        }
+        !path.is_empty()
+    });
+    let model = PathBuf::from(&path);
+    assert!(model.starts_with(&node.env.mount), "{path}");
+    for (rel, sha) in &expected {
+        let data = std::fs::read(model.join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+    let pod = Pod::start(&node.env, &model, &expected);
+    let (next_bin, next_version) = upgraded_binary(node.env.root.path());
+
+    // The upgrades go first, then back to this build, then the kills.
+    let mut rounds: Vec<(bool, &Path)> = Vec::new();
+    for i in 0..upgrades {
+        let bin: &Path = if i % 2 == 0 {
+            &next_bin
+        } else {
+            Path::new(BIN)
+        };
+        rounds.push((false, bin));
+    }
+    for _ in 0..kills {
+        rounds.push((true, Path::new(BIN)));
+    }
+    for (round, (kill, bin)) in rounds.iter().enumerate() {
+        let before = node.resumed();
+        node.stop_server(*kill);
+        node.start_server(bin);
+        wait_for(
+            &format!("round {round}: the restarted server resumes the connection"),
+            Duration::from_secs(60),
+            || node.resumed() > before,
+        );
+        pod.wait_passes(&format!("round {round}: the pod reads after the restart"));
+    }
+    let log = node.log_text();
+    assert!(
+        log.contains(&format!("previous={next_version}")) || upgrades < 2,
+        "a server resumed the upgraded build's connection"
+    );
+    let stats = pod.finish();
+    eprintln!(
+        "{layout:?} over {transport:?}: {kills} SIGKILLs and {upgrades} upgrades under a pod: {stats}"
+    );
+    assert!(stats["opens"].as_u64().unwrap() > 0);
+    assert_eq!(stats["failed_opens"], 0, "{stats}");
+    assert_eq!(stats["failed_reads"], 0, "{stats}");
+    assert_eq!(stats["wrong"], 0, "{stats}");
+    assert_eq!(stats["inode_changes"], 0, "{stats}");
+    assert_eq!(
+        log.matches("mounting afresh").count(),
+        1,
+        "only the first start mounts; every restart resumed; log:\n{log}"
+    );
+}
+
+#[test]
+fn standalone_serve_is_killed_20_times_and_upgraded_3_times_under_a_pod() {
+    pod_survives_restarts(Layout::Standalone, Transport::Dev, 20, 3);
+}
+
+#[test]
+fn kubernetes_mount_server_is_killed_20_times_and_upgraded_3_times_under_a_pod() {
+    pod_survives_restarts(Layout::Kubernetes, Transport::Dev, 20, 3);
+}
+
+fn mount_dev(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().dev()
+}
+
+/// The mount id of the topmost mount at `path` (/proc/self/mountinfo).
+fn mount_id(path: &Path) -> Option<u64> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == path.to_str())
+        .filter_map(|l| l.split(' ').next()?.parse().ok())
+        .next_back()
+}
+
+fn read_all(model: &Path, expected: &BTreeMap<String, String>) {
+    for (rel, sha) in expected {
+        let data = std::fs::read(model.join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+}
+
+/// The mount server notices its session being disturbed from outside and recovers without a
+/// human: an outside `umount` while pods keep the connection is mounted there again (the same
+/// connection: the pod sees nothing), and a connection aborted through `fusectl` (every user
+/// of it fails for good) is replaced by a fresh mount.
+#[test]
+fn an_outside_umount_and_a_fusectl_abort_are_recovered() {
+    let mut node = Node::new(Layout::Kubernetes, Transport::Dev);
+    let (src, expected) = model_files(&node.env);
+    node.env.write_models(
+        "m.yaml",
+        &cluster_model(
+            "m",
+            &format!("local://{}", src.display()),
+            "ReuseIfExists",
+            None,
+        ),
+    );
+    node.start();
+    let mut path = String::new();
+    wait_for("the model Ready", Duration::from_secs(60), || {
+        let s = node.status();
+        if s["clusterbasemodel.m"]["status"] == "Ready" {
+            path = s["clusterbasemodel.m"]["path"]
+                .as_str()
+                .unwrap_or("")
+                .into();
+        }
+        !path.is_empty()
+    });
+    let model = PathBuf::from(&path);
+    let pod = Pod::start(&node.env, &model, &expected);
+    let dev = mount_dev(&node.env.mount);
+
+    // An outside umount (an operator's clean-up script, say).
+    let status = Command::new("umount")
+        .arg(&node.env.mount)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let log = node.log.clone();
+    wait_for(
+        "the mount back at its path",
+        Duration::from_secs(30),
+        || {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains("the mount was removed from outside")
+                && std::fs::read_to_string("/proc/self/mountinfo")
+                    .unwrap()
+                    .lines()
+                    .any(|l| l.split(' ').nth(4) == node.env.mount.to_str())
+        },
+    );
+    assert_eq!(mount_dev(&node.env.mount), dev, "the same connection");
+    read_all(&model, &expected);
+    pod.wait_passes("the pod reads after the outside umount");
+    let stats = pod.finish();
+    assert_eq!(stats["failed_opens"], 0, "{stats}");
+    assert_eq!(stats["failed_reads"], 0, "{stats}");
+    assert_eq!(stats["wrong"], 0, "{stats}");
+
+    // A fusectl abort: the connection is gone for everyone; the server mounts afresh.
+    let conns = Path::new("/sys/fs/fuse/connections");
+    if std::fs::read_dir(conns).unwrap().next().is_none() {
+        let status = Command::new("mount")
+            .args(["-t", "fusectl", "fusectl"])
+            .arg(conns)
+            .status()
+            .unwrap();
+        assert!(status.success(), "mounting fusectl");
+    }
+    let minor = libc::minor(dev);
+    let id_before_abort = mount_id(&node.env.mount);
+    let before = node.log_text().matches("mounted afresh").count();
+    std::fs::write(conns.join(minor.to_string()).join("abort"), b"1").unwrap();
+    wait_for(
+        "a fresh mount after the abort",
+        Duration::from_secs(30),
+        || node.log_text().matches("mounted afresh").count() > before,
+    );
+    // A new mount (the kernel may give it the freed device number again).
+    assert_ne!(mount_id(&node.env.mount), id_before_abort, "a new mount");
+    read_all(&model, &expected);
+    assert!(node
+        .log_text()
+        .contains("the FUSE connection ended; mounting afresh"));
+}

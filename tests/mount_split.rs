@@ -624,9 +624,24 @@ fn bad_peers_and_bad_mappings_are_refused_with_a_reason() {
         answer.contains(&format!("version {}", protocol::PROTOCOL_VERSION)),
         "{answer}"
     );
+    // A newer agent that still speaks this server's version (its hello says the range) is
+    // welcomed with the newest version both speak: the two DaemonSets upgrade independently.
+    let (_stream, welcome, _) = handshake(&split.socket, 998).expect("a common version");
+    assert!(!welcome.server.is_empty());
+    // A range that does not reach this server's version is refused, naming both ranges.
+    let mut s = UnixStream::connect(&split.socket).unwrap();
+    writeln!(
+        s,
+        r#"{{"hello":{{"protocol":998,"protocol_min":990,"agent":"test"}}}}"#
+    )
+    .unwrap();
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer).unwrap();
+    assert!(answer.contains("refused"), "{answer}");
+    assert!(answer.contains("oldest 990"), "{answer}");
     assert!(matches!(
-        handshake(&split.socket, 998),
-        Err(ConnectError::Refused(r)) if r.contains("998")
+        handshake(&split.socket, 0),
+        Err(ConnectError::Refused(r)) if r.contains("protocol version 0")
     ));
     check_good(&split);
 

@@ -257,6 +257,8 @@ struct Pod {
     child: Child,
     progress: PathBuf,
     stop: PathBuf,
+    /// Names the round the pod's operation times count towards.
+    round: PathBuf,
 }
 
 impl Pod {
@@ -268,6 +270,7 @@ impl Pod {
         std::fs::write(&expected_path, serde_json::to_vec(expected).unwrap()).unwrap();
         let progress = dir.join("progress.json");
         let stop = dir.join("stop");
+        let round = dir.join("round");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/pod_reader.py");
         let child = Command::new("unshare")
             .args(["--mount", "--propagation", "private", "sh", "-c"])
@@ -281,6 +284,7 @@ impl Pod {
             .arg(&expected_path)
             .arg(&progress)
             .arg(&stop)
+            .arg(&round)
             .stdin(Stdio::null())
             .spawn()
             .unwrap();
@@ -288,6 +292,7 @@ impl Pod {
             child,
             progress,
             stop,
+            round,
         };
         wait_for("the pod's first pass", Duration::from_secs(60), || {
             pod.stats().is_some_and(|s| s["passes"].as_u64() >= Some(1))
@@ -298,6 +303,10 @@ impl Pod {
     fn stats(&self) -> Option<serde_json::Value> {
         let text = std::fs::read_to_string(&self.progress).ok()?;
         serde_json::from_str(&text).ok()
+    }
+
+    fn set_round(&self, name: &str) {
+        std::fs::write(&self.round, name).unwrap();
     }
 
     fn passes(&self) -> u64 {
@@ -376,6 +385,10 @@ fn pod_survives_restarts(layout: Layout, transport: Transport, kills: usize, upg
         rounds.push((true, Path::new(BIN)));
     }
     for (round, (kill, bin)) in rounds.iter().enumerate() {
+        let name = if *kill { "kill" } else { "upgrade" };
+        pod.set_round(&format!("{name}-{round}"));
+        // The pass that read the round name is under way before the server goes.
+        pod.wait_passes(&format!("round {round}: the pod names the round"));
         let before = node.resumed();
         node.stop_server(*kill);
         node.start_server(bin);
@@ -391,10 +404,31 @@ fn pod_survives_restarts(layout: Layout, transport: Transport, kills: usize, upg
         log.contains(&format!("previous={next_version}")) || upgrades < 2,
         "a server resumed the upgraded build's connection"
     );
+    pod.set_round("after");
+    pod.wait_passes("the pod names the last round");
     let stats = pod.finish();
     eprintln!(
         "{layout:?} over {transport:?}: {kills} SIGKILLs and {upgrades} upgrades under a pod: {stats}"
     );
+    // The longest operation of each round: the stall one takeover caused.
+    for kind in ["kill", "upgrade"] {
+        let mut stalls: Vec<f64> = stats["round_max_ms"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k.starts_with(kind))
+            .map(|(_, v)| v.as_f64().unwrap())
+            .collect();
+        stalls.sort_by(f64::total_cmp);
+        if let (Some(max), false) = (stalls.last(), stalls.is_empty()) {
+            eprintln!(
+                "stall per {kind} ({} rounds): median {:.0} ms, max {:.0} ms",
+                stalls.len(),
+                stalls[stalls.len() / 2],
+                max
+            );
+        }
+    }
     assert!(stats["opens"].as_u64().unwrap() > 0);
     assert_eq!(stats["failed_opens"], 0, "{stats}");
     assert_eq!(stats["failed_reads"], 0, "{stats}");
@@ -525,4 +559,47 @@ fn an_outside_umount_and_a_fusectl_abort_are_recovered() {
     assert!(node
         .log_text()
         .contains("the FUSE connection ended; mounting afresh"));
+}
+
+/// A connection that negotiated FUSE over io_uring is resumed over io_uring: the kernel
+/// accepts ring entries from the process that took the connection over. (Requests in flight
+/// over the ring when a server dies are not resent by the kernel, which is why `auto` keeps to
+/// /dev/fuse with a keeper: deploy/UPGRADE.md.)
+#[test]
+fn a_connection_served_over_io_uring_is_resumed_over_io_uring() {
+    let mut node = Node::new(Layout::Kubernetes, Transport::Uring);
+    let (src, expected) = model_files(&node.env);
+    node.env.write_models(
+        "m.yaml",
+        &cluster_model("m", &format!("local://{}", src.display()), "ReuseIfExists", None),
+    );
+    node.start();
+    let mut path = String::new();
+    wait_for("the model Ready", Duration::from_secs(60), || {
+        let s = node.status();
+        if s["clusterbasemodel.m"]["status"] == "Ready" {
+            path = s["clusterbasemodel.m"]["path"].as_str().unwrap_or("").into();
+        }
+        !path.is_empty()
+    });
+    let model = PathBuf::from(&path);
+    read_all(&model, &expected);
+    let dev = mount_dev(&node.env.mount);
+    for kill in [false, true] {
+        let before = node.resumed();
+        node.stop_server(kill);
+        node.start_server(Path::new(BIN));
+        wait_for("the resumed connection", Duration::from_secs(60), || {
+            node.resumed() > before
+        });
+        read_all(&model, &expected);
+        assert_eq!(mount_dev(&node.env.mount), dev, "the same connection");
+    }
+    assert_eq!(
+        node.log_text()
+            .matches("serving FUSE requests over io_uring")
+            .count(),
+        3,
+        "the first server and both successors serve over the ring"
+    );
 }

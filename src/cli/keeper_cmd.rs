@@ -120,16 +120,27 @@ pub fn run_unmount(args: UnmountArgs) -> Result<()> {
         (None, Some(state)) => Some(default_keeper_socket(&super::absolute(state)?)),
         (None, None) => None,
     };
+    use modelfs_mount::takeover::Released;
+    let mut stopping = false;
     if let Some(keeper) = &keeper {
         match modelfs_mount::takeover::release(keeper, &mount) {
-            Ok(true) => tracing::info!("the keeper released the session"),
-            Ok(false) => tracing::info!("the keeper held no session for this mount"),
+            Ok(Released::HolderStopping) => {
+                tracing::info!("the keeper released the session; its mount server unmounts");
+                stopping = true;
+            }
+            Ok(Released::Dropped) => tracing::info!("the keeper released the session"),
+            Ok(Released::Nothing) => {
+                tracing::info!("the keeper held no session for this mount")
+            }
             Err(e) => tracing::warn!(error = %e, "the keeper did not answer"),
         }
     }
-    // The holder unmounts by itself; wait for it, then remove what is left.
+    // A serving mount server unmounts by itself; wait for it, then remove what is left.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline && modelfs_mount::fuse::mount_info_dev(&mount).is_some() {
+    while stopping
+        && Instant::now() < deadline
+        && modelfs_mount::fuse::mount_info_dev(&mount).is_some()
+    {
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut removed = 0;

@@ -28,6 +28,26 @@ pub struct TestEnv {
     pub models: PathBuf,
 }
 
+/// A test's mount may outlive its daemon (the keeper holds the connection, see
+/// `tests/takeover.rs`): end it for good before the directories go, or removing them would walk
+/// into a mount nobody serves.
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        if self.state.exists() {
+            let _ = Command::new(BIN)
+                .arg("unmount")
+                .arg("--mount")
+                .arg(&self.mount)
+                .arg("--state")
+                .arg(&self.state)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
 impl TestEnv {
     pub fn new() -> Self {
         let root = tempfile::Builder::new()

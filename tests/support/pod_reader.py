@@ -5,7 +5,10 @@ opens, full reads and sha256 checks of every file, and holds a few files open an
 throughout; every operation is timed. Progress goes to a JSON file after every pass; it stops
 when the stop file appears.
 
-usage: pod_reader.py DIR EXPECTED_JSON PROGRESS_FILE STOP_FILE
+usage: pod_reader.py DIR EXPECTED_JSON PROGRESS_FILE STOP_FILE [ROUND_FILE]
+
+With ROUND_FILE, each operation's time also counts towards the longest stall of the round
+named in that file (read once per pass): a test names a round per restart.
 """
 
 import errno
@@ -16,6 +19,8 @@ import sys
 import time
 
 root, expected_path, progress_path, stop_path = sys.argv[1:5]
+round_path = sys.argv[5] if len(sys.argv) > 5 else None
+current_round = "0"
 with open(expected_path) as f:
     expected = json.load(f)  # relative path -> sha256
 
@@ -28,6 +33,7 @@ stats = {
     "held_reads": 0,
     "inode_changes": 0,
     "max_stall_ms": 0.0,
+    "round_max_ms": {},
     "errors": {},
 }
 
@@ -46,6 +52,9 @@ def timed(fn):
         ms = (time.monotonic() - t) * 1000.0
         if ms > stats["max_stall_ms"]:
             stats["max_stall_ms"] = ms
+        rounds = stats["round_max_ms"]
+        if ms > rounds.get(current_round, 0.0):
+            rounds[current_round] = ms
 
 
 rels = sorted(expected)
@@ -69,6 +78,12 @@ def write_progress():
 write_progress()
 offset = 0
 while not os.path.exists(stop_path):
+    if round_path:
+        try:
+            with open(round_path) as f:
+                current_round = f.read().strip() or current_round
+        except OSError:
+            pass
     for rel in rels:
         path = os.path.join(root, rel)
         stats["opens"] += 1

@@ -362,6 +362,38 @@ fn pin_to_cpu(cpu: usize) -> io::Result<()> {
     rustix::thread::sched_setaffinity(None, &set).map_err(io::Error::from)
 }
 
+/// A thread's ring and the buffers its entry points at, with one owner: fields drop in
+/// declaration order, so the ring (and with it every command the kernel may still write
+/// through) goes before the buffers on every path out, early returns and unwinding included.
+struct Entry {
+    ring: Ring,
+    slot: Slot,
+}
+
+impl Entry {
+    fn new(payload_size: usize) -> io::Result<Self> {
+        Ok(Self {
+            ring: new_ring(2)?,
+            slot: Slot::new(payload_size),
+        })
+    }
+
+    /// Submits the entry's `REGISTER`; the result if the kernel answered at once (a refusal;
+    /// an accepted registration completes only when a request arrives).
+    fn register(&mut self, fd: types::Fd, qid: usize) -> io::Result<Option<i32>> {
+        let register = register_entry(fd, qid, &self.slot);
+        // SAFETY: the entry points at `slot`'s iovecs and buffers, which outlive `ring` (the
+        // struct drops the ring first); the kernel uses them only inside this thread's
+        // io_uring calls.
+        unsafe { push(&mut self.ring, &register) }?;
+        self.ring.submit()?;
+        Ok(self.ring.completion().next().map(|cqe| cqe.result()))
+    }
+}
+
+/// Longest run of failed restarts before a ring thread gives up.
+const RESTARTS_MAX: u32 = 10;
+
 fn worker(
     qid: usize,
     payload_size: usize,
@@ -373,40 +405,79 @@ fn worker(
         // A possible CPU that is offline: its queue gets requests only once it comes online.
         tracing::debug!(qid, error = %e, "ring thread not pinned");
     }
-    let mut ring = match new_ring(2) {
-        Ok(r) => r,
+    let mut entry = match Entry::new(payload_size) {
+        Ok(e) => e,
         Err(e) => {
             let _ = setup.send(Err(e));
             return;
         }
     };
-    let mut slot = Slot::new(payload_size);
     let _ = setup.send(Ok(()));
     let Ok(Start { dev, handler }) = start.recv() else {
         return;
     };
     let fd = types::Fd(dev.as_raw_fd());
-    let register = register_entry(fd, qid, &slot);
-    // SAFETY: the entry points at `slot`'s iovecs and buffers, which outlive `ring` (dropped
-    // first, below); the kernel uses them only inside this thread's io_uring calls.
-    if let Err(e) = unsafe { push(&mut ring, &register) }.and_then(|_| ring.submit().map(|_| ())) {
-        let _ = registered.send(Err(e));
-        return;
-    }
-    // A refused registration completes at once; an accepted one only when a request arrives.
-    let early = ring.completion().next().map(|cqe| cqe.result());
-    match early {
-        Some(result) if result < 0 => {
+    let early = match entry.register(fd, qid) {
+        Ok(Some(result)) if result < 0 => {
             let _ = registered.send(Err(io::Error::from_raw_os_error(-result)));
             return;
         }
-        _ => {
-            let _ = registered.send(Ok(()));
-            serve(&mut ring, &mut slot, fd, qid, &*handler, early);
+        Ok(early) => early,
+        Err(e) => {
+            let _ = registered.send(Err(e));
+            return;
+        }
+    };
+    let _ = registered.send(Ok(()));
+    let mut outcome = serve(&mut entry, fd, qid, &*handler, early);
+    // A thread that ends for any other reason than the connection's end leaves its CPU's
+    // queue with one entry fewer (a queue without entries holds that CPU's requests forever):
+    // it starts again with a new ring and buffers.
+    let mut restarts = 0;
+    while outcome == Served::Failed && restarts < RESTARTS_MAX {
+        restarts += 1;
+        std::thread::sleep(Duration::from_millis(20 << restarts.min(5)));
+        // The failed ring and its buffers go here, in order, as the new ones take their place.
+        entry = match Entry::new(payload_size) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::error!(qid, error = %e, restarts, "a new ring for a failed FUSE ring thread cannot be made");
+                continue;
+            }
+        };
+        match entry.register(fd, qid) {
+            Ok(Some(result)) if result < 0 => {
+                let errno = -result;
+                if connection_ended(errno) {
+                    return;
+                }
+                tracing::error!(qid, error = %io::Error::from_raw_os_error(errno), restarts, "a restarted FUSE ring thread was refused");
+            }
+            Ok(early) => {
+                tracing::warn!(qid, restarts, "a failed FUSE ring thread serves again with a new ring");
+                outcome = serve(&mut entry, fd, qid, &*handler, early);
+                if outcome == Served::Failed {
+                    continue;
+                }
+                restarts = 0;
+            }
+            Err(e) => {
+                tracing::error!(qid, error = %e, restarts, "registering a restarted FUSE ring thread failed")
+            }
         }
     }
-    drop(ring);
-    drop(slot);
+    if outcome == Served::Failed {
+        tracing::error!(qid, "a FUSE ring thread failed {RESTARTS_MAX} times in a row and ends");
+    }
+}
+
+/// Why [`serve`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Served {
+    /// The connection ended (unmount, abort, the ring going away).
+    Ended,
+    /// The thread could not go on with this ring.
+    Failed,
 }
 
 /// The `REGISTER` command of `slot` for queue `qid`.
@@ -434,15 +505,16 @@ fn connection_ended(errno: i32) -> bool {
 
 /// Answers requests until the connection ends. A command that fails for any other reason is a
 /// bug (a commit the kernel cannot match, say); the thread logs it and registers its entry
-/// again, so the CPU's queue keeps being served, and ends only if that registration fails too.
+/// again, so the CPU's queue keeps being served; if that fails too, the caller starts over with
+/// a new ring.
 fn serve(
-    ring: &mut Ring,
-    slot: &mut Slot,
+    entry: &mut Entry,
     fd: types::Fd,
     qid: usize,
     handler: &dyn Handler,
     mut ready: Option<i32>,
-) {
+) -> Served {
+    let Entry { ring, slot } = entry;
     let mut scratch = Vec::with_capacity(REQUEST_PAYLOAD_MAX);
     let mut failed_in_a_row = 0;
     loop {
@@ -451,28 +523,28 @@ fn serve(
             None => match wait_one(ring) {
                 Ok(r) => r,
                 Err(e) => {
-                    tracing::error!(qid, error = %e, "FUSE ring wait failed; the thread ends");
-                    return;
+                    tracing::error!(qid, error = %e, "FUSE ring wait failed");
+                    return Served::Failed;
                 }
             },
         };
         if result < 0 {
             let errno = -result;
             if connection_ended(errno) {
-                return;
+                return Served::Ended;
             }
             let error = io::Error::from_raw_os_error(errno);
             failed_in_a_row += 1;
             if failed_in_a_row > 1 {
-                tracing::error!(qid, %error, "FUSE ring registration failed again; the thread ends");
-                return;
+                tracing::error!(qid, %error, "FUSE ring registration failed again");
+                return Served::Failed;
             }
             tracing::error!(qid, %error, "FUSE ring command failed; registering the entry again");
             let register = register_entry(fd, qid, slot);
             // SAFETY: as for the first registration: the slot outlives the ring.
             if let Err(e) = unsafe { push(ring, &register) } {
-                tracing::error!(qid, error = %e, "FUSE ring submission failed; the thread ends");
-                return;
+                tracing::error!(qid, error = %e, "FUSE ring submission failed");
+                return Served::Failed;
             }
             continue;
         }
@@ -483,8 +555,8 @@ fn serve(
             .user_data(0);
         // SAFETY: as for the registration: the slot outlives the ring.
         if let Err(e) = unsafe { push(ring, &commit) } {
-            tracing::error!(qid, error = %e, "FUSE ring submission failed; the thread ends");
-            return;
+            tracing::error!(qid, error = %e, "FUSE ring submission failed");
+            return Served::Failed;
         }
     }
 }

@@ -117,6 +117,8 @@ enum Reply {
     },
     /// Sent unasked to a holder whose session was released.
     Stop,
+    /// A release whose holder was told to unmount and exit.
+    Stopping,
     Refused {
         reason: String,
     },
@@ -281,9 +283,20 @@ pub fn take(
     }
 }
 
+/// What a release did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Released {
+    /// The keeper held no session for the mount.
+    Nothing,
+    /// Dropped; no mount server served it.
+    Dropped,
+    /// Dropped, and the mount server serving it was told to unmount and exit.
+    HolderStopping,
+}
+
 /// Drops the session of `mountpoint` from the keeper; its holder (if any) is told to unmount
-/// and exit. Whether the keeper had one.
-pub fn release(socket: &Path, mountpoint: &Path) -> Result<bool, KeeperError> {
+/// and exit.
+pub fn release(socket: &Path, mountpoint: &Path) -> Result<Released, KeeperError> {
     let sock = connect(socket)?;
     let (reply, _) = ask(
         &sock,
@@ -292,7 +305,11 @@ pub fn release(socket: &Path, mountpoint: &Path) -> Result<bool, KeeperError> {
             mountpoint: mountpoint.to_path_buf(),
         },
     )?;
-    Ok(matches!(reply, Reply::Done))
+    Ok(match reply {
+        Reply::Stopping => Released::HolderStopping,
+        Reply::Done => Released::Dropped,
+        _ => Released::Nothing,
+    })
 }
 
 /// The sessions the keeper holds.
@@ -729,15 +746,21 @@ impl Keeper {
                     match held {
                         Some(held) => {
                             tracing::info!(mountpoint = %mountpoint.display(), "session released");
-                            if let Some(holder) = held.holder {
+                            let mut stopping = false;
+                            if let Some(holder) = held.holder.filter(|&h| h != id) {
                                 let link = lock(&self.state).links.get(&holder).cloned();
                                 if let Some(link) = link {
-                                    let _ = send(&link, &Reply::Stop, &[]);
+                                    stopping = send(&link, &Reply::Stop, &[]).is_ok();
                                 }
                             }
                             drop(held);
                             self.changed.notify_all();
-                            send(sock, &Reply::Done, &[])
+                            let reply = if stopping {
+                                Reply::Stopping
+                            } else {
+                                Reply::Done
+                            };
+                            send(sock, &reply, &[])
                         }
                         None => send(sock, &Reply::NoSession, &[]),
                     }

@@ -660,8 +660,10 @@ fn hostile_keys_are_refused_and_nothing_is_written_outside_the_state_dir() {
         );
         assert!(!env.mount.join(prefix).exists());
     }
+    // Not into other mounts (-xdev): a write that escaped lands on the disk, and another
+    // test's FUSE mount may be between two servers, its lookups waiting for the next.
     let escaped = sh(&format!(
-        "find {} /tmp -maxdepth 8 -name escaped.txt -newer {} 2>/dev/null || true",
+        "find {} /tmp -xdev -maxdepth 8 -name escaped.txt -newer {} 2>/dev/null || true",
         env.root.path().display(),
         env.models.display()
     ));

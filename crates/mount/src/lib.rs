@@ -115,6 +115,7 @@ pub mod protocol;
 pub mod server;
 pub mod supervise;
 pub mod takeover;
+pub mod underlay;
 pub mod vfs;
 
 use crate::vfs::Invalidation;

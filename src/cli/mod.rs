@@ -143,6 +143,11 @@ pub struct ServeArgs {
     /// Default: <state>/mount-server/agent.sock.
     #[arg(long)]
     mount_socket: Option<PathBuf>,
+    /// Seconds the mount server may be unreachable before the agent stops reporting its
+    /// models Ready: they turn Updating (OME schedules no new pods to the node, running pods
+    /// stay), and Ready again once a server is back and has confirmed the mapping.
+    #[arg(long, default_value_t = modelfs_agent::mount_client::DEFAULT_GRACE.as_secs())]
+    mount_server_grace_secs: u64,
     #[command(flatten)]
     hf: HfArgs,
     #[command(flatten)]
@@ -544,8 +549,14 @@ async fn agent(args: ServeArgs) -> Result<()> {
     let core = Arc::new(FsCore::new());
     let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
     let (connect_core, connect_metrics) = (core.clone(), metrics.clone());
+    let grace = Duration::from_secs(args.mount_server_grace_secs);
     let (mount, welcome, mount_dev) = tokio::task::spawn_blocking(move || {
-        modelfs_agent::mount_client::RemoteMount::connect(connect_core, connect_metrics, &socket)
+        modelfs_agent::mount_client::RemoteMount::connect(
+            connect_core,
+            connect_metrics,
+            &socket,
+            grace,
+        )
     })
     .await
     .context("connecting to the mount server")??;

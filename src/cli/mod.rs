@@ -1,9 +1,10 @@
-//! The command line: `modelfs serve`, `status`, `gc` and `crd`. This is the binary's edge,
-//! the only place that uses `anyhow`.
+//! The command line: `modelfs serve`, `agent`, `mount-server`, `status`, `probe`, `gc` and
+//! `crd`. This is the binary's edge, the only place that uses `anyhow`.
 
 mod crd_cmd;
 mod gc_cmd;
 mod keeper_cmd;
+mod probe_cmd;
 mod status_cmd;
 
 use std::net::SocketAddr;
@@ -55,6 +56,9 @@ enum Command {
     Unmount(keeper_cmd::UnmountArgs),
     /// Print the models of a running daemon.
     Status(status_cmd::StatusArgs),
+    /// Exit non-zero unless the modelfs mount at --mount answers within the timeout (a
+    /// liveness probe: an unmounted, aborted or hung mount fails it).
+    Probe(probe_cmd::ProbeArgs),
     /// Show (--dry-run) or remove garbage in a state directory while the daemon is stopped.
     Gc(gc_cmd::GcArgs),
     /// Print the BaseModel and ClusterBaseModel CustomResourceDefinitions (for clusters
@@ -382,6 +386,7 @@ pub fn main() -> Result<()> {
             keeper_cmd::run_unmount(args)
         }
         Command::Status(args) => status_cmd::run(args),
+        Command::Probe(args) => probe_cmd::run(args),
         Command::Gc(args) => gc_cmd::run(args),
         Command::Crd(args) => crd_cmd::run(args),
     }

@@ -111,6 +111,7 @@
 
 pub mod fuse;
 pub mod metrics;
+pub mod probe;
 pub mod protocol;
 pub mod server;
 pub mod supervise;

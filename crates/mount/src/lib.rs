@@ -1,7 +1,9 @@
 //! `modelfs-mount`: the mount side of modelfs. The FUSE-free filesystem core ([`vfs`]: mapping
 //! table, trees, inodes, open files), the thin `fuser` adapter over it ([`fuse`]) and its
 //! counters ([`metrics`]), and the mount server process ([`server`], [`protocol`],
-//! [`supervise`]) that holds the FUSE session while the agent comes and goes.
+//! [`supervise`]) that holds the FUSE session while the agent comes and goes, keeps traps
+//! beneath the mount against the boot race ([`underlay`]) and is probed for liveness
+//! ([`probe`]).
 //!
 //! # Place in the workspace
 //!

@@ -1,5 +1,5 @@
-//! The command line: `modelfs serve`, `agent`, `mount-server`, `status`, `probe`, `gc` and
-//! `crd`. This is the binary's edge, the only place that uses `anyhow`.
+//! The command line: `modelfs serve`, `agent`, `mount-server`, `keeper`, `unmount`, `status`,
+//! `probe`, `gc` and `crd`. This is the binary's edge, the only place that uses `anyhow`.
 
 mod crd_cmd;
 mod gc_cmd;

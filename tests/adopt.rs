@@ -41,6 +41,63 @@ fn snapshot(dir: &Path) -> BTreeMap<String, String> {
     out
 }
 
+/// The traps in a snapshot: one-line files the mount server keeps beneath the mount at served
+/// paths (see `modelfs_mount::underlay`).
+fn traps(snap: &BTreeMap<String, String>) -> Vec<String> {
+    let sha = hex::encode(Sha256::digest(modelfs_mount::underlay::TRAP_CONTENT));
+    let size = modelfs_mount::underlay::TRAP_CONTENT.len();
+    snap.iter()
+        .filter(|(_, v)| v.starts_with(&format!("file 100444 {size} ")) && v.ends_with(&sha))
+        .map(|(k, _)| k.clone())
+        .collect()
+}
+
+/// A snapshot as it was before the mount server made its traps: entries moved aside for a
+/// trap (`.<name>.modelfs-aside-<secs>`) back at their names, the traps and the directories
+/// made only to hold them gone. Equal to the snapshot before means nothing was changed or
+/// deleted, only moved aside.
+fn without_traps(
+    snap: BTreeMap<String, String>,
+    before: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    let traps = traps(&snap);
+    let original = |component: &str| -> String {
+        component
+            .strip_prefix('.')
+            .and_then(|c| c.split_once(".modelfs-aside-"))
+            .filter(|(_, secs)| secs.bytes().all(|b| b.is_ascii_digit() || b == b'-'))
+            .map(|(name, _)| name.to_owned())
+            .unwrap_or_else(|| component.to_owned())
+    };
+    let kept: BTreeMap<String, String> = snap
+        .into_iter()
+        .filter(|(k, _)| !traps.contains(k))
+        .map(|(k, v)| (k.split('/').map(original).collect::<Vec<_>>().join("/"), v))
+        .collect();
+    // Deepest first, so that a directory is looked at after everything below it.
+    let mut out = BTreeMap::new();
+    for (k, v) in kept.into_iter().rev() {
+        let holds_something = out.keys().any(|o: &String| o.starts_with(&format!("{k}/")));
+        if !v.starts_with("dir ") || before.contains_key(&k) || holds_something {
+            out.insert(k, v);
+        }
+    }
+    out
+}
+
+/// Where the entry `name` of `dir` was moved aside for a trap.
+fn moved_aside(dir: &Path, name: &str) -> PathBuf {
+    let prefix = format!(".{name}.modelfs-aside-");
+    let found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(found.len(), 1, "{name} in {}: {found:?}", dir.display());
+    found[0].clone()
+}
+
 fn walkdir(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut todo = vec![dir.to_path_buf()];
@@ -182,15 +239,36 @@ fn a_models_root_left_by_ome_is_adopted_not_downloaded() {
     );
     assert!(d.stop(), "clean shutdown");
 
-    // Nothing under the old tree changed, and the adopted blobs are the old files' inodes.
-    assert_eq!(snapshot(&root), before, "the old tree was modified");
-    for (old, rel) in [("shared/m", BIG), ("shared/m", SMALL), ("other/k", SMALL)] {
-        let file = root.join(old).join(rel);
+    // Nothing under the old tree changed but what was moved aside for the traps: the
+    // symlinks and the copy with a corrupted file. The parent's copy, whose files are the
+    // store's blobs now, stays. The adopted blobs are the old files' inodes.
+    let after = snapshot(&root);
+    let trapped = traps(&after);
+    for path in ["team-a/m", "team-b/m", "other/k", "escape/m"] {
+        assert!(
+            trapped.contains(&path.to_owned()),
+            "no trap at {path}: {trapped:?}"
+        );
+    }
+    assert!(!trapped.contains(&"shared/m".to_owned()), "{trapped:?}");
+    assert_eq!(
+        without_traps(after, &before),
+        before,
+        "the old tree was modified"
+    );
+    let old_k = moved_aside(&root.join("other"), "k");
+    for (old, rel) in [
+        (root.join("shared/m"), BIG),
+        (root.join("shared/m"), SMALL),
+        (old_k, SMALL),
+    ] {
+        let file = old.join(rel);
         let sha = hex::encode(Sha256::digest(std::fs::read(&file).unwrap()));
         let ino = std::fs::metadata(&file).unwrap().ino();
         assert!(
             blob_inodes(&env, &sha).contains(&ino),
-            "{old}/{rel} was not hard-linked into a store"
+            "{}/{rel} was not hard-linked into a store",
+            old.display()
         );
     }
     // The corrupted file's bytes never entered a store; the downloaded one did.
@@ -213,7 +291,11 @@ fn a_models_root_left_by_ome_is_adopted_not_downloaded() {
     assert_eq!(hub.hub().stats().bytes_served, served);
     assert!(!d.log_text().contains("adopted files"), "adopted again");
     assert!(d.stop(), "clean shutdown");
-    assert_eq!(snapshot(&root), before, "the old tree was modified");
+    assert_eq!(
+        without_traps(snapshot(&root), &before),
+        before,
+        "the old tree was modified"
+    );
 }
 
 #[test]
@@ -262,7 +344,15 @@ fn a_local_source_under_the_models_root_is_served_from_the_files_there() {
     );
     assert!(d.stop(), "clean shutdown");
 
-    assert_eq!(snapshot(&root), before, "the old tree was modified");
+    // The source at its model's own path stays (its files are the store's blobs); the other
+    // model's path gets a trap.
+    let after = snapshot(&root);
+    assert_eq!(traps(&after), ["copies/tiny"]);
+    assert_eq!(
+        without_traps(after, &before),
+        before,
+        "the old tree was modified"
+    );
     let file = root.join("data/tiny").join(BIG);
     let sha = hex::encode(Sha256::digest(std::fs::read(&file).unwrap()));
     let ino = std::fs::metadata(&file).unwrap().ino();
@@ -315,8 +405,15 @@ fn a_models_root_that_is_a_bind_mount_is_mounted_over_and_adopted() {
     assert_eq!(hub.hub().stats().file_requests, 0);
     assert!(d.stop(), "clean shutdown");
 
-    assert_eq!(snapshot(&host), before, "the old tree was modified");
-    let file = host.join("m").join(BIG);
+    // Copied, not linked: the old copy is moved aside for the trap.
+    let after = snapshot(&host);
+    assert!(traps(&after).contains(&"m".to_owned()), "{after:?}");
+    assert_eq!(
+        without_traps(after, &before),
+        before,
+        "the old tree was modified"
+    );
+    let file = moved_aside(&host, "m").join(BIG);
     let sha = hex::encode(Sha256::digest(std::fs::read(&file).unwrap()));
     let inodes = blob_inodes(&env, &sha);
     assert_eq!(inodes.len(), 1, "adopted into one store");

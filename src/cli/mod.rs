@@ -1,9 +1,10 @@
-//! The command line: `modelfs serve`, `status`, `gc` and `crd`. This is the binary's edge,
-//! the only place that uses `anyhow`.
+//! The command line: `modelfs serve`, `agent`, `mount-server`, `keeper`, `unmount`, `status`,
+//! `probe`, `gc` and `crd`. This is the binary's edge, the only place that uses `anyhow`.
 
 mod crd_cmd;
 mod gc_cmd;
 mod keeper_cmd;
+mod probe_cmd;
 mod status_cmd;
 
 use std::net::SocketAddr;
@@ -55,6 +56,9 @@ enum Command {
     Unmount(keeper_cmd::UnmountArgs),
     /// Print the models of a running daemon.
     Status(status_cmd::StatusArgs),
+    /// Exit non-zero unless the modelfs mount at --mount answers within the timeout (a
+    /// liveness probe: an unmounted, aborted or hung mount fails it).
+    Probe(probe_cmd::ProbeArgs),
     /// Show (--dry-run) or remove garbage in a state directory while the daemon is stopped.
     Gc(gc_cmd::GcArgs),
     /// Print the BaseModel and ClusterBaseModel CustomResourceDefinitions (for clusters
@@ -143,6 +147,11 @@ pub struct ServeArgs {
     /// Default: <state>/mount-server/agent.sock.
     #[arg(long)]
     mount_socket: Option<PathBuf>,
+    /// Seconds the mount server may be unreachable before the agent stops reporting its
+    /// models Ready: they turn Updating (OME schedules no new pods to the node, running pods
+    /// stay), and Ready again once a server is back and has confirmed the mapping.
+    #[arg(long, default_value_t = modelfs_agent::mount_client::DEFAULT_GRACE.as_secs())]
+    mount_server_grace_secs: u64,
     #[command(flatten)]
     hf: HfArgs,
     #[command(flatten)]
@@ -377,6 +386,7 @@ pub fn main() -> Result<()> {
             keeper_cmd::run_unmount(args)
         }
         Command::Status(args) => status_cmd::run(args),
+        Command::Probe(args) => probe_cmd::run(args),
         Command::Gc(args) => gc_cmd::run(args),
         Command::Crd(args) => crd_cmd::run(args),
     }
@@ -558,8 +568,14 @@ async fn agent(args: ServeArgs) -> Result<()> {
     let core = Arc::new(FsCore::new());
     let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
     let (connect_core, connect_metrics) = (core.clone(), metrics.clone());
+    let grace = Duration::from_secs(args.mount_server_grace_secs);
     let (mount, welcome, mount_dev) = tokio::task::spawn_blocking(move || {
-        modelfs_agent::mount_client::RemoteMount::connect(connect_core, connect_metrics, &socket)
+        modelfs_agent::mount_client::RemoteMount::connect(
+            connect_core,
+            connect_metrics,
+            &socket,
+            grace,
+        )
     })
     .await
     .context("connecting to the mount server")??;

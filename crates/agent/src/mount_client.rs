@@ -6,6 +6,36 @@
 //! and sends the whole mapping again, with the manifests of only those artifacts the server's
 //! `welcome` did not list as held (see [`modelfs_mount::protocol`]).
 //!
+//! # What the status may call Ready
+//! A model is `Ready` (node label, ConfigMap, `GET /v1/models`) only while the mount server
+//! serves it ([`MountSink::not_serving`], asked by the reconciler whenever it builds the
+//! status). Two things take that away:
+//! * **Not confirmed.** The server answers every `apply` with `applied` (its sequence number
+//!   and the entries it refused). Each `apply` in flight keeps the snapshot of the mapping it
+//!   carried (the core's `Arc`, no copy); the snapshot the server confirmed, less its refused
+//!   entries, is the set of paths it serves. A mapping the reconciler applied but the server
+//!   has not confirmed yet (it is slow, or away: [`MountSink::invalidate`] waits for the
+//!   confirmation at most `CONFIRM_WAIT`) serves nothing new: its new models stay `Updating`
+//!   until the confirmation arrives, then they turn `Ready`.
+//! * **Unreachable.** When the connection is lost, the models the server confirmed stay
+//!   `Ready` for the grace period (`--mount-server-grace-secs`, default 10 s: a few times what
+//!   a restart of the mount server takes, during which it serves its persisted mapping and
+//!   the mount keeps answering). Past it, every model is reported `Updating` until a server
+//!   is back and has confirmed a mapping again.
+//!
+//! Why `Updating` and not removing the label or saying `Failed` (OME, `sgl-project/ome`):
+//! InferenceService and BenchmarkJob pods get the node selector
+//! `models.ome.io/<model key>: Ready` (`AddNodeSelectorForModelReadyNode` in
+//! `pkg/controller/v1beta1/inferenceservice/utils`). A node selector is checked when a pod is
+//! scheduled and admitted, never against running pods, so any other value stops new pods from
+//! landing on the node and evicts none. The BaseModel controllers read the ConfigMap entry's
+//! `status`: `Ready` adds the node to the model's `nodesReady`, `Failed` to `nodesFailed`,
+//! `Updating` to neither (a model on its way), and a missing entry is what a deleted model
+//! leaves (its finalizer waits for entries to go or say `Deleted`). `Updating` is the one value
+//! that is true here (the model is on disk and will be served again) and raises no failure,
+//! and the entry keeps its config. Each change is written at once (a change of status is not
+//! rate-limited) and is published as an Event on the model object, as any other transition.
+//!
 //! Memory: nothing here copies the mapping. What to send (again, after a reconnect) is the
 //! core's last applied entries, whose artifacts are the reconciler's own `Arc`s, and a message
 //! is serialized straight onto the socket through a small buffer. After a restart of either
@@ -27,10 +57,11 @@ use std::time::{Duration, Instant};
 use crate::metrics::Metrics;
 use modelfs_core::artifact::{ArtifactId, StoredArtifact};
 use modelfs_mount::protocol::{
-    self, AgentMessage, ServerMessage, WireEntry, WireMapping, WireUsage, PROTOCOL_VERSION,
+    self, AgentMessage, RefusedEntry, ServerMessage, WireEntry, WireMapping, WireUsage,
+    PROTOCOL_VERSION,
 };
-use modelfs_mount::vfs::{FsCore, Invalidation, RemoteUsage};
-use modelfs_mount::MountSink;
+use modelfs_mount::vfs::{AppliedMapping, FsCore, Invalidation, RemoteUsage};
+use modelfs_mount::{MountSink, ServingListener};
 use serde::Serialize;
 
 /// What the server said when it accepted the agent.
@@ -156,9 +187,9 @@ struct Progress {
     sent_seq: u64,
     applied_seq: u64,
     applied_generation: u64,
-    /// Generation of the agent's core carried by each `apply` not yet confirmed, and of the
-    /// last confirmed one.
-    in_flight: Vec<(u64, u64)>,
+    /// Sequence number and mapping of each `apply` not yet confirmed (the mapping's own
+    /// generation is the agent core's), and the generation of the last confirmed one.
+    in_flight: Vec<(u64, Arc<AppliedMapping>)>,
     confirmed_local: u64,
     /// A connection is up (a welcome was received and it has not broken since).
     connected: bool,
@@ -178,6 +209,87 @@ struct Shared {
     stats: Mutex<(u64, BTreeMap<String, u64>)>,
     /// Where refused entries are reported (the reconciler: the models become `Failed`).
     refusal_listener: Mutex<Option<modelfs_mount::RefusalListener>>,
+    /// What the server serves, as far as this side knows (module docs).
+    serving: Mutex<Serving>,
+    /// Told when `serving` changes (the reconciler: it publishes the status again).
+    serving_listener: Mutex<Option<ServingListener>>,
+    /// How long models stay `Ready` after the connection is lost.
+    grace: Duration,
+}
+
+/// What the mount server serves, as far as the agent knows (module docs).
+#[derive(Debug, Default)]
+struct Serving {
+    /// Path -> artifact of every entry of the last mapping the server confirmed, less the
+    /// entries it refused.
+    confirmed: HashMap<Vec<String>, ArtifactId>,
+    /// The server has been unreachable for longer than the grace period and has not
+    /// confirmed a mapping since.
+    withdrawn: bool,
+}
+
+/// Why a model is not `Ready` although the reconciler placed it (the status entry's reason).
+pub const NOT_CONFIRMED: &str = "waiting for the mount server to confirm that it serves this model";
+/// The same, while the mount server is away past the grace period.
+pub const UNREACHABLE: &str = "the mount server is unreachable";
+
+/// Default of `--mount-server-grace-secs`.
+pub const DEFAULT_GRACE: Duration = Duration::from_secs(10);
+
+impl Shared {
+    fn notify_serving(&self) {
+        if let Some(listener) = &*self.serving_listener.lock().expect("serving listener") {
+            listener();
+        }
+    }
+
+    /// The server confirmed `applied` (refusing `refused`; all of it with `failed`: then it
+    /// still serves what it served, so only entries confirmed before and unchanged stay).
+    fn confirm(&self, applied: &AppliedMapping, refused: &[RefusedEntry], failed: bool) {
+        let refused: HashSet<&[String]> = refused.iter().map(|r| r.path.as_slice()).collect();
+        let mut serving = self.serving.lock().expect("serving");
+        let confirmed: HashMap<Vec<String>, ArtifactId> = applied
+            .entries
+            .iter()
+            .filter(|e| {
+                if failed {
+                    serving.confirmed.get(&e.path) == Some(&e.artifact.id)
+                } else {
+                    !refused.contains(e.path.as_slice())
+                }
+            })
+            .map(|e| (e.path.clone(), e.artifact.id.clone()))
+            .collect();
+        let changed = serving.withdrawn || serving.confirmed != confirmed;
+        if serving.withdrawn {
+            tracing::info!(
+                models = confirmed.len(),
+                "the mount server confirmed its mapping again; its models are Ready again"
+            );
+        }
+        serving.confirmed = confirmed;
+        serving.withdrawn = false;
+        drop(serving);
+        if changed {
+            self.notify_serving();
+        }
+    }
+
+    /// The server has been away for `away`, longer than the grace period.
+    fn withdraw(&self, away: Duration) {
+        let mut serving = self.serving.lock().expect("serving");
+        if serving.withdrawn {
+            return;
+        }
+        serving.withdrawn = true;
+        drop(serving);
+        tracing::warn!(
+            away_ms = away.as_millis() as u64,
+            grace_ms = self.grace.as_millis() as u64,
+            "the mount server is unreachable past the grace period; its models are no longer reported Ready"
+        );
+        self.notify_serving();
+    }
 }
 
 /// The agent's mount sink (module docs).
@@ -185,7 +297,8 @@ pub struct RemoteMount {
     shared: Arc<Shared>,
 }
 
-/// Longest wait for the server to confirm a mapping before the reconciler carries on.
+/// Longest wait for the server to confirm a mapping before the reconciler carries on (the
+/// models it adds are not `Ready` until the confirmation arrives: module docs).
 const CONFIRM_WAIT: Duration = Duration::from_secs(5);
 
 impl MountSink for RemoteMount {
@@ -216,16 +329,37 @@ impl MountSink for RemoteMount {
     fn on_refused(&self, listener: modelfs_mount::RefusalListener) {
         *self.shared.refusal_listener.lock().expect("listener") = Some(listener);
     }
+
+    fn not_serving(&self, path: &[String]) -> Option<&'static str> {
+        let serving = self.shared.serving.lock().expect("serving");
+        if serving.withdrawn {
+            Some(UNREACHABLE)
+        } else if !serving.confirmed.contains_key(path) {
+            Some(NOT_CONFIRMED)
+        } else {
+            None
+        }
+    }
+
+    fn on_serving_changed(&self, listener: ServingListener) {
+        *self
+            .shared
+            .serving_listener
+            .lock()
+            .expect("serving listener") = Some(listener);
+    }
 }
 
 impl RemoteMount {
     /// Waits for the mount server (logging once while it is away), then keeps the connection
     /// in a background thread. Returns with the first welcome: the agent needs its descriptor
-    /// of the models root before it starts.
+    /// of the models root before it starts. `grace`: how long models stay `Ready` while the
+    /// server is unreachable (module docs).
     pub fn connect(
         core: Arc<FsCore>,
         metrics: Arc<Metrics>,
         socket: &Path,
+        grace: Duration,
     ) -> Result<(Arc<RemoteMount>, Welcome, Arc<AtomicU64>), ConnectError> {
         core.set_remote_unknown();
         let mut logged = false;
@@ -258,6 +392,9 @@ impl RemoteMount {
             metrics,
             stats: Mutex::new((0, BTreeMap::new())),
             refusal_listener: Mutex::new(None),
+            serving: Mutex::new(Serving::default()),
+            serving_listener: Mutex::new(None),
+            grace,
         });
         let thread_shared = shared.clone();
         let held = std::mem::take(&mut welcome.held);
@@ -312,6 +449,9 @@ fn connection_loop(
                         tracing::warn!(error = %e, "mount server unavailable; retrying");
                         logged = true;
                     }
+                    if started.elapsed() >= shared.grace {
+                        shared.withdraw(started.elapsed());
+                    }
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
@@ -351,7 +491,7 @@ fn run_connection(
     let mut sent_artifacts = held;
     let mut writer = stream.try_clone()?;
     let result = loop {
-        let seq = {
+        let (seq, applied) = {
             let mut p = shared.progress.lock().expect("progress");
             while !p.dirty && !p.broken {
                 p = shared.wake.wait(p).expect("progress");
@@ -360,20 +500,19 @@ fn run_connection(
                 break Err(io::Error::other("connection closed by the mount server"));
             }
             p.dirty = false;
-            if shared.core.last_applied().generation == 0 {
+            let applied = shared.core.last_applied();
+            if applied.generation == 0 {
                 // The reconciler has not built a mapping yet: an empty one would unmount
                 // every model the server serves from its persisted mapping.
                 continue;
             }
             p.sent_seq += 1;
-            let local = shared.core.last_applied().generation;
             let seq = p.sent_seq;
-            p.in_flight.push((seq, local));
-            seq
+            p.in_flight.push((seq, applied.clone()));
+            (seq, applied)
         };
         // Until the server confirms this mapping, its uses are not known.
         shared.core.set_remote_unknown();
-        let applied = shared.core.last_applied();
         let mut artifacts = Vec::new();
         let mut entries = Vec::with_capacity(applied.entries.len());
         for e in &applied.entries {
@@ -445,18 +584,25 @@ fn read_loop<R: BufRead>(shared: &Shared, r: &mut R) -> io::Result<()> {
                         listener(refused.clone());
                     }
                 }
+                // The confirmed mapping counts as served before the reconciler, woken below,
+                // publishes the status of the models it holds.
+                let confirmed = {
+                    let p = shared.progress.lock().expect("progress");
+                    p.in_flight
+                        .iter()
+                        .filter(|(s, _)| *s <= seq)
+                        .max_by_key(|(s, _)| *s)
+                        .map(|(_, mapping)| mapping.clone())
+                };
+                if let Some(mapping) = &confirmed {
+                    shared.confirm(mapping, &refused, error.is_some());
+                }
                 {
                     let mut p = shared.progress.lock().expect("progress");
                     p.applied_seq = seq;
                     p.applied_generation = generation;
-                    if let Some(local) = p
-                        .in_flight
-                        .iter()
-                        .filter(|(s, _)| *s <= seq)
-                        .map(|(_, g)| *g)
-                        .max()
-                    {
-                        p.confirmed_local = p.confirmed_local.max(local);
+                    if let Some(mapping) = &confirmed {
+                        p.confirmed_local = p.confirmed_local.max(mapping.generation);
                     }
                     p.in_flight.retain(|(s, _)| *s > seq);
                     shared.wake.notify_all();

@@ -1,7 +1,9 @@
 //! `modelfs-mount`: the mount side of modelfs. The FUSE-free filesystem core ([`vfs`]: mapping
 //! table, trees, inodes, open files), the thin `fuser` adapter over it ([`fuse`]) and its
 //! counters ([`metrics`]), and the mount server process ([`server`], [`protocol`],
-//! [`supervise`]) that holds the FUSE session while the agent comes and goes.
+//! [`supervise`]) that holds the FUSE session while the agent comes and goes, keeps traps
+//! beneath the mount against the boot race ([`underlay`]) and is probed for liveness
+//! ([`probe`]).
 //!
 //! # Place in the workspace
 //!
@@ -103,10 +105,12 @@
 
 pub mod fuse;
 pub mod metrics;
+pub mod probe;
 pub mod protocol;
 pub mod server;
 pub mod supervise;
 pub mod takeover;
+pub mod underlay;
 pub mod vfs;
 
 use crate::vfs::Invalidation;
@@ -120,7 +124,22 @@ pub trait MountSink: Send + Sync {
     /// reported (the mount server checks each entry's store and blobs; see the module docs).
     /// An in-process mount applies the agent's own core, which never refuses single entries.
     fn on_refused(&self, _listener: RefusalListener) {}
+
+    /// Why the mount side does not serve the mapping entry at `path` now, if it does not: the
+    /// mount server has not confirmed a mapping that holds it, or has been unreachable for
+    /// longer than the agent's grace period. `None` for an entry it serves. An in-process
+    /// mount serves whatever was applied to it.
+    fn not_serving(&self, _path: &[String]) -> Option<&'static str> {
+        None
+    }
+
+    /// Registers what is called when [`MountSink::not_serving`] may answer differently
+    /// (called on the connection's thread: it must not block).
+    fn on_serving_changed(&self, _listener: ServingListener) {}
 }
+
+/// Told that what the mount side serves changed (see [`MountSink::on_serving_changed`]).
+pub type ServingListener = Box<dyn Fn() + Send + Sync>;
 
 /// Receives the entries of an applied mapping that the mount server left out, with its
 /// reasons (called on the connection's thread: it must not block).

@@ -100,6 +100,9 @@ struct Shared {
     state: StateDir,
     dir: PathBuf,
     under: OwnedFd,
+    /// Model paths (and the artifact there) with a trap beneath the mount
+    /// ([`crate::underlay`]).
+    trapped: Mutex<HashMap<Vec<String>, ArtifactId>>,
     mount: Mutex<Option<Arc<MountHandle>>>,
     mount_dev: AtomicU64,
     passthrough: AtomicBool,
@@ -211,6 +214,7 @@ impl MountServer {
             state,
             dir,
             under,
+            trapped: Mutex::new(HashMap::new()),
             mount: Mutex::new(None),
             mount_dev: AtomicU64::new(0),
             passthrough: AtomicBool::new(false),
@@ -995,6 +999,25 @@ impl Shared {
             entries: accepted,
             files: accepted_files,
         };
+        let served_at: HashMap<&[String], &MountEntry> =
+            entries.iter().map(|e| (e.path.as_slice(), e)).collect();
+        crate::underlay::keep_in_step(
+            self.under.as_fd(),
+            &mut self.trapped.lock().expect("trapped"),
+            persisted
+                .entries
+                .iter()
+                .map(|e| (&e.path, e.artifact.clone())),
+            |path, dir| {
+                served_at.get(path).is_some_and(|e| {
+                    let files = e
+                        .artifact
+                        .files()
+                        .map(|(file, blob)| (file.path, e.store.store.blob_path(&blob)));
+                    crate::underlay::holds_blobs(dir, files)
+                })
+            },
+        );
         if let Err(e) = self.persist(last, persisted, &served) {
             tracing::error!(error = %e, "persisting the mapping failed; a restart would serve an older one");
         }

@@ -232,6 +232,9 @@ enum Event {
     /// The mount server left these entries of the mapping out (a missing blob or store), with
     /// its reasons: the models served there are `Failed` and retried.
     MountRefused(Vec<modelfs_mount::protocol::RefusedEntry>),
+    /// What the mount server serves changed (it confirmed a mapping, or it is away past the
+    /// grace period): the status is published again.
+    MountServing,
     Shutdown(tokio::sync::oneshot::Sender<()>),
     /// See [`ReconcilerHandle::inject_panic`].
     Panic(String),
@@ -734,6 +737,12 @@ impl Reconciler {
                     let _ = tx.send(Event::MountRefused(entries));
                 }
             }));
+            let reports = tx.downgrade();
+            mount.on_serving_changed(Box::new(move || {
+                if let Some(tx) = reports.upgrade() {
+                    let _ = tx.send(Event::MountServing);
+                }
+            }));
         }
         r.recover();
         let keys: Vec<ModelKey> = r.records.models().keys().cloned().collect();
@@ -977,6 +986,7 @@ impl Reconciler {
                 self.gc_due = true;
                 self.on_mount_refused(entries)
             }
+            Event::MountServing => true,
             Event::Shutdown(_) | Event::Panic(_) | Event::Flush => unreachable!("handled in run"),
         };
         // A tick that changed nothing (the idle case) changed no claim either.

@@ -9,6 +9,7 @@ use std::time::SystemTime;
 use super::records::ModelPhase;
 use super::{Reconciler, Stage};
 use modelfs_ome::status::{rfc3339, ModelStatus, ProgressStatus, StatusDoc};
+use modelfs_ome::MountPath;
 
 impl Reconciler {
     fn abs_path(&self, rel: &str) -> String {
@@ -17,6 +18,13 @@ impl Reconciler {
             .join(rel)
             .to_string_lossy()
             .into_owned()
+    }
+
+    /// Why the mount side does not serve the model at `served_path` (relative), if it does not.
+    fn not_served(&self, served_path: Option<&str>) -> Option<&'static str> {
+        let mount = self.mount.as_ref()?;
+        let path = MountPath::from_relative(served_path?).ok()?;
+        mount.not_serving(path.segments())
     }
 
     pub(super) fn status_doc(&self) -> StatusDoc {
@@ -115,6 +123,13 @@ impl Reconciler {
                 }
             }
             self.fill_model_config(key, &mut e);
+            if rec.phase == ModelPhase::Ready {
+                // Ready only while the mount server serves it (`mount_client` module docs).
+                if let Some(why) = self.not_served(rec.served_path.as_deref()) {
+                    e.status = ModelPhase::Updating.as_str().to_string();
+                    e.reason = Some(why.to_string());
+                }
+            }
             if rec.phase == ModelPhase::Failed && e.reason.is_none() {
                 e.reason = Some("failed".into());
             }

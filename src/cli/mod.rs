@@ -126,7 +126,8 @@ pub struct ServeArgs {
     /// Log lines as JSON.
     #[arg(long)]
     log_json: bool,
-    /// Unix socket between the agent and the mount server (its directory is made 0700).
+    /// Unix socket between the agent and the mount server (0600; a missing directory is created
+    /// 0700, an existing one keeps its mode; anything at the path but a stale socket is refused).
     /// Default: <state>/mount-server/agent.sock.
     #[arg(long)]
     mount_socket: Option<PathBuf>,

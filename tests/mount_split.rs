@@ -582,6 +582,122 @@ fn a_refused_entry_is_failed_with_the_servers_reason_then_retried() {
     assert!(missing.exists(), "the missing blob was fetched again");
 }
 
+/// The blob file of `sha` (hex) in whichever store holds it.
+fn blob_of(split: &Split, sha: &str) -> PathBuf {
+    std::fs::read_dir(split.env.state.join("stores"))
+        .unwrap()
+        .map(|store| store.unwrap().path().join("blobs").join(sha))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("no blob {sha}"))
+}
+
+/// Opens and reads `path` on another thread; the error it ended with, or a panic if it has
+/// not ended within 10 s (a FIFO planted as a blob hung the mount server's open before).
+fn read_fails(path: PathBuf) -> std::io::Error {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let shown = path.display().to_string();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::fs::read(&path));
+    });
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(Ok(data)) => panic!(
+            "{shown} was served: {:?}...",
+            String::from_utf8_lossy(&data[..data.len().min(16)])
+        ),
+        Ok(Err(e)) => e,
+        Err(_) => panic!("reading {shown} hangs"),
+    }
+}
+
+/// What the (unprivileged) agent could plant in a store, in place of blobs the mount server
+/// serves: a symbolic link to a root-only file of the same size, one to a file of another
+/// size, a FIFO, and a hard link to a file a user owns and may write. None of them is served
+/// (each open fails with EIO at once), nothing hangs, no log line tells the size of a file
+/// outside the stores; after a restart the persisted entry is dropped for it. The other files
+/// of the model keep reading.
+#[test]
+fn links_fifos_and_user_writable_links_planted_in_a_store_are_never_served() {
+    use std::os::unix::fs::PermissionsExt;
+    let (mut split, files) = Split::serving_one_model("m", 8);
+    split.wait_ready("clusterbasemodel.m");
+    let model = split.env.mount.join("m");
+    let outside = split.env.dir("outside");
+    let secret_of = |name: &str, size: usize| {
+        let path = outside.join(name);
+        std::fs::write(&path, vec![b'S'; size]).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        path
+    };
+    let plant = |rel: &str, how: &dyn Fn(&Path, u64)| {
+        let blob = blob_of(&split, &files[rel]);
+        let size = std::fs::metadata(&blob).unwrap().len();
+        std::fs::remove_file(&blob).unwrap();
+        how(&blob, size);
+    };
+    plant("part-00.bin", &|blob, size| {
+        std::os::unix::fs::symlink(secret_of("same-size", size as usize), blob).unwrap()
+    });
+    plant("part-01.bin", &|blob, _| {
+        std::os::unix::fs::symlink(secret_of("other-size", 987_654), blob).unwrap()
+    });
+    plant("part-02.bin", &|blob, _| {
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            blob,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o644),
+            0,
+        )
+        .unwrap()
+    });
+    plant("part-03.bin", &|blob, size| {
+        let mine = outside.join("users-file");
+        std::fs::write(&mine, vec![b'U'; size as usize]).unwrap();
+        rustix::fs::chown(&mine, Some(rustix::process::Uid::from_raw(65534)), None).unwrap();
+        std::fs::hard_link(&mine, blob).unwrap();
+    });
+    let planted = ["part-00.bin", "part-01.bin", "part-02.bin", "part-03.bin"];
+    for rel in planted {
+        let err = read_fails(model.join(rel));
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{rel}: {err}");
+    }
+    for (rel, sha) in files.iter().filter(|(r, _)| !planted.contains(&r.as_str())) {
+        let data = std::fs::read(model.join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+    let log = split.log_text();
+    for reason in [
+        "refused: a symbolic link is on its path",
+        "refused: not a regular file",
+        "refused: not owned by root",
+    ] {
+        assert!(log.contains(reason), "{reason}: {log}");
+    }
+
+    // A restart: the persisted mapping is served on trust, then checked: the entry is
+    // dropped, without hanging on the FIFO.
+    split.kill_agent();
+    split.kill_server();
+    split.start_server();
+    wait_for(
+        "the check of the persisted mapping",
+        Duration::from_secs(30),
+        || split.log_text().contains("persisted mapping checked"),
+    );
+    let log = split.log_text();
+    assert!(
+        log.contains("persisted mapping checked entries=1 broken=1"),
+        "{log}"
+    );
+    let reason = log
+        .lines()
+        .find(|l| l.contains("no longer served"))
+        .unwrap_or_else(|| panic!("no reason logged: {log}"));
+    assert!(reason.contains("is refused: "), "{reason}");
+    assert!(!model.exists());
+    assert!(!log.contains("987654") && !log.contains("987 654"), "{log}");
+}
+
 /// Sends `hello` with a protocol version and returns the server's first line.
 fn hello(socket: &Path, version: u32) -> String {
     let mut s = UnixStream::connect(socket).unwrap();

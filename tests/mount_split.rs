@@ -6,7 +6,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -52,6 +52,8 @@ struct Split {
     /// The mount server's `--fuse-transport`.
     transport: Transport,
     _uring: Option<UringParam>,
+    /// The umask both processes start with (`None`: the test's own).
+    umask: Option<&'static str>,
 }
 
 impl Split {
@@ -99,6 +101,21 @@ impl Split {
             agent: None,
             transport: Transport::Dev,
             _uring: None,
+            umask: None,
+        }
+    }
+
+    /// `bin`, started under `self.umask` when one is set.
+    fn command(&self, bin: &Path) -> Command {
+        match self.umask {
+            None => Command::new(bin),
+            Some(umask) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("umask {umask}; exec \"$0\" \"$@\""))
+                    .arg(bin);
+                c
+            }
         }
     }
 
@@ -117,7 +134,8 @@ impl Split {
     fn start_server(&mut self) {
         let started_before = self.log_text().matches("waiting for the agent").count();
         let log = self.log_file();
-        let child = Command::new(BIN)
+        let child = self
+            .command(Path::new(BIN))
             .arg("mount-server")
             .arg("--mount")
             .arg(&self.env.mount)
@@ -142,7 +160,8 @@ impl Split {
 
     fn start_agent(&mut self, bin: &Path) {
         let log = self.log_file();
-        let child = Command::new(bin)
+        let child = self
+            .command(bin)
             .arg("agent")
             .arg("--mount")
             .arg(&self.env.mount)
@@ -696,6 +715,61 @@ fn links_fifos_and_user_writable_links_planted_in_a_store_are_never_served() {
     assert!(reason.contains("is refused: "), "{reason}");
     assert!(!model.exists());
     assert!(!log.contains("987654") && !log.contains("987 654"), "{log}");
+}
+
+/// Under umask 000 every file and directory the two processes create in the state directory
+/// is still writable by root alone (before, a blob came out 0666: any user could rewrite what
+/// every pod reads), blobs are 0444, and the mount server serves them.
+#[test]
+fn state_files_get_their_modes_whatever_the_umask() {
+    let mut split = Split::new();
+    split.umask = Some("000");
+    let (src, files) = model_source(&split.env, "m", 9);
+    split.env.write_models(
+        "m.yaml",
+        &cluster_model(
+            "m",
+            &format!("local://{}", src.display()),
+            "AlwaysDownload",
+            None,
+        ),
+    );
+    split.start_server();
+    split.start_agent(Path::new(BIN));
+    split.wait_ready("clusterbasemodel.m");
+    for (rel, sha) in &files {
+        let data = std::fs::read(split.env.mount.join("m").join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+    let mut seen = 0;
+    let mut blobs = 0;
+    let mut todo = vec![split.env.state.clone()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let mode = meta.permissions().mode() & 0o7777;
+            if meta.file_type().is_socket() {
+                continue;
+            }
+            assert_eq!(mode & 0o022, 0, "{} is {mode:o}", path.display());
+            if meta.is_dir() {
+                todo.push(path.clone());
+            }
+            if path.parent().and_then(Path::file_name) == Some("blobs".as_ref()) {
+                assert_eq!(mode, 0o444, "{}", path.display());
+                blobs += 1;
+            }
+            seen += 1;
+        }
+    }
+    assert!(blobs >= files.len() - 1, "{blobs} blobs");
+    assert!(seen > blobs + 5, "{seen} entries checked");
+    let state = std::fs::metadata(&split.env.state)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(state & 0o022, 0, "the state directory is {state:o}");
 }
 
 /// Sends `hello` with a protocol version and returns the server's first line.

@@ -370,11 +370,14 @@ fn init_tracing(json: bool) {
 
 /// One daemon per state directory: a second one would corrupt the records.
 fn lock_state(state: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
     let path = state.join("lock");
+    // Root's alone whatever the umask: another user holding the lock would stop the daemon.
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
         .open(&path)
         .with_context(|| format!("opening {}", path.display()))?;
     // An exclusive flock(2), held as long as the file stays open.

@@ -152,14 +152,14 @@ impl MountServer {
     /// socket.
     pub fn start(config: ServerConfig, metrics: Arc<FuseMetrics>) -> anyhow::Result<Self> {
         use anyhow::Context;
-        std::fs::create_dir_all(&config.state)
+        modelfs_core::store::fsutil::create_dirs(&config.state)
             .with_context(|| format!("creating {}", config.state.display()))?;
         // Stores are reached beneath one descriptor, without following links (module docs).
         let state = StateDir::open(&config.state)
             .and_then(StateDir::anchored)
             .with_context(|| format!("opening state directory {}", config.state.display()))?;
         let dir = own_dir(&config.state);
-        std::fs::create_dir_all(dir.join("artifacts"))
+        modelfs_core::store::fsutil::create_dirs(&dir.join("artifacts"))
             .with_context(|| format!("creating {}", dir.display()))?;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
         let lock = lock_file(&dir.join("lock"))?;
@@ -310,10 +310,12 @@ pub fn running(state: &Path) -> bool {
 }
 
 fn lock_file(path: &Path) -> anyhow::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
         .open(path)?;
     rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
         |_| {

@@ -328,7 +328,7 @@ impl Store {
         }
         let path = self.alias_path(digest);
         let dir = self.root.join("aliases");
-        std::fs::create_dir_all(&dir)
+        fsutil::create_dirs(&dir)
             .map_err(|e| StoreError::io(format!("creating {}", dir.display()), e))?;
         fsutil::write_new(&path, sha256.to_hex().as_bytes(), 0o644)
             .map_err(|e| StoreError::io(format!("writing {}", path.display()), e))

@@ -320,6 +320,13 @@ fn a_users_old_file_written_through_a_kept_link_does_not_change_the_served_bytes
         std::fs::read(dir_m.join(BIG)).unwrap(),
         "the user's write went through"
     );
+    // Served bytes come from the store, not from the page cache.
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    assert_eq!(
+        contents(&root.join("m")),
+        contents(&dir_m),
+        "the served bytes changed"
+    );
     // Root's file is read-only now, for its owner too; the user cannot write it.
     assert_eq!(std::fs::metadata(&roots).unwrap().mode() & 0o7777, 0o444);
     let denied = std::process::Command::new("setpriv")
@@ -334,13 +341,6 @@ fn a_users_old_file_written_through_a_kept_link_does_not_change_the_served_bytes
         .status()
         .unwrap();
     assert!(!denied.success());
-    // Served bytes come from the store, not from the page cache.
-    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
-    assert_eq!(
-        contents(&root.join("m")),
-        contents(&dir_m),
-        "the served bytes changed"
-    );
     assert!(d.stop(), "clean shutdown");
 
     // The user's file was copied, root's linked.

@@ -457,7 +457,8 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     };
     let mut upstream_req = shared.client.request(parts.method.clone(), url).body(body);
     for (name, value) in &parts.headers {
-        if !hop_by_hop(name) && !(ignore_range && name == header::RANGE) {
+        let dropped = ignore_range && name == header::RANGE;
+        if !hop_by_hop(name) && !dropped {
             upstream_req = upstream_req.header(name, value);
         }
     }

@@ -702,7 +702,7 @@ fn large_safetensors_headers_are_counted_as_a_stream() {
         i += 1;
     }
     header.push_str(r#""__metadata__":{"format":"pt"}}"#);
-    let header = &header.as_bytes()[..];
+    let header = header.as_bytes();
     assert_eq!(
         safetensors::count_header(header),
         Ok(128 * i as i64),

@@ -15,7 +15,8 @@ use modelfs_devhub::hf::files_from_dir;
 use sha2::{Digest, Sha256};
 
 /// Everything below `dir` without following symlinks: relative path -> description (kind,
-/// symlink target or size, mtime, content digest). Equal snapshots mean nothing was changed.
+/// symlink target or size, mode, mtime, content digest). Equal snapshots mean nothing was
+/// changed but the write bits of files, which adoption takes from the files it links.
 fn snapshot(dir: &Path) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for entry in walkdir(dir) {
@@ -29,7 +30,7 @@ fn snapshot(dir: &Path) -> BTreeMap<String, String> {
             let data = std::fs::read(&entry).unwrap();
             format!(
                 "file {:o} {} {}.{} {}",
-                m.mode(),
+                m.mode() & !0o222,
                 m.len(),
                 m.mtime(),
                 m.mtime_nsec(),
@@ -361,6 +362,86 @@ fn a_local_source_under_the_models_root_is_served_from_the_files_there() {
         inodes,
         vec![ino, ino],
         "both stores hold the old file's inode"
+    );
+}
+
+/// Issue 21, item 1: an old file a user owns, adopted, then written by that user through a
+/// hard link they kept outside the models root, does not change what the mount serves (it was
+/// copied: the user could write it at any time). Root's ordinary files are still linked, and
+/// lose their write bits. Nothing is downloaded.
+#[test]
+fn a_users_old_file_written_through_a_kept_link_does_not_change_the_served_bytes() {
+    use std::os::unix::fs::PermissionsExt;
+    let hub = TestHub::start(50);
+    let env = TestEnv::new();
+    let (dir_m, _) = publish(&env, &hub, "org/m", 41);
+    let root = env.mount.clone();
+    prefill(&dir_m, &root.join("m"));
+    // The user's file, and a link to it (and one to a root file) kept where the user can
+    // reach it after the mount covers the models root.
+    let home = env.dir("home");
+    for dir in [env.root.path(), home.as_path()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let users = root.join("m").join(BIG);
+    sh(&format!("chown 65534:65534 '{}'", users.display()));
+    let kept = home.join("kept-link");
+    std::fs::hard_link(&users, &kept).unwrap();
+    let roots = home.join("root-link");
+    std::fs::hard_link(root.join("m").join(SMALL), &roots).unwrap();
+
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", "hf://org/m", "AlwaysDownload", Some("m")),
+    );
+    let d = start_daemon(&env, &hub);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(hub.hub().stats().bytes_served, 0, "adopted, not downloaded");
+    assert_eq!(contents(&root.join("m")), contents(&dir_m));
+
+    // The user writes their file in place, as themselves, through the kept link.
+    sh(&format!(
+        "setpriv --reuid=65534 --regid=65534 --clear-groups \
+         sh -c 'printf CHANGED-BY-A-USER | dd of={} bs=1 seek=4096 conv=notrunc status=none'",
+        kept.display()
+    ));
+    assert_ne!(
+        std::fs::read(&kept).unwrap(),
+        std::fs::read(dir_m.join(BIG)).unwrap(),
+        "the user's write went through"
+    );
+    // Served bytes come from the store, not from the page cache.
+    std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
+    assert_eq!(
+        contents(&root.join("m")),
+        contents(&dir_m),
+        "the served bytes changed"
+    );
+    // Root's file is read-only now, for its owner too; the user cannot write it.
+    assert_eq!(std::fs::metadata(&roots).unwrap().mode() & 0o7777, 0o444);
+    let denied = std::process::Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+        ])
+        .arg(format!("printf x >> '{}' 2>/dev/null", roots.display()))
+        .status()
+        .unwrap();
+    assert!(!denied.success());
+    assert!(d.stop(), "clean shutdown");
+
+    // The user's file was copied, root's linked.
+    let sha = |p: &Path| hex::encode(Sha256::digest(std::fs::read(p).unwrap()));
+    let big = blob_inodes(&env, &sha(&dir_m.join(BIG)));
+    assert_eq!(big.len(), 1);
+    assert_ne!(big[0], std::fs::metadata(&kept).unwrap().ino(), "copied");
+    assert_eq!(
+        blob_inodes(&env, &sha(&roots)),
+        vec![std::fs::metadata(&roots).unwrap().ino()],
+        "linked"
     );
 }
 

@@ -6,7 +6,7 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -52,6 +52,8 @@ struct Split {
     /// The mount server's `--fuse-transport`.
     transport: Transport,
     _uring: Option<UringParam>,
+    /// The umask both processes start with (`None`: the test's own).
+    umask: Option<&'static str>,
 }
 
 impl Split {
@@ -99,6 +101,21 @@ impl Split {
             agent: None,
             transport: Transport::Dev,
             _uring: None,
+            umask: None,
+        }
+    }
+
+    /// `bin`, started under `self.umask` when one is set.
+    fn command(&self, bin: &Path) -> Command {
+        match self.umask {
+            None => Command::new(bin),
+            Some(umask) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("umask {umask}; exec \"$0\" \"$@\""))
+                    .arg(bin);
+                c
+            }
         }
     }
 
@@ -117,7 +134,8 @@ impl Split {
     fn start_server(&mut self) {
         let started_before = self.log_text().matches("waiting for the agent").count();
         let log = self.log_file();
-        let child = Command::new(BIN)
+        let child = self
+            .command(Path::new(BIN))
             .arg("mount-server")
             .arg("--mount")
             .arg(&self.env.mount)
@@ -142,7 +160,8 @@ impl Split {
 
     fn start_agent(&mut self, bin: &Path) {
         let log = self.log_file();
-        let child = Command::new(bin)
+        let child = self
+            .command(bin)
             .arg("agent")
             .arg("--mount")
             .arg(&self.env.mount)
@@ -580,6 +599,177 @@ fn a_refused_entry_is_failed_with_the_servers_reason_then_retried() {
         assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
     }
     assert!(missing.exists(), "the missing blob was fetched again");
+}
+
+/// The blob file of `sha` (hex) in whichever store holds it.
+fn blob_of(split: &Split, sha: &str) -> PathBuf {
+    std::fs::read_dir(split.env.state.join("stores"))
+        .unwrap()
+        .map(|store| store.unwrap().path().join("blobs").join(sha))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("no blob {sha}"))
+}
+
+/// Opens and reads `path` on another thread; the error it ended with, or a panic if it has
+/// not ended within 10 s (a FIFO planted as a blob hung the mount server's open before).
+fn read_fails(path: PathBuf) -> std::io::Error {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let shown = path.display().to_string();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::fs::read(&path));
+    });
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(Ok(data)) => panic!(
+            "{shown} was served: {:?}...",
+            String::from_utf8_lossy(&data[..data.len().min(16)])
+        ),
+        Ok(Err(e)) => e,
+        Err(_) => panic!("reading {shown} hangs"),
+    }
+}
+
+/// What the (unprivileged) agent could plant in a store, in place of blobs the mount server
+/// serves: a symbolic link to a root-only file of the same size, one to a file of another
+/// size, a FIFO, and a hard link to a file a user owns and may write. None of them is served
+/// (each open fails with EIO at once), nothing hangs, no log line tells the size of a file
+/// outside the stores; after a restart the persisted entry is dropped for it. The other files
+/// of the model keep reading.
+#[test]
+fn links_fifos_and_user_writable_links_planted_in_a_store_are_never_served() {
+    use std::os::unix::fs::PermissionsExt;
+    let (mut split, files) = Split::serving_one_model("m", 8);
+    split.wait_ready("clusterbasemodel.m");
+    let model = split.env.mount.join("m");
+    let outside = split.env.dir("outside");
+    let secret_of = |name: &str, size: usize| {
+        let path = outside.join(name);
+        std::fs::write(&path, vec![b'S'; size]).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        path
+    };
+    let plant = |rel: &str, how: &dyn Fn(&Path, u64)| {
+        let blob = blob_of(&split, &files[rel]);
+        let size = std::fs::metadata(&blob).unwrap().len();
+        std::fs::remove_file(&blob).unwrap();
+        how(&blob, size);
+    };
+    plant("part-00.bin", &|blob, size| {
+        std::os::unix::fs::symlink(secret_of("same-size", size as usize), blob).unwrap()
+    });
+    plant("part-01.bin", &|blob, _| {
+        std::os::unix::fs::symlink(secret_of("other-size", 987_654), blob).unwrap()
+    });
+    plant("part-02.bin", &|blob, _| {
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            blob,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o644),
+            0,
+        )
+        .unwrap()
+    });
+    plant("part-03.bin", &|blob, size| {
+        let mine = outside.join("users-file");
+        std::fs::write(&mine, vec![b'U'; size as usize]).unwrap();
+        rustix::fs::chown(&mine, Some(rustix::process::Uid::from_raw(65534)), None).unwrap();
+        std::fs::hard_link(&mine, blob).unwrap();
+    });
+    let planted = ["part-00.bin", "part-01.bin", "part-02.bin", "part-03.bin"];
+    for rel in planted {
+        let err = read_fails(model.join(rel));
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{rel}: {err}");
+    }
+    for (rel, sha) in files.iter().filter(|(r, _)| !planted.contains(&r.as_str())) {
+        let data = std::fs::read(model.join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+    let log = split.log_text();
+    for reason in [
+        "refused: a symbolic link is on its path",
+        "refused: not a regular file",
+        "refused: not owned by root",
+    ] {
+        assert!(log.contains(reason), "{reason}: {log}");
+    }
+
+    // A restart: the persisted mapping is served on trust, then checked: the entry is
+    // dropped, without hanging on the FIFO.
+    split.kill_agent();
+    split.kill_server();
+    split.start_server();
+    wait_for(
+        "the check of the persisted mapping",
+        Duration::from_secs(30),
+        || split.log_text().contains("persisted mapping checked"),
+    );
+    let log = split.log_text();
+    assert!(
+        log.contains("persisted mapping checked entries=1 broken=1"),
+        "{log}"
+    );
+    let reason = log
+        .lines()
+        .find(|l| l.contains("no longer served"))
+        .unwrap_or_else(|| panic!("no reason logged: {log}"));
+    assert!(reason.contains("is refused: "), "{reason}");
+    assert!(!model.exists());
+    assert!(!log.contains("987654") && !log.contains("987 654"), "{log}");
+}
+
+/// Under umask 000 every file and directory the two processes create in the state directory
+/// is still writable by root alone (before, a blob came out 0666: any user could rewrite what
+/// every pod reads), blobs are 0444, and the mount server serves them.
+#[test]
+fn state_files_get_their_modes_whatever_the_umask() {
+    let mut split = Split::new();
+    split.umask = Some("000");
+    let (src, files) = model_source(&split.env, "m", 9);
+    split.env.write_models(
+        "m.yaml",
+        &cluster_model(
+            "m",
+            &format!("local://{}", src.display()),
+            "AlwaysDownload",
+            None,
+        ),
+    );
+    split.start_server();
+    split.start_agent(Path::new(BIN));
+    split.wait_ready("clusterbasemodel.m");
+    for (rel, sha) in &files {
+        let data = std::fs::read(split.env.mount.join("m").join(rel)).unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+    }
+    let mut seen = 0;
+    let mut blobs = 0;
+    let mut todo = vec![split.env.state.clone()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            let mode = meta.permissions().mode() & 0o7777;
+            if meta.file_type().is_socket() {
+                continue;
+            }
+            assert_eq!(mode & 0o022, 0, "{} is {mode:o}", path.display());
+            if meta.is_dir() {
+                todo.push(path.clone());
+            }
+            if path.parent().and_then(Path::file_name) == Some("blobs".as_ref()) {
+                assert_eq!(mode, 0o444, "{}", path.display());
+                blobs += 1;
+            }
+            seen += 1;
+        }
+    }
+    assert!(blobs >= files.len() - 1, "{blobs} blobs");
+    assert!(seen > blobs + 5, "{seen} entries checked");
+    let state = std::fs::metadata(&split.env.state)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(state & 0o022, 0, "the state directory is {state:o}");
 }
 
 /// Sends `hello` with a protocol version and returns the server's first line.

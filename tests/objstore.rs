@@ -291,6 +291,77 @@ fn truncated_bodies_never_reach_the_mount() {
     assert_ne!(s["clusterbasemodel.lies"]["status"], "Ready", "{s}");
 }
 
+/// Issue 21, item 6: the S3 console's "create folder" leaves empty objects `m/` and
+/// `m/sub/`; the model is served without them (it failed: "the object is the model's prefix
+/// itself").
+#[test]
+fn s3_folder_markers_are_not_files_of_the_model() {
+    let server = ObjectServer::s3();
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    common::make_model_dir(&src, 23, 1 << 20);
+    server.create_bucket("models");
+    server.put("models", "m/", b"");
+    server.put("models", "m/weights/", b"");
+    server.upload_dir("models", "m/", &src);
+    assert!(
+        server
+            .list("models", "m/")
+            .iter()
+            .any(|o| o.key == "m/weights/"),
+        "the markers are in the bucket"
+    );
+    let d = start(&env, &server.daemon_env(), &["--hf-chunk-mib", "1"]);
+    env.write_models(
+        "m.yaml",
+        &model("m", &server.uri("models", "m"), "AlwaysDownload", &[]),
+    );
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("m")), sha256sums(&src));
+    assert_eq!(
+        common::contents(&env.mount.join("m")),
+        common::contents(&src)
+    );
+}
+
+/// Issue 21, item 7: S3 behind a proxy that drops `Range` (every GET answers 200 with the whole
+/// object) becomes Ready, as `hf://` does: one whole download per file and attempt, never one
+/// per range.
+#[test]
+fn s3_through_a_proxy_that_ignores_range_is_ready() {
+    let server = ObjectServer::s3();
+    let proxy = Proxy::reverse(&server.endpoint());
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    let data = common::bytes(29, 3 << 20);
+    std::fs::write(src.join("model.safetensors"), &data).unwrap();
+    std::fs::write(src.join("config.json"), b"{}").unwrap();
+    server.create_bucket("models");
+    server.upload_dir("models", "r/", &src);
+    proxy.add_fault(
+        Fault::new(FaultKind::IgnoreRange)
+            .times(u64::MAX)
+            .on_method(axum::http::Method::GET),
+    );
+    let d = start(
+        &env,
+        &env_via(&server, &proxy.url()),
+        &["--hf-chunk-mib", "1", "--hf-retry-base-ms", "20"],
+    );
+    env.write_models(
+        "r.yaml",
+        &model("r", &server.uri("models", "r"), "AlwaysDownload", &[]),
+    );
+    d.wait_model("clusterbasemodel.r", "Ready");
+    assert_eq!(sha256sums(&env.mount.join("r")), sha256sums(&src));
+    let big = "/models/r/model.safetensors";
+    let sent = proxy.bytes_on(big);
+    assert!(
+        sent >= data.len() as u64 && sent <= 2 * data.len() as u64,
+        "one whole download (plus at most one refused whole answer), not one per range: {sent}"
+    );
+}
+
 #[test]
 fn a_broken_range_is_continued_from_its_first_missing_byte() {
     let server = ObjectServer::s3();

@@ -210,7 +210,10 @@ fn sigkill_then_restart_serves_everything_without_reimport() {
     let path = env.mount.join("a");
     let waiting = std::thread::spawn(move || std::fs::metadata(path));
     let d = Daemon::start(&env, &[]);
-    let meta = waiting.join().unwrap().expect("answered by the restarted daemon");
+    let meta = waiting
+        .join()
+        .unwrap()
+        .expect("answered by the restarted daemon");
     assert_eq!(
         std::os::unix::fs::MetadataExt::ino(&meta),
         ino,

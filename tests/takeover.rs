@@ -571,14 +571,22 @@ fn a_connection_served_over_io_uring_is_resumed_over_io_uring() {
     let (src, expected) = model_files(&node.env);
     node.env.write_models(
         "m.yaml",
-        &cluster_model("m", &format!("local://{}", src.display()), "ReuseIfExists", None),
+        &cluster_model(
+            "m",
+            &format!("local://{}", src.display()),
+            "ReuseIfExists",
+            None,
+        ),
     );
     node.start();
     let mut path = String::new();
     wait_for("the model Ready", Duration::from_secs(60), || {
         let s = node.status();
         if s["clusterbasemodel.m"]["status"] == "Ready" {
-            path = s["clusterbasemodel.m"]["path"].as_str().unwrap_or("").into();
+            path = s["clusterbasemodel.m"]["path"]
+                .as_str()
+                .unwrap_or("")
+                .into();
         }
         !path.is_empty()
     });

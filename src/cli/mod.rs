@@ -143,7 +143,8 @@ pub struct ServeArgs {
     /// Log lines as JSON.
     #[arg(long)]
     log_json: bool,
-    /// Unix socket between the agent and the mount server (its directory is made 0700).
+    /// Unix socket between the agent and the mount server (0600; a missing directory is created
+    /// 0700, an existing one keeps its mode; anything at the path but a stale socket is refused).
     /// Default: <state>/mount-server/agent.sock.
     #[arg(long)]
     mount_socket: Option<PathBuf>,
@@ -409,11 +410,14 @@ fn init_tracing(json: bool) {
 
 /// One daemon per state directory: a second one would corrupt the records.
 fn lock_state(state: &Path) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
     let path = state.join("lock");
+    // Root's alone whatever the umask: another user holding the lock would stop the daemon.
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
         .open(&path)
         .with_context(|| format!("opening {}", path.display()))?;
     // An exclusive flock(2), held as long as the file stays open.

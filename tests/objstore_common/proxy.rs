@@ -49,6 +49,9 @@ pub enum FaultKind {
     /// Forward the request but cut the response body after `after` bytes (headers, including
     /// `Content-Length`, as upstream sent them).
     Truncate { after: u64 },
+    /// Forward the request without its `Range` header, as a server or proxy that ignores
+    /// ranges does: the whole object comes back with `200`.
+    IgnoreRange,
 }
 
 impl FaultKind {
@@ -444,8 +447,9 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
                 .unwrap();
         }
         Some(FaultKind::Truncate { after }) => cut = Some(after),
-        None => {}
+        Some(FaultKind::IgnoreRange) | None => {}
     }
+    let ignore_range = fault == Some(FaultKind::IgnoreRange);
 
     let body = match axum::body::to_bytes(body, usize::MAX).await {
         Ok(b) => b,
@@ -453,7 +457,8 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     };
     let mut upstream_req = shared.client.request(parts.method.clone(), url).body(body);
     for (name, value) in &parts.headers {
-        if !hop_by_hop(name) {
+        let dropped = ignore_range && name == header::RANGE;
+        if !hop_by_hop(name) && !dropped {
             upstream_req = upstream_req.header(name, value);
         }
     }

@@ -28,22 +28,32 @@
 //! # Importing
 //! [`import_into`] runs before a model's fetch into its own store: for every manifest entry the
 //! store lacks, the old file at the same relative path is opened; if it is a regular file of the
-//! manifest's size, it is hard-linked into the store and the linked inode is verified against the
-//! manifest digest (sha256 or git blob sha1) before it is renamed into `blobs/`
-//! ([`modelfs_core::store::Store::import_file`]; a copy across filesystems). Files that are missing,
+//! manifest's size, it is hard-linked into the store (when only root can write it, see below)
+//! and the linked inode is verified against the manifest digest (sha256 or git blob sha1)
+//! before it is renamed into `blobs/` ([`modelfs_core::store::Store::import_file`]; a copy
+//! across filesystems or of a file others may write). Files that are missing,
 //! of another size or with another digest are simply left to the fetch, which downloads exactly
 //! those. Adoption never fails a model: at worst it downloads what it could not adopt.
 //!
-//! # A file changed after verification
-//! A hard link shares the inode: a process that writes to the old file afterwards writes into
-//! the store's blob. The daemon accepts that risk, bounded, rather than doubling the disk space:
-//! after the mount no path below the models root leads to the old files any more (they are
-//! covered), so only a process that opened one before the mount, or a second mount of the same
-//! filesystem, could write to them; the migration stops OME's agent first
-//! (`deploy/MIGRATION.md`). Writes *during* verification are detected (size and mtime of the
-//! inode compared before and after hashing; not ctime, which concurrent adopters of the same
-//! old file move by linking it) and reject the file. A store on another
-//! filesystem than the models root gets independent copies, with no shared inode at all.
+//! # Who can change an adopted file
+//! A hard link shares the inode: whoever can write the old file writes into the store's blob,
+//! under the mount, while the model stays `Ready`. So only an inode that nobody but root could
+//! ever have opened for writing is linked: owned by root and writable by neither its group nor
+//! others (a POSIX ACL granting write shows in the group bits). Adoption then takes it over:
+//! its write bits go (mode 0444, on every name it has, the old path included; the one change
+//! adoption makes to the old tree) and that is checked again before the bytes are verified.
+//! A user's file, or one its group or others may write, is copied instead: its owner could keep
+//! another hard link to it, or a descriptor open for writing, and change it at any time. The
+//! mount server holds every blob to the same rule when it serves it (`modelfs_mount`'s module
+//! docs). What remains is root: a root process that held the old file open for writing from
+//! before the takeover (OME's agent; the migration stops it first, `deploy/MIGRATION.md`), or
+//! a second mount of the same filesystem through which root writes.
+//!
+//! Writes *during* verification are detected (size and mtime of the inode compared before and
+//! after hashing; not ctime, which concurrent adopters of the same old file move by linking
+//! it) and reject the file; a rejected file gets its mode back. A store on another filesystem
+//! than the models root gets independent copies, with no shared inode at all. The same rules
+//! apply to a `local://` source below the models root, which is imported this way.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
@@ -500,11 +510,81 @@ mod tests {
         assert_eq!(
             std::fs::read(&old).unwrap(),
             good,
-            "the old file is untouched"
+            "the old file's bytes are untouched"
+        );
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+        assert_eq!(mode(&old), 0o444, "a linked file is taken over");
+        assert_eq!(
+            mode(&root.join("shared/m/bad.bin")),
+            0o644,
+            "a rejected file keeps its mode"
         );
 
         // A second pass finds everything it can adopt already present.
         let again = import_into(&from, &manifest, &store, &AtomicBool::new(false)).unwrap();
         assert_eq!((again.linked, again.copied), (0, 0));
+    }
+
+    /// A file someone other than root could write (a user's, a group-writable one) is copied,
+    /// so writing it afterwards, through any name, does not reach the store; root's own
+    /// read-write file is linked and loses its write bits.
+    #[test]
+    fn files_others_could_write_are_copied_and_linked_ones_taken_over() {
+        use std::os::unix::fs::PermissionsExt;
+        let (tmp, root, under) = root();
+        let dir = root.join("shared/m");
+        let files: Vec<(&str, Vec<u8>, Option<u32>, u32)> = vec![
+            ("user.bin", b"user's weights".to_vec(), Some(65534), 0o644),
+            ("group.bin", b"group-writable".to_vec(), None, 0o664),
+            ("others.bin", b"world-writable".to_vec(), None, 0o646),
+            ("root.bin", b"root's weights".to_vec(), None, 0o644),
+        ];
+        let mut entries = Vec::new();
+        for (name, data, uid, mode) in &files {
+            let path = dir.join(name);
+            std::fs::write(&path, data).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(*mode)).unwrap();
+            if let Some(uid) = uid {
+                rustix::fs::chown(&path, Some(rustix::process::Uid::from_raw(*uid)), None).unwrap();
+            }
+            entries.push(ManifestEntry {
+                path: (*name).into(),
+                size: data.len() as u64,
+                digest: FileDigest::Sha256(Sha256::digest(data).into()),
+            });
+        }
+        let manifest = Manifest::new("rev".into(), entries).unwrap();
+        let store = Store::open(tmp.path().join("store")).unwrap();
+        let from = AdoptFrom {
+            under: Arc::new(under),
+            dir: PathBuf::from("shared/m"),
+        };
+        let done = import_into(&from, &manifest, &store, &AtomicBool::new(false)).unwrap();
+        assert_eq!((done.linked, done.copied), (1, 3), "{:?}", done.rejected);
+        for (name, data, uid, mode) in &files {
+            let old = dir.join(name);
+            let blob = store.blob_path(&Sha256Digest::of(data));
+            let (o, b) = (
+                std::fs::metadata(&old).unwrap(),
+                std::fs::metadata(&blob).unwrap(),
+            );
+            assert_eq!((b.uid(), b.mode() & 0o7777), (0, 0o444), "{name}'s blob");
+            if *name == "root.bin" {
+                assert_eq!(o.ino(), b.ino(), "{name} is linked");
+                assert_eq!(o.mode() & 0o7777, 0o444, "{name} is taken over");
+                continue;
+            }
+            assert_ne!(o.ino(), b.ino(), "{name} is copied");
+            assert_eq!(o.mode() & 0o7777, *mode, "{name} keeps its mode");
+            assert_eq!(o.uid(), uid.unwrap_or(0), "{name} keeps its owner");
+            // Its owner writes it in place: the store does not change.
+            std::fs::write(&old, vec![b'X'; data.len()]).unwrap();
+            assert_eq!(
+                std::fs::read(&blob).unwrap(),
+                *data,
+                "{name}'s blob changed"
+            );
+            assert!(store.has_blob(&Sha256Digest::of(data), data.len() as u64));
+        }
     }
 }

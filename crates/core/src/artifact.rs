@@ -555,6 +555,11 @@ pub fn validate_relative_path(path: &str) -> Result<(), ArtifactError> {
     if path.chars().any(char::is_control) {
         return Err(bad("control character in a name"));
     }
+    // Bidirectional controls make a listed name read as another one (`evil\u{202e}nib.exe`
+    // shows as `evilexe.bin`); no model file needs one.
+    if path.chars().any(is_bidi_control) {
+        return Err(bad("bidirectional control character in a name"));
+    }
     for segment in path.split('/') {
         match segment {
             "" => return Err(bad("empty segment")),
@@ -564,6 +569,12 @@ pub fn validate_relative_path(path: &str) -> Result<(), ArtifactError> {
         }
     }
     Ok(())
+}
+
+/// The Unicode bidirectional formatting characters: embeddings and overrides (U+202A-U+202E),
+/// isolates (U+2066-U+2069) and the marks (U+200E, U+200F, U+061C).
+fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}' | '\u{061c}')
 }
 
 /// Checks one entry's path and size.
@@ -946,6 +957,12 @@ mod tests {
             (vec![entry("\u{1b}[31mred", 1)], "control character"),
             (vec![entry("del\u{7f}", 1)], "control character"),
             (vec![entry("c1\u{85}", 1)], "control character"),
+            (
+                vec![entry("evil\u{202e}nib.exe", 1)],
+                "bidirectional control",
+            ),
+            (vec![entry("dir\u{2066}/a", 1)], "bidirectional control"),
+            (vec![entry("mark\u{200f}", 1)], "bidirectional control"),
             (vec![entry("a\\..\\b", 1)], "backslash"),
             (vec![entry("", 1)], "empty path"),
             (vec![entry("x", 1), entry("x", 2)], "twice"),

@@ -454,7 +454,11 @@ fn worker(
                 tracing::error!(qid, error = %io::Error::from_raw_os_error(errno), restarts, "a restarted FUSE ring thread was refused");
             }
             Ok(early) => {
-                tracing::warn!(qid, restarts, "a failed FUSE ring thread serves again with a new ring");
+                tracing::warn!(
+                    qid,
+                    restarts,
+                    "a failed FUSE ring thread serves again with a new ring"
+                );
                 outcome = serve(&mut entry, fd, qid, &*handler, early);
                 if outcome == Served::Failed {
                     continue;
@@ -467,7 +471,10 @@ fn worker(
         }
     }
     if outcome == Served::Failed {
-        tracing::error!(qid, "a FUSE ring thread failed {RESTARTS_MAX} times in a row and ends");
+        tracing::error!(
+            qid,
+            "a FUSE ring thread failed {RESTARTS_MAX} times in a row and ends"
+        );
     }
 }
 

@@ -30,9 +30,12 @@
 //! inode numbers and every open handle stay, and new models wait until it is back.
 //!
 //! # The socket
-//! A unix stream socket (default `<state>/mount-server/agent.sock`), in a directory of mode
-//! 0700, itself 0600, and the peer's uid checked with `SO_PEERCRED` on every connection: only
-//! root may change what the node serves. The protocol ([`protocol`]) is versioned and checked
+//! A unix stream socket (default `<state>/mount-server/agent.sock`), itself 0600, and the
+//! peer's uid checked with `SO_PEERCRED` on every connection: only root may change what the
+//! node serves. A missing directory for it is created 0700; an existing one (`--mount-socket`
+//! in a shared directory) keeps its mode. Whatever sits at the path must be a stale socket,
+//! which is replaced; anything else is refused and left alone (`server::bind_socket` binds in
+//! a private directory and renames the socket into place without replacing anything). The protocol ([`protocol`]) is versioned and checked
 //! at `hello`; a mismatch is refused with a reason naming both versions. The agent sends the
 //! whole mapping after every (re)connect and after every change: applying a mapping twice
 //! changes nothing, so no state is lost whichever side restarts. The newest connection wins
@@ -47,6 +50,41 @@
 //! system call), or whose path is invalid is left out with a reason
 //! (`applied.refused`, logged by both sides); the other models are served. A mapping the core
 //! refuses as a whole (conflicting paths) leaves the served mapping as it was.
+//!
+//! # What the server opens: the privilege boundary
+//! The mount server runs privileged (`CAP_SYS_ADMIN` for the mount and passthrough) and serves
+//! every file to every user of the node, from stores the agent writes. So nothing the agent
+//! can put in the state directory may make it serve, stat or wait on anything else:
+//! * `stores/` is opened once at start beneath the state directory without following links
+//!   (`StateDir::anchored`); every blob is resolved beneath that descriptor with
+//!   `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)` and
+//!   `O_NOFOLLOW`, so a symbolic link anywhere on the path (the store's directory, `blobs/`,
+//!   the blob) fails the lookup instead of leading to another file;
+//! * the blob is first opened `O_PATH`, which runs no device driver's open and never waits
+//!   on a FIFO, and must be a regular file of its manifest entry's size before that same
+//!   inode is opened for reading (`Store::open_blob`);
+//! * the same rules apply when an entry enters the mapping, when the persisted mapping is
+//!   checked after a restart, and on every open (the check at apply is not trusted for later:
+//!   the agent may swap a blob afterwards);
+//! * a refusal names the blob and the rule it broke, never the size, owner or type of what a
+//!   planted entry would have led to.
+//!
+//! Hard links. A link the agent makes to another file passes every path rule, so what protects
+//! the bytes is who can write the inode. fs-verity would seal a blob's bytes, but it needs a
+//! kernel built with it and a filesystem created with the `verity` feature: this project's
+//! nodes (Linux 6.18, ext4) have neither (`CONFIG_FS_VERITY` is not set;
+//! `/sys/fs/ext4/features` lists no `verity`), so it cannot be relied on. Hashing every blob
+//! served on trust after a restart would cost minutes per terabyte before the first open. The
+//! rule is ownership: a blob must be owned by root (or the server's own user) and writable by
+//! neither its group nor others (`mode & 0o022 == 0`; a POSIX ACL granting a user write shows
+//! in the group bits), so no user can change its bytes through any other name it has. The
+//! agent's adoption and `local://` imports link only inodes that already meet that rule and
+//! take their write bits away (others are copied), and blobs are published `0444`. Link
+//! counts are not checked: blobs are legitimately shared between stores, and with the old
+//! agent's files, by hard links. What the ownership rule does not stop is the agent (root in
+//! its container) linking a root-owned, read-only file of the right size from elsewhere: it can
+//! link only files it can reach through its own mounts (`linkat` refuses to cross mount
+//! points), which it can read and copy into a blob anyway, so the link gives it nothing more.
 //!
 //! # Persisted mapping
 //! Every applied mapping is written to `<state>/mount-server/mapping.json` (artifacts in

@@ -22,7 +22,7 @@ use crate::fuse::{FuseConfig, MountHandle};
 use crate::metrics::FuseMetrics;
 use crate::vfs::{FsCore, InlineFile, MountEntry};
 use modelfs_core::artifact::{ArtifactId, StoredArtifact};
-use modelfs_core::store::{StateDir, Store, StoreId};
+use modelfs_core::store::{BlobRefused, StateDir, Store, StoreId};
 
 /// How often the usage of stores is compared with what the agent was last told.
 const USAGE_POLL: Duration = Duration::from_millis(100);
@@ -169,12 +169,14 @@ impl MountServer {
     /// socket.
     pub fn start(config: ServerConfig, metrics: Arc<FuseMetrics>) -> anyhow::Result<Self> {
         use anyhow::Context;
-        std::fs::create_dir_all(&config.state)
+        modelfs_core::store::fsutil::create_dirs(&config.state)
             .with_context(|| format!("creating {}", config.state.display()))?;
+        // Stores are reached beneath one descriptor, without following links (module docs).
         let state = StateDir::open(&config.state)
+            .and_then(StateDir::anchored)
             .with_context(|| format!("opening state directory {}", config.state.display()))?;
         let dir = own_dir(&config.state);
-        std::fs::create_dir_all(dir.join("artifacts"))
+        modelfs_core::store::fsutil::create_dirs(&dir.join("artifacts"))
             .with_context(|| format!("creating {}", dir.display()))?;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
         let lock = lock_file(&dir.join("lock"))?;
@@ -580,10 +582,12 @@ pub fn running(state: &Path) -> bool {
 }
 
 fn lock_file(path: &Path) -> anyhow::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o600)
         .open(path)?;
     rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
         |_| {
@@ -597,22 +601,106 @@ fn lock_file(path: &Path) -> anyhow::Result<std::fs::File> {
     Ok(file)
 }
 
-/// The socket lives in a directory only root may enter (0700) and is itself 0600; the peer's
-/// uid is checked again on every connection (SO_PEERCRED), in case either was loosened.
+/// Binds the agent socket at `path`: mode 0600, and the peer's uid is checked again on every
+/// connection (SO_PEERCRED), in case either was loosened.
+/// * A missing directory is created 0700: the server's own, only root may enter. An existing
+///   one is used as it is and its mode is never changed (it may be a shared directory such as
+///   a sticky `/tmp`, or a hostPath others use).
+/// * Whatever sits at `path` must be a socket no server listens on (a stale one of an earlier
+///   server, replaced); anything else (a file, a directory, a symbolic link, a live socket) is
+///   refused with a reason and left as it is.
+/// * The socket is bound in a private directory beside `path`, made 0600 there and then renamed
+///   into place without replacing anything, so it is never reachable at `path` with looser
+///   permissions, and nothing that appeared at `path` meanwhile is replaced.
 fn bind_socket(path: &Path) -> io::Result<UnixListener> {
+    use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
     let parent = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .ok_or_else(|| io::Error::other("socket path has no directory"))?;
-    std::fs::create_dir_all(parent)?;
-    std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o700))?;
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-        _ => {}
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::other("socket path has no file name"))?
+        .to_string_lossy()
+        .into_owned();
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(io::Error::other(format!(
+                "{} is not a directory",
+                parent.display()
+            )))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)?,
+        Err(e) => return Err(e),
     }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok(listener)
+    let stale = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if UnixStream::connect(path).is_ok() {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("another server listens on {}", path.display()),
+                ));
+            }
+            true
+        }
+        Ok(_) => {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!(
+                    "{} exists and is not a socket; it is left as it is",
+                    path.display()
+                ),
+            ))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+        Err(e) => return Err(e),
+    };
+    let private = parent.join(format!(
+        ".{name}.{}.{}",
+        std::process::id(),
+        unique_suffix()
+    ));
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let bound = (|| {
+        let inner = private.join(&name);
+        let listener = UnixListener::bind(&inner)?;
+        std::fs::set_permissions(&inner, std::fs::Permissions::from_mode(0o600))?;
+        if stale {
+            match std::fs::remove_file(path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        rustix::fs::renameat_with(
+            rustix::fs::CWD,
+            &inner,
+            rustix::fs::CWD,
+            path,
+            rustix::fs::RenameFlags::NOREPLACE,
+        )
+        .map_err(|e| {
+            io::Error::new(
+                io::Error::from(e).kind(),
+                format!("placing the socket at {}: {e}", path.display()),
+            )
+        })?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_file(private.join(&name));
+    let _ = std::fs::remove_dir(&private);
+    bound
+}
+
+/// A suffix that tells this server's temporary socket directory from any other.
+fn unique_suffix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
@@ -1076,12 +1164,24 @@ impl Shared {
             .state
             .existing_store(id)
             .ok_or_else(|| format!("store {id} does not exist"))?;
+        // Beneath the anchored `stores/` descriptor, links not followed, a regular file of its
+        // size owned by root and writable by nobody else (`Store::check_blob`); a reason names
+        // the entry, never what a planted link leads to.
         for (entry, blob) in artifact.files() {
-            if !store.has_blob(&blob, entry.size) {
-                return Err(format!(
-                    "blob {blob} of {} ({} bytes) is missing from store {id}",
-                    entry.path, entry.size
-                ));
+            match store.check_blob(&blob, entry.size) {
+                Ok(()) => {}
+                Err(BlobRefused::Missing) => {
+                    return Err(format!(
+                        "blob {blob} of {} ({} bytes) is missing from store {id}",
+                        entry.path, entry.size
+                    ))
+                }
+                Err(refused) => {
+                    return Err(format!(
+                        "blob {blob} of {} in store {id} is {refused}",
+                        entry.path
+                    ))
+                }
             }
         }
         Ok(store)
@@ -1299,4 +1399,95 @@ pub fn wire_files(files: &[InlineFile]) -> Vec<WireFile> {
             content: f.content.to_vec(),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileTypeExt;
+    use std::os::unix::fs::MetadataExt;
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::symlink_metadata(path).unwrap().mode() & 0o7777
+    }
+
+    /// `--mount-socket` in a shared sticky directory: the directory keeps its mode (and sticky
+    /// bit), the socket is 0600 and nothing but it is left there.
+    #[test]
+    fn a_socket_in_an_existing_directory_leaves_its_mode_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let shared = tmp.path().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let path = shared.join("agent.sock");
+        let listener = bind_socket(&path).unwrap();
+        assert_eq!(mode(&shared), 0o1777, "the directory's mode changed");
+        assert!(std::fs::symlink_metadata(&path)
+            .unwrap()
+            .file_type()
+            .is_socket());
+        assert_eq!(mode(&path), 0o600);
+        let names: Vec<_> = std::fs::read_dir(&shared).unwrap().flatten().collect();
+        assert_eq!(names.len(), 1, "only the socket: {names:?}");
+        // The renamed socket is the listener's.
+        let _client = UnixStream::connect(&path).unwrap();
+        listener.accept().unwrap();
+        // A live socket is not taken over by a second server.
+        let err = bind_socket(&path).unwrap_err();
+        assert!(err.to_string().contains("another server listens"), "{err}");
+        drop(listener);
+        // A stale one (its server gone) is replaced.
+        let _again = bind_socket(&path).unwrap();
+        assert_eq!(mode(&shared), 0o1777);
+    }
+
+    /// A missing directory is the server's own: created 0700.
+    #[test]
+    fn a_missing_socket_directory_is_created_private() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("run/modelfs/agent.sock");
+        let _listener = bind_socket(&path).unwrap();
+        assert_eq!(mode(&tmp.path().join("run/modelfs")), 0o700);
+        assert_eq!(mode(&path), 0o600);
+    }
+
+    /// Anything at the path that is not a socket is refused with a reason and left as it was:
+    /// a file, a directory, a symbolic link (to a file or to a socket).
+    #[test]
+    fn a_socket_path_holding_anything_else_is_refused_and_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("important.conf");
+        std::fs::write(&file, b"keep me").unwrap();
+        let err = bind_socket(&file).unwrap_err();
+        assert!(err.to_string().contains("is not a socket"), "{err}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+
+        let dir = tmp.path().join("a-dir");
+        std::fs::create_dir(&dir).unwrap();
+        assert!(bind_socket(&dir).is_err());
+        assert!(dir.is_dir());
+
+        let stale = tmp.path().join("stale.sock");
+        drop(UnixListener::bind(&stale).unwrap());
+        for target in [&file, &stale] {
+            let link = tmp.path().join("link.sock");
+            std::os::unix::fs::symlink(target, &link).unwrap();
+            let err = bind_socket(&link).unwrap_err();
+            assert!(err.to_string().contains("is not a socket"), "{err}");
+            assert!(std::fs::symlink_metadata(&link)
+                .unwrap()
+                .file_type()
+                .is_symlink());
+            std::fs::remove_file(&link).unwrap();
+        }
+        assert_eq!(std::fs::read(&file).unwrap(), b"keep me");
+        // No temporary directory left behind by the refusals.
+        let mut names: Vec<String> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["a-dir", "important.conf", "stale.sock"]);
+    }
 }

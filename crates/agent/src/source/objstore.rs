@@ -456,7 +456,7 @@ impl RangeSource for ObjectSource {
                 Some(end) => GetRange::Bounded(at..end),
                 None => GetRange::Offset(at),
             }),
-            if_match: Some(version),
+            if_match: Some(version.clone()),
             ..GetOptions::default()
         };
         let (result, answer) = with_error_answer(self.transfers.within_stall(what, async {
@@ -468,6 +468,12 @@ impl RangeSource for ObjectSource {
             Err(object_store::Error::Precondition { .. }) => {
                 self.etags.lock().expect("etag map").clear();
                 return Err(changed(what));
+            }
+            // A server or proxy that ignores `Range` answered 200 with the whole object, which
+            // the client refuses for a ranged request: ask for the whole object (same version)
+            // and let the pipeline read the file from that one answer, as for `hf://`.
+            Err(e) if ignored_range(&e) => {
+                return self.whole_object(what, &path, version).await;
             }
             Err(e) => return Err(transfer_error(what, &e, answer)),
         };
@@ -491,6 +497,57 @@ impl RangeSource for ObjectSource {
                 })
                 .boxed(),
         ))
+    }
+}
+
+impl ObjectSource {
+    /// The whole object at `version`, as a [`RangeBody::WholeFile`] (see `open_range`).
+    async fn whole_object(
+        &self,
+        what: &str,
+        path: &ObjectPath,
+        version: String,
+    ) -> Result<RangeBody, TransferError> {
+        let options = GetOptions {
+            if_match: Some(version),
+            ..GetOptions::default()
+        };
+        let (result, answer) = with_error_answer(
+            self.transfers
+                .within_stall(what, async { Ok(self.store.get_opts(path, options).await) }),
+        )
+        .await;
+        let got = match result? {
+            Ok(got) => got,
+            Err(object_store::Error::Precondition { .. }) => {
+                self.etags.lock().expect("etag map").clear();
+                return Err(changed(what));
+            }
+            Err(e) => return Err(transfer_error(what, &e, answer)),
+        };
+        let what = what.to_string();
+        Ok(RangeBody::WholeFile(
+            got.into_stream()
+                .map(move |r| {
+                    r.map_err(|e| TransferError::Network {
+                        what: what.clone(),
+                        detail: e.to_string(),
+                    })
+                })
+                .boxed(),
+        ))
+    }
+}
+
+/// Whether the client refused an answer because it was not partial (`200` to a ranged GET:
+/// the server ignores `Range`). `object_store` keeps that error's type private; its message is
+/// what tells it (the S3 test through a proxy that drops `Range` fails if it changes).
+fn ignored_range(e: &object_store::Error) -> bool {
+    match e {
+        object_store::Error::Generic { source, .. } => source
+            .to_string()
+            .contains("non-partial response when range requested"),
+        _ => false,
     }
 }
 

@@ -439,7 +439,12 @@ pub struct ListedObject {
 
 /// The manifest of the objects below `prefix` (a directory: `a/b` holds `a/b/...`, not
 /// `a/bc`), named by their keys relative to it. `location` (`s3://bucket`) goes into each
-/// object's identity. A directory marker (an empty object whose key ends in `/`) is no file.
+/// object's identity. A directory marker (an empty object whose key ends in `/`, as the S3
+/// console's "create folder" leaves, `prefix/` and `prefix/sub/`) is no file. Clients that
+/// normalize keys (`object_store` drops the trailing `/`) hand such a marker over as an empty
+/// object at the prefix itself or at a directory of other objects: both are skipped too (an
+/// empty marker of a folder that holds nothing is indistinguishable from an empty file, and
+/// stays one).
 /// Hostile keys are refused with a reason naming them: `..` or `.` segments, empty segments
 /// (`a//b`, a leading `/`), NUL or control characters, a key that is both a file and the
 /// prefix of other keys, an object at the prefix itself; [`Manifest::new`] does the path
@@ -450,8 +455,27 @@ pub fn manifest_from_listing(
     objects: Vec<ListedObject>,
 ) -> Result<Manifest, SourceError> {
     let dir = prefix.trim_end_matches('/');
+    // Directories of the listing (relative to the prefix): an empty object at one of them is
+    // a folder marker whose trailing `/` the client dropped.
+    let mut dirs: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    for object in &objects {
+        let rel = match object.key.strip_prefix(dir) {
+            Some(rel) if !dir.is_empty() => rel.strip_prefix('/'),
+            _ if dir.is_empty() => Some(object.key.as_str()),
+            _ => None,
+        };
+        let Some(rel) = rel else { continue };
+        let mut at = 0;
+        while let Some(i) = rel[at..].find('/') {
+            dirs.insert(&rel[..at + i]);
+            at += i + 1;
+        }
+    }
     let mut entries = Vec::with_capacity(objects.len());
-    for object in objects {
+    for object in &objects {
+        if object.size == 0 && object.key.trim_end_matches('/') == dir && !dir.is_empty() {
+            continue;
+        }
         let rel = if dir.is_empty() {
             object.key.as_str()
         } else if object.key == dir {
@@ -470,7 +494,8 @@ pub fn manifest_from_listing(
                 None => continue,
             }
         };
-        if object.size == 0 && rel.ends_with('/') && !rel.starts_with('/') {
+        if object.size == 0 && ((rel.ends_with('/') && !rel.starts_with('/')) || dirs.contains(rel))
+        {
             continue;
         }
         entries.push(ManifestEntry {
@@ -1082,6 +1107,26 @@ mod tests {
         assert_eq!(first, one("s3://b", listed("models/llama/config.json", 3)));
         assert_ne!(first, one("s3://b", changed));
         assert_ne!(first, one("s3://c", listed("models/llama/config.json", 3)));
+    }
+
+    /// Folder markers as `object_store` hands them over (trailing `/` dropped): an empty
+    /// object at the prefix itself, or at a directory of other objects.
+    #[test]
+    fn folder_markers_without_their_slash_are_skipped() {
+        let m = manifest_from_listing(
+            "s3://b",
+            "models/llama",
+            vec![
+                listed("models/llama", 0),
+                listed("models/llama/sub", 0),
+                listed("models/llama/sub/deeper", 0),
+                listed("models/llama/sub/deeper/w.bin", 5),
+                listed("models/llama/empty.txt", 0),
+            ],
+        )
+        .unwrap();
+        let paths: Vec<&str> = m.entries().map(|e| e.path).collect();
+        assert_eq!(paths, ["empty.txt", "sub/deeper/w.bin"]);
     }
 
     #[test]

@@ -2,10 +2,13 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice, Read, Seek, SeekFrom, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
 
 use md5::Md5;
 use sha1::Sha1;
@@ -44,24 +47,64 @@ impl StoreError {
     }
 }
 
+/// Why a blob is not served (see [`Store::open_blob`]). The messages describe the entry in the
+/// store only: never the size, owner or type of whatever a planted link would have led to.
+#[derive(Debug, thiserror::Error)]
+pub enum BlobRefused {
+    #[error("missing")]
+    Missing,
+    #[error("refused: a symbolic link is on its path")]
+    Link,
+    #[error("refused: not a regular file")]
+    NotRegular,
+    #[error("refused: its size is not its manifest entry's")]
+    WrongSize,
+    #[error("refused: not owned by root")]
+    NotOwned,
+    #[error("refused: writable by its group or others")]
+    Writable,
+    #[error("refused: {0}")]
+    Io(#[source] io::Error),
+}
+
 /// One store directory.
 #[derive(Clone, Debug)]
 pub struct Store {
     root: PathBuf,
+    /// The `stores/` directory this store is in, opened without following links (see
+    /// [`super::StateDir::anchored`]): blobs are then opened beneath it, so no link the agent
+    /// plants on the way (the store's directory, `blobs/`, the blob) is followed. `None`: the
+    /// store's own directory is opened by its path at each open (a caller that trusts it).
+    beneath: Option<Arc<OwnedFd>>,
 }
 
 impl Store {
     pub fn open(root: PathBuf) -> io::Result<Self> {
-        std::fs::create_dir_all(root.join("blobs"))?;
-        std::fs::create_dir_all(root.join("tmp"))?;
-        Ok(Self { root })
+        fsutil::create_dirs(&root.join("blobs"))?;
+        fsutil::create_dirs(&root.join("tmp"))?;
+        Ok(Self {
+            root,
+            beneath: None,
+        })
     }
 
     /// The store at `root` without looking at the disk (no directory is created): for a
     /// caller that knows it was there and checks its blobs later (the mount server serving its
     /// persisted mapping at start).
     pub fn at(root: PathBuf) -> Self {
-        Self { root }
+        Self {
+            root,
+            beneath: None,
+        }
+    }
+
+    /// The store named `name` in the directory `stores` (opened without following links);
+    /// its blobs are opened beneath that descriptor. Nothing is created.
+    pub(super) fn beneath(stores: Arc<OwnedFd>, stores_path: &Path, name: &str) -> Self {
+        Self {
+            root: stores_path.join(name),
+            beneath: Some(stores),
+        }
     }
 
     pub fn root(&self) -> &Path {
@@ -87,11 +130,85 @@ impl Store {
     }
 
     /// A blob under its final name was verified before the rename, so presence with the right
-    /// size is proof enough; no re-hash.
+    /// size is proof enough; no re-hash. Presence means what [`Store::check_blob`] accepts: a
+    /// blob the mount server would refuse is not there (and is fetched or adopted again).
     pub fn has_blob(&self, digest: &Sha256Digest, size: u64) -> bool {
-        std::fs::metadata(self.blob_path(digest))
-            .map(|m| m.is_file() && m.len() == size)
-            .unwrap_or(false)
+        self.check_blob(digest, size).is_ok()
+    }
+
+    /// Whether the blob may be served, without opening it for reading (see
+    /// [`Store::open_blob`]): a path lookup beneath the store and one `fstat`.
+    pub fn check_blob(&self, digest: &Sha256Digest, size: u64) -> Result<(), BlobRefused> {
+        self.inspect_blob(digest, size).map(drop)
+    }
+
+    /// Opens a blob for serving. The rules, which the mount server relies on (it runs with
+    /// privileges in a directory the agent writes; see `modelfs_mount`'s module docs):
+    /// * the path is resolved beneath the store's descriptor with `openat2(RESOLVE_BENEATH |
+    ///   RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)` and `O_NOFOLLOW`: a symbolic link
+    ///   anywhere on it fails the open, it is never followed;
+    /// * the blob is first opened `O_PATH` (which runs no driver's open and never waits on a
+    ///   FIFO) and must be a regular file of the manifest's size; only then is that same inode
+    ///   opened for reading (through `/proc/self/fd`, which names the inode, not a path);
+    /// * it must be owned by root (or this process's user) and writable by neither its group
+    ///   nor others: nobody but root can then change its bytes, whatever other names (hard
+    ///   links) it has.
+    pub fn open_blob(&self, digest: &Sha256Digest, size: u64) -> Result<File, BlobRefused> {
+        let fd = self.inspect_blob(digest, size)?;
+        let file = rustix::fs::open(
+            format!("/proc/self/fd/{}", fd.as_raw_fd()),
+            OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| BlobRefused::Io(e.into()))?;
+        Ok(File::from(file))
+    }
+
+    /// The blob opened `O_PATH` after the checks of [`Store::open_blob`].
+    fn inspect_blob(&self, digest: &Sha256Digest, size: u64) -> Result<OwnedFd, BlobRefused> {
+        let hex = digest.to_hex();
+        let dir_fd;
+        let (dir, rel) = match &self.beneath {
+            Some(stores) => {
+                let name = self
+                    .root
+                    .file_name()
+                    .ok_or(BlobRefused::Missing)?
+                    .to_string_lossy();
+                (&**stores, format!("{name}/blobs/{hex}"))
+            }
+            None => {
+                dir_fd = match rustix::fs::open(
+                    &self.root,
+                    OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                ) {
+                    Ok(fd) => fd,
+                    Err(e) if e == rustix::io::Errno::NOENT || e == rustix::io::Errno::NOTDIR => {
+                        return Err(BlobRefused::Missing)
+                    }
+                    Err(e) => return Err(BlobRefused::Io(e.into())),
+                };
+                (&dir_fd, format!("blobs/{hex}"))
+            }
+        };
+        let fd = match rustix::fs::openat2(
+            dir,
+            &rel,
+            OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+        ) {
+            Ok(fd) => fd,
+            Err(e) if e == rustix::io::Errno::NOENT || e == rustix::io::Errno::NOTDIR => {
+                return Err(BlobRefused::Missing)
+            }
+            Err(e) if e == rustix::io::Errno::LOOP => return Err(BlobRefused::Link),
+            Err(e) => return Err(BlobRefused::Io(e.into())),
+        };
+        let stat = rustix::fs::fstat(&fd).map_err(|e| BlobRefused::Io(e.into()))?;
+        check_servable(&stat, size)?;
+        Ok(fd)
     }
 
     /// Links the inode of the open `file` as `tmp/<name>` (replacing any earlier one);
@@ -128,8 +245,15 @@ impl Store {
 
     /// Starts writing a blob from scratch (any partial file is discarded).
     pub fn writer(&self, expected: FileDigest, size: u64) -> Result<BlobWriter, StoreError> {
+        use std::os::unix::fs::OpenOptionsExt;
         let path = self.partial_path(&expected);
-        let file = File::create(&path)
+        let _ = std::fs::remove_file(&path);
+        // Root's alone while written, whatever the umask; 0444 once verified (`finish`).
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
             .map_err(|e| StoreError::io(format!("creating {}", path.display()), e))?;
         Ok(BlobWriter::new(self.clone(), path, file, expected, size))
     }
@@ -204,9 +328,9 @@ impl Store {
         }
         let path = self.alias_path(digest);
         let dir = self.root.join("aliases");
-        std::fs::create_dir_all(&dir)
+        fsutil::create_dirs(&dir)
             .map_err(|e| StoreError::io(format!("creating {}", dir.display()), e))?;
-        std::fs::write(&path, sha256.to_hex())
+        fsutil::write_new(&path, sha256.to_hex().as_bytes(), 0o644)
             .map_err(|e| StoreError::io(format!("writing {}", path.display()), e))
     }
 
@@ -282,13 +406,24 @@ impl Store {
 
 impl Store {
     /// Imports an existing file (one an old agent left under the models root) as a blob
-    /// without copying it: a hard link into `tmp/`, then the bytes of that inode are verified
-    /// against `expected`, then renamed into `blobs/`. Linking before verifying means the inode
-    /// that was verified is the one that enters the store; the inode's size and modification
-    /// times are compared before and after hashing, so a write during the check rejects the
-    /// file. Across filesystems (`EXDEV`) the bytes are copied and verified like a download.
-    /// Returns the blob and whether it was hard-linked (`false`: copied). The source file is
-    /// never written, renamed or removed (the link only adds a name to its inode).
+    /// without copying it: a hard link into `tmp/`, the inode taken over (its write bits
+    /// removed), then the bytes of that inode are verified against `expected`, then renamed
+    /// into `blobs/`. Linking before verifying means the inode that was verified is the one
+    /// that enters the store; the inode's size and modification times are compared before and
+    /// after hashing, so a write during the check rejects the file.
+    ///
+    /// Only an inode that nobody but root could ever have opened for writing is linked: owned
+    /// by root and writable by neither its group nor others (a POSIX ACL granting write shows
+    /// in the group bits). Its owner write bit is then taken away too, and the result checked
+    /// again before the hash (owner root, no write bit at all): from then on no name of the
+    /// inode lets anyone but root write it, and nobody but root could hold a descriptor open
+    /// for writing from before (permissions are checked at open). Any other file (a user's, a
+    /// group-writable one) is copied: its owner, through any hard link they kept or any
+    /// descriptor they hold open, can change it at any time, and a linked blob would change
+    /// with it under the mount. Across filesystems (`EXDEV`) the bytes are copied too, and
+    /// verified like a download. Returns the blob and whether it was hard-linked (`false`:
+    /// copied). The source file's bytes, name and place are never changed; a linked one loses
+    /// its write bits (its mode is the one change adoption makes to the old tree).
     pub fn import_file(
         &self,
         file: &File,
@@ -296,15 +431,28 @@ impl Store {
         size: u64,
         cancel: &AtomicBool,
     ) -> Result<(Sha256Digest, bool), StoreError> {
-        let Some(tmp) = self.link_open_file(file, format!("adopt-{}", expected.file_stem()))?
-        else {
+        let stat_err = |e| StoreError::io("stat of an adopted file", e);
+        let linkable = only_root_writes(&file.metadata().map_err(stat_err)?);
+        let tmp = if linkable {
+            self.link_open_file(file, format!("adopt-{}", expected.file_stem()))?
+        } else {
+            None
+        };
+        let Some(tmp) = tmp else {
             let sha = self.copy_in(file, expected, size, cancel)?;
             return Ok((sha, false));
         };
+        let mode = file.metadata().map_err(stat_err)?.mode();
         let verified = (|| {
-            let stat_err = |e| StoreError::io("stat of an adopted file", e);
-            // Taken after the link, which itself changes the inode's ctime.
+            take_over(file)?;
+            // Taken after the link and the mode change, which change the inode's ctime.
             let before = file.metadata().map_err(stat_err)?;
+            if !only_root_writes(&before) || before.mode() & 0o222 != 0 {
+                return Err(StoreError::io(
+                    "adopting a file",
+                    io::Error::other("its owner or mode changed while it was taken over"),
+                ));
+            }
             let sha = verify_file(file, &expected, size, cancel, &mut Vec::new())?;
             let after = file.metadata().map_err(stat_err)?;
             // Size and mtime, not ctime: ctime also moves when another model adopts the same
@@ -327,6 +475,8 @@ impl Store {
             Ok(sha) => sha,
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
+                // Not adopted: the old file keeps the mode it had.
+                let _ = rustix::fs::fchmod(file, Mode::from_raw_mode(mode & 0o7777));
                 return Err(e);
             }
         };
@@ -351,6 +501,14 @@ impl Store {
         cancel: &AtomicBool,
         buf: &mut Vec<u8>,
     ) -> Result<Option<StagedBlob>, StoreError> {
+        // The caller links only root's read-only files; a file anyone else may write is never
+        // linked, whatever the caller decided (see `import_file`).
+        let stat = file
+            .metadata()
+            .map_err(|e| StoreError::io("stat of a linked file", e))?;
+        if !only_root_writes(&stat) || stat.mode() & 0o222 != 0 {
+            return Ok(None);
+        }
         let Some(tmp) = self.link_open_file(file, format!("link-{}", expected.file_stem()))? else {
             return Ok(None);
         };
@@ -415,11 +573,44 @@ impl Store {
     }
 }
 
+/// Whether only root can write the file: owned by root, writable by neither its group nor
+/// others. The rule a blob must meet to be served (`check_servable`) and an old file to be
+/// linked rather than copied.
+fn only_root_writes(m: &std::fs::Metadata) -> bool {
+    m.uid() == 0 && m.mode() & 0o022 == 0
+}
+
+/// Takes the write bits of an adopted inode away (it is root's already): every name it has,
+/// the old agent's path included, is read-only from now on. Mode 0444 and no set-id bits.
+fn take_over(file: &File) -> Result<(), StoreError> {
+    rustix::fs::fchmod(file, Mode::from_raw_mode(0o444))
+        .map_err(|e| StoreError::io("taking an adopted file over (chmod 0444)", e.into()))
+}
+
 fn cancelled() -> StoreError {
     StoreError::io(
         "adopting a file",
         io::Error::from(io::ErrorKind::Interrupted),
     )
+}
+
+/// The rules of [`Store::open_blob`] on the `fstat` of what was opened.
+fn check_servable(stat: &rustix::fs::Stat, size: u64) -> Result<(), BlobRefused> {
+    match FileType::from_raw_mode(stat.st_mode) {
+        FileType::RegularFile => {}
+        FileType::Symlink => return Err(BlobRefused::Link),
+        _ => return Err(BlobRefused::NotRegular),
+    }
+    if stat.st_size as u64 != size {
+        return Err(BlobRefused::WrongSize);
+    }
+    if stat.st_uid != 0 && stat.st_uid != rustix::process::geteuid().as_raw() {
+        return Err(BlobRefused::NotOwned);
+    }
+    if stat.st_mode & 0o022 != 0 {
+        return Err(BlobRefused::Writable);
+    }
+    Ok(())
 }
 
 /// Hashes `file` from its start and checks it has exactly `size` bytes with digest `expected`
@@ -700,6 +891,13 @@ impl BlobWriter {
             self.discard();
             return Err(err);
         }
+        // A blob is read-only for everyone, whatever the umask was: the mount server serves
+        // only blobs nobody but root can write (`Store::open_blob`).
+        if let Err(e) = rustix::fs::fchmod(&self.file, Mode::from_raw_mode(0o444)) {
+            let err = StoreError::io(format!("chmod {}", self.path.display()), e.into());
+            self.discard();
+            return Err(err);
+        }
         let staged = StagedBlob {
             tmp: self.path,
             sha256,
@@ -733,6 +931,108 @@ mod tests {
     use super::*;
 
     use crate::artifact::git_blob_sha1 as git_sha1;
+
+    /// The rules the mount server serves blobs by (`Store::open_blob`), on an anchored state
+    /// directory: links on the path (the blob, `blobs/`, the store's directory) are refused and
+    /// not followed, a FIFO is refused without blocking, a blob of the wrong size or one a
+    /// user could write is refused, and no refusal tells anything about what a link led to.
+    #[test]
+    fn served_blobs_are_regular_root_files_reached_without_links() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = super::super::StateDir::open(dir.path()).unwrap();
+        let id = super::super::StoreId::from_seq(1);
+        let writer_side = state.store(&id).unwrap();
+        let data = b"the served bytes";
+        let sha = Sha256Digest::of(data);
+        let size = data.len() as u64;
+        let mut w = writer_side.writer(FileDigest::Sha256(sha.0), size).unwrap();
+        w.write_all(data).unwrap();
+        w.commit().unwrap();
+        let blob = writer_side.blob_path(&sha);
+        assert_eq!(
+            std::fs::metadata(&blob).unwrap().permissions().mode() & 0o7777,
+            0o444,
+            "a published blob is read-only for everyone"
+        );
+        let served = state.clone().anchored().unwrap();
+        let store = served.store_unchecked(&id);
+        let mut read = String::new();
+        store
+            .open_blob(&sha, size)
+            .unwrap()
+            .read_to_string(&mut read)
+            .unwrap();
+        assert_eq!(read.as_bytes(), data);
+
+        // A root-only file elsewhere, of another size: never opened, its size never told.
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, vec![b's'; 987_654]).unwrap();
+        std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let refused = |want: &str| {
+            let err = store.open_blob(&sha, size).unwrap_err();
+            let text = err.to_string();
+            assert!(text.contains(want), "{text}");
+            assert!(!text.contains("987"), "{text}");
+            assert!(!store.has_blob(&sha, size));
+            assert!(store.check_blob(&sha, size).is_err());
+        };
+        let moved = dir.path().join("moved");
+        std::fs::rename(&blob, &moved).unwrap();
+        std::os::unix::fs::symlink(&secret, &blob).unwrap();
+        refused("symbolic link");
+        std::fs::remove_file(&blob).unwrap();
+
+        rustix::fs::mkfifoat(rustix::fs::CWD, &blob, Mode::from_raw_mode(0o644)).unwrap();
+        let started = std::time::Instant::now();
+        refused("not a regular file");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        std::fs::remove_file(&blob).unwrap();
+
+        std::fs::write(&blob, b"short").unwrap();
+        std::fs::set_permissions(&blob, std::fs::Permissions::from_mode(0o444)).unwrap();
+        refused("size");
+        std::fs::remove_file(&blob).unwrap();
+
+        std::fs::rename(&moved, &blob).unwrap();
+        for (mode, want) in [(0o664, "writable"), (0o646, "writable")] {
+            std::fs::set_permissions(&blob, std::fs::Permissions::from_mode(mode)).unwrap();
+            refused(want);
+        }
+        std::fs::set_permissions(&blob, std::fs::Permissions::from_mode(0o644)).unwrap();
+        store.open_blob(&sha, size).unwrap();
+        rustix::fs::chown(&blob, Some(rustix::process::Uid::from_raw(65534)), None).unwrap();
+        refused("not owned by root");
+        rustix::fs::chown(&blob, Some(rustix::process::Uid::from_raw(0)), None).unwrap();
+        store.open_blob(&sha, size).unwrap();
+
+        // Links above the blob: `blobs/`, then the store's own directory.
+        let stores = dir.path().join("stores");
+        let real_blobs = dir.path().join("real-blobs");
+        std::fs::rename(stores.join("s00000001/blobs"), &real_blobs).unwrap();
+        std::os::unix::fs::symlink(&real_blobs, stores.join("s00000001/blobs")).unwrap();
+        refused("symbolic link");
+        std::fs::remove_file(stores.join("s00000001/blobs")).unwrap();
+        std::fs::rename(&real_blobs, stores.join("s00000001/blobs")).unwrap();
+        let real_store = dir.path().join("real-store");
+        std::fs::rename(stores.join("s00000001"), &real_store).unwrap();
+        std::os::unix::fs::symlink(&real_store, stores.join("s00000001")).unwrap();
+        refused("symbolic link");
+        assert!(
+            served.existing_store(&id).is_none(),
+            "a linked store directory is no store"
+        );
+        // The same store reached by its own path trusts that path (the agent's own view).
+        assert!(Store::at(stores.join("s00000001"))
+            .open_blob(&sha, size)
+            .is_ok());
+
+        // `stores/` itself a link: the anchored state directory is refused.
+        std::fs::remove_file(stores.join("s00000001")).unwrap();
+        std::fs::rename(&stores, dir.path().join("real-stores")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("real-stores"), &stores).unwrap();
+        assert!(state.anchored().is_err());
+    }
 
     #[test]
     fn objects_are_checked_by_their_md5_when_the_store_gives_one() {

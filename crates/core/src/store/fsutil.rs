@@ -29,7 +29,8 @@ pub fn replace_all_synced<P: AsRef<Path>, B: AsRef<[u8]>>(files: &[(P, B)]) -> i
                 .ok_or_else(|| io::Error::other("a file to replace needs a file name"))?
                 .to_string_lossy();
             let tmp = path.with_file_name(format!(".{name}.tmp.{}", std::process::id()));
-            let mut f = File::create(&tmp)?;
+            let _ = std::fs::remove_file(&tmp);
+            let mut f = create_new(&tmp, 0o644)?;
             tmps.push(tmp);
             f.write_all(bytes.as_ref())?;
             open.push(f);
@@ -49,6 +50,34 @@ pub fn replace_all_synced<P: AsRef<Path>, B: AsRef<[u8]>>(files: &[(P, B)]) -> i
         }
     }
     result
+}
+
+/// Creates `path` (which must not exist) for writing with `mode`: the umask can take bits
+/// away, never add them (a state file is never writable by others, under umask 000 too).
+pub fn create_new(path: &Path, mode: u32) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)
+}
+
+/// Replaces `path` with a new file of `bytes` and `mode` (not atomically, not synced).
+pub fn write_new(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let _ = std::fs::remove_file(path);
+    create_new(path, mode)?.write_all(bytes)
+}
+
+/// `create_dir_all` whose new directories get mode 0755 (less where the umask takes more),
+/// never what a loose umask would leave: under umask 000 a directory of 0777 would let any
+/// user replace the files in it.
+pub fn create_dirs(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(path)
 }
 
 /// fsyncs a directory so that renames and creations inside it survive a power loss.

@@ -32,13 +32,15 @@ pub mod fsutil;
 
 use std::fmt;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 
-pub use blob::{BlobWriter, StagedBlob, Store, StoreError};
+pub use blob::{BlobRefused, BlobWriter, StagedBlob, Store, StoreError};
 
 /// Name of a store directory.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize)]
@@ -70,15 +72,53 @@ impl fmt::Display for StoreId {
 #[derive(Clone, Debug)]
 pub struct StateDir {
     root: PathBuf,
+    /// `stores/`, opened without following links, when stores are reached beneath it
+    /// ([`StateDir::anchored`]).
+    stores: Option<Arc<OwnedFd>>,
 }
 
 impl StateDir {
     pub fn open(root: &Path) -> io::Result<Self> {
         for sub in ["artifacts", "stores"] {
-            std::fs::create_dir_all(root.join(sub))?;
+            fsutil::create_dirs(&root.join(sub))?;
         }
         Ok(Self {
             root: root.to_path_buf(),
+            stores: None,
+        })
+    }
+
+    /// The same state directory with `stores/` opened once, beneath the root (the path the
+    /// operator gave) without following links: every store it hands out then opens and
+    /// checks its blobs beneath that descriptor ([`Store::open_blob`]), and
+    /// [`StateDir::existing_store`] creates nothing. What the mount server serves from: the
+    /// agent writes the stores, and no link it plants there may lead the server elsewhere.
+    pub fn anchored(self) -> io::Result<Self> {
+        use rustix::fs::{Mode, OFlags, ResolveFlags};
+        let root = rustix::fs::open(
+            &self.root,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let stores = rustix::fs::openat2(
+            &root,
+            "stores",
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+        )
+        .map_err(|e| {
+            io::Error::new(
+                io::Error::from(e).kind(),
+                format!(
+                    "opening {} without following links: {e}",
+                    self.stores_dir().display()
+                ),
+            )
+        })?;
+        Ok(Self {
+            stores: Some(Arc::new(stores)),
+            ..self
         })
     }
 
@@ -104,11 +144,28 @@ impl StateDir {
 
     /// Store `id` without looking at the disk (see [`Store::at`]).
     pub fn store_unchecked(&self, id: &StoreId) -> Store {
-        Store::at(self.stores_dir().join(id.as_str()))
+        match &self.stores {
+            Some(fd) => Store::beneath(fd.clone(), &self.stores_dir(), id.as_str()),
+            None => Store::at(self.stores_dir().join(id.as_str())),
+        }
     }
 
     /// Opens a store only if its directory exists (used where creating it would be wrong).
+    /// Anchored ([`StateDir::anchored`]): only a directory reached without following a link
+    /// counts, and nothing is created in it.
     pub fn existing_store(&self, id: &StoreId) -> Option<Store> {
+        if let Some(fd) = &self.stores {
+            use rustix::fs::{Mode, OFlags, ResolveFlags};
+            rustix::fs::openat2(
+                &**fd,
+                id.as_str(),
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+                ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+            )
+            .ok()?;
+            return Some(self.store_unchecked(id));
+        }
         let dir = self.stores_dir().join(id.as_str());
         dir.is_dir().then(|| Store::open(dir).ok()).flatten()
     }

@@ -105,12 +105,27 @@ struct Snapshot {
     store: Arc<StoreHandle>,
 }
 
+/// A ref the view cannot show: its path nests with another ref of the same repository
+/// (`feature` and `feature/x`: `refs/feature` cannot be a file and a directory). The ref that
+/// comes first in name order is shown; the other is reported, not dropped silently.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct LeftOutRef {
+    /// The model whose source names the revision.
+    pub model: String,
+    pub repo: String,
+    pub revision: String,
+    /// The ref shown in its place.
+    pub shown: String,
+}
+
 /// The view's state between mapping updates: the configured directory and the snapshots that
 /// left the view but still linger.
 #[derive(Debug)]
 pub struct HfCacheView {
     dir: Vec<String>,
     linger: Duration,
+    /// Refs of the last update that nest with another ref (see [`LeftOutRef`]).
+    left_out: Vec<LeftOutRef>,
     /// Snapshots in the view now, by (repository, commit).
     current: BTreeMap<(String, String), Snapshot>,
     /// Snapshots no model serves any more, until their deadline.
@@ -125,7 +140,14 @@ impl HfCacheView {
             linger,
             current: BTreeMap::new(),
             lingering: BTreeMap::new(),
+            left_out: Vec::new(),
         }
+    }
+
+    /// Refs the last update could not show (each is logged once, when it starts being left
+    /// out).
+    pub fn left_out(&self) -> &[LeftOutRef] {
+        &self.left_out
     }
 
     pub fn dir(&self) -> &[String] {
@@ -196,20 +218,47 @@ impl HfCacheView {
             });
         }
         let mut files = Vec::with_capacity(refs.len());
-        for ((repo, revision), (_, _, commit)) in refs {
-            let Some(segments) = ref_segments(&revision) else {
+        // Refs of one repository whose paths nest (`a` and `a/b`) cannot both be shown: the
+        // first in this (sorted) order is, the others are reported.
+        let mut shown: Vec<(&str, Vec<String>, &str)> = Vec::new();
+        let mut left_out = Vec::new();
+        for ((repo, revision), (_, model, commit)) in &refs {
+            let Some(segments) = ref_segments(revision) else {
                 continue;
             };
+            let nests = |(r, s, _): &&(&str, Vec<String>, &str)| {
+                *r == repo.as_str() && (s.starts_with(&segments) || segments.starts_with(s))
+            };
+            if let Some((_, _, other)) = shown.iter().find(nests) {
+                left_out.push(LeftOutRef {
+                    model: model.to_string(),
+                    repo: repo.clone(),
+                    revision: revision.clone(),
+                    shown: other.to_string(),
+                });
+                continue;
+            }
             let mut path = self.dir.clone();
-            path.extend([repo_folder(&repo), "refs".into()]);
-            path.extend(segments);
+            path.extend([repo_folder(repo), "refs".into()]);
+            path.extend(segments.iter().cloned());
             files.push(InlineFile {
                 path,
                 content: Arc::from(commit.as_bytes()),
             });
+            shown.push((repo.as_str(), segments, revision.as_str()));
         }
-        // Refs of one repository that nest (`a` and `a/b`) are skipped by the core, the first
-        // in this (sorted) order winning.
+        for r in &left_out {
+            if !self.left_out.contains(r) {
+                tracing::warn!(
+                    model = %r.model,
+                    repo = %r.repo,
+                    revision = %r.revision,
+                    shown = %r.shown,
+                    "the Hugging Face cache view cannot show this ref: its path nests with another ref of the repository (refs/<ref> is a file); resolve the model by commit or by the other ref"
+                );
+            }
+        }
+        self.left_out = left_out;
         (entries, files)
     }
 }
@@ -573,6 +622,16 @@ mod tests {
             C1.as_bytes()
         );
         assert_eq!(names(&f.core, "c/models--o--r/refs"), ["feature", "refs"]);
+        assert_eq!(
+            view.left_out(),
+            [LeftOutRef {
+                model: "c".into(),
+                repo: "o/r".into(),
+                revision: "feature/x".into(),
+                shown: "feature".into(),
+            }],
+            "the ref that nests with `feature` is reported, not dropped silently"
+        );
         assert_eq!(
             names(&f.core, "c"),
             ["models--o--r"],

@@ -62,7 +62,6 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -1318,11 +1317,16 @@ impl FsCore {
             NodeKind::File { size, blob } => (*size, *blob),
             NodeKind::Dir { .. } => return Err(FsError::IsDir),
         };
-        let path: PathBuf = store.store.blob_path(&blob);
-        let file = File::open(&path).map_err(|source| FsError::Io {
-            context: format!("opening blob {}", path.display()),
-            source,
-        })?;
+        // Beneath the store's descriptor, without following links, a regular file of the
+        // entry's size that only root can write (`Store::open_blob`): the agent writes the
+        // stores, and nothing it plants there may make this process serve another file.
+        let file = store
+            .store
+            .open_blob(&blob, size)
+            .map_err(|refused| FsError::Io {
+                context: format!("blob {blob} of store {}", store.id),
+                source: io::Error::other(refused),
+            })?;
         Ok(self.register(OpenBlob {
             file,
             size,

@@ -656,6 +656,86 @@ fn safetensors_header_edge_cases() {
         .contains("exceeds"));
 }
 
+/// The count as a JSON tree gives it (what the streaming count replaced): the reference the
+/// property test below holds the streaming count to.
+fn count_header_as_a_tree(header: &[u8]) -> Result<i64, ()> {
+    let v: serde_json::Value = serde_json::from_slice(header).map_err(drop)?;
+    let serde_json::Value::Object(tensors) = v else {
+        return Err(());
+    };
+    let mut total: i64 = 0;
+    for (name, tensor) in &tensors {
+        if name == "__metadata__" {
+            continue;
+        }
+        let shape = match tensor.get("shape") {
+            None | Some(serde_json::Value::Null) => continue,
+            Some(serde_json::Value::Array(dims)) => dims,
+            Some(_) => return Err(()),
+        };
+        if shape.is_empty() {
+            continue;
+        }
+        let mut count: i64 = 1;
+        for dim in shape {
+            let dim = dim.as_i64().ok_or(())?;
+            if dim <= 0 {
+                return Err(());
+            }
+            count = count.checked_mul(dim).ok_or(())?;
+        }
+        total = total.checked_add(count).ok_or(())?;
+    }
+    Ok(total)
+}
+
+/// A header of about 10 MiB (OME's limit) is counted, and its trailing bytes or a file that
+/// ends early are refused.
+#[test]
+fn large_safetensors_headers_are_counted_as_a_stream() {
+    let mut header = String::from("{");
+    let mut i = 0u64;
+    while header.len() < (10 << 20) - 200 {
+        header.push_str(&format!(
+            r#""model.layers.{i}.weight":{{"dtype":"BF16","shape":[64,2],"data_offsets":[0,256]}},"#
+        ));
+        i += 1;
+    }
+    header.push_str(r#""__metadata__":{"format":"pt"}}"#);
+    let header = header.as_bytes();
+    assert_eq!(
+        safetensors::count_header(header),
+        Ok(128 * i as i64),
+        "{i} tensors"
+    );
+    let file = |h: &[u8], len: u64| {
+        let mut bytes = len.to_le_bytes().to_vec();
+        bytes.extend_from_slice(h);
+        MemFiles::default().with("m.safetensors", bytes)
+    };
+    let len = header.len() as u64;
+    assert_eq!(
+        safetensors::count_file(&file(header, len), "m.safetensors"),
+        Ok(128 * i as i64)
+    );
+    let small = br#"{"a":{"shape":[2,3]}}"#;
+    assert!(safetensors::count_file(&file(small, 40), "m.safetensors")
+        .unwrap_err()
+        .contains("ends"));
+    let mut trailing = small.to_vec();
+    trailing.extend(b" x");
+    assert!(
+        safetensors::count_file(&file(&trailing, trailing.len() as u64), "m.safetensors").is_err()
+    );
+    // Padding after the JSON (the format allows trailing spaces) is fine.
+    let mut padded = small.to_vec();
+    padded.extend(b"    ");
+    assert_eq!(
+        safetensors::count_file(&file(&padded, padded.len() as u64), "m.safetensors"),
+        Ok(6)
+    );
+}
+
 #[test]
 fn parameter_counts_format_as_ome_prints_them() {
     for (n, want) in [
@@ -689,6 +769,52 @@ fn sanitizing_keeps_strings_and_unicode() {
     assert_eq!(v["b"], serde_json::Value::Null);
     // A bare word elsewhere is left for the JSON parser to reject.
     assert_eq!(sanitize_json(r#"{"a": NaNx}"#), r#"{"a": NaNx}"#);
+}
+
+/// JSON values of the shapes a safetensors header has, with hostile leaves.
+fn header_value() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
+    use proptest::prelude::*;
+    let leaf = prop_oneof![
+        Just(json!(null)),
+        any::<bool>().prop_map(|b| json!(b)),
+        (-3i64..5).prop_map(|n| json!(n)),
+        Just(json!(i64::MAX)),
+        Just(json!(u64::MAX)),
+        Just(json!(1.5)),
+        "[a-z]{0,3}".prop_map(|s| json!(s)),
+    ];
+    let value = leaf.prop_recursive(3, 24, 4, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
+            proptest::collection::btree_map(
+                prop_oneof![Just("shape".to_string()), "[a-z_]{1,3}".prop_map(|s| s)],
+                inner,
+                0..4
+            )
+            .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+        ]
+    });
+    proptest::collection::btree_map(
+        prop_oneof![
+            Just("__metadata__".to_string()),
+            "[a-c]{1,2}".prop_map(|s| s)
+        ],
+        value,
+        0..5,
+    )
+    .prop_map(|m| serde_json::Value::Object(m.into_iter().collect()))
+}
+
+proptest::proptest! {
+    /// The streaming count agrees with the count of the parsed tree on every header: the
+    /// same total, or an error for both.
+    #[test]
+    fn streaming_count_equals_the_tree_count(header in header_value()) {
+        let bytes = serde_json::to_vec(&header).unwrap();
+        let streamed = safetensors::count_header(&bytes);
+        let tree = count_header_as_a_tree(&bytes);
+        proptest::prop_assert_eq!(streamed.clone().ok(), tree.ok(), "{} -> {:?}", header, streamed);
+    }
 }
 
 proptest::proptest! {

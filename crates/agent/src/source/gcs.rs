@@ -6,8 +6,9 @@
 //! XML ListObjectsV2 form), reads metadata with `HEAD /<bucket>/<object>` and requires `ETag`
 //! and `Last-Modified` on every download. The XML listing carries no MD5 and no generation.
 //! The JSON API (`GET /storage/v1/b/<bucket>/o?prefix=`, `.../o/<object>`, `...?alt=media`)
-//! does: each listed object has its `generation` (the version a download can be pinned to)
-//! and, unless it was composed, its `md5Hash`, which the store checks as it does OCI's MD5. It
+//! does: each listed object has its `generation` (the version a download can be pinned to),
+//! its `crc32c` and, unless it was composed, its `md5Hash`, which the store checks as it does
+//! OCI's MD5 (a composed object is checked by its CRC32C while it is downloaded). It
 //! is also the API that Google's own client libraries and the GCS emulators speak (the
 //! `gcp-storage-emulator` of the tests answers the XML listing with 501 Not Implemented, has
 //! no `HEAD`, and sends neither `ETag` nor `Last-Modified` on downloads).
@@ -78,6 +79,9 @@ struct ObjectResource {
     generation: String,
     #[serde(rename = "md5Hash")]
     md5_hash: Option<String>,
+    /// Base64 of the big-endian CRC32C: every object has one, composed objects (which have
+    /// no `md5Hash`) included.
+    crc32c: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -106,6 +110,10 @@ impl ObjectResource {
             size,
             version: self.generation,
             md5,
+            crc32c: self
+                .crc32c
+                .as_deref()
+                .and_then(super::checks::crc32c_from_base64),
         })
     }
 }

@@ -15,6 +15,13 @@
 //!   partial file is always a contiguous prefix: it is hashed while written, and a crash leaves a
 //!   prefix that [`Store::resume_writer`](modelfs_core::store::Store::resume_writer) re-hashes and
 //!   continues with a range from its end. At most `range_streams` chunks per file wait in memory.
+//! * **Pinned and checked end to end.** Every range of a file is asked for the version that
+//!   was listed (the adapter's business: `If-Match`, a generation); an object that changed
+//!   answers with [`TransferError::Changed`] and the download stops. Before a file is
+//!   downloaded the adapter names what its store publishes about the bytes besides the
+//!   manifest's digest ([`RangeSource::content_check`]: a CRC32C, an MD5 the store reports on
+//!   the object, ...); the writer checks that too. A file with neither is checked by its size
+//!   only, counted in [`Progress::size_only_files`] and logged.
 //! * **Verified before published.** The writer (a blocking thread per file) streams into
 //!   `tmp/<digest>.part` the network's buffers as they were received (a range is a list of
 //!   them, never copied into one allocation), in writes of at most
@@ -55,6 +62,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::metrics::SourceScheme;
 use crate::source::{FetchContext, Progress, SourceError, ThrottleObserver};
 use modelfs_core::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use modelfs_core::store::blob::ContentCheck;
 use modelfs_core::store::StoreError;
 
 /// Download tuning, shared by all remote sources. The defaults were measured against a local
@@ -161,6 +169,11 @@ pub enum TransferError {
     /// detail says which and never holds a secret.
     #[error("{what}: {detail}")]
     Config { what: String, detail: String },
+    /// The object is no longer the version that was listed (its ETag or generation moved, a
+    /// precondition failed): no byte of the new version may join the bytes of the old one, so
+    /// the download stops at once and the model is listed again (transient).
+    #[error("{what}: the object changed since it was listed; it is listed again")]
+    Changed { what: String },
     #[error("{path}: downloaded bytes failed verification {attempts} times ({detail})")]
     Corrupt {
         path: String,
@@ -197,6 +210,7 @@ impl TransferError {
             | TransferError::Limit { .. }
             | TransferError::Config { .. }
             | TransferError::Corrupt { .. }
+            | TransferError::Changed { .. }
             | TransferError::Exhausted { .. }
             | TransferError::Store { .. }
             | TransferError::Cancelled => false,
@@ -211,7 +225,7 @@ impl TransferError {
             TransferError::Exhausted { last, .. } => {
                 !matches!(**last, TransferError::Truncated { .. })
             }
-            TransferError::Cancelled => true,
+            TransferError::Cancelled | TransferError::Changed { .. } => true,
             TransferError::Store { source, .. } => {
                 matches!(source, StoreError::DiskFull { .. } | StoreError::Io { .. })
             }
@@ -422,6 +436,25 @@ pub trait RangeSource: Send + Sync {
     fn throttle(&self) -> &ThrottleObserver {
         ThrottleObserver::none()
     }
+
+    /// What the store publishes about the bytes of `entry` besides the manifest's digest,
+    /// asked once per download attempt (one attempt; the pipeline retries). The default:
+    /// nothing.
+    fn content_check(
+        &self,
+        what: &str,
+        entry: &ManifestEntry,
+    ) -> impl Future<Output = Result<Option<Published>, TransferError>> + Send {
+        let _ = (what, entry);
+        async { Ok(None) }
+    }
+}
+
+/// A checksum a store published for one file (see [`RangeSource::content_check`]).
+pub struct Published {
+    /// What it is, for log lines (`crc32c`, `Content-MD5`, `S3 ETag`, ...).
+    pub name: &'static str,
+    pub check: Box<dyn ContentCheck>,
 }
 
 /// One object of an object store's listing.
@@ -435,6 +468,9 @@ pub struct ListedObject {
     pub version: String,
     /// The MD5 of the object's bytes, when the store publishes one.
     pub md5: Option<[u8; 16]>,
+    /// The CRC32C of the object's bytes, when the listing gives one (GCS); checked while
+    /// downloading, not part of the identity.
+    pub crc32c: Option<u32>,
 }
 
 /// The manifest of the objects below `prefix` (a directory: `a/b` holds `a/b/...`, not
@@ -512,6 +548,7 @@ pub async fn fetch<S: RangeSource>(
         .total_files
         .store(entries.len() as u64, Ordering::Relaxed);
     progress.completed_bytes.store(0, Ordering::Relaxed);
+    progress.size_only_files.store(0, Ordering::Relaxed);
     progress.completed_files.store(0, Ordering::Relaxed);
 
     let mut blobs: Vec<Option<Sha256Digest>> = vec![None; entries.len()];
@@ -530,7 +567,15 @@ pub async fn fetch<S: RangeSource>(
             },
         })? {
             Some(sha) => Some(sha),
-            None => ctx.store.lookup_alias(&e.digest, e.size),
+            None => ctx
+                .store
+                .lookup_alias_checked(&e.digest, e.size)
+                .map(|(sha, size_only)| {
+                    if size_only {
+                        progress.size_only_files.fetch_add(1, Ordering::Relaxed);
+                    }
+                    sha
+                }),
         };
         match have {
             Some(sha) => {
@@ -724,12 +769,23 @@ impl<S: RangeSource> FileFetch<'_, S> {
         for _ in 0..attempts {
             ctx.check_cancelled()
                 .map_err(|_| TransferError::Cancelled)?;
+            let what = format!("checksums of {}", entry.path);
+            let published = self
+                .transfers
+                .retrying(&what, &ctx.cancel, self.source.throttle(), || {
+                    self.source.content_check(&what, entry)
+                })
+                .await?;
+            let size_only = published.is_none() && !entry.digest.checks_content();
             let store = ctx.store.clone();
             let (digest, size) = (entry.digest, entry.size);
-            let writer = tokio::task::spawn_blocking(move || store.resume_writer(digest, size))
-                .await
-                .map_err(joined)?
-                .map_err(store_err(&entry.path))?;
+            let check = published.map(|p| p.check);
+            let writer = tokio::task::spawn_blocking(move || {
+                store.resume_writer_checked(digest, size, check)
+            })
+            .await
+            .map_err(joined)?
+            .map_err(store_err(&entry.path))?;
             let resumed = writer.written();
             let mut file_counted = Counted {
                 progress: &ctx.progress,
@@ -754,6 +810,8 @@ impl<S: RangeSource> FileFetch<'_, S> {
                         None => return w.commit().map(Some),
                     }
                 }
+                // Stopped without a commit: what was written stays for a resume.
+                w.checkpoint()?;
                 Ok(None)
             });
 
@@ -766,9 +824,14 @@ impl<S: RangeSource> FileFetch<'_, S> {
                 }
                 (Err(e), _) => return Err(e),
                 (Ok(_), Ok(Some(sha))) => {
-                    ctx.store
-                        .record_alias(&entry.digest, &sha)
-                        .map_err(store_err(&entry.path))?;
+                    let recorded = if size_only {
+                        ctx.progress.size_only_files.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(source = %self.source.label(), path = %entry.path, "the store publishes no digest or checksum of this file: it was checked by its size only");
+                        ctx.store.record_alias_size_only(&entry.digest, &sha)
+                    } else {
+                        ctx.store.record_alias(&entry.digest, &sha)
+                    };
+                    recorded.map_err(store_err(&entry.path))?;
                     let downloaded = file_counted.keep().saturating_sub(resumed);
                     ctx.record_fetched(self.source.scheme(), downloaded);
                     ctx.progress.completed_files.fetch_add(1, Ordering::Relaxed);
@@ -1051,6 +1114,7 @@ mod tests {
             size,
             version: "\"etag-1\"".into(),
             md5: None,
+            crc32c: None,
         }
     }
 

@@ -39,6 +39,9 @@ pub trait ContentCheck: Send {
     fn finish(&mut self) -> Result<(), (String, String)>;
 }
 
+/// The mark after the blob's name in an alias file of a blob checked by its size only.
+const SIZE_ONLY: &str = "size-only";
+
 /// Least number of bytes between two records of the resume sums (see the module docs): a
 /// crash loses at most this much plus one write beyond the last verified byte.
 pub const SEGMENT: u64 = 4 << 20;
@@ -284,12 +287,33 @@ impl Store {
     /// files) use it to skip files they already downloaded. An alias is written only after the
     /// blob verified, and is trusted only while the blob is present with the right size.
     pub fn lookup_alias(&self, digest: &FileDigest, size: u64) -> Option<Sha256Digest> {
+        self.lookup_alias_checked(digest, size).map(|(sha, _)| sha)
+    }
+
+    /// [`Store::lookup_alias`], and whether the blob was checked by its size only when it was
+    /// downloaded ([`Store::record_alias_size_only`]).
+    pub fn lookup_alias_checked(
+        &self,
+        digest: &FileDigest,
+        size: u64,
+    ) -> Option<(Sha256Digest, bool)> {
         if let FileDigest::Sha256(_) = digest {
             return None;
         }
         let text = std::fs::read_to_string(self.alias_path(digest)).ok()?;
-        let sha: Sha256Digest = text.trim().parse().ok()?;
-        self.has_blob(&sha, size).then_some(sha)
+        let mut words = text.split_whitespace();
+        let sha: Sha256Digest = words.next()?.parse().ok()?;
+        let size_only = words.next() == Some(SIZE_ONLY);
+        self.has_blob(&sha, size).then_some((sha, size_only))
+    }
+
+    /// [`Store::record_alias`] of a blob that was checked by its size only.
+    pub fn record_alias_size_only(
+        &self,
+        digest: &FileDigest,
+        sha256: &Sha256Digest,
+    ) -> Result<(), StoreError> {
+        self.write_alias(digest, &format!("{} {SIZE_ONLY}", sha256.to_hex()))
     }
 
     /// Records that the blob `sha256` has the source digest `digest` (see [`Store::lookup_alias`]).
@@ -299,6 +323,10 @@ impl Store {
         digest: &FileDigest,
         sha256: &Sha256Digest,
     ) -> Result<(), StoreError> {
+        self.write_alias(digest, &sha256.to_hex())
+    }
+
+    fn write_alias(&self, digest: &FileDigest, text: &str) -> Result<(), StoreError> {
         if let FileDigest::Sha256(_) = digest {
             return Ok(());
         }
@@ -306,7 +334,7 @@ impl Store {
         let dir = self.root.join("aliases");
         std::fs::create_dir_all(&dir)
             .map_err(|e| StoreError::io(format!("creating {}", dir.display()), e))?;
-        std::fs::write(&path, sha256.to_hex())
+        std::fs::write(&path, text)
             .map_err(|e| StoreError::io(format!("writing {}", path.display()), e))
     }
 

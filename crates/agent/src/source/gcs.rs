@@ -364,9 +364,16 @@ mod tests {
             hex::encode(o.md5.unwrap()),
             "b1946ac92492d2347c6235b4d2611184"
         );
-        // A composite object has no MD5: the size and the sha256 still hold.
+        // A composite object without a CRC32C either: the size and the sha256 still hold.
         let r: ObjectResource =
             serde_json::from_str(r#"{"name":"c","size":"1","generation":"2"}"#).unwrap();
         assert!(r.listed("x").unwrap().md5.is_none());
+        // A composed object: no md5Hash, its CRC32C is what is checked.
+        let composed: ObjectResource = serde_json::from_str(
+            r#"{"name":"p/c","size":"6","generation":"18","crc32c":"yZRlqg=="}"#,
+        )
+        .unwrap();
+        let listed = composed.listed("x").unwrap();
+        assert_eq!((listed.md5, listed.crc32c), (None, Some(0xc994_65aa)));
     }
 }

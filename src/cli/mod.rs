@@ -157,6 +157,11 @@ struct ProxyArgs {
     /// Proxy for oci:// downloads.
     #[arg(long, env = "MODELFS_PROXY_OCI", hide_env_values = true)]
     proxy_oci: Option<String>,
+    /// A file holding the proxy password (a mounted Secret; one trailing newline is ignored),
+    /// for every --proxy-<scheme> URL that names a user without a password
+    /// (http://user@proxy:3128): a password on the command line shows in `ps`.
+    #[arg(long, env = "MODELFS_PROXY_PASSWORD_FILE")]
+    proxy_password_file: Option<PathBuf>,
 }
 
 impl ProxyArgs {
@@ -167,13 +172,31 @@ impl ProxyArgs {
                 .map(|v| ProxyUrl::parse(v).map_err(|e| anyhow::anyhow!("--{flag}: {e}")))
                 .transpose()
         };
-        Ok(Proxies {
+        let proxies = Proxies {
             hf: parse("proxy-hf", &self.proxy_hf)?,
             s3: parse("proxy-s3", &self.proxy_s3)?,
             gs: parse("proxy-gs", &self.proxy_gs)?,
             az: parse("proxy-az", &self.proxy_az)?,
             oci: parse("proxy-oci", &self.proxy_oci)?,
-        })
+        };
+        let Some(path) = &self.proxy_password_file else {
+            return Ok(proxies);
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--proxy-password-file {}: {e}", path.display()))?;
+        let password = text
+            .strip_suffix('\n')
+            .map(|t| t.strip_suffix('\r').unwrap_or(t))
+            .unwrap_or(&text);
+        if password.is_empty() {
+            anyhow::bail!(
+                "--proxy-password-file {}: the file is empty",
+                path.display()
+            );
+        }
+        proxies
+            .with_password(password)
+            .map_err(|e| anyhow::anyhow!("--proxy-password-file {}: {e}", path.display()))
     }
 }
 
@@ -187,6 +210,7 @@ impl std::fmt::Debug for ProxyArgs {
             .field("proxy_gs", &set(&self.proxy_gs))
             .field("proxy_az", &set(&self.proxy_az))
             .field("proxy_oci", &set(&self.proxy_oci))
+            .field("proxy_password_file", &self.proxy_password_file)
             .finish()
     }
 }

@@ -258,6 +258,14 @@ struct HfArgs {
     /// Size of one range request, MiB.
     #[arg(long, default_value_t = DownloadTuning::default().chunk_size >> 20)]
     hf_chunk_mib: u64,
+    /// Node-wide budget of downloaded range data held in memory before it is written, MiB,
+    /// all sources and models together.
+    #[arg(long, default_value_t = DownloadTuning::default().buffer_bytes >> 20)]
+    hf_download_buffer_mib: u64,
+    /// Slowest accepted transfer of a data range, KiB/s (after a grace of the stall timeout);
+    /// a slower range is aborted and asked again. 0: no minimum.
+    #[arg(long, default_value_t = DownloadTuning::default().min_range_bytes_per_sec >> 10)]
+    hf_min_range_kib_per_sec: u64,
     /// Node-wide limit on concurrent HTTP transfers.
     #[arg(long, default_value_t = DownloadTuning::default().max_transfers)]
     hf_max_transfers: usize,
@@ -301,6 +309,8 @@ impl HfArgs {
                 max_files: self.hf_max_files.max(1),
                 range_streams: self.hf_range_streams.max(1),
                 chunk_size: self.hf_chunk_mib.max(1) << 20,
+                buffer_bytes: self.hf_download_buffer_mib.max(1) << 20,
+                min_range_bytes_per_sec: self.hf_min_range_kib_per_sec << 10,
                 max_transfers: self.hf_max_transfers.max(1),
                 stall_timeout: Duration::from_secs(self.hf_stall_timeout_secs.max(1)),
                 connect_timeout: Duration::from_secs(self.hf_connect_timeout_secs.max(1)),

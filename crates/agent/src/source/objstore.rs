@@ -21,9 +21,15 @@
 //! version id), so a changed object is a new artifact and `ReuseIfExists` maps only onto a
 //! copy of the same object versions. Every range is requested with `If-Match: <ETag>`, so the
 //! bytes of one file all come from the version that was listed (`gs://`: the generation, with
-//! `ifGenerationMatch`, and the listed MD5 checked); the size is checked and the
-//! sha256 computed while writing, as for every source. (An S3 ETag is the MD5 only for
-//! unencrypted single-part uploads, so it is not used as a checksum.)
+//! `ifGenerationMatch`); an object that changed stops the download
+//! ([`TransferError::Changed`]) and the model is listed again. The size is checked and the
+//! sha256 computed while writing, as for every source, and so is what the store publishes
+//! about the bytes ([`RangeSource::content_check`]): GCS's `md5Hash` (in the manifest) or,
+//! for a composed object, its `crc32c`; Azure's `Content-MD5`; S3's ETag when it is the MD5
+//! of the bytes (a single-part upload without SSE-KMS or SSE-C; a multipart ETag is an MD5 of
+//! the parts' MD5s, which would need each part's size). Azure and S3 take one HEAD of the
+//! listed version per file for that. A file with none of these is checked by its size only,
+//! and the model's status says so.
 //!
 //! # Credentials and settings
 //! The usual environment of each cloud (`object_store`'s `from_env`: `AWS_*`, `GOOGLE_*`,

@@ -12,7 +12,9 @@
 //! * Integrity as OME checks it: the object's MD5 (the listing's `md5`, which is
 //!   `Content-MD5`/`opc-content-md5`); for a multipart upload (`opc-multipart-md5`,
 //!   `<base64>-<parts>`) the `opc-meta-md5` metadata when the uploader set it, else the size
-//!   only (OME skips the check for those). On top, as for every source, the store names each
+//!   only (OME skips the check for those; the multipart MD5 would need each part's size,
+//!   which the service does not report), which the model's status reports
+//!   (`integrity: size-only`). On top, as for every source, the store names each
 //!   blob by the sha256 it computed while writing. Each file's digest is an object identity
 //!   (location, size, ETag) plus that MD5, so a rewritten object makes a new artifact.
 //! * Every range is pinned to the listed version: it carries `If-Match: <ETag>` (the ETag of

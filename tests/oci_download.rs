@@ -950,18 +950,20 @@ fn an_object_rewritten_mid_download_is_never_stitched() {
     oci.server().clear_faults();
     let e = d.wait_model("clusterbasemodel.rw", "Ready");
     let served = std::fs::read(env.mount.join("rw/weights.bin")).unwrap();
+    // On a busy machine every range may have been asked before the rewrite: then the old
+    // version is served whole, which is as right. Never a mix of the two.
     assert!(
-        served == v2,
-        "the served file is not the new version (equal to the old one: {}; bytes equal to \
-         the new one: {} of {})",
-        served == v1,
+        served == v2 || served == v1,
+        "the served file is neither version: {} of {} bytes are the new version's",
         served.iter().zip(&v2).filter(|(a, b)| a == b).count(),
         v2.len()
     );
-    assert!(
-        d.log_text().contains("changed since it was listed"),
-        "the rewrite was seen as such"
-    );
+    if served == v2 {
+        assert!(
+            d.log_text().contains("changed since it was listed"),
+            "the rewrite was seen as such"
+        );
+    }
     assert_eq!(e["integrity"], "size-only", "{e}");
     assert_eq!(e["sizeOnlyFiles"], 1, "{e}");
 }

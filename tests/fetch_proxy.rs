@@ -176,6 +176,59 @@ fn proxy_hf_flag_wins_over_the_environment_and_hides_its_credentials() {
     assert!(!status.contains(secret));
 }
 
+/// The proxy password can come from a file (a mounted Secret) instead of the command line,
+/// where every user of the node reads it in `ps`: the URL names the user only, the password
+/// reaches the proxy, and no process's command line holds it.
+#[test]
+fn proxy_password_from_a_file_never_shows_in_a_command_line() {
+    let hub = TestHub::start(100);
+    let (files, size) = publish(&hub);
+    let proxy = Proxy::forward();
+    let secret = "pr0xy-f1le-secret";
+    let dir = tempfile::tempdir().unwrap();
+    let password_file = dir.path().join("proxy-password");
+    std::fs::write(&password_file, format!("{secret}\n")).unwrap();
+    let flag = format!("http://fleet@{}", proxy.addr);
+    let (env, d) = fetch(
+        &hub,
+        &files,
+        &[
+            "--proxy-hf",
+            &flag,
+            "--proxy-password-file",
+            password_file.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert_all_through(&proxy, &hub, size);
+    // fleet:pr0xy-f1le-secret in Basic form, the trailing newline not part of it.
+    let basic = "Basic ZmxlZXQ6cHIweHktZjFsZS1zZWNyZXQ=";
+    assert!(
+        proxy
+            .requests()
+            .iter()
+            .filter(|r| r.authority.starts_with("127.0.0.1:"))
+            .all(|r| r.proxy_authorization.as_deref() == Some(basic)),
+        "{:#?}",
+        proxy.requests()
+    );
+    let mut seen = 0;
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains(&flag) {
+            seen += 1;
+            assert!(!cmdline.contains(secret), "{cmdline}");
+        }
+    }
+    assert!(seen >= 1, "the daemon's command line was found");
+    assert!(!d.log_text().contains(secret), "proxy password in the log");
+    let status = std::fs::read_to_string(env.state.join("status.json")).unwrap();
+    assert!(!status.contains(secret));
+}
+
 #[test]
 fn no_proxy_sends_listed_hosts_around_the_proxy() {
     let hub = TestHub::start(100);

@@ -464,3 +464,66 @@ fn hostile_listings_fail_with_a_reason() {
     );
     assert!(!env.root.path().join("escape").exists());
 }
+
+/// A range that arrives slower than the minimum rate is aborted and asked again, instead of
+/// holding the download for as long as the server trickles bytes (each within the stall
+/// timeout); the model becomes Ready with the right bytes.
+#[test]
+fn a_trickling_range_is_aborted_and_asked_again() {
+    let hub = TestHub::start(1000);
+    let files = repo_files(7, 2 << 20);
+    hub.hub()
+        .add_commit("org/slow", &["main"], hub_files(&files));
+    // 64 KiB/s: a 1 MiB range would take 16 s; the minimum (512 KiB/s after a grace of the
+    // 3 s stall timeout) gives it 5 s.
+    hub.fault(
+        FaultKind::Slow {
+            bytes_per_sec: 64 << 10,
+        },
+        1,
+        Some("00001"),
+    );
+    let env = TestEnv::new();
+    let mut flags = hf_flags(&hub);
+    let stall = flags
+        .iter()
+        .position(|f| f == "--hf-stall-timeout-secs")
+        .unwrap();
+    flags[stall + 1] = "3".into();
+    flags.extend(["--hf-min-range-kib-per-sec".into(), "512".into()]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let d = Daemon::start(&env, &flags);
+    env.write_models(
+        "m.yaml",
+        &hf_model("slow", "hf://org/slow", "AlwaysDownload", None),
+    );
+    d.wait_model("clusterbasemodel.slow", "Ready");
+    assert_tree(&env.mount.join("slow"), &files);
+    assert!(
+        d.log_text().contains("slower than the minimum"),
+        "the trickling range was aborted"
+    );
+}
+
+/// A node-wide range data budget far below what the downloads would hold at once (1 MiB for
+/// several files of parallel 1 MiB ranges) slows them down but never deadlocks them: the
+/// ranges of each file get their share in the order the writer needs them.
+#[test]
+fn a_small_download_buffer_budget_still_completes() {
+    let hub = TestHub::start(1000);
+    let files = repo_files(8, 9 << 20);
+    hub.hub()
+        .add_commit("org/tight", &["main"], hub_files(&files));
+    let env = TestEnv::new();
+    let mut flags = hf_flags(&hub);
+    flags.extend(["--hf-download-buffer-mib".into(), "1".into()]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let d = Daemon::start(&env, &flags);
+    env.write_models(
+        "m.yaml",
+        &hf_model("tight", "hf://org/tight", "AlwaysDownload", None),
+    );
+    d.wait_model("clusterbasemodel.tight", "Ready");
+    assert_tree(&env.mount.join("tight"), &files);
+    assert_eq!(hub.hub().stats().bytes_served, unique_total(&files));
+}

@@ -740,3 +740,135 @@ fn hostile_keys_are_refused_and_nothing_is_written_outside_the_state_dir() {
     ));
     assert!(escaped.trim().is_empty(), "written outside: {escaped}");
 }
+
+/// What each store publishes about an object's bytes is checked end to end: a byte flipped on
+/// the way (the answer otherwise perfect: status, length, headers) fails the download, and
+/// nothing of it is served. `put` stores `data` as `m/w.bin` the way the case needs. With
+/// `forward`, the daemon reaches the store through the proxy as a fleet reaches it through a
+/// caching proxy (`--proxy-<scheme>`, the proxy overlay); else the proxy stands in for the
+/// store's endpoint.
+fn a_flipped_byte_fails_the_model(kind: Kind, forward: bool, put: impl Fn(&ObjectServer, &[u8])) {
+    let server = ObjectServer::start(kind);
+    let proxy = if forward {
+        Proxy::forward()
+    } else {
+        Proxy::reverse(&server.endpoint())
+    };
+    let env = TestEnv::new();
+    server.create_bucket("models");
+    let data = common::bytes(41, (3 << 20) + 5);
+    put(&server, &data);
+    server.put("models", "m/config.json", b"{}");
+    proxy.add_fault(
+        Fault::new(FaultKind::Corrupt { at: 1000 })
+            .times(1_000_000)
+            .on_method(axum::http::Method::GET)
+            .on_path("w.bin"),
+    );
+    let proxy_flag = format!("--proxy-{}", kind.scheme());
+    let proxy_url = proxy.url();
+    let d = if forward {
+        start(
+            &env,
+            &server.daemon_env(),
+            &["--hf-retry-base-ms", "20", &proxy_flag, &proxy_url],
+        )
+    } else {
+        start(
+            &env,
+            &env_via(&server, &proxy.url()),
+            &["--hf-retry-base-ms", "20"],
+        )
+    };
+    env.write_models(
+        "m.yaml",
+        &model("m", &server.uri("models", "m"), "AlwaysDownload", &[]),
+    );
+    let e = d.wait_until("m failed or ready", WAIT, |doc| {
+        let s = &doc["clusterbasemodel.m"]["status"];
+        *s == "Failed" || *s == "Ready"
+    })["clusterbasemodel.m"]
+        .clone();
+    let served = std::fs::read(env.mount.join("m/w.bin")).ok();
+    assert_eq!(
+        e["status"],
+        "Failed",
+        "{kind:?}: a corrupted object was served ({} bytes, equal to the object: {}): {e}",
+        served.as_ref().map_or(0, |s| s.len()),
+        served.as_deref() == Some(&data[..])
+    );
+    let reason = e["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("w.bin") && reason.contains("failed verification"),
+        "{kind:?}: {reason}"
+    );
+    assert!(!env.mount.join("m").exists(), "{kind:?}: nothing is served");
+    assert!(
+        proxy.faults_injected() >= 3,
+        "{kind:?}: every attempt was corrupted"
+    );
+}
+
+/// S3 through a forward proxy: a single-part object's ETag is the MD5 of its bytes.
+#[test]
+fn s3_single_part_object_is_checked_by_its_etag_through_a_proxy() {
+    a_flipped_byte_fails_the_model(Kind::S3, true, |s, data| s.put("models", "m/w.bin", data));
+}
+
+/// Azure: a blob uploaded in blocks (a multipart upload) with its Content-MD5 set, as azcopy
+/// --put-md5 does.
+#[test]
+fn azure_blob_uploaded_in_blocks_is_checked_by_its_content_md5() {
+    a_flipped_byte_fails_the_model(Kind::Azure, false, |s, data| {
+        let file = tempfile::NamedTempFile::new_in(s.scratch()).unwrap();
+        std::fs::write(file.path(), data).unwrap();
+        s.client(&[
+            "put-blocks",
+            "models",
+            "m/w.bin",
+            file.path().to_str().unwrap(),
+            "1",
+        ]);
+    });
+}
+
+/// An S3 multipart upload's ETag is no MD5 of the bytes and moto publishes no other checksum:
+/// the model is served, and its status says so (`integrity: size-only`, one file), as does
+/// the log; a model of single-part objects says nothing.
+#[test]
+fn s3_multipart_object_is_reported_as_checked_by_size_only() {
+    let server = ObjectServer::s3();
+    let env = TestEnv::new();
+    server.create_bucket("models");
+    let data = common::bytes(42, (11 << 20) + 3);
+    let file = env.dir("src").join("w.bin");
+    std::fs::write(&file, &data).unwrap();
+    server.client(&[
+        "--part-mib",
+        "5",
+        "put",
+        "models",
+        "mp/w.bin",
+        file.to_str().unwrap(),
+    ]);
+    server.put("models", "mp/config.json", b"{}");
+    server.put("models", "sp/config.json", b"{}");
+    let etag = &server.list("models", "mp/w.bin")[0].etag;
+    assert!(etag.contains('-'), "a multipart ETag: {etag}");
+    let d = start(&env, &server.daemon_env(), &[]);
+    env.write_models(
+        "m.yaml",
+        &format!(
+            "{}---\n{}",
+            model("mp", &server.uri("models", "mp"), "AlwaysDownload", &[]),
+            model("sp", &server.uri("models", "sp"), "AlwaysDownload", &[])
+        ),
+    );
+    let mp = d.wait_model("clusterbasemodel.mp", "Ready");
+    assert_eq!(std::fs::read(env.mount.join("mp/w.bin")).unwrap(), data);
+    assert_eq!(mp["integrity"], "size-only", "{mp}");
+    assert_eq!(mp["sizeOnlyFiles"], 1, "{mp}");
+    let sp = d.wait_model("clusterbasemodel.sp", "Ready");
+    assert!(sp.get("integrity").is_none(), "{sp}");
+    assert!(d.log_text().contains("checked by its size only"));
+}

@@ -180,6 +180,11 @@ struct ProxyArgs {
     /// Proxy for oci:// downloads.
     #[arg(long, env = "MODELFS_PROXY_OCI", hide_env_values = true)]
     proxy_oci: Option<String>,
+    /// A file holding the proxy password (a mounted Secret; one trailing newline is ignored),
+    /// for every --proxy-<scheme> URL that names a user without a password
+    /// (http://user@proxy:3128): a password on the command line shows in `ps`.
+    #[arg(long, env = "MODELFS_PROXY_PASSWORD_FILE")]
+    proxy_password_file: Option<PathBuf>,
 }
 
 impl ProxyArgs {
@@ -190,13 +195,31 @@ impl ProxyArgs {
                 .map(|v| ProxyUrl::parse(v).map_err(|e| anyhow::anyhow!("--{flag}: {e}")))
                 .transpose()
         };
-        Ok(Proxies {
+        let proxies = Proxies {
             hf: parse("proxy-hf", &self.proxy_hf)?,
             s3: parse("proxy-s3", &self.proxy_s3)?,
             gs: parse("proxy-gs", &self.proxy_gs)?,
             az: parse("proxy-az", &self.proxy_az)?,
             oci: parse("proxy-oci", &self.proxy_oci)?,
-        })
+        };
+        let Some(path) = &self.proxy_password_file else {
+            return Ok(proxies);
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--proxy-password-file {}: {e}", path.display()))?;
+        let password = text
+            .strip_suffix('\n')
+            .map(|t| t.strip_suffix('\r').unwrap_or(t))
+            .unwrap_or(&text);
+        if password.is_empty() {
+            anyhow::bail!(
+                "--proxy-password-file {}: the file is empty",
+                path.display()
+            );
+        }
+        proxies
+            .with_password(password)
+            .map_err(|e| anyhow::anyhow!("--proxy-password-file {}: {e}", path.display()))
     }
 }
 
@@ -210,6 +233,7 @@ impl std::fmt::Debug for ProxyArgs {
             .field("proxy_gs", &set(&self.proxy_gs))
             .field("proxy_az", &set(&self.proxy_az))
             .field("proxy_oci", &set(&self.proxy_oci))
+            .field("proxy_password_file", &self.proxy_password_file)
             .finish()
     }
 }
@@ -264,6 +288,14 @@ struct HfArgs {
     /// Size of one range request, MiB.
     #[arg(long, default_value_t = DownloadTuning::default().chunk_size >> 20)]
     hf_chunk_mib: u64,
+    /// Node-wide budget of downloaded range data held in memory before it is written, MiB,
+    /// all sources and models together.
+    #[arg(long, default_value_t = DownloadTuning::default().buffer_bytes >> 20)]
+    hf_download_buffer_mib: u64,
+    /// Slowest accepted transfer of a data range, KiB/s (after a grace of the stall timeout);
+    /// a slower range is aborted and asked again. 0: no minimum.
+    #[arg(long, default_value_t = DownloadTuning::default().min_range_bytes_per_sec >> 10)]
+    hf_min_range_kib_per_sec: u64,
     /// Node-wide limit on concurrent HTTP transfers.
     #[arg(long, default_value_t = DownloadTuning::default().max_transfers)]
     hf_max_transfers: usize,
@@ -307,6 +339,8 @@ impl HfArgs {
                 max_files: self.hf_max_files.max(1),
                 range_streams: self.hf_range_streams.max(1),
                 chunk_size: self.hf_chunk_mib.max(1) << 20,
+                buffer_bytes: self.hf_download_buffer_mib.max(1) << 20,
+                min_range_bytes_per_sec: self.hf_min_range_kib_per_sec << 10,
                 max_transfers: self.hf_max_transfers.max(1),
                 stall_timeout: Duration::from_secs(self.hf_stall_timeout_secs.max(1)),
                 connect_timeout: Duration::from_secs(self.hf_connect_timeout_secs.max(1)),

@@ -205,6 +205,24 @@ class Azure:
         with open(path, "rb") as f:
             self.client.get_blob_client(bucket, key).upload_blob(f, overwrite=True)
 
+    def put_blocks(self, bucket, key, path, block_mib):
+        """Uploads in blocks of `block_mib` MiB (Put Block, then Put Block List) with the
+        blob's Content-MD5 set on the commit, as azcopy --put-md5 does."""
+        import base64
+        import hashlib
+        from azure.storage.blob import BlobBlock, ContentSettings
+
+        data = open(path, "rb").read()
+        blob = self.client.get_blob_client(bucket, key)
+        step = int(block_mib) << 20
+        blocks = []
+        for i, at in enumerate(range(0, len(data), step)):
+            block_id = base64.b64encode(f"block-{i:06d}".encode()).decode()
+            blob.stage_block(block_id, data[at:at + step])
+            blocks.append(BlobBlock(block_id=block_id))
+        md5 = hashlib.md5(data).digest()
+        blob.commit_block_list(blocks, content_settings=ContentSettings(content_md5=md5))
+
     def get(self, bucket, key, out):
         with open(out, "wb") as f:
             self.client.get_blob_client(bucket, key).download_blob().readinto(f)
@@ -241,6 +259,8 @@ def main():
         if a.acl:
             args = args[:3] + [a.acl]
         store.put(*args)
+    elif cmd == "put-blocks":
+        store.put_blocks(*args)
     elif cmd == "get":
         store.get(*args)
     elif cmd == "delete":

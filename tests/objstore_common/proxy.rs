@@ -20,9 +20,10 @@
 //!
 //! Faults ([`Fault`]) are matched in the order they were added against the method and a
 //! substring of the path, each for `count` requests: an error status (optionally with
-//! `Retry-After`), S3's `503 SlowDown`, or a body cut after some bytes (the upstream's
+//! `Retry-After`), S3's `503 SlowDown`, a body cut after some bytes (the upstream's
 //! `Content-Length` is kept, then the connection is aborted, as a dropped connection looks to
-//! a client).
+//! a client), or a body with one byte changed (a bad disk or memory on the server's side: the
+//! answer looks perfect).
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -52,6 +53,9 @@ pub enum FaultKind {
     /// Forward the request without its `Range` header, as a server or proxy that ignores
     /// ranges does: the whole object comes back with `200`.
     IgnoreRange,
+    /// Forward the request but flip every bit of the body's byte at offset `at` (of this
+    /// answer's body), headers untouched.
+    Corrupt { at: u64 },
 }
 
 impl FaultKind {
@@ -422,6 +426,7 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     };
 
     let mut cut = None;
+    let mut flip = None;
     match fault {
         Some(FaultKind::Status {
             status,
@@ -447,6 +452,7 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
                 .unwrap();
         }
         Some(FaultKind::Truncate { after }) => cut = Some(after),
+        Some(FaultKind::Corrupt { at }) => flip = Some(at),
         Some(FaultKind::IgnoreRange) | None => {}
     }
     let ignore_range = fault == Some(FaultKind::IgnoreRange);
@@ -483,6 +489,7 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         upstream,
         sent: 0,
         cut,
+        flip,
         counter: bytes,
         done: false,
     };
@@ -502,6 +509,12 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
                 if let Some(cut) = s.cut {
                     chunk.truncate((cut - s.sent).min(chunk.len() as u64) as usize);
                 }
+                let here = s.sent..s.sent + chunk.len() as u64;
+                if let Some(at) = s.flip.filter(|at| here.contains(at)) {
+                    let mut bytes = chunk.to_vec();
+                    bytes[(at - s.sent) as usize] ^= 0xff;
+                    chunk = bytes.into();
+                }
                 s.sent += chunk.len() as u64;
                 s.counter.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                 Some((Ok(chunk), s))
@@ -520,6 +533,7 @@ struct BodyState {
     upstream: reqwest::Response,
     sent: u64,
     cut: Option<u64>,
+    flip: Option<u64>,
     counter: Arc<AtomicU64>,
     done: bool,
 }

@@ -780,6 +780,9 @@ pub struct StoredArtifact {
     blobs: Blobs,
     /// When the artifact first became complete, seconds since the epoch: the mtime the mount shows.
     pub completed_at: u64,
+    /// Files whose bytes could be checked by their size only when they were downloaded (their
+    /// store published no digest or checksum): the status says `integrity: size-only`.
+    pub size_only_files: u32,
 }
 
 /// The blob of every entry, stored only where it is not the entry's own sha256 file digest
@@ -846,7 +849,16 @@ impl StoredArtifact {
             manifest,
             blobs,
             completed_at,
+            size_only_files: 0,
         })
+    }
+
+    /// The same artifact, with `n` files checked by their size only.
+    pub fn with_size_only_files(self, n: u32) -> Self {
+        Self {
+            size_only_files: n,
+            ..self
+        }
     }
 
     /// The blob of entry `i`; panics past the end.
@@ -877,11 +889,17 @@ impl StoredArtifact {
 impl Serialize for StoredArtifact {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("StoredArtifact", 4)?;
+        let mut st = s.serialize_struct("StoredArtifact", 5)?;
         st.serialize_field("id", &self.id)?;
         st.serialize_field("manifest", &*self.manifest)?;
         st.serialize_field("blobs", &Seq(|| self.blobs()))?;
         st.serialize_field("completed_at", &self.completed_at)?;
+        // Absent when zero, so the form of every fully verified artifact is unchanged.
+        if self.size_only_files > 0 {
+            st.serialize_field("size_only_files", &self.size_only_files)?;
+        } else {
+            st.skip_field("size_only_files")?;
+        }
         st.end()
     }
 }
@@ -895,12 +913,15 @@ impl<'de> Deserialize<'de> for StoredArtifact {
             manifest: Manifest,
             blobs: Vec<Sha256Digest>,
             completed_at: u64,
+            #[serde(default)]
+            size_only_files: u32,
         }
         let Wire {
             id,
             manifest,
             blobs,
             completed_at,
+            size_only_files,
         } = Wire::deserialize(d)?;
         // The id is kept as read: whoever loads an artifact checks it against the manifest.
         let blobs = Blobs::new(&manifest, blobs).map_err(serde::de::Error::custom)?;
@@ -909,6 +930,7 @@ impl<'de> Deserialize<'de> for StoredArtifact {
             manifest: Arc::new(manifest),
             blobs,
             completed_at,
+            size_only_files,
         })
     }
 }

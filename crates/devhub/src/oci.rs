@@ -20,7 +20,9 @@
 //!   `ETag`, `Content-MD5` and `opc-content-md5` for single-part objects, `opc-multipart-md5`
 //!   (`<base64 md5 of the part md5s>-<parts>`) for objects added as multipart uploads, and their
 //!   `opc-meta-*` metadata (`opc-meta-md5`).
-//! * Errors: `404 ObjectNotFound`/`BucketNotFound`, `416 InvalidRange`.
+//!   `If-Match` naming another ETag than the object's is `412 IfMatchFailed`, as the service
+//!   answers a request pinned to a version that was overwritten.
+//! * Errors: `404 ObjectNotFound`/`BucketNotFound`, `412 IfMatchFailed`, `416 InvalidRange`.
 //!
 //! It also stands in for the two services an instance principal talks to
 //! ([`OciDev::set_instance_identity`]): the **instance metadata service**
@@ -1036,6 +1038,16 @@ async fn object(
             &format!("The object '{name}' was not found in the bucket '{bucket}'"),
         );
     };
+    if let Some(want) = headers.get(header::IF_MATCH).and_then(|v| v.to_str().ok()) {
+        if want.trim() != "*" && want.trim().trim_matches('"') != object.etag.trim_matches('"') {
+            return error(
+                server,
+                StatusCode::PRECONDITION_FAILED,
+                "IfMatchFailed",
+                "The If-Match header does not match the object's ETag",
+            );
+        }
+    }
     let size = object.bytes.len() as u64;
     let range = match headers.get(header::RANGE).and_then(|v| v.to_str().ok()) {
         Some(r) if !head => match parse_range(r, size) {

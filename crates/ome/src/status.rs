@@ -170,6 +170,13 @@ pub struct ModelStatus {
     /// Bytes on disk of the store this model owns (0 for a child).
     #[serde(default)]
     pub bytes_on_disk: u64,
+    /// `size-only` when some files of the served artifact were checked by their size only
+    /// (their store published no digest or checksum); absent when every file was verified.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub integrity: Option<String>,
+    /// How many files `integrity: size-only` is about.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_only_files: Option<u32>,
 }
 
 impl ModelStatus {

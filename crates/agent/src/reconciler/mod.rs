@@ -222,6 +222,8 @@ enum Event {
         store: StoreId,
         manifest: Arc<Manifest>,
         result: Result<Vec<Sha256Digest>, SourceError>,
+        /// Files of the artifact checked by their size only ([`Progress::size_only_files`]).
+        size_only_files: u32,
     },
     Tick,
     /// The config files of a complete artifact were parsed.
@@ -924,7 +926,9 @@ impl Reconciler {
                 store,
                 manifest,
                 result,
+                size_only_files,
             } => {
+                let result = result.map(|blobs| (blobs, size_only_files));
                 self.on_fetched(key, fingerprint, store, manifest, result);
                 self.gc_due = true;
                 true
@@ -1565,6 +1569,7 @@ impl Reconciler {
         tracing::info!(model = %key, %store, bytes = manifest.total_size(), files = manifest.entries().len(), "fetching");
         let fetched = manifest.clone();
         let adopt_key = key2.clone();
+        let counts = progress.clone();
         // The slot is taken inside the cancellable work: a cancelled fetch stops waiting
         // for one, and one that holds a slot drops it when its future is dropped.
         let work = async move {
@@ -1603,12 +1608,14 @@ impl Reconciler {
             .await
         };
         cancel.spawn(work, move |result| {
+            let size_only_files = counts.size_only_files.load(Ordering::Relaxed);
             let _ = tx.send(Event::Fetched {
                 key: key2,
                 fingerprint: fp,
                 store,
                 manifest,
                 result,
+                size_only_files: u32::try_from(size_only_files).unwrap_or(u32::MAX),
             });
         });
     }
@@ -1658,15 +1665,15 @@ impl Reconciler {
         fp: String,
         store: StoreId,
         manifest: Arc<Manifest>,
-        result: Result<Vec<Sha256Digest>, SourceError>,
+        result: Result<(Vec<Sha256Digest>, u32), SourceError>,
     ) {
         let current = self.works.get(&key).is_some_and(|w| w.fingerprint == fp);
         match result {
-            Ok(blobs) => {
+            Ok((blobs, size_only_files)) => {
                 // A complete, verified artifact is real data whether or not the model still
                 // wants it: record it so that the store (and any waiter) can use it.
                 let stored = match StoredArtifact::new(manifest.clone(), blobs, now_secs()) {
-                    Ok(s) => s,
+                    Ok(s) => s.with_size_only_files(size_only_files),
                     Err(e) => {
                         tracing::error!(model = %key, error = %e, "fetch returned an inconsistent artifact");
                         return;

@@ -57,6 +57,14 @@ impl Reconciler {
                 ..Default::default()
             };
             e.config.artifact.sha = rec.sha.clone().unwrap_or_default();
+            // What vouches for the served bytes: said only where it is less than a digest or
+            // checksum of every file.
+            if let Some(a) = rec.artifact.as_ref().and_then(|a| self.artifacts.get(a)) {
+                if a.size_only_files > 0 {
+                    e.integrity = Some("size-only".into());
+                    e.size_only_files = Some(a.size_only_files);
+                }
+            }
             if let Some(store) = &rec.store {
                 if let Some(owner) = self
                     .records

@@ -6,8 +6,9 @@
 //! XML ListObjectsV2 form), reads metadata with `HEAD /<bucket>/<object>` and requires `ETag`
 //! and `Last-Modified` on every download. The XML listing carries no MD5 and no generation.
 //! The JSON API (`GET /storage/v1/b/<bucket>/o?prefix=`, `.../o/<object>`, `...?alt=media`)
-//! does: each listed object has its `generation` (the version a download can be pinned to)
-//! and, unless it was composed, its `md5Hash`, which the store checks as it does OCI's MD5. It
+//! does: each listed object has its `generation` (the version a download can be pinned to),
+//! its `crc32c` and, unless it was composed, its `md5Hash`, which the store checks as it does
+//! OCI's MD5 (a composed object is checked by its CRC32C while it is downloaded). It
 //! is also the API that Google's own client libraries and the GCS emulators speak (the
 //! `gcp-storage-emulator` of the tests answers the XML listing with 501 Not Implemented, has
 //! no `HEAD`, and sends neither `ETag` nor `Last-Modified` on downloads).
@@ -78,6 +79,9 @@ struct ObjectResource {
     generation: String,
     #[serde(rename = "md5Hash")]
     md5_hash: Option<String>,
+    /// Base64 of the big-endian CRC32C: every object has one, composed objects (which have
+    /// no `md5Hash`) included.
+    crc32c: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -106,6 +110,10 @@ impl ObjectResource {
             size,
             version: self.generation,
             md5,
+            crc32c: self
+                .crc32c
+                .as_deref()
+                .and_then(super::checks::crc32c_from_base64),
         })
     }
 }
@@ -356,9 +364,16 @@ mod tests {
             hex::encode(o.md5.unwrap()),
             "b1946ac92492d2347c6235b4d2611184"
         );
-        // A composite object has no MD5: the size and the sha256 still hold.
+        // A composite object without a CRC32C either: the size and the sha256 still hold.
         let r: ObjectResource =
             serde_json::from_str(r#"{"name":"c","size":"1","generation":"2"}"#).unwrap();
         assert!(r.listed("x").unwrap().md5.is_none());
+        // A composed object: no md5Hash, its CRC32C is what is checked.
+        let composed: ObjectResource = serde_json::from_str(
+            r#"{"name":"p/c","size":"6","generation":"18","crc32c":"yZRlqg=="}"#,
+        )
+        .unwrap();
+        let listed = composed.listed("x").unwrap();
+        assert_eq!((listed.md5, listed.crc32c), (None, Some(0xc994_65aa)));
     }
 }

@@ -7,6 +7,7 @@
 //! downloads zero bytes). `fetch` then writes only the blobs the target store lacks and verifies
 //! every one against the digest `resolve` obtained.
 
+pub mod checks;
 pub mod gcs;
 pub mod hf;
 pub mod local;
@@ -212,6 +213,9 @@ pub struct Progress {
     pub completed_files: AtomicU64,
     /// Bytes this fetch wrote into the store (blobs it already had or linked are not counted).
     pub fetched_bytes: AtomicU64,
+    /// Files this fetch downloaded that could be checked by their size only: the store
+    /// published no digest or checksum of their bytes (the status says `integrity: size-only`).
+    pub size_only_files: AtomicU64,
     pub started: Instant,
 }
 
@@ -223,6 +227,7 @@ impl Default for Progress {
             total_files: AtomicU64::new(0),
             completed_files: AtomicU64::new(0),
             fetched_bytes: AtomicU64::new(0),
+            size_only_files: AtomicU64::new(0),
             started: Instant::now(),
         }
     }

@@ -21,9 +21,15 @@
 //! version id), so a changed object is a new artifact and `ReuseIfExists` maps only onto a
 //! copy of the same object versions. Every range is requested with `If-Match: <ETag>`, so the
 //! bytes of one file all come from the version that was listed (`gs://`: the generation, with
-//! `ifGenerationMatch`, and the listed MD5 checked); the size is checked and the
-//! sha256 computed while writing, as for every source. (An S3 ETag is the MD5 only for
-//! unencrypted single-part uploads, so it is not used as a checksum.)
+//! `ifGenerationMatch`); an object that changed stops the download
+//! ([`TransferError::Changed`]) and the model is listed again. The size is checked and the
+//! sha256 computed while writing, as for every source, and so is what the store publishes
+//! about the bytes ([`RangeSource::content_check`]): GCS's `md5Hash` (in the manifest) or,
+//! for a composed object, its `crc32c`; Azure's `Content-MD5`; S3's ETag when it is the MD5
+//! of the bytes (a single-part upload without SSE-KMS or SSE-C; a multipart ETag is an MD5 of
+//! the parts' MD5s, which would need each part's size). Azure and S3 take one HEAD of the
+//! listed version per file for that. A file with none of these is checked by its size only,
+//! and the model's status says so.
 //!
 //! # Credentials and settings
 //! The usual environment of each cloud (`object_store`'s `from_env`: `AWS_*`, `GOOGLE_*`,
@@ -51,9 +57,11 @@ use futures_util::StreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore, RetryConfig};
 
+use super::checks::{md5_from_base64, s3_etag_md5, Crc32cCheck, Md5Check};
 use super::gcs::GcsJsonApi;
 use super::pipeline::{
-    self, manifest_from_listing, ListedObject, RangeBody, RangeSource, TransferError, Transfers,
+    self, manifest_from_listing, ListedObject, Published, RangeBody, RangeSource, TransferError,
+    Transfers,
 };
 use super::{FetchContext, SourceConfig, SourceError, Token};
 use crate::metrics::SourceScheme;
@@ -74,9 +82,18 @@ pub struct ObjectSource {
     /// provides the credentials.
     gcs: Option<Arc<GcsJsonApi>>,
     transfers: Arc<Transfers>,
-    /// ETag of each listed key, from the last resolve: the version every range must match.
-    etags: Arc<Mutex<HashMap<String, String>>>,
+    /// What the last resolve listed of each key: the version every range must match, and the
+    /// checksum the listing published.
+    etags: Arc<Mutex<HashMap<String, Pinned>>>,
     throttle: crate::source::ThrottleObserver,
+}
+
+/// What a listing said about one key: the version every range must match (ETag, version id
+/// or generation) and the CRC32C it published, if any.
+#[derive(Clone, Debug)]
+struct Pinned {
+    version: String,
+    crc32c: Option<u32>,
 }
 
 /// What the URI names.
@@ -322,6 +339,7 @@ impl ObjectSource {
                             size: meta.size,
                             version,
                             md5: None,
+                            crc32c: None,
                         });
                     }
                     Ok(out)
@@ -332,7 +350,11 @@ impl ObjectSource {
         let mut etags = self.etags.lock().expect("etag map");
         etags.clear();
         for o in objects {
-            etags.insert(o.key, o.version);
+            let pinned = Pinned {
+                version: o.version,
+                crc32c: o.crc32c,
+            };
+            etags.insert(o.key, pinned);
         }
         Ok(manifest)
     }
@@ -355,14 +377,14 @@ impl ObjectSource {
 
     /// The version (ETag) `entry` was listed with: from the last listing, or (a fetch after a
     /// restart, with a manifest from the records) from a HEAD whose identity must match.
-    async fn version_of(&self, what: &str, entry: &ManifestEntry) -> Result<String, TransferError> {
+    async fn version_of(&self, what: &str, entry: &ManifestEntry) -> Result<Pinned, TransferError> {
         let key = self.key_of(entry);
         if let Some(v) = self.etags.lock().expect("etag map").get(&key).cloned() {
             return Ok(v);
         }
-        let (size, version) = if let Some(gcs) = &self.gcs {
+        let (size, version, crc32c) = if let Some(gcs) = &self.gcs {
             let meta = gcs.metadata(what, &key).await?;
-            (meta.size, meta.version)
+            (meta.size, meta.version, meta.crc32c)
         } else {
             let head = GetOptions {
                 head: true,
@@ -380,16 +402,17 @@ impl ObjectSource {
                 .clone()
                 .or(meta.version.clone())
                 .unwrap_or_else(|| meta.last_modified.to_rfc3339());
-            (meta.size, version)
+            (meta.size, version, None)
         };
         let identity = object_identity(&format!("{}/{key}", self.location), size, &version);
         match entry.digest {
             FileDigest::Object { identity: want, .. } if want == identity => {
+                let pinned = Pinned { version, crc32c };
                 self.etags
                     .lock()
                     .expect("etag map")
-                    .insert(key, version.clone());
-                Ok(version)
+                    .insert(key, pinned.clone());
+                Ok(pinned)
             }
             _ => Err(changed(what)),
         }
@@ -405,12 +428,9 @@ fn object_path(what: &str, key: &str) -> Result<ObjectPath, TransferError> {
     })
 }
 
-/// The object changed after it was listed: the model resolves again later.
-fn changed(what: &str) -> TransferError {
-    TransferError::Network {
-        what: what.into(),
-        detail: "the object changed since it was listed; it is listed again".into(),
-    }
+/// The object changed after it was listed: the download stops and the model resolves again.
+pub(crate) fn changed(what: &str) -> TransferError {
+    TransferError::Changed { what: what.into() }
 }
 
 impl RangeSource for ObjectSource {
@@ -430,6 +450,69 @@ impl RangeSource for ObjectSource {
         &self.throttle
     }
 
+    /// GCS: the listed CRC32C (a composed object has no MD5). S3 and Azure: one HEAD of the
+    /// listed version; Azure's `Content-MD5`, or S3's ETag when it is the MD5 of the bytes (a
+    /// single-part upload without SSE-KMS or SSE-C). An object whose MD5 the manifest already
+    /// carries needs nothing more.
+    async fn content_check(
+        &self,
+        what: &str,
+        entry: &ManifestEntry,
+    ) -> Result<Option<Published>, TransferError> {
+        if entry.digest.checks_content() {
+            return Ok(None);
+        }
+        let pinned = self.version_of(what, entry).await?;
+        if self.scheme == ObjectScheme::Gs {
+            const NAME: &str = "GCS crc32c";
+            return Ok(pinned.crc32c.map(|c| Published {
+                name: NAME,
+                check: Box::new(Crc32cCheck::new(NAME, c)),
+            }));
+        }
+        let path = object_path(what, &self.key_of(entry))?;
+        let head = GetOptions {
+            head: true,
+            if_match: Some(pinned.version),
+            ..GetOptions::default()
+        };
+        let ((result, answer), headers) = with_success_headers(with_error_answer(
+            self.transfers
+                .within_stall(what, async { Ok(self.store.get_opts(&path, head).await) }),
+        ))
+        .await;
+        match result? {
+            Ok(_) => {}
+            Err(object_store::Error::Precondition { .. }) => {
+                self.etags.lock().expect("etag map").clear();
+                return Err(changed(what));
+            }
+            Err(e) => return Err(transfer_error(what, &e, answer)),
+        }
+        let headers = headers.unwrap_or_default();
+        let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
+        let (name, md5) = match self.scheme {
+            ObjectScheme::S3 => (
+                "S3 ETag",
+                header("etag").and_then(|etag| {
+                    s3_etag_md5(
+                        etag,
+                        header("x-amz-server-side-encryption"),
+                        header("x-amz-server-side-encryption-customer-algorithm").is_some(),
+                    )
+                }),
+            ),
+            _ => (
+                "Content-MD5",
+                header("content-md5").and_then(md5_from_base64),
+            ),
+        };
+        Ok(md5.map(|m| Published {
+            name,
+            check: Box::new(Md5Check::new(name, m)),
+        }))
+    }
+
     async fn open_range(
         &self,
         what: &str,
@@ -437,7 +520,7 @@ impl RangeSource for ObjectSource {
         at: u64,
         end: Option<u64>,
     ) -> Result<RangeBody, TransferError> {
-        let version = self.version_of(what, entry).await?;
+        let version = self.version_of(what, entry).await?.version;
         if let Some(gcs) = &self.gcs {
             return match gcs
                 .open_range(what, &self.key_of(entry), &version, at, end)
@@ -641,6 +724,20 @@ struct ErrorAnswer {
 
 tokio::task_local! {
     static LAST_ERROR: Cell<Option<ErrorAnswer>>;
+    static LAST_HEADERS: Cell<Option<reqwest::header::HeaderMap>>;
+}
+
+/// Runs `fut` and returns what it returned with the headers of the last successful answer it
+/// received (what `object_store`'s metadata leaves out: `Content-MD5`, encryption).
+async fn with_success_headers<T>(
+    fut: impl std::future::Future<Output = T>,
+) -> (T, Option<reqwest::header::HeaderMap>) {
+    LAST_HEADERS
+        .scope(Cell::new(None), async {
+            let out = fut.await;
+            (out, LAST_HEADERS.with(|c| c.take()))
+        })
+        .await
 }
 
 /// Runs `fut` and returns what it returned with the last error answer it received, if any.
@@ -687,6 +784,7 @@ impl object_store::client::HttpService for RecordingService {
     ) -> Result<object_store::client::HttpResponse, object_store::client::HttpError> {
         let resp = self.0.execute(req).await?;
         if resp.status().is_success() || resp.status().is_redirection() {
+            let _ = LAST_HEADERS.try_with(|c| c.set(Some(resp.headers().clone())));
             return Ok(resp);
         }
         let retry_after = resp

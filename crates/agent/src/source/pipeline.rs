@@ -14,7 +14,17 @@
 //!   ranges are requested concurrently but handed to the writer *in order* (`buffered`), so the
 //!   partial file is always a contiguous prefix: it is hashed while written, and a crash leaves a
 //!   prefix that [`Store::resume_writer`](modelfs_core::store::Store::resume_writer) re-hashes and
-//!   continues with a range from its end. At most `range_streams` chunks per file wait in memory.
+//!   continues with a range from its end. At most `range_streams` chunks per file wait in memory,
+//!   and all downloads of the node together hold at most `buffer_bytes` of range data
+//!   ([`Transfers::buffer`]): a range takes its share of that budget before its request goes
+//!   out and gives it back once the writer has written it.
+//! * **Pinned and checked end to end.** Every range of a file is asked for the version that
+//!   was listed (the adapter's business: `If-Match`, a generation); an object that changed
+//!   answers with [`TransferError::Changed`] and the download stops. Before a file is
+//!   downloaded the adapter names what its store publishes about the bytes besides the
+//!   manifest's digest ([`RangeSource::content_check`]: a CRC32C, an MD5 the store reports on
+//!   the object, ...); the writer checks that too. A file with neither is checked by its size
+//!   only, counted in [`Progress::size_only_files`] and logged.
 //! * **Verified before published.** The writer (a blocking thread per file) streams into
 //!   `tmp/<digest>.part` the network's buffers as they were received (a range is a list of
 //!   them, never copied into one allocation), in writes of at most
@@ -23,7 +33,9 @@
 //!   mismatch deletes the partial file and the file is downloaded again, up to
 //!   `verify_attempts` times; then the model is `Failed`.
 //! * **Every transfer is watched**: no body byte for `stall_timeout` aborts and retries it (the
-//!   adapter bounds the wait for response headers with [`Transfers::within_stall`]); a body
+//!   adapter bounds the wait for response headers with [`Transfers::within_stall`]); a range
+//!   that arrives slower than `min_range_bytes_per_sec` (after a grace of `stall_timeout`) is
+//!   aborted and asked again from its first missing byte ([`TransferError::TooSlow`]); a body
 //!   shorter than its range is retried; each request holds a slot of the node-wide transfer
 //!   limit ([`Transfers`], one per daemon, shared by all sources) while it runs.
 //! * **One retry policy** ([`Transfers::retrying`]): 5xx, 408, 429, resets, truncated bodies and
@@ -55,6 +67,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::metrics::SourceScheme;
 use crate::source::{FetchContext, Progress, SourceError, ThrottleObserver};
 use modelfs_core::artifact::{FileDigest, Manifest, ManifestEntry, Sha256Digest};
+use modelfs_core::store::blob::ContentCheck;
 use modelfs_core::store::StoreError;
 
 /// Download tuning, shared by all remote sources. The defaults were measured against a local
@@ -81,6 +94,17 @@ pub struct DownloadTuning {
     /// Node-wide limit on HTTP transfers in flight (all models and sources together), so a
     /// node with many models does not open hundreds of connections.
     pub max_transfers: usize,
+    /// Node-wide budget of range data held in memory (received, not yet written), all
+    /// downloads together. Without it the worst case was `max_files` x `range_streams` x
+    /// `chunk_size` per model (256 MiB) times the fetches running at once, against an agent
+    /// that requests 128 MiB. 64 MiB keeps eight 8 MiB ranges in flight, enough to fill a
+    /// fast link.
+    pub buffer_bytes: u64,
+    /// Slowest accepted transfer of a data range, bytes per second, measured over the whole
+    /// range after a grace of `stall_timeout`: a server that trickles a byte now and then
+    /// (never long enough to trip the stall watchdog) cannot hold a download forever. 0 turns
+    /// it off.
+    pub min_range_bytes_per_sec: u64,
     /// Stall watchdog of every request: no response headers, or no body byte, for this long
     /// aborts the request and retries it.
     pub stall_timeout: Duration,
@@ -116,6 +140,8 @@ impl Default for DownloadTuning {
             range_streams: 4,
             chunk_size: 8 << 20,
             max_transfers: 32,
+            buffer_bytes: 64 << 20,
+            min_range_bytes_per_sec: 64 << 10,
             stall_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(120),
             max_listing_pages: 2_000,
@@ -152,6 +178,13 @@ pub enum TransferError {
     Stalled { what: String, secs: u64 },
     #[error("{what}: no complete answer within {secs}s")]
     TimedOut { what: String, secs: u64 },
+    #[error("{what}: {got} bytes in {secs}s, slower than the minimum of {min} bytes/s")]
+    TooSlow {
+        what: String,
+        got: u64,
+        secs: u64,
+        min: u64,
+    },
     /// A bound of the client was exceeded (listing pages or entries); the detail names the flag.
     #[error("{what}: {detail}")]
     Limit { what: String, detail: String },
@@ -161,6 +194,11 @@ pub enum TransferError {
     /// detail says which and never holds a secret.
     #[error("{what}: {detail}")]
     Config { what: String, detail: String },
+    /// The object is no longer the version that was listed (its ETag or generation moved, a
+    /// precondition failed): no byte of the new version may join the bytes of the old one, so
+    /// the download stops at once and the model is listed again (transient).
+    #[error("{what}: the object changed since it was listed; it is listed again")]
+    Changed { what: String },
     #[error("{path}: downloaded bytes failed verification {attempts} times ({detail})")]
     Corrupt {
         path: String,
@@ -192,11 +230,13 @@ impl TransferError {
             TransferError::Network { .. }
             | TransferError::Truncated { .. }
             | TransferError::Stalled { .. }
-            | TransferError::TimedOut { .. } => true,
+            | TransferError::TimedOut { .. }
+            | TransferError::TooSlow { .. } => true,
             TransferError::Protocol { .. }
             | TransferError::Limit { .. }
             | TransferError::Config { .. }
             | TransferError::Corrupt { .. }
+            | TransferError::Changed { .. }
             | TransferError::Exhausted { .. }
             | TransferError::Store { .. }
             | TransferError::Cancelled => false,
@@ -211,7 +251,7 @@ impl TransferError {
             TransferError::Exhausted { last, .. } => {
                 !matches!(**last, TransferError::Truncated { .. })
             }
-            TransferError::Cancelled => true,
+            TransferError::Cancelled | TransferError::Changed { .. } => true,
             TransferError::Store { source, .. } => {
                 matches!(source, StoreError::DiskFull { .. } | StoreError::Io { .. })
             }
@@ -280,12 +320,45 @@ pub async fn sleep_unless_cancelled(d: Duration, cancel: &AtomicBool) -> Result<
 pub struct Transfers {
     tuning: DownloadTuning,
     slots: Arc<Semaphore>,
+    /// The range data budget, in units of [`BUFFER_UNIT`] bytes.
+    buffer: Arc<Semaphore>,
+    buffer_units: u32,
 }
+
+/// The unit of the range data budget.
+const BUFFER_UNIT: u64 = 64 << 10;
 
 impl Transfers {
     pub fn new(tuning: DownloadTuning) -> Arc<Self> {
         let slots = Arc::new(Semaphore::new(tuning.max_transfers.max(1)));
-        Arc::new(Self { tuning, slots })
+        let buffer_units =
+            (tuning.buffer_bytes / BUFFER_UNIT).clamp(1, u32::MAX as u64 >> 4) as u32;
+        Arc::new(Self {
+            tuning,
+            slots,
+            buffer: Arc::new(Semaphore::new(buffer_units as usize)),
+            buffer_units,
+        })
+    }
+
+    /// A share of the node-wide range data budget for `bytes` (rounded up to the unit; a
+    /// range larger than the whole budget takes all of it, so it waits for everything else
+    /// but never forever). Waiters are served in order, so the ranges of one file get their
+    /// share in the order the writer needs them.
+    pub async fn buffer(&self, bytes: u64) -> OwnedSemaphorePermit {
+        let units = bytes
+            .div_ceil(BUFFER_UNIT)
+            .clamp(1, self.buffer_units as u64) as u32;
+        self.buffer
+            .clone()
+            .acquire_many_owned(units)
+            .await
+            .expect("the buffer semaphore is never closed")
+    }
+
+    /// Bytes of the range data budget held right now.
+    pub fn buffer_in_use(&self) -> u64 {
+        (self.buffer_units as u64 - self.buffer.available_permits() as u64) * BUFFER_UNIT
     }
 
     pub fn tuning(&self) -> &DownloadTuning {
@@ -422,6 +495,25 @@ pub trait RangeSource: Send + Sync {
     fn throttle(&self) -> &ThrottleObserver {
         ThrottleObserver::none()
     }
+
+    /// What the store publishes about the bytes of `entry` besides the manifest's digest,
+    /// asked once per download attempt (one attempt; the pipeline retries). The default:
+    /// nothing.
+    fn content_check(
+        &self,
+        what: &str,
+        entry: &ManifestEntry,
+    ) -> impl Future<Output = Result<Option<Published>, TransferError>> + Send {
+        let _ = (what, entry);
+        async { Ok(None) }
+    }
+}
+
+/// A checksum a store published for one file (see [`RangeSource::content_check`]).
+pub struct Published {
+    /// What it is, for log lines (`crc32c`, `Content-MD5`, `S3 ETag`, ...).
+    pub name: &'static str,
+    pub check: Box<dyn ContentCheck>,
 }
 
 /// One object of an object store's listing.
@@ -435,6 +527,9 @@ pub struct ListedObject {
     pub version: String,
     /// The MD5 of the object's bytes, when the store publishes one.
     pub md5: Option<[u8; 16]>,
+    /// The CRC32C of the object's bytes, when the listing gives one (GCS); checked while
+    /// downloading, not part of the identity.
+    pub crc32c: Option<u32>,
 }
 
 /// The manifest of the objects below `prefix` (a directory: `a/b` holds `a/b/...`, not
@@ -537,6 +632,7 @@ pub async fn fetch<S: RangeSource>(
         .total_files
         .store(entries.len() as u64, Ordering::Relaxed);
     progress.completed_bytes.store(0, Ordering::Relaxed);
+    progress.size_only_files.store(0, Ordering::Relaxed);
     progress.completed_files.store(0, Ordering::Relaxed);
 
     let mut blobs: Vec<Option<Sha256Digest>> = vec![None; entries.len()];
@@ -555,7 +651,15 @@ pub async fn fetch<S: RangeSource>(
             },
         })? {
             Some(sha) => Some(sha),
-            None => ctx.store.lookup_alias(&e.digest, e.size),
+            None => ctx
+                .store
+                .lookup_alias_checked(&e.digest, e.size)
+                .map(|(sha, size_only)| {
+                    if size_only {
+                        progress.size_only_files.fetch_add(1, Ordering::Relaxed);
+                    }
+                    sha
+                }),
         };
         match have {
             Some(sha) => {
@@ -713,14 +817,21 @@ fn joined(e: tokio::task::JoinError) -> TransferError {
 enum RangeAnswer {
     /// The bytes of the range (the network's buffers, in order), and how many were counted
     /// into progress.
-    Part(Vec<Bytes>, u64),
+    Part(Parts, u64),
     /// The server ignored the range and answers with the whole file (only when the caller
     /// accepts that), with the transfer slot the answer holds.
     WholeFile(BodyStream, OwnedSemaphorePermit),
 }
 
-/// To the writer: the next bytes of the file (buffers in order), or `None` to commit.
-type Chunks = tokio::sync::mpsc::Sender<Option<Vec<Bytes>>>;
+/// The next bytes of a file (the network's buffers, in order) and the share of the range
+/// data budget they hold until the writer has written them.
+struct Parts {
+    bytes: Vec<Bytes>,
+    _budget: Option<OwnedSemaphorePermit>,
+}
+
+/// To the writer: the next bytes of the file, or `None` to commit.
+type Chunks = tokio::sync::mpsc::Sender<Option<Parts>>;
 
 /// The bytes of one range received so far (from its start), counted into progress; taken
 /// back from progress if the range fails for good. The network's buffers are kept as they
@@ -731,6 +842,7 @@ struct PartialRange<'a> {
     parts: Vec<Bytes>,
     have: u64,
     counted: Counted<'a>,
+    budget: Option<OwnedSemaphorePermit>,
 }
 
 /// One fetch's view of the pipeline.
@@ -749,12 +861,23 @@ impl<S: RangeSource> FileFetch<'_, S> {
         for _ in 0..attempts {
             ctx.check_cancelled()
                 .map_err(|_| TransferError::Cancelled)?;
+            let what = format!("checksums of {}", entry.path);
+            let published = self
+                .transfers
+                .retrying(&what, &ctx.cancel, self.source.throttle(), || {
+                    self.source.content_check(&what, entry)
+                })
+                .await?;
+            let size_only = published.is_none() && !entry.digest.checks_content();
             let store = ctx.store.clone();
             let (digest, size) = (entry.digest, entry.size);
-            let writer = tokio::task::spawn_blocking(move || store.resume_writer(digest, size))
-                .await
-                .map_err(joined)?
-                .map_err(store_err(&entry.path))?;
+            let check = published.map(|p| p.check);
+            let writer = tokio::task::spawn_blocking(move || {
+                store.resume_writer_checked(digest, size, check)
+            })
+            .await
+            .map_err(joined)?
+            .map_err(store_err(&entry.path))?;
             let resumed = writer.written();
             let mut file_counted = Counted {
                 progress: &ctx.progress,
@@ -767,18 +890,22 @@ impl<S: RangeSource> FileFetch<'_, S> {
 
             // `None` tells the writer to commit; a closed channel without it leaves the partial
             // file in place for a later resume.
-            let (tx, mut rx) = tokio::sync::mpsc::channel::<Option<Vec<Bytes>>>(2);
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<Option<Parts>>(2);
             let writer_task = tokio::task::spawn_blocking(move || {
                 let mut w = writer;
                 while let Some(msg) = rx.blocking_recv() {
                     match msg {
                         Some(parts) => {
-                            let parts: Vec<&[u8]> = parts.iter().map(|b| &b[..]).collect();
-                            w.write_parts(&parts)?
+                            let slices: Vec<&[u8]> = parts.bytes.iter().map(|b| &b[..]).collect();
+                            w.write_parts(&slices)?;
+                            // Written: its budget goes back.
+                            drop(parts);
                         }
                         None => return w.commit().map(Some),
                     }
                 }
+                // Stopped without a commit: what was written stays for a resume.
+                w.checkpoint()?;
                 Ok(None)
             });
 
@@ -791,9 +918,14 @@ impl<S: RangeSource> FileFetch<'_, S> {
                 }
                 (Err(e), _) => return Err(e),
                 (Ok(_), Ok(Some(sha))) => {
-                    ctx.store
-                        .record_alias(&entry.digest, &sha)
-                        .map_err(store_err(&entry.path))?;
+                    let recorded = if size_only {
+                        ctx.progress.size_only_files.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(source = %self.source.label(), path = %entry.path, "the store publishes no digest or checksum of this file: it was checked by its size only");
+                        ctx.store.record_alias_size_only(&entry.digest, &sha)
+                    } else {
+                        ctx.store.record_alias(&entry.digest, &sha)
+                    };
+                    recorded.map_err(store_err(&entry.path))?;
                     let downloaded = file_counted.keep().saturating_sub(resumed);
                     ctx.record_fetched(self.source.scheme(), downloaded);
                     ctx.progress.completed_files.fetch_add(1, Ordering::Relaxed);
@@ -875,6 +1007,8 @@ impl<S: RangeSource> FileFetch<'_, S> {
         let what = format!("downloading {} (bytes {at}-{})", entry.path, at + len - 1);
         // What earlier attempts received: an answer that broke off is continued from its first
         // missing byte, so a flaky link costs the missing bytes, not the whole chunk again.
+        // Held from before the request until the writer has written the range.
+        let budget = self.transfers.buffer(len).await;
         let partial = tokio::sync::Mutex::new(PartialRange {
             parts: Vec::new(),
             have: 0,
@@ -882,6 +1016,7 @@ impl<S: RangeSource> FileFetch<'_, S> {
                 progress: &self.ctx.progress,
                 n: 0,
             },
+            budget: Some(budget),
         });
         self.transfers
             .retrying(&what, &self.ctx.cancel, self.source.throttle(), || {
@@ -905,6 +1040,7 @@ impl<S: RangeSource> FileFetch<'_, S> {
             parts,
             have,
             counted,
+            budget,
         } = &mut *partial;
         let slot = self.transfers.slot().await;
         let mut body = match self
@@ -926,8 +1062,32 @@ impl<S: RangeSource> FileFetch<'_, S> {
                 })
             }
         };
+        // The throughput deadline of this attempt: the grace, then the rest of the range at
+        // the slowest accepted rate.
+        let tuning = self.transfers.tuning();
+        let started = tokio::time::Instant::now();
+        let at_start = *have;
+        let deadline = (tuning.min_range_bytes_per_sec > 0).then(|| {
+            let rest = (len - *have) as f64 / tuning.min_range_bytes_per_sec as f64;
+            started + tuning.stall_timeout + Duration::from_secs_f64(rest)
+        });
         while *have < len {
-            let Some(mut chunk) = self.transfers.next_chunk(what, &mut body).await? else {
+            let next = self.transfers.next_chunk(what, &mut body);
+            let next = match deadline {
+                Some(deadline) => match tokio::time::timeout_at(deadline, next).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        return Err(TransferError::TooSlow {
+                            what: what.into(),
+                            got: *have - at_start,
+                            secs: started.elapsed().as_secs(),
+                            min: tuning.min_range_bytes_per_sec,
+                        })
+                    }
+                },
+                None => next.await,
+            };
+            let Some(mut chunk) = next? else {
                 break;
             };
             if self.ctx.cancel.load(Ordering::Relaxed) {
@@ -951,7 +1111,11 @@ impl<S: RangeSource> FileFetch<'_, S> {
             });
         }
         let n = std::mem::take(&mut counted.n);
-        Ok(RangeAnswer::Part(std::mem::take(parts), n))
+        let parts = Parts {
+            bytes: std::mem::take(parts),
+            _budget: budget.take(),
+        };
+        Ok(RangeAnswer::Part(parts, n))
     }
 
     /// The rest of one file from a server that ignores ranges: whole-file answers, read from
@@ -1049,7 +1213,11 @@ impl<S: RangeSource> FileFetch<'_, S> {
             let part = chunk.split_to(take);
             *from += take as u64;
             file_counted.add(take as u64);
-            if tx.send(Some(vec![part])).await.is_err() {
+            let part = Parts {
+                bytes: vec![part],
+                _budget: None,
+            };
+            if tx.send(Some(part)).await.is_err() {
                 return Ok(false);
             }
         }
@@ -1061,6 +1229,33 @@ impl<S: RangeSource> FileFetch<'_, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The range data budget is shared and bounded: shares are rounded up to the unit, a
+    /// share larger than the budget takes all of it (instead of waiting forever), and a
+    /// waiter gets its share when one is given back.
+    #[tokio::test]
+    async fn the_buffer_budget_bounds_range_data_node_wide() {
+        use futures_util::FutureExt;
+        let t = Transfers::new(DownloadTuning {
+            buffer_bytes: 1 << 20,
+            ..DownloadTuning::default()
+        });
+        let first = t.buffer(1).await;
+        assert_eq!(t.buffer_in_use(), BUFFER_UNIT);
+        drop(first);
+        let all = t.buffer(8 << 20).await;
+        assert_eq!(t.buffer_in_use(), 1 << 20, "clamped to the whole budget");
+        let mut waiting = Box::pin(t.buffer(100));
+        assert!(
+            waiting.as_mut().now_or_never().is_none(),
+            "the budget is spent"
+        );
+        drop(all);
+        let got = waiting.await;
+        assert_eq!(t.buffer_in_use(), BUFFER_UNIT);
+        drop(got);
+        assert_eq!(t.buffer_in_use(), 0);
+    }
 
     #[test]
     fn ranges_cover_the_rest_exactly() {
@@ -1076,6 +1271,7 @@ mod tests {
             size,
             version: "\"etag-1\"".into(),
             md5: None,
+            crc32c: None,
         }
     }
 

@@ -21,8 +21,12 @@
 //! that must never go through the proxy (an in-cluster mirror) is listed once for all.
 //!
 //! A proxy URL may carry credentials (`http://user:secret@proxy:3128`): they are sent as
-//! `Proxy-Authorization` and never shown; [`ProxyUrl`]'s `Debug` and `Display` print the URL
-//! without them. One limit, reqwest's: for a plain `http://` target, a redirect to another
+//! `Proxy-Authorization` and never shown. A password on the command line shows in `ps` to
+//! every user of the node, so it can come from elsewhere: the whole URL from
+//! `MODELFS_PROXY_<SCHEME>`, or the password alone from a file (`--proxy-password-file`, a
+//! mounted Secret) for every proxy URL that names a user without one
+//! ([`ProxyUrl::with_password`]). [`ProxyUrl`]'s `Debug` and `Display` print the URL
+//! without credentials. One limit, reqwest's: for a plain `http://` target, a redirect to another
 //! host is sent to the proxy without the credentials (reqwest strips the header on a
 //! cross-host redirect and does not add it back); `https://` targets (the real hub, the
 //! clouds) carry them on every `CONNECT` and are not affected.
@@ -53,6 +57,19 @@ impl ProxyUrl {
     /// The URL with its credentials, for the HTTP client only (never for logs or status).
     pub fn expose(&self) -> &str {
         self.0.as_str()
+    }
+
+    /// Whether the URL names a user but no password (`http://fleet@proxy:3128`).
+    pub fn wants_password(&self) -> bool {
+        !self.0.username().is_empty() && self.0.password().is_none()
+    }
+
+    /// The URL with `password` for its user (the URL must name one).
+    pub fn with_password(&self, password: &str) -> Result<Self, String> {
+        let mut url = self.0.clone();
+        url.set_password(Some(password))
+            .map_err(|()| format!("proxy URL {self}: cannot carry a password"))?;
+        Ok(ProxyUrl(url))
     }
 
     /// Routes every request of `builder`'s client through this proxy, except hosts that
@@ -126,6 +143,34 @@ pub struct Proxies {
 }
 
 impl Proxies {
+    /// Sets `password` on every proxy URL that names a user without a password; an error if
+    /// none does (the file would be silently unused).
+    pub fn with_password(self, password: &str) -> Result<Self, String> {
+        let mut used = false;
+        let mut set = |p: Option<ProxyUrl>| -> Result<Option<ProxyUrl>, String> {
+            match p {
+                Some(p) if p.wants_password() => {
+                    used = true;
+                    p.with_password(password).map(Some)
+                }
+                other => Ok(other),
+            }
+        };
+        let out = Proxies {
+            hf: set(self.hf)?,
+            s3: set(self.s3)?,
+            gs: set(self.gs)?,
+            az: set(self.az)?,
+            oci: set(self.oci)?,
+        };
+        if !used {
+            return Err("no --proxy-<scheme> URL names a user without a password \
+                        (http://user@proxy:port) for the password file"
+                .into());
+        }
+        Ok(out)
+    }
+
     /// The proxy of a `storageUri` scheme (`hf`, `s3`, `gs`, `az`, `oci`).
     pub fn for_scheme(&self, scheme: &str) -> Option<&ProxyUrl> {
         match scheme {

@@ -1,7 +1,21 @@
 //! One store: content-addressed blobs plus the partial files of downloads in progress.
+//!
+//! # Resumed downloads
+//! A partial file is trusted only as far as it can be re-verified. Beside each partial file
+//! `tmp/<digest>.part` the writer appends to `tmp/<digest>.part.sums` one line per segment
+//! of at least [`SEGMENT`] bytes it wrote (`<end offset> <crc32c>`). A resumed writer
+//! ([`Store::resume_writer`]) reads the partial file back segment by segment and keeps the
+//! longest prefix whose every segment has its recorded CRC; bytes past it (a segment written
+//! but not recorded before a crash, a segment whose bytes changed on disk) are cut off and
+//! downloaded again. The CRC is against accidents (torn writes, bad sectors, a stray write
+//! into `tmp/`): whoever can write the partial file can write its sums too, and the final
+//! digest check on commit stays what vouches for the bytes. For an object whose store
+//! publishes no digest (size only) the sums are all that stands between a damaged partial
+//! file and a served blob. A partial file without sums (written by an older version) is
+//! downloaded again from its start.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, IoSlice, Read, Seek, SeekFrom, Write};
+use std::io::{self, IoSlice, Seek, SeekFrom, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -15,6 +29,31 @@ use sha1::Sha1;
 use sha2::{Digest, Sha256};
 
 use crate::artifact::{FileDigest, Sha256Digest};
+
+/// A checksum the source published for a file's bytes besides its digest (a CRC32C, the MD5
+/// of each part of a multipart upload, ...): fed every byte in order, the resumed prefix
+/// included, and checked when the blob is committed. A mismatch fails the commit like a
+/// digest mismatch.
+pub trait ContentCheck: Send {
+    /// The next bytes of the file.
+    fn update(&mut self, bytes: &[u8]);
+    /// Whether all bytes fed match what the source published; on a mismatch, the published
+    /// and the computed value (for the error message).
+    fn finish(&mut self) -> Result<(), (String, String)>;
+}
+
+/// The mark after the blob's name in an alias file of a blob checked by its size only.
+const SIZE_ONLY: &str = "size-only";
+
+/// Least number of bytes between two records of the resume sums (see the module docs): a
+/// crash loses at most this much plus one write beyond the last verified byte. A record is
+/// 20 bytes: a 10 GB file has 200 KB of them.
+pub const SEGMENT: u64 = 1 << 20;
+
+/// The CRC of the resume sums (CRC32C: hardware-accelerated, so the extra pass is cheap).
+fn segment_crc() -> crc_fast::Digest {
+    crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi)
+}
 
 use super::fsutil;
 
@@ -245,6 +284,15 @@ impl Store {
 
     /// Starts writing a blob from scratch (any partial file is discarded).
     pub fn writer(&self, expected: FileDigest, size: u64) -> Result<BlobWriter, StoreError> {
+        self.writer_checked(expected, size, None)
+    }
+
+    fn writer_checked(
+        &self,
+        expected: FileDigest,
+        size: u64,
+        check: Option<Box<dyn ContentCheck>>,
+    ) -> Result<BlobWriter, StoreError> {
         use std::os::unix::fs::OpenOptionsExt;
         let path = self.partial_path(&expected);
         let _ = std::fs::remove_file(&path);
@@ -255,17 +303,39 @@ impl Store {
             .mode(0o600)
             .open(&path)
             .map_err(|e| StoreError::io(format!("creating {}", path.display()), e))?;
-        Ok(BlobWriter::new(self.clone(), path, file, expected, size))
+        // Sums of an earlier attempt would vouch for bytes this one has not written.
+        let _ = std::fs::remove_file(sums_path(&path));
+        Ok(BlobWriter::new(
+            self.clone(),
+            path,
+            file,
+            expected,
+            size,
+            check,
+        ))
     }
 
-    /// Continues a partial download: the bytes already on disk are hashed again (the hash state
-    /// is not persisted) and writing continues at their end. A partial file longer than the
+    /// Continues a partial download: the prefix on disk that its resume sums vouch for is
+    /// hashed again (the hash state is not persisted) and writing continues at its end; any
+    /// bytes after it are cut off (see the module docs). A partial file longer than the
     /// expected size is discarded.
     pub fn resume_writer(&self, expected: FileDigest, size: u64) -> Result<BlobWriter, StoreError> {
+        self.resume_writer_checked(expected, size, None)
+    }
+
+    /// [`Store::resume_writer`] with a published checksum that the blob must also match.
+    pub fn resume_writer_checked(
+        &self,
+        expected: FileDigest,
+        size: u64,
+        check: Option<Box<dyn ContentCheck>>,
+    ) -> Result<BlobWriter, StoreError> {
         let path = self.partial_path(&expected);
-        let mut file = match OpenOptions::new().read(true).write(true).open(&path) {
+        let file = match OpenOptions::new().read(true).write(true).open(&path) {
             Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return self.writer(expected, size),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return self.writer_checked(expected, size, check)
+            }
             Err(e) => return Err(StoreError::io(format!("opening {}", path.display()), e)),
         };
         let have = file
@@ -274,28 +344,62 @@ impl Store {
             .len();
         if have > size {
             drop(file);
-            return self.writer(expected, size);
+            return self.writer_checked(expected, size, check);
         }
+        let sums = read_sums(&sums_path(&path));
         let mut writer = BlobWriter::new(
             self.clone(),
             path.clone(),
             file.try_clone().map_err(|e| StoreError::io("dup", e))?,
             expected,
             size,
+            check,
         );
+        let read_err = |e| StoreError::io(format!("reading {}", path.display()), e);
         let mut buf = vec![0u8; 1 << 20];
-        let mut remaining = have;
-        while remaining > 0 {
-            let want = remaining.min(buf.len() as u64) as usize;
-            let n = file
-                .read(&mut buf[..want])
-                .map_err(|e| StoreError::io(format!("reading {}", path.display()), e))?;
-            if n == 0 {
+        let mut kept = Vec::new();
+        let mut at = 0u64;
+        // Each recorded segment is read twice: once for its CRC, then (only if it matches)
+        // into the digests, so no byte that failed its CRC reaches them. The second read
+        // comes from the page cache.
+        for &(end, crc) in &sums {
+            if end <= at || end > have {
                 break;
             }
-            writer.hash(&buf[..n]);
-            remaining -= n as u64;
+            let mut segment = segment_crc();
+            let mut off = at;
+            while off < end {
+                let want = (end - off).min(buf.len() as u64) as usize;
+                file.read_exact_at(&mut buf[..want], off)
+                    .map_err(read_err)?;
+                segment.update(&buf[..want]);
+                off += want as u64;
+            }
+            if segment.finalize() as u32 != crc {
+                break;
+            }
+            let mut off = at;
+            while off < end {
+                let want = (end - off).min(buf.len() as u64) as usize;
+                file.read_exact_at(&mut buf[..want], off)
+                    .map_err(read_err)?;
+                writer.hash_resumed(&buf[..want]);
+                off += want as u64;
+            }
+            kept.push((end, crc));
+            at = end;
         }
+        if at < have {
+            tracing::warn!(
+                path = %path.display(),
+                verified_bytes = at,
+                discarded_bytes = have - at,
+                "resuming a partial download: bytes its sums do not vouch for are downloaded again"
+            );
+            file.set_len(at)
+                .map_err(|e| StoreError::io(format!("truncating {}", path.display()), e))?;
+        }
+        writer.rewrite_sums(&kept)?;
         writer
             .file
             .seek(SeekFrom::Start(writer.written))
@@ -308,12 +412,33 @@ impl Store {
     /// files) use it to skip files they already downloaded. An alias is written only after the
     /// blob verified, and is trusted only while the blob is present with the right size.
     pub fn lookup_alias(&self, digest: &FileDigest, size: u64) -> Option<Sha256Digest> {
+        self.lookup_alias_checked(digest, size).map(|(sha, _)| sha)
+    }
+
+    /// [`Store::lookup_alias`], and whether the blob was checked by its size only when it was
+    /// downloaded ([`Store::record_alias_size_only`]).
+    pub fn lookup_alias_checked(
+        &self,
+        digest: &FileDigest,
+        size: u64,
+    ) -> Option<(Sha256Digest, bool)> {
         if let FileDigest::Sha256(_) = digest {
             return None;
         }
         let text = std::fs::read_to_string(self.alias_path(digest)).ok()?;
-        let sha: Sha256Digest = text.trim().parse().ok()?;
-        self.has_blob(&sha, size).then_some(sha)
+        let mut words = text.split_whitespace();
+        let sha: Sha256Digest = words.next()?.parse().ok()?;
+        let size_only = words.next() == Some(SIZE_ONLY);
+        self.has_blob(&sha, size).then_some((sha, size_only))
+    }
+
+    /// [`Store::record_alias`] of a blob that was checked by its size only.
+    pub fn record_alias_size_only(
+        &self,
+        digest: &FileDigest,
+        sha256: &Sha256Digest,
+    ) -> Result<(), StoreError> {
+        self.write_alias(digest, &format!("{} {SIZE_ONLY}", sha256.to_hex()))
     }
 
     /// Records that the blob `sha256` has the source digest `digest` (see [`Store::lookup_alias`]).
@@ -323,6 +448,10 @@ impl Store {
         digest: &FileDigest,
         sha256: &Sha256Digest,
     ) -> Result<(), StoreError> {
+        self.write_alias(digest, &sha256.to_hex())
+    }
+
+    fn write_alias(&self, digest: &FileDigest, text: &str) -> Result<(), StoreError> {
         if let FileDigest::Sha256(_) = digest {
             return Ok(());
         }
@@ -330,7 +459,7 @@ impl Store {
         let dir = self.root.join("aliases");
         fsutil::create_dirs(&dir)
             .map_err(|e| StoreError::io(format!("creating {}", dir.display()), e))?;
-        fsutil::write_new(&path, sha256.to_hex().as_bytes(), 0o644)
+        fsutil::write_new(&path, text.as_bytes(), 0o644)
             .map_err(|e| StoreError::io(format!("writing {}", path.display()), e))
     }
 
@@ -714,6 +843,33 @@ fn object_md5_matches(expected: &FileDigest, md5: Option<Md5>) -> (bool, FileDig
     (ok, FileDigest::Object { identity, md5: got })
 }
 
+/// The resume sums beside the partial file `part` (see the module docs).
+fn sums_path(part: &Path) -> PathBuf {
+    let mut name = part.as_os_str().to_owned();
+    name.push(".sums");
+    PathBuf::from(name)
+}
+
+/// The segments recorded in a sums file, `(end offset, crc32c)` in order; parsing stops at
+/// the first malformed line (a torn last append).
+fn read_sums(path: &Path) -> Vec<(u64, u32)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut out = Vec::new();
+    for line in text.split_inclusive('\n') {
+        let Some(line) = line.strip_suffix('\n') else {
+            break;
+        };
+        let parsed = line.split_once(' ').and_then(|(end, crc)| {
+            Some((end.parse::<u64>().ok()?, u32::from_str_radix(crc, 16).ok()?))
+        });
+        match parsed {
+            Some(entry) => out.push(entry),
+            None => break,
+        }
+    }
+    out
+}
+
 /// Largest write [`BlobWriter`] hands the kernel at once. Copying into the page cache cost about
 /// five times the CPU per byte in 8 MiB writes as in 256 KiB ones (ext4, 2 GiB from the same
 /// buffers; 64 KiB writes cost twice as much as 256 KiB in system calls): a piece of this size
@@ -736,10 +892,23 @@ pub struct BlobWriter {
     sha256: Sha256,
     git_sha1: Option<Sha1>,
     md5: Option<Md5>,
+    check: Option<Box<dyn ContentCheck>>,
+    /// The resume sums: appended to as segments complete.
+    sums: Option<File>,
+    /// CRC of the bytes written since the last recorded segment, and their count.
+    segment: crc_fast::Digest,
+    segment_len: u64,
 }
 
 impl BlobWriter {
-    fn new(store: Store, path: PathBuf, file: File, expected: FileDigest, size: u64) -> Self {
+    fn new(
+        store: Store,
+        path: PathBuf,
+        file: File,
+        expected: FileDigest,
+        size: u64,
+        check: Option<Box<dyn ContentCheck>>,
+    ) -> Self {
         let git_sha1 = match expected {
             FileDigest::GitSha1(_) => {
                 let mut h = Sha1::new();
@@ -758,10 +927,15 @@ impl BlobWriter {
             sha256: Sha256::new(),
             git_sha1,
             md5: object_md5(&expected),
+            check,
+            sums: None,
+            segment: segment_crc(),
+            segment_len: 0,
         }
     }
 
-    fn hash(&mut self, buf: &[u8]) {
+    /// Bytes of a resumed prefix (already verified by their segment CRC).
+    fn hash_resumed(&mut self, buf: &[u8]) {
         self.sha256.update(buf);
         if let Some(h) = &mut self.git_sha1 {
             h.update(buf);
@@ -769,7 +943,66 @@ impl BlobWriter {
         if let Some(h) = &mut self.md5 {
             h.update(buf);
         }
+        if let Some(c) = &mut self.check {
+            c.update(buf);
+        }
         self.written += buf.len() as u64;
+    }
+
+    /// Bytes just written.
+    fn hash(&mut self, buf: &[u8]) {
+        self.hash_resumed(buf);
+        self.segment.update(buf);
+        self.segment_len += buf.len() as u64;
+    }
+
+    /// Replaces the resume sums with `kept` (the segments of the prefix on disk) and opens
+    /// them for appending.
+    fn rewrite_sums(&mut self, kept: &[(u64, u32)]) -> Result<(), StoreError> {
+        let path = sums_path(&self.path);
+        let text: String = kept
+            .iter()
+            .map(|(end, crc)| format!("{end} {crc:08x}\n"))
+            .collect();
+        let err = |e| StoreError::io(format!("writing {}", path.display()), e);
+        std::fs::write(&path, text).map_err(err)?;
+        self.sums = Some(OpenOptions::new().append(true).open(&path).map_err(err)?);
+        Ok(())
+    }
+
+    /// Records the bytes written since the last record, however few, so that a later resume
+    /// keeps them: for a download that stops without a crash (an attempt that failed, a
+    /// cancelled fetch) and leaves its partial file.
+    pub fn checkpoint(&mut self) -> Result<(), StoreError> {
+        self.record(0)
+    }
+
+    /// Records the segment written since the last record once it is long enough. Not
+    /// synced: a record whose bytes did not reach the disk fails its CRC on resume.
+    fn record_segment(&mut self) -> Result<(), StoreError> {
+        self.record(SEGMENT)
+    }
+
+    fn record(&mut self, at_least: u64) -> Result<(), StoreError> {
+        if self.segment_len < at_least.max(1) {
+            return Ok(());
+        }
+        let crc = self.segment.finalize_reset() as u32;
+        self.segment_len = 0;
+        let path = sums_path(&self.path);
+        let err = |e| StoreError::io(format!("writing {}", path.display()), e);
+        let sums = match &mut self.sums {
+            Some(f) => f,
+            None => self.sums.insert(
+                OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(err)?,
+            ),
+        };
+        let line = format!("{} {crc:08x}\n", self.written);
+        sums.write_all(line.as_bytes()).map_err(err)
     }
 
     pub fn written(&self) -> u64 {
@@ -813,7 +1046,7 @@ impl BlobWriter {
         if !batch.is_empty() {
             self.write_batch(&batch)?;
         }
-        Ok(())
+        self.record_segment()
     }
 
     fn write_batch(&mut self, batch: &[&[u8]]) -> Result<(), StoreError> {
@@ -837,6 +1070,7 @@ impl BlobWriter {
     /// Discards the partial file (after a digest mismatch the bytes are worthless).
     pub fn discard(self) {
         let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_file(sums_path(&self.path));
     }
 
     /// Verifies and publishes the blob. On a mismatch the partial file is removed, so a retry
@@ -855,7 +1089,7 @@ impl BlobWriter {
         self.finish().map(|(_, _, staged)| staged)
     }
 
-    fn finish(self) -> Result<(Store, File, StagedBlob), StoreError> {
+    fn finish(mut self) -> Result<(Store, File, StagedBlob), StoreError> {
         if self.written != self.size {
             let err = StoreError::SizeMismatch {
                 expected: self.size,
@@ -876,6 +1110,15 @@ impl BlobWriter {
                 object_md5_matches(&self.expected, self.md5.clone()).0
             }
         };
+        let published = match (&mut self.check, ok) {
+            (Some(check), true) => check.finish().err(),
+            _ => None,
+        };
+        if let Some((expected, actual)) = published {
+            let err = StoreError::DigestMismatch { expected, actual };
+            self.discard();
+            return Err(err);
+        }
         if !ok {
             let actual = match (&self.git_sha1, &self.md5) {
                 (Some(h), _) => FileDigest::GitSha1(h.clone().finalize().into()).to_string(),
@@ -898,6 +1141,8 @@ impl BlobWriter {
             self.discard();
             return Err(err);
         }
+        drop(self.sums.take());
+        let _ = std::fs::remove_file(sums_path(&self.path));
         let staged = StagedBlob {
             tmp: self.path,
             sha256,
@@ -929,6 +1174,7 @@ impl StagedBlob {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
 
     use crate::artifact::git_blob_sha1 as git_sha1;
 
@@ -1057,6 +1303,7 @@ mod tests {
         // Resumed: the prefix on disk is hashed again.
         let mut w = store.writer(object(Some(md5)), data.len() as u64).unwrap();
         w.write_all(&data[..5]).unwrap();
+        w.checkpoint().unwrap();
         drop(w);
         let mut w = store
             .resume_writer(object(Some(md5)), data.len() as u64)
@@ -1142,6 +1389,109 @@ mod tests {
         ));
     }
 
+    /// A resumed download keeps only the prefix its sums vouch for: a segment whose bytes
+    /// changed on disk and everything after it, and bytes written after the last record, are
+    /// cut off and written again, so an object checked by its size only still ends with the
+    /// right bytes. A partial file without sums starts over.
+    #[test]
+    fn resume_keeps_only_the_prefix_its_sums_vouch_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s")).unwrap();
+        let data: Vec<u8> = (0..(10u32 << 20) + 77).map(|i| (i % 253) as u8).collect();
+        let size = data.len() as u64;
+        // Size only: nothing but the sums can tell damaged bytes.
+        let digest = FileDigest::Object {
+            identity: [3; 32],
+            md5: None,
+        };
+        let write_partial = |upto: usize| {
+            let mut w = store.writer(digest, size).unwrap();
+            for part in data[..upto].chunks(1 << 20) {
+                w.write_parts(&[part]).unwrap();
+            }
+            drop(w); // a crash: the partial file and its sums stay
+        };
+        // Nine recorded segments and half a megabyte after the last record.
+        write_partial((9 << 20) + (1 << 19));
+        let part = store.partial_path(&digest);
+        // One byte of the second segment changes on disk.
+        let f = OpenOptions::new().write(true).open(&part).unwrap();
+        f.write_all_at(&[data[5 << 20] ^ 0xff], 5 << 20).unwrap();
+        drop(f);
+        let mut w = store.resume_writer(digest, size).unwrap();
+        assert_eq!(
+            w.written(),
+            5 << 20,
+            "the segments before the damaged one are kept"
+        );
+        assert_eq!(std::fs::metadata(&part).unwrap().len(), 5 << 20);
+        w.write_all(&data[5 << 20..]).unwrap();
+        let sha = w.commit().unwrap();
+        assert_eq!(std::fs::read(store.blob_path(&sha)).unwrap(), data);
+        assert!(
+            !sums_path(&part).exists(),
+            "a committed blob leaves no sums"
+        );
+
+        // Intact: the recorded segments are kept, the unrecorded tail is cut.
+        write_partial((9 << 20) + (1 << 19));
+        let w = store.resume_writer(digest, size).unwrap();
+        assert_eq!(w.written(), 9 << 20);
+        drop(w);
+        // Without sums nothing is trusted.
+        std::fs::remove_file(sums_path(&part)).unwrap();
+        let w = store.resume_writer(digest, size).unwrap();
+        assert_eq!(w.written(), 0);
+        assert_eq!(std::fs::metadata(&part).unwrap().len(), 0);
+    }
+
+    /// A published checksum is checked on commit over every byte, the resumed prefix
+    /// included.
+    #[test]
+    fn published_checks_see_the_resumed_prefix() {
+        struct Sum {
+            want: u64,
+            got: u64,
+        }
+        impl ContentCheck for Sum {
+            fn update(&mut self, bytes: &[u8]) {
+                self.got += bytes.iter().map(|b| u64::from(*b)).sum::<u64>();
+            }
+            fn finish(&mut self) -> Result<(), (String, String)> {
+                if self.got == self.want {
+                    Ok(())
+                } else {
+                    Err((self.want.to_string(), self.got.to_string()))
+                }
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s")).unwrap();
+        let data: Vec<u8> = (0..(6u32 << 20)).map(|i| (i % 251) as u8).collect();
+        let want: u64 = data.iter().map(|b| u64::from(*b)).sum();
+        let digest = FileDigest::Object {
+            identity: [4; 32],
+            md5: None,
+        };
+        let size = data.len() as u64;
+        let check = |want| Some(Box::new(Sum { want, got: 0 }) as Box<dyn ContentCheck>);
+        let mut w = store.writer_checked(digest, size, check(want)).unwrap();
+        w.write_parts(&[&data[..5 << 20]]).unwrap();
+        drop(w);
+        let mut w = store
+            .resume_writer_checked(digest, size, check(want))
+            .unwrap();
+        assert_eq!(w.written(), 5 << 20);
+        w.write_all(&data[5 << 20..]).unwrap();
+        w.commit().unwrap();
+
+        let mut w = store.writer_checked(digest, size, check(want + 1)).unwrap();
+        w.write_all(&data).unwrap();
+        let err = w.commit().unwrap_err();
+        assert!(matches!(err, StoreError::DigestMismatch { .. }), "{err}");
+        assert!(!store.partial_path(&digest).exists());
+    }
+
     #[test]
     fn resume_continues_where_the_partial_file_ends() {
         let dir = tempfile::tempdir().unwrap();
@@ -1150,7 +1500,8 @@ mod tests {
         let digest = FileDigest::GitSha1(git_sha1(&data));
         let mut w = store.writer(digest, data.len() as u64).unwrap();
         w.write_all(&data[..123_457]).unwrap();
-        drop(w); // a crash: the partial file stays
+        w.checkpoint().unwrap();
+        drop(w); // an attempt that stopped: the partial file stays
         assert_eq!(store.partial_len(&digest), 123_457);
         let mut w = store.resume_writer(digest, data.len() as u64).unwrap();
         assert_eq!(w.written(), 123_457);

@@ -12,9 +12,17 @@
 //! * Integrity as OME checks it: the object's MD5 (the listing's `md5`, which is
 //!   `Content-MD5`/`opc-content-md5`); for a multipart upload (`opc-multipart-md5`,
 //!   `<base64>-<parts>`) the `opc-meta-md5` metadata when the uploader set it, else the size
-//!   only (OME skips the check for those). On top, as for every source, the store names each
+//!   only (OME skips the check for those; the multipart MD5 would need each part's size,
+//!   which the service does not report), which the model's status reports
+//!   (`integrity: size-only`). On top, as for every source, the store names each
 //!   blob by the sha256 it computed while writing. Each file's digest is an object identity
 //!   (location, size, ETag) plus that MD5, so a rewritten object makes a new artifact.
+//! * Every range is pinned to the listed version: it carries `If-Match: <ETag>` (the ETag of
+//!   the listing, or after a restart of one HEAD whose identity must be the entry's). An
+//!   object rewritten while it is downloaded, even with the same size, answers `412`: the
+//!   download stops ([`TransferError::Changed`]) and the model is listed again, so bytes of
+//!   two versions are never joined into one file (each version has its own partial file,
+//!   named by its identity).
 //! * Requests are signed ([`sign`]). 401/403/404 fail the model with the service's `code` and
 //!   `message` (never key material); the rest of the retry policy is the pipeline's.
 //! * Fetch: [`OciObjects`] is the [`RangeSource`] adapter of the shared
@@ -25,9 +33,9 @@
 pub mod auth;
 pub mod sign;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use base64::Engine as _;
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
@@ -42,7 +50,7 @@ use super::ranged;
 pub(crate) use super::ranged::network;
 use super::{FetchContext, SourceError, Token};
 use crate::metrics::SourceScheme;
-use modelfs_core::artifact::{Manifest, ManifestEntry, Sha256Digest};
+use modelfs_core::artifact::{object_identity, FileDigest, Manifest, ManifestEntry, Sha256Digest};
 
 const B64: base64::engine::GeneralPurpose = base64::engine::general_purpose::STANDARD;
 
@@ -91,6 +99,9 @@ pub struct OciSource {
     client: Arc<HubClient>,
     config: Arc<OciConfig>,
     throttle: crate::source::ThrottleObserver,
+    /// The ETag of each listed object name, from the last resolve: the version every range
+    /// must match (`If-Match`).
+    etags: Arc<Mutex<HashMap<String, String>>>,
 }
 
 #[derive(Deserialize)]
@@ -150,6 +161,7 @@ impl OciSource {
             client,
             config,
             throttle: Default::default(),
+            etags: Arc::default(),
         })
     }
 
@@ -235,6 +247,7 @@ impl OciSource {
         method: Method,
         path_and_query: &str,
         range: Option<String>,
+        if_match: Option<&str>,
     ) -> Result<reqwest::Response, TransferError> {
         let url = format!("{}{}", session.endpoint, path_and_query);
         let parsed = reqwest::Url::parse(&url).map_err(|e| TransferError::Protocol {
@@ -256,6 +269,9 @@ impl OciSource {
         }
         if let Some(range) = range {
             req = req.header(reqwest::header::RANGE, range);
+        }
+        if let Some(etag) = if_match {
+            req = req.header(reqwest::header::IF_MATCH, etag);
         }
         let resp = self
             .transfers()
@@ -329,7 +345,7 @@ impl OciSource {
             .retrying(what, cancel, &self.throttle, || async {
                 let attempt = async {
                     let resp = self
-                        .send(session, what, Method::GET, path_and_query, None)
+                        .send(session, what, Method::GET, path_and_query, None, None)
                         .await?;
                     let body = resp.bytes().await.map_err(|e| network(what, e))?;
                     serde_json::from_slice::<T>(&body).map_err(|e| TransferError::Protocol {
@@ -362,6 +378,7 @@ impl OciSource {
             detail,
         };
         let mut objects = Vec::new();
+        let mut etags = Vec::new();
         let mut start: Option<String> = None;
         for page_number in 1.. {
             if page_number > tuning.max_listing_pages {
@@ -412,10 +429,14 @@ impl OciSource {
                         size,
                         version: String::new(),
                         md5: None,
+                        crc32c: None,
                     });
                     continue; // a folder marker, skipped by the manifest
                 }
                 let md5 = self.md5_of(&session, &object, &cancel).await?;
+                if let Some(etag) = &object.etag {
+                    etags.push((object.name.clone(), etag.clone()));
+                }
                 objects.push(ListedObject {
                     version: object
                         .etag
@@ -425,6 +446,7 @@ impl OciSource {
                     key: object.name,
                     size,
                     md5,
+                    crc32c: None,
                 });
                 if objects.len() > tuning.max_listing_entries {
                     return Err(limit(format!(
@@ -461,8 +483,69 @@ impl OciSource {
             }
             .into());
         }
-        let location = format!("oci://n/{}/b/{}", self.namespace, self.bucket);
-        pipeline::manifest_from_listing(&location, &self.prefix, objects)
+        let manifest = pipeline::manifest_from_listing(&self.location(), &self.prefix, objects)?;
+        let mut pinned = self.etags.lock().expect("etag map");
+        pinned.clear();
+        pinned.extend(etags);
+        Ok(manifest)
+    }
+
+    /// `oci://n/<namespace>/b/<bucket>`: the location part of every object's identity.
+    fn location(&self) -> String {
+        format!("oci://n/{}/b/{}", self.namespace, self.bucket)
+    }
+
+    /// The ETag `entry` was listed with: from the last listing, or (a fetch after a restart,
+    /// with a manifest from the records) from a HEAD whose identity must be the entry's.
+    /// `None` for a store that reports no ETag (nothing to pin; the MD5 or size still checks).
+    async fn pinned_etag(
+        &self,
+        session: &Signed,
+        what: &str,
+        entry: &ManifestEntry,
+    ) -> Result<Option<String>, TransferError> {
+        let name = self.full_name(&entry.path);
+        if let Some(etag) = self.etags.lock().expect("etag map").get(&name) {
+            return Ok(Some(etag.clone()));
+        }
+        let resp = self
+            .send(
+                session,
+                what,
+                Method::HEAD,
+                &self.object_path(&name),
+                None,
+                None,
+            )
+            .await?;
+        let header = |n: &str| {
+            resp.headers()
+                .get(n)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let etag = header("etag");
+        let md5 = header("opc-multipart-md5").or_else(|| header("opc-content-md5"));
+        let size = resp
+            .headers()
+            .get(reqwest::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let version = etag.clone().or(md5).unwrap_or_default();
+        let identity = size
+            .map(|size| object_identity(&format!("{}/{name}", self.location()), size, &version));
+        match entry.digest {
+            FileDigest::Object { identity: want, .. } if Some(want) == identity => {
+                if let Some(etag) = &etag {
+                    self.etags
+                        .lock()
+                        .expect("etag map")
+                        .insert(name, etag.clone());
+                }
+                Ok(etag)
+            }
+            _ => Err(TransferError::Changed { what: what.into() }),
+        }
     }
 
     /// The MD5 the store checks: the listing's, or for a multipart upload its `opc-meta-md5`
@@ -489,7 +572,9 @@ impl OciSource {
         let headers = self
             .transfers()
             .retrying(&what, cancel, &self.throttle, || async {
-                let r = self.send(session, &what, Method::HEAD, &path, None).await?;
+                let r = self
+                    .send(session, &what, Method::HEAD, &path, None, None)
+                    .await?;
                 Ok(r.headers().clone())
             })
             .await?;
@@ -556,12 +641,29 @@ impl RangeSource for OciObjects<'_> {
         at: u64,
         end: Option<u64>,
     ) -> Result<RangeBody, TransferError> {
+        let etag = self.src.pinned_etag(&self.session, what, entry).await?;
         let path = self.src.object_path(&self.src.full_name(&entry.path));
         let range = ranged::range_header(at, end);
-        let resp = self
+        let sent = self
             .src
-            .send(&self.session, what, Method::GET, &path, Some(range))
-            .await?;
+            .send(
+                &self.session,
+                what,
+                Method::GET,
+                &path,
+                Some(range),
+                etag.as_deref(),
+            )
+            .await;
+        let resp = match sent {
+            Ok(resp) => resp,
+            // Another version now: forget the pinned ETags, the model is listed again.
+            Err(TransferError::Status { status: 412, .. }) => {
+                self.src.etags.lock().expect("etag map").clear();
+                return Err(TransferError::Changed { what: what.into() });
+            }
+            Err(e) => return Err(e),
+        };
         ranged::range_answer(what, "an object", at, resp)
     }
 }

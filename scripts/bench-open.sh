@@ -102,7 +102,8 @@ for placement in $PLACEMENTS; do
             label="$transport, $([ "$mode" = always ] && echo passthrough || echo read-through), $threads threads, $placement"
             printf '%-50s statfs %6s  stat %6s  open+close %6s  open+read+close %6s  (%sx native)\n' \
                 "$label" "$SF" "$ST" "$OC" "$ORC" "$(awk -v a="$ORC" -v b="$N_ORC" 'BEGIN { printf "%.1f", a / b }')"
-            kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
+            # SIGINT: the end of the mount (SIGTERM would hand it on to a successor).
+            kill -INT "$PID"; wait "$PID" 2>/dev/null || true; PID=
         done
     done
     done

@@ -635,3 +635,52 @@ fn auto_transport_uses_io_uring_when_the_kernel_offers_it() {
         .log_text()
         .contains("--fuse-transport auto with a keeper: serving over /dev/fuse"));
 }
+
+/// Python's buffered `open()` asks every file whether it is a terminal (`ioctl(TCGETS)`):
+/// answered `ENOTTY`, counted, and never logged per request (a loader opening files in a
+/// loop once wrote three WARN lines per open). Other operations the mount does not implement
+/// are counted as `unsupported`, also without a line each.
+#[test]
+fn python_opens_are_answered_without_a_log_line_per_request() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 10, 1000);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    let ioctl = r#"modelfs_fuse_requests_total{op="ioctl"}"#;
+    let ioctls_before = d.metric(ioctl);
+    let lines_before = d.log_text().lines().count();
+    let script = "import os, sys\n\
+        d = sys.argv[1]\n\
+        files = sorted(os.path.join(d, f) for f in os.listdir(d) if os.path.isfile(os.path.join(d, f)))\n\
+        for i in range(2000):\n\
+        \x20   with open(files[i % len(files)]) as f:\n\
+        \x20       f.read(16)\n";
+    let out = std::process::Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .arg(env.mount.join("m"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Counted: the metrics reach the daemon's HTTP side within a report interval.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while d.metric(ioctl) < ioctls_before + 2000.0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        d.metric(ioctl) >= ioctls_before + 2000.0,
+        "2,000 ioctls counted: {}",
+        d.metrics()
+    );
+    let lines = d.log_text().lines().count() - lines_before;
+    assert!(
+        lines < 100,
+        "{lines} log lines for 2,000 opens; log:\n{}",
+        d.log_text()
+    );
+}

@@ -198,6 +198,9 @@ struct BackingCache {
     idle_limit: usize,
     by_ino: HashMap<u64, BackingEntry>,
     by_fh: HashMap<u64, u64>,
+    /// Read-through handles (handle -> inode) and how many each inode has open.
+    read_through_fh: HashMap<u64, u64>,
+    read_through: HashMap<u64, usize>,
     /// Idle entries by release order: (sequence number -> inode).
     idle: std::collections::BTreeMap<u64, u64>,
     next_idle: u64,
@@ -209,9 +212,20 @@ impl BackingCache {
             idle_limit,
             by_ino: HashMap::new(),
             by_fh: HashMap::new(),
+            read_through_fh: HashMap::new(),
+            read_through: HashMap::new(),
             idle: std::collections::BTreeMap::new(),
             next_idle: 0,
         }
+    }
+
+    fn has_read_through(&self, ino: u64) -> bool {
+        self.read_through.contains_key(&ino)
+    }
+
+    fn read_through_opened(&mut self, ino: u64, fh: u64) {
+        self.read_through_fh.insert(fh, ino);
+        *self.read_through.entry(ino).or_default() += 1;
     }
 
     /// The id for a new handle `fh` of `ino`, if one is cached (open or idle).
@@ -243,6 +257,15 @@ impl BackingCache {
     /// blob is still the one served, else goes. Returns what the caller drops outside the lock
     /// (closing a backing id is an ioctl).
     fn release(&mut self, fh: u64, keep: impl Fn(&OpenBlob) -> bool) -> Vec<BackingEntry> {
+        if let Some(ino) = self.read_through_fh.remove(&fh) {
+            if let Some(n) = self.read_through.get_mut(&ino) {
+                *n -= 1;
+                if *n == 0 {
+                    self.read_through.remove(&ino);
+                }
+            }
+            return Vec::new();
+        }
         let Some(ino) = self.by_fh.remove(&fh) else {
             return Vec::new();
         };
@@ -376,60 +399,58 @@ impl ModelFs {
         }
         let (fh, blob) = self.core.open(ino).map_err(|e| self.fail("open", &e))?;
         self.journaled(self.journal.handle_opened(fh, ino));
-        if self.passthrough.load(Ordering::Relaxed) {
-            if let Some(id) = self.open_passthrough(fh, &blob, register) {
-                self.metrics.passthrough_opens.inc();
-                self.metrics.open_files.inc();
-                return Ok(Opened::Passthrough { fh, id });
+        // One mode per inode: the kernel fails an open (EIO) whose mode differs from that of
+        // the inode's open handles. An inode with a backing id keeps it for every new handle;
+        // one with read-through handles open gets read-through ones until they are closed.
+        let mut cache = lock(&self.backing);
+        if let Some(id) = cache.reuse(ino, fh) {
+            self.metrics.backing_reuses.inc();
+            self.metrics.passthrough_opens.inc();
+            self.metrics.open_files.inc();
+            return Ok(Opened::Passthrough { fh, id });
+        }
+        let passthrough = self.passthrough.load(Ordering::Relaxed);
+        if passthrough && !cache.has_read_through(ino) {
+            match register(&blob.file) {
+                Ok(id) => {
+                    self.journaled(self.journal.backing_registered(blob.ino, id.id()));
+                    let id = Arc::new(id);
+                    cache.insert(blob.ino, fh, id.clone(), blob.clone());
+                    self.metrics.passthrough_opens.inc();
+                    self.metrics.open_files.inc();
+                    return Ok(Opened::Passthrough { fh, id });
+                }
+                Err(e) => {
+                    if e.raw_os_error() == Some(libc::EPERM) {
+                        tracing::warn!(
+                            "passthrough needs CAP_SYS_ADMIN; serving reads from the daemon"
+                        );
+                        self.passthrough.store(false, Ordering::Relaxed);
+                    } else {
+                        tracing::warn!(error = %e, ino, "passthrough open failed; serving this file from the daemon");
+                    }
+                }
             }
-            if self.config.passthrough == PassthroughMode::Always {
-                self.core.release(fh);
-                self.journaled(self.journal.handle_released(fh));
-                return Err(self.fail(
-                    "open",
-                    &FsError::Io {
-                        context: "passthrough open".into(),
-                        source: io::Error::from_raw_os_error(libc::EIO),
-                    },
-                ));
-            }
+        }
+        if passthrough && self.config.passthrough == PassthroughMode::Always {
+            drop(cache);
+            self.core.release(fh);
+            self.journaled(self.journal.handle_released(fh));
+            return Err(self.fail(
+                "open",
+                &FsError::Io {
+                    context: "passthrough open".into(),
+                    source: io::Error::from_raw_os_error(libc::EIO),
+                },
+            ));
+        }
+        if passthrough {
             self.metrics.passthrough_fallbacks.inc();
         }
+        cache.read_through_opened(ino, fh);
         self.metrics.read_through_opens.inc();
         self.metrics.open_files.inc();
         Ok(Opened::ReadThrough { fh })
-    }
-
-    fn open_passthrough(
-        &self,
-        fh: u64,
-        blob: &Arc<OpenBlob>,
-        register: impl FnOnce(&std::fs::File) -> io::Result<BackingId>,
-    ) -> Option<Arc<BackingId>> {
-        let mut cache = lock(&self.backing);
-        if let Some(id) = cache.reuse(blob.ino, fh) {
-            self.metrics.backing_reuses.inc();
-            return Some(id);
-        }
-        match register(&blob.file) {
-            Ok(id) => {
-                self.journaled(self.journal.backing_registered(blob.ino, id.id()));
-                let id = Arc::new(id);
-                cache.insert(blob.ino, fh, id.clone(), blob.clone());
-                Some(id)
-            }
-            Err(e) => {
-                if e.raw_os_error() == Some(libc::EPERM) {
-                    tracing::warn!(
-                        "passthrough needs CAP_SYS_ADMIN; serving reads from the daemon"
-                    );
-                    self.passthrough.store(false, Ordering::Relaxed);
-                } else {
-                    tracing::warn!(error = %e, ino = blob.ino, "passthrough open failed; serving this file from the daemon");
-                }
-                None
-            }
-        }
     }
 
     /// Releases a file handle (its backing id turns idle or goes, see [`BackingCache`]).
@@ -781,8 +802,11 @@ pub fn resume(
         connection.payload,
         connection.uring,
     );
-    fs.passthrough
-        .store(connection.passthrough, Ordering::Relaxed);
+    // Granted at INIT, and still wanted (a successor may be configured not to use it).
+    fs.passthrough.store(
+        connection.passthrough && config.passthrough != PassthroughMode::Never,
+        Ordering::Relaxed,
+    );
     let dev = Arc::new(handover.dev);
     restore(&fs, &dev, entries);
     let ring = if connection.uring {
@@ -857,8 +881,14 @@ fn restore(fs: &ModelFs, dev: &Arc<OwnedFd>, entries: Vec<Entry>) {
                 }
             },
         };
-        let fhs = handles.get(&ino).cloned().unwrap_or_default();
+        let fhs = handles.remove(&ino).unwrap_or_default();
         cache.restore(ino, &fhs, Arc::new(id), blob);
+    }
+    // The other handles were read-through: their inodes stay so (one mode per inode).
+    for (ino, fhs) in handles {
+        for fh in fhs {
+            cache.read_through_opened(ino, fh);
+        }
     }
     let idle = cache.trim_idle();
     drop(cache);
@@ -1054,5 +1084,24 @@ fn start_ring(
             tracing::warn!(error = %e, "the kernel refused the io_uring registration; serving FUSE over /dev/fuse");
             Ok(None)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_inode_with_read_through_handles_open_stays_read_through_until_they_close() {
+        let mut cache = BackingCache::new(4);
+        cache.read_through_opened(7, 1);
+        cache.read_through_opened(7, 2);
+        assert!(cache.has_read_through(7));
+        assert!(!cache.has_read_through(8));
+        assert!(cache.release(1, |_| true).is_empty());
+        assert!(cache.has_read_through(7), "one handle still open");
+        assert!(cache.release(2, |_| true).is_empty());
+        assert!(!cache.has_read_through(7), "passthrough may be used again");
+        assert!(cache.reuse(7, 3).is_none(), "no backing id was ever registered");
     }
 }

@@ -57,13 +57,16 @@
 pub mod hf_cache;
 pub mod tree;
 
+// Locks here are taken poison-tolerant: a panic in one request handler (answered EIO by the
+// transport) must not turn every later request into an error. Every holder leaves the guarded
+// state consistent at each point it could panic (no multi-step update spans one).
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
@@ -277,18 +280,18 @@ impl Slot {
     }
 
     fn retired_store(&self) -> Option<Arc<StoreHandle>> {
-        match &*self.state.lock().expect("slot lock") {
+        match &*self.state.lock().unwrap_or_else(PoisonError::into_inner) {
             SlotState::Retired(s) => Some(s.clone()),
             _ => None,
         }
     }
 
     fn is_live(&self) -> bool {
-        matches!(*self.state.lock().expect("slot lock"), SlotState::Live)
+        matches!(*self.state.lock().unwrap_or_else(PoisonError::into_inner), SlotState::Live)
     }
 
     fn is_detached(&self) -> bool {
-        matches!(*self.state.lock().expect("slot lock"), SlotState::Detached)
+        matches!(*self.state.lock().unwrap_or_else(PoisonError::into_inner), SlotState::Detached)
     }
 }
 
@@ -513,7 +516,7 @@ impl FsCore {
     /// Gives the numbers a previous process gave out to the same paths again, and continues
     /// the counters past them. Call before the first apply.
     pub fn restore_inodes(&self, records: impl IntoIterator<Item = InodeRecord>) {
-        let mut reg = self.registries.lock().expect("registries lock");
+        let mut reg = self.registries.lock().unwrap_or_else(PoisonError::into_inner);
         for r in records {
             match r {
                 InodeRecord::Dir { path, ino } => {
@@ -538,13 +541,13 @@ impl FsCore {
 
     /// The entries and files of the last mapping applied.
     pub fn last_applied(&self) -> Arc<AppliedMapping> {
-        self.last_applied.lock().expect("last applied lock").clone()
+        self.last_applied.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// Replaces what the remote server reports (see [`RemoteUsage`]); a change counts as a use
     /// that may have ended.
     pub fn set_remote_usage(&self, usage: RemoteUsage) {
-        let mut remote = self.remote.write().expect("remote lock");
+        let mut remote = self.remote.write().unwrap_or_else(PoisonError::into_inner);
         if *remote != usage {
             *remote = usage;
             self.usage_epoch.fetch_add(1, Ordering::AcqRel);
@@ -553,7 +556,7 @@ impl FsCore {
 
     /// The remote server's uses are unknown until its next report: every store counts as used.
     pub fn set_remote_unknown(&self) {
-        let mut remote = self.remote.write().expect("remote lock");
+        let mut remote = self.remote.write().unwrap_or_else(PoisonError::into_inner);
         if remote.known {
             remote.known = false;
             self.usage_epoch.fetch_add(1, Ordering::AcqRel);
@@ -570,7 +573,7 @@ impl FsCore {
             out.stores.insert(m.store.id.clone());
         }
         {
-            let slots = self.slots.read().expect("slots lock");
+            let slots = self.slots.read().unwrap_or_else(PoisonError::into_inner);
             for slot in slots.values() {
                 if mapping.models.contains_key(&slot.id) {
                     continue;
@@ -628,7 +631,7 @@ impl FsCore {
     /// The interned handle of a store. Every user of one store shares one handle, so its
     /// liveness answers [`FsCore::store_in_use`].
     pub fn store_handle(&self, id: &StoreId, store: Store) -> Arc<StoreHandle> {
-        let mut stores = self.stores.lock().expect("stores lock");
+        let mut stores = self.stores.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(h) = stores.get(id).and_then(Weak::upgrade) {
             return h;
         }
@@ -644,12 +647,12 @@ impl FsCore {
     /// remote server, see [`RemoteUsage`]).
     pub fn store_in_use(&self, id: &StoreId) -> bool {
         {
-            let remote = self.remote.read().expect("remote lock");
+            let remote = self.remote.read().unwrap_or_else(PoisonError::into_inner);
             if !remote.known || remote.stores.contains(id) {
                 return true;
             }
         }
-        let mut stores = self.stores.lock().expect("stores lock");
+        let mut stores = self.stores.lock().unwrap_or_else(PoisonError::into_inner);
         match stores.get(id).map(Weak::strong_count) {
             Some(0) => {
                 stores.remove(id);
@@ -667,7 +670,7 @@ impl FsCore {
     pub fn blob_uses(&self) -> BlobUses {
         let mut out = BlobUses::default();
         let mapping = self.mapping.load();
-        let slots = self.slots.read().expect("slots lock");
+        let slots = self.slots.read().unwrap_or_else(PoisonError::into_inner);
         for slot in slots.values() {
             let store = match mapping.models.get(&slot.id) {
                 Some(m) => m.store.id.clone(),
@@ -691,7 +694,7 @@ impl FsCore {
         }
         // While the remote server's uses are unknown the last report still counts (and
         // `store_in_use` holds every store).
-        let remote = self.remote.read().expect("remote lock");
+        let remote = self.remote.read().unwrap_or_else(PoisonError::into_inner);
         for (store, blobs) in &remote.blobs {
             out.blobs
                 .entry(store.clone())
@@ -732,7 +735,7 @@ impl FsCore {
         files: &[InlineFile],
     ) -> Result<Vec<Invalidation>, FsError> {
         let inv = self.swap_mapping(entries, files)?;
-        *self.last_applied.lock().expect("last applied lock") = Arc::new(AppliedMapping {
+        *self.last_applied.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(AppliedMapping {
             generation: self.generation(),
             entries: entries.to_vec(),
             files: files.to_vec(),
@@ -746,9 +749,9 @@ impl FsCore {
         files: &[InlineFile],
     ) -> Result<Vec<Invalidation>, FsError> {
         check_paths(entries)?;
-        let _serial = self.apply_lock.lock().expect("apply lock");
+        let _serial = self.apply_lock.lock().unwrap_or_else(PoisonError::into_inner);
         let old = self.mapping.load_full();
-        let mut reg = self.registries.lock().expect("registries lock");
+        let mut reg = self.registries.lock().unwrap_or_else(PoisonError::into_inner);
 
         // Slots first: they are the only O(files) part, and only for new (path, artifact) pairs.
         let mut planned: Vec<(Vec<String>, u32, &MountEntry)> = Vec::with_capacity(entries.len());
@@ -784,7 +787,7 @@ impl FsCore {
         new.synth
             .insert(ROOT_INO, SynthDir::new(ROOT_INO, String::new()));
         {
-            let mut slots = self.slots.write().expect("slots lock");
+            let mut slots = self.slots.write().unwrap_or_else(PoisonError::into_inner);
             for (path, slot_id, entry) in &planned {
                 let slot = slots
                     .entry(*slot_id)
@@ -821,7 +824,7 @@ impl FsCore {
             // entry is still findable when its turn comes; then detach them.
             for (id, m) in &old.models {
                 if !new.models.contains_key(id) {
-                    *m.slot.state.lock().expect("slot lock") = SlotState::Retired(m.store.clone());
+                    *m.slot.state.lock().unwrap_or_else(PoisonError::into_inner) = SlotState::Retired(m.store.clone());
                     reg.slot_ids
                         .remove(&(m.path.clone(), m.slot.artifact.id.clone()));
                     if m.slot.kernel_refs.load(Ordering::Acquire) == 0 {
@@ -882,7 +885,7 @@ impl FsCore {
                 dirs.insert(&path[..depth]);
             }
         }
-        let mut inline = self.inline.write().expect("inline lock");
+        let mut inline = self.inline.write().unwrap_or_else(PoisonError::into_inner);
         for f in files {
             let path = f.path.as_slice();
             let clash = path.is_empty()
@@ -939,7 +942,7 @@ impl FsCore {
     }
 
     fn inline_attr(&self, ino: u64) -> Option<Attr> {
-        let inline = self.inline.read().expect("inline lock");
+        let inline = self.inline.read().unwrap_or_else(PoisonError::into_inner);
         let content = inline.get(&ino)?;
         Some(Attr {
             ino,
@@ -958,12 +961,12 @@ impl FsCore {
     /// store, so garbage collection depends on open files and the mapping only, never on when
     /// the kernel gets round to `FORGET`. A slot still in the mapping is left alone.
     pub fn detach(&self, slot_id: u32) {
-        let mut slots = self.slots.write().expect("slots lock");
+        let mut slots = self.slots.write().unwrap_or_else(PoisonError::into_inner);
         let Some(slot) = slots.get(&slot_id) else {
             return;
         };
         {
-            let mut state = slot.state.lock().expect("slot lock");
+            let mut state = slot.state.lock().unwrap_or_else(PoisonError::into_inner);
             if matches!(*state, SlotState::Live) {
                 return;
             }
@@ -988,7 +991,7 @@ impl FsCore {
     /// them still pin a store.
     pub fn retired_slots(&self) -> (usize, usize) {
         let mapping = self.mapping.load();
-        let slots = self.slots.read().expect("slots lock");
+        let slots = self.slots.read().unwrap_or_else(PoisonError::into_inner);
         let retired = slots
             .keys()
             .filter(|id| !mapping.models.contains_key(id))
@@ -1001,7 +1004,7 @@ impl FsCore {
     }
 
     fn slot(&self, id: u32) -> Option<Arc<Slot>> {
-        self.slots.read().expect("slots lock").get(&id).cloned()
+        self.slots.read().unwrap_or_else(PoisonError::into_inner).get(&id).cloned()
     }
 
     fn synth_attr(&self, ino: u64, dir: &SynthDir) -> Attr {
@@ -1082,7 +1085,7 @@ impl FsCore {
         // Lookups run concurrently under the read lock; the write lock is taken only to drop a
         // retired slot whose last kernel reference just went.
         let drop_it = {
-            let slots = self.slots.read().expect("slots lock");
+            let slots = self.slots.read().unwrap_or_else(PoisonError::into_inner);
             let Some(slot) = slots.get(&slot_id) else {
                 return;
             };
@@ -1097,7 +1100,7 @@ impl FsCore {
             left == 0 && !slot.is_live()
         };
         if drop_it {
-            let mut slots = self.slots.write().expect("slots lock");
+            let mut slots = self.slots.write().unwrap_or_else(PoisonError::into_inner);
             // Re-check under the write lock: a lookup may have raced in, or the slot may have
             // come back into the mapping.
             if let Some(slot) = slots.get(&slot_id) {
@@ -1285,7 +1288,7 @@ impl FsCore {
         let Some(m) = mapping.models.get(&slot_id) else {
             return ROOT_INO;
         };
-        let reg = self.registries.lock().expect("registries lock");
+        let reg = self.registries.lock().unwrap_or_else(PoisonError::into_inner);
         reg.synth_ids
             .get(&m.path[..m.path.len() - 1])
             .copied()
@@ -1344,7 +1347,7 @@ impl FsCore {
     }
 
     fn open_inline(&self, ino: u64) -> Result<(u64, Arc<OpenBlob>), FsError> {
-        let content = self.inline.read().expect("inline lock").get(&ino).cloned();
+        let content = self.inline.read().unwrap_or_else(PoisonError::into_inner).get(&ino).cloned();
         let Some(content) = content else {
             return Err(if self.getattr(ino).is_ok() {
                 FsError::IsDir

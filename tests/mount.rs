@@ -666,7 +666,11 @@ fn python_opens_are_answered_without_a_log_line_per_request() {
         .arg(env.mount.join("m"))
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Counted: the metrics reach the daemon's HTTP side within a report interval.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while d.metric(ioctl) < ioctls_before + 2000.0 && std::time::Instant::now() < deadline {

@@ -36,21 +36,35 @@ pub struct Daemon {
     _dir: tempfile::TempDir,
 }
 
+/// Ctrl-C (SIGINT) ends the daemon and its mount (SIGTERM would hand the mount on to a
+/// successor, kept by the keeper); whatever is left is released before the directory goes.
 impl Drop for Daemon {
     fn drop(&mut self) {
         if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
         }
         let deadline = Instant::now() + Duration::from_secs(20);
+        let mut exited = false;
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+                exited = true;
+                break;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+        if !exited {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = Command::new(env!("CARGO_BIN_EXE_modelfs"))
+            .arg("unmount")
+            .arg("--mount")
+            .arg(&self.mount)
+            .arg("--state")
+            .arg(self._dir.path().join("state"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
     }
 }
 

@@ -1102,6 +1102,9 @@ mod tests {
         assert!(cache.has_read_through(7), "one handle still open");
         assert!(cache.release(2, |_| true).is_empty());
         assert!(!cache.has_read_through(7), "passthrough may be used again");
-        assert!(cache.reuse(7, 3).is_none(), "no backing id was ever registered");
+        assert!(
+            cache.reuse(7, 3).is_none(),
+            "no backing id was ever registered"
+        );
     }
 }

@@ -287,11 +287,17 @@ impl Slot {
     }
 
     fn is_live(&self) -> bool {
-        matches!(*self.state.lock().unwrap_or_else(PoisonError::into_inner), SlotState::Live)
+        matches!(
+            *self.state.lock().unwrap_or_else(PoisonError::into_inner),
+            SlotState::Live
+        )
     }
 
     fn is_detached(&self) -> bool {
-        matches!(*self.state.lock().unwrap_or_else(PoisonError::into_inner), SlotState::Detached)
+        matches!(
+            *self.state.lock().unwrap_or_else(PoisonError::into_inner),
+            SlotState::Detached
+        )
     }
 }
 
@@ -516,7 +522,10 @@ impl FsCore {
     /// Gives the numbers a previous process gave out to the same paths again, and continues
     /// the counters past them. Call before the first apply.
     pub fn restore_inodes(&self, records: impl IntoIterator<Item = InodeRecord>) {
-        let mut reg = self.registries.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut reg = self
+            .registries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         for r in records {
             match r {
                 InodeRecord::Dir { path, ino } => {
@@ -541,7 +550,10 @@ impl FsCore {
 
     /// The entries and files of the last mapping applied.
     pub fn last_applied(&self) -> Arc<AppliedMapping> {
-        self.last_applied.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        self.last_applied
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Replaces what the remote server reports (see [`RemoteUsage`]); a change counts as a use
@@ -735,7 +747,10 @@ impl FsCore {
         files: &[InlineFile],
     ) -> Result<Vec<Invalidation>, FsError> {
         let inv = self.swap_mapping(entries, files)?;
-        *self.last_applied.lock().unwrap_or_else(PoisonError::into_inner) = Arc::new(AppliedMapping {
+        *self
+            .last_applied
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Arc::new(AppliedMapping {
             generation: self.generation(),
             entries: entries.to_vec(),
             files: files.to_vec(),
@@ -749,9 +764,15 @@ impl FsCore {
         files: &[InlineFile],
     ) -> Result<Vec<Invalidation>, FsError> {
         check_paths(entries)?;
-        let _serial = self.apply_lock.lock().unwrap_or_else(PoisonError::into_inner);
+        let _serial = self
+            .apply_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let old = self.mapping.load_full();
-        let mut reg = self.registries.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut reg = self
+            .registries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
 
         // Slots first: they are the only O(files) part, and only for new (path, artifact) pairs.
         let mut planned: Vec<(Vec<String>, u32, &MountEntry)> = Vec::with_capacity(entries.len());
@@ -824,7 +845,8 @@ impl FsCore {
             // entry is still findable when its turn comes; then detach them.
             for (id, m) in &old.models {
                 if !new.models.contains_key(id) {
-                    *m.slot.state.lock().unwrap_or_else(PoisonError::into_inner) = SlotState::Retired(m.store.clone());
+                    *m.slot.state.lock().unwrap_or_else(PoisonError::into_inner) =
+                        SlotState::Retired(m.store.clone());
                     reg.slot_ids
                         .remove(&(m.path.clone(), m.slot.artifact.id.clone()));
                     if m.slot.kernel_refs.load(Ordering::Acquire) == 0 {
@@ -1004,7 +1026,11 @@ impl FsCore {
     }
 
     fn slot(&self, id: u32) -> Option<Arc<Slot>> {
-        self.slots.read().unwrap_or_else(PoisonError::into_inner).get(&id).cloned()
+        self.slots
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&id)
+            .cloned()
     }
 
     fn synth_attr(&self, ino: u64, dir: &SynthDir) -> Attr {
@@ -1288,7 +1314,10 @@ impl FsCore {
         let Some(m) = mapping.models.get(&slot_id) else {
             return ROOT_INO;
         };
-        let reg = self.registries.lock().unwrap_or_else(PoisonError::into_inner);
+        let reg = self
+            .registries
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         reg.synth_ids
             .get(&m.path[..m.path.len() - 1])
             .copied()
@@ -1347,7 +1376,12 @@ impl FsCore {
     }
 
     fn open_inline(&self, ino: u64) -> Result<(u64, Arc<OpenBlob>), FsError> {
-        let content = self.inline.read().unwrap_or_else(PoisonError::into_inner).get(&ino).cloned();
+        let content = self
+            .inline
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&ino)
+            .cloned();
         let Some(content) = content else {
             return Err(if self.getattr(ino).is_ok() {
                 FsError::IsDir

@@ -62,10 +62,10 @@ fn healthz_fails_on_an_unwritable_state_directory_and_a_lost_mount() {
         .flatten()
         .any(|e| e.file_name().to_string_lossy().starts_with(".healthz")));
 
-    // The FUSE mount goes away under the daemon (a lazy unmount by someone else): the mount
-    // server notices and mounts the same connection there again, after which /healthz is
-    // fine and the model reads (`/healthz` says 503, "mount ... gone", in between).
-    let dev = std::os::unix::fs::MetadataExt::dev(&std::fs::metadata(&env.mount).unwrap());
+    // The FUSE mount goes away under the daemon (a lazy unmount by someone else; nobody else
+    // holds it, so its connection ends): the mount server notices and mounts afresh, after
+    // which /healthz is fine and the model reads (`/healthz` says 503, "mount ... gone", in
+    // between). tests/takeover.rs covers the same with a pod holding the connection.
     run("umount", &["-l", env.mount.to_str().unwrap()]);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
@@ -88,19 +88,17 @@ fn healthz_fails_on_an_unwritable_state_directory_and_a_lost_mount() {
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    assert_eq!(
-        std::os::unix::fs::MetadataExt::dev(&std::fs::metadata(&env.mount).unwrap()),
-        dev,
-        "the same connection, mounted again"
-    );
     let served = d.status()["clusterbasemodel.m"]["path"]
         .as_str()
         .unwrap()
         .to_string();
     assert_eq!(contents(std::path::Path::new(&served)), contents(&src));
-    assert!(d
-        .log_text()
-        .contains("the mount was removed from outside; mounting the same connection there again"));
+    let log = d.log_text();
+    assert!(
+        log.contains("the FUSE connection ended; mounting afresh")
+            || log.contains("the mount was removed from outside"),
+        "{log}"
+    );
     // The other probes are not health checks of the node: the process still answers.
     assert_eq!(d.get("/livez").0, 200);
 }

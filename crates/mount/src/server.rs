@@ -536,6 +536,15 @@ fn watch_session(shared: Arc<Shared>) {
                         *shared.mount.lock().expect("mount slot") = Some(fresh.clone());
                         // Every kernel cache of the old connection is gone with it.
                         fresh.invalidate(Vec::new());
+                        // The agent knows the mount by its device number (its health check):
+                        // it reconnects and hears the new one in its welcome.
+                        if let Some(peer) = shared.peer.lock().expect("peer").take() {
+                            let _ = peer
+                                .writer
+                                .lock()
+                                .expect("peer writer")
+                                .shutdown(std::net::Shutdown::Both);
+                        }
                         tracing::info!(mount = %shared.mountpoint.display(), "mounted afresh");
                     }
                     Err(e) => {

@@ -100,17 +100,24 @@ def render_kustomization(directory):
 
 
 def check_daemonset(objects, problems):
-    """Two DaemonSets: the mount server (`mount-server`: privileged, /dev/fuse, the models root
-    as a Bidirectional hostPath, `OnDelete` so that rolling out an image never restarts it) and
-    the agent (`agent --kube`: probes, NODE_NAME, rolled out freely), sharing the state
-    directory and the socket directory as hostPaths."""
+    """Three DaemonSets: the keeper (`keeper`: holds each mount's FUSE connection, `OnDelete`
+    so that it is never restarted with the others), the mount server (`mount-server`:
+    privileged, /dev/fuse, the models root as a Bidirectional hostPath, the keeper's socket,
+    a liveness probe, no preStop: SIGTERM hands the mount on) and the agent (`agent --kube`:
+    probes, NODE_NAME, rolled out freely), sharing the state directory and the socket
+    directory as hostPaths."""
     daemonsets = [o for o in objects if o["kind"] == "DaemonSet"]
     by_role = {}
     for ds in daemonsets:
         args = ds["spec"]["template"]["spec"]["containers"][0].get("args", [])
         by_role.setdefault(args[0] if args else "", []).append(ds)
-    if len(daemonsets) != 2 or len(by_role.get("mount-server", [])) != 1 or len(by_role.get("agent", [])) != 1:
-        problems.append(f"expected one mount-server and one agent DaemonSet, found {sorted(by_role)}")
+    if (
+        len(daemonsets) != 3
+        or len(by_role.get("mount-server", [])) != 1
+        or len(by_role.get("agent", [])) != 1
+        or len(by_role.get("keeper", [])) != 1
+    ):
+        problems.append(f"expected one keeper, one mount-server and one agent DaemonSet, found {sorted(by_role)}")
         return
 
     def parts(ds):
@@ -133,9 +140,19 @@ def check_daemonset(objects, problems):
 
     server, s_mounts, s_args, s_arg, s_host = parts(by_role["mount-server"][0])
     agent, a_mounts, a_args, a_arg, a_host = parts(by_role["agent"][0])
+    keeper, k_mounts, k_args, k_arg, k_host = parts(by_role["keeper"][0])
     name = by_role["mount-server"][0]["metadata"]["name"]
-    if by_role["mount-server"][0]["spec"].get("updateStrategy", {}).get("type") != "OnDelete":
-        problems.append(f"{name}: the mount server must use updateStrategy OnDelete")
+    if by_role["keeper"][0]["spec"].get("updateStrategy", {}).get("type") != "OnDelete":
+        problems.append("the keeper must use updateStrategy OnDelete (never restarted with the mount server)")
+    k_socket, s_socket = k_arg("socket"), s_arg("keeper-socket")
+    if not k_socket or k_socket != s_socket:
+        problems.append("the mount server's --keeper-socket must be the keeper's --socket")
+    else:
+        k_dir, s_dir = k_host(k_socket.rsplit("/", 1)[0])[1], s_host(s_socket.rsplit("/", 1)[0])[1]
+        if k_dir is None or k_dir != s_dir:
+            problems.append("the keeper socket's directory must be the same hostPath in both DaemonSets")
+    if "probe" not in " ".join(server.get("livenessProbe", {}).get("exec", {}).get("command", [])):
+        problems.append(f"{name}: the mount server's livenessProbe must run modelfs probe")
     if not server.get("securityContext", {}).get("privileged"):
         problems.append(f"{name}: the mount server must be privileged (FUSE, passthrough)")
     models, models_host = s_host(s_arg("mount"))
@@ -145,8 +162,8 @@ def check_daemonset(objects, problems):
         problems.append("the models root must be a hostPath volume")
     if not any(m["mountPath"] == "/dev/fuse" for m in s_mounts.values()):
         problems.append("/dev/fuse must be mounted")
-    if "preStop" not in server.get("lifecycle", {}):
-        problems.append("a preStop hook must stop the mount server so that it unmounts")
+    if "preStop" in server.get("lifecycle", {}):
+        problems.append("the mount server must have no preStop: SIGTERM hands the mount on, it never unmounts")
 
     agent_models, agent_models_host = a_host(a_arg("mount"))
     if agent_models_host != models_host or (agent_models or {}).get("mountPropagation") != "HostToContainer":

@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    cluster_model, files_of, http_get, make_model_dir, TestEnv, Transport, UringParam, BIN,
+    cluster_model, files_of, http_get, make_model_dir, wait_for, TestEnv, Transport, UringParam,
+    BIN,
 };
 use sha2::{Digest, Sha256};
 
@@ -28,17 +29,6 @@ fn mount_id(path: &Path) -> Option<u64> {
         .filter(|l| l.split(' ').nth(4) == Some(want))
         .filter_map(|l| l.split(' ').next()?.parse().ok())
         .next_back()
-}
-
-fn wait_for(what: &str, timeout: Duration, mut pred: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if pred() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("timed out waiting for {what}");
 }
 
 /// The processes of one split deployment, started separately (as Kubernetes runs them).

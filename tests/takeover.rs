@@ -12,23 +12,12 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use sha2::{Digest, Sha256};
 
 const BIN: &str = env!("CARGO_BIN_EXE_modelfs");
-
-fn wait_for(what: &str, timeout: Duration, mut pred: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if pred() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("timed out waiting for {what}");
-}
 
 /// A copy of the modelfs binary whose version string differs (the same length, so nothing
 /// else moves): the "new build" of an upgrade.
@@ -338,7 +327,12 @@ fn model_files(env: &TestEnv) -> (PathBuf, BTreeMap<String, String>) {
     (src, files)
 }
 
-fn pod_survives_restarts(layout: Layout, transport: Transport, kills: usize, upgrades: usize) {
+/// A node of `layout` serving one model of 13 files (`local://`), Ready; its path in the
+/// mount and the files' digests.
+fn node_serving_a_model(
+    layout: Layout,
+    transport: Transport,
+) -> (Node, PathBuf, BTreeMap<String, String>) {
     let mut node = Node::new(layout, transport);
     let (src, expected) = model_files(&node.env);
     node.env.write_models(
@@ -362,8 +356,12 @@ fn pod_survives_restarts(layout: Layout, transport: Transport, kills: usize, upg
         }
         !path.is_empty()
     });
-    let model = PathBuf::from(&path);
-    assert!(model.starts_with(&node.env.mount), "{path}");
+    (node, PathBuf::from(&path), expected)
+}
+
+fn pod_survives_restarts(layout: Layout, transport: Transport, kills: usize, upgrades: usize) {
+    let (mut node, model, expected) = node_serving_a_model(layout, transport);
+    assert!(model.starts_with(&node.env.mount), "{}", model.display());
     for (rel, sha) in &expected {
         let data = std::fs::read(model.join(rel)).unwrap();
         assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
@@ -469,30 +467,7 @@ fn read_all(model: &Path, expected: &BTreeMap<String, String>) {
 /// of it fails for good) is replaced by a fresh mount.
 #[test]
 fn an_outside_umount_and_a_fusectl_abort_are_recovered() {
-    let mut node = Node::new(Layout::Kubernetes, Transport::Dev);
-    let (src, expected) = model_files(&node.env);
-    node.env.write_models(
-        "m.yaml",
-        &cluster_model(
-            "m",
-            &format!("local://{}", src.display()),
-            "ReuseIfExists",
-            None,
-        ),
-    );
-    node.start();
-    let mut path = String::new();
-    wait_for("the model Ready", Duration::from_secs(60), || {
-        let s = node.status();
-        if s["clusterbasemodel.m"]["status"] == "Ready" {
-            path = s["clusterbasemodel.m"]["path"]
-                .as_str()
-                .unwrap_or("")
-                .into();
-        }
-        !path.is_empty()
-    });
-    let model = PathBuf::from(&path);
+    let (node, model, expected) = node_serving_a_model(Layout::Kubernetes, Transport::Dev);
     let pod = Pod::start(&node.env, &model, &expected);
     let dev = mount_dev(&node.env.mount);
 
@@ -555,30 +530,7 @@ fn an_outside_umount_and_a_fusectl_abort_are_recovered() {
 /// /dev/fuse with a keeper: deploy/UPGRADE.md.)
 #[test]
 fn a_connection_served_over_io_uring_is_resumed_over_io_uring() {
-    let mut node = Node::new(Layout::Kubernetes, Transport::Uring);
-    let (src, expected) = model_files(&node.env);
-    node.env.write_models(
-        "m.yaml",
-        &cluster_model(
-            "m",
-            &format!("local://{}", src.display()),
-            "ReuseIfExists",
-            None,
-        ),
-    );
-    node.start();
-    let mut path = String::new();
-    wait_for("the model Ready", Duration::from_secs(60), || {
-        let s = node.status();
-        if s["clusterbasemodel.m"]["status"] == "Ready" {
-            path = s["clusterbasemodel.m"]["path"]
-                .as_str()
-                .unwrap_or("")
-                .into();
-        }
-        !path.is_empty()
-    });
-    let model = PathBuf::from(&path);
+    let (mut node, model, expected) = node_serving_a_model(Layout::Kubernetes, Transport::Uring);
     read_all(&model, &expected);
     let dev = mount_dev(&node.env.mount);
     for kill in [false, true] {

@@ -16,6 +16,7 @@
 //! request to a hung daemon would block the caller forever (the thread is left behind; the
 //! probe process exits right after, which ends it).
 
+use crate::fuse::topmost_mount;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -50,43 +51,6 @@ pub struct ProbeReport {
     pub elapsed: Duration,
 }
 
-/// Filesystem type and source of the topmost mount at `path` (absolute, as mountinfo spells
-/// it), from the text of a `/proc/<pid>/mountinfo`.
-pub fn topmost_mount(mountinfo: &str, path: &Path) -> Option<(String, String)> {
-    let wanted = path.to_string_lossy();
-    let mut found = None;
-    for line in mountinfo.lines() {
-        let Some(mount_point) = line.split(' ').nth(4) else {
-            continue;
-        };
-        if unescape(mount_point) != wanted {
-            continue;
-        }
-        let Some(tail) = line.split(" - ").nth(1) else {
-            continue;
-        };
-        let mut fields = tail.split(' ');
-        let fstype = fields.next().unwrap_or_default().to_string();
-        let source = fields.next().map(unescape).unwrap_or_default();
-        // Later lines are mounted on top of earlier ones.
-        found = Some((fstype, source));
-    }
-    found
-}
-
-/// Octal escapes of mountinfo (space, tab, newline, backslash).
-fn unescape(s: &str) -> String {
-    s.replace("\\040", " ")
-        .replace("\\011", "\t")
-        .replace("\\012", "\n")
-        .replace("\\134", "\\")
-}
-
-/// Whether a mount of this type and source is a modelfs mount.
-pub fn is_modelfs(fstype: &str, source: &str) -> bool {
-    (fstype == "fuse" || fstype.starts_with("fuse.")) && source == "modelfs"
-}
-
 /// Probes the mount at `mount` (absolute), giving up after `timeout` (module docs).
 pub fn probe(mount: &Path, timeout: Duration) -> Result<ProbeReport, ProbeError> {
     let started = Instant::now();
@@ -102,11 +66,11 @@ pub fn probe(mount: &Path, timeout: Duration) -> Result<ProbeReport, ProbeError>
                 path: mount.to_path_buf(),
             })
         }
-        Some((fstype, source)) if !is_modelfs(&fstype, &source) => {
+        Some(line) if !line.is_modelfs() => {
             return Err(ProbeError::Foreign {
                 path: mount.to_path_buf(),
-                fstype,
-                source_name: source,
+                fstype: line.fstype,
+                source_name: line.source,
             })
         }
         Some(_) => {}
@@ -170,17 +134,22 @@ mod tests {
 
     #[test]
     fn the_topmost_mount_decides() {
-        let (fstype, source) = topmost_mount(INFO, Path::new("/mnt/models")).unwrap();
-        assert!(is_modelfs(&fstype, &source));
-        let (fstype, source) = topmost_mount(INFO, Path::new("/mnt/with space")).unwrap();
-        assert!(is_modelfs(&fstype, &source));
-        let (fstype, source) = topmost_mount(INFO, Path::new("/mnt/other")).unwrap();
-        assert!(!is_modelfs(&fstype, &source));
+        let top = topmost_mount(INFO, Path::new("/mnt/models")).unwrap();
+        assert!(top.is_modelfs());
+        assert_eq!(top.dev, Some(libc::makedev(0, 51)));
+        assert!(topmost_mount(INFO, Path::new("/mnt/with space"))
+            .unwrap()
+            .is_modelfs());
+        assert!(!topmost_mount(INFO, Path::new("/mnt/other"))
+            .unwrap()
+            .is_modelfs());
         assert!(topmost_mount(INFO, Path::new("/mnt")).is_none());
         // The ext4 mount beneath, alone, is not modelfs.
-        let (fstype, source) =
-            topmost_mount(&INFO[..INFO.find("91 ").unwrap()], Path::new("/mnt/models")).unwrap();
-        assert!(!is_modelfs(&fstype, &source));
+        assert!(
+            !topmost_mount(&INFO[..INFO.find("91 ").unwrap()], Path::new("/mnt/models"))
+                .unwrap()
+                .is_modelfs()
+        );
     }
 
     #[test]

@@ -312,20 +312,6 @@ pub fn release(socket: &Path, mountpoint: &Path) -> Result<Released, KeeperError
     })
 }
 
-/// The sessions the keeper holds.
-pub fn list(socket: &Path) -> Result<Vec<SessionMeta>, KeeperError> {
-    let sock = connect(socket)?;
-    match ask(
-        &sock,
-        &Request::List {
-            protocol: KEEPER_PROTOCOL,
-        },
-    )? {
-        (Reply::Sessions { sessions }, _) => Ok(sessions),
-        (other, _) => Err(KeeperError::Protocol(format!("unexpected reply {other:?}"))),
-    }
-}
-
 /// What a holder deposits.
 pub struct Deposit {
     pub meta: SessionMeta,
@@ -352,7 +338,6 @@ struct HolderShared {
     deposit: Mutex<Option<Arc<Deposit>>>,
     /// Bumped when the deposit changes (a fresh mount after the connection died).
     generation: Mutex<u64>,
-    changed: Condvar,
     deposited: Mutex<u64>,
     deposited_cv: Condvar,
 }
@@ -371,7 +356,6 @@ impl Holder {
             socket,
             deposit: Mutex::new(Some(Arc::new(deposit))),
             generation: Mutex::new(1),
-            changed: Condvar::new(),
             deposited: Mutex::new(0),
             deposited_cv: Condvar::new(),
         });
@@ -386,14 +370,12 @@ impl Holder {
     pub fn replace(&self, deposit: Deposit) {
         *lock(&self.shared.deposit) = Some(Arc::new(deposit));
         *lock(&self.shared.generation) += 1;
-        self.shared.changed.notify_all();
     }
 
     /// Ends the link without a word to the keeper (the session is being released).
     pub fn close(&self) {
         *lock(&self.shared.deposit) = None;
         *lock(&self.shared.generation) += 1;
-        self.shared.changed.notify_all();
     }
 
     /// Waits up to `timeout` until the current session is deposited; whether it is.
@@ -869,21 +851,4 @@ pub fn connection_dead(dev: &OwnedFd) -> bool {
             .intersects(rustix::event::PollFlags::ERR | rustix::event::PollFlags::HUP),
         _ => false,
     }
-}
-
-/// The device number of the mount at exactly `path` from `/proc/self/mountinfo`, if it is a
-/// modelfs FUSE mount; read without touching the mount (a `stat` of a connection nobody
-/// serves would wait for a server).
-pub fn modelfs_mount_dev(path: &Path) -> Option<u64> {
-    crate::fuse::mount_info_dev(path)
-}
-
-/// Whether `path` is a socket file (for `--keeper-socket` checks).
-pub fn is_socket(path: &Path) -> bool {
-    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
-}
-
-/// `st_dev` of an open directory (the mount's root is the connection's device).
-pub fn dev_of(fd: &impl AsFd) -> io::Result<u64> {
-    Ok(rustix::fs::fstat(fd)?.st_dev)
 }

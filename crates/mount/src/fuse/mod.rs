@@ -90,7 +90,9 @@ use self::journal::{Entry, Journal};
 use crate::metrics::FuseMetrics;
 use crate::vfs::{Attr, FsCore, FsError, Invalidation, OpenBlob};
 
-pub use mountpoint::{clean_stale_mount, mount_info_dev, MountpointError};
+pub use mountpoint::{
+    clean_stale_mount, mount_info_dev, topmost_mount, MountLine, MountpointError,
+};
 
 /// How file data is served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -354,6 +356,44 @@ struct ModelFs {
     ring_granted: Arc<AtomicBool>,
     /// Open handles and backing ids, for a successor (module docs).
     journal: Arc<Journal>,
+    io_errors: Arc<LogLimit>,
+}
+
+/// The same I/O error of requests is logged at most once per [`LogLimit::INTERVAL`], with
+/// the number of repeats left out since its last line: a loader retrying a file it cannot
+/// read (a blob the server refuses, a failing disk) must not grow the log by a line per
+/// request, while each distinct error still shows. Every error is counted in the metrics
+/// (`modelfs_fuse_errors_total`).
+#[derive(Default)]
+struct LogLimit {
+    /// By error text: when its last line was written, and the repeats left out since.
+    seen: Mutex<HashMap<String, (std::time::Instant, u64)>>,
+}
+
+impl LogLimit {
+    const INTERVAL: Duration = Duration::from_secs(10);
+    /// Distinct errors remembered; beyond that the oldest memory is dropped wholesale.
+    const KEEP: usize = 1024;
+
+    /// `Some(repeats left out before this one)` if this error is to be logged now.
+    fn admit(&self, error: &str, now: std::time::Instant) -> Option<u64> {
+        let mut seen = lock(&self.seen);
+        if let Some((last, left_out)) = seen.get_mut(error) {
+            if now.duration_since(*last) < Self::INTERVAL {
+                *left_out += 1;
+                return None;
+            }
+            let repeats = *left_out;
+            *last = now;
+            *left_out = 0;
+            return Some(repeats);
+        }
+        if seen.len() >= Self::KEEP {
+            seen.clear();
+        }
+        seen.insert(error.to_string(), (now, 0));
+        Some(0)
+    }
 }
 
 /// How an open is answered.
@@ -374,7 +414,10 @@ impl ModelFs {
     fn fail(&self, op: &'static str, err: &FsError) -> Errno {
         self.metrics.error(op);
         if let FsError::Io { .. } = err {
-            tracing::error!(op, error = %err, "filesystem I/O error");
+            let text = err.to_string();
+            if let Some(left_out) = self.io_errors.admit(&text, std::time::Instant::now()) {
+                tracing::error!(op, error = %text, left_out, "filesystem I/O error");
+            }
         }
         Errno::from_i32(err.errno())
     }
@@ -700,6 +743,7 @@ fn model_fs(
         ask_ring,
         ring_granted: Arc::new(AtomicBool::new(false)),
         journal,
+        io_errors: Arc::new(LogLimit::default()),
     }
 }
 
@@ -1090,6 +1134,19 @@ fn start_ring(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_io_error_is_logged_once_per_interval_with_the_repeats_left_out() {
+        let limit = LogLimit::default();
+        let t0 = std::time::Instant::now();
+        assert_eq!(limit.admit("a", t0), Some(0));
+        for i in 1..1000 {
+            assert_eq!(limit.admit("a", t0 + Duration::from_millis(i)), None);
+        }
+        assert_eq!(limit.admit("b", t0), Some(0), "another error still shows");
+        assert_eq!(limit.admit("a", t0 + LogLimit::INTERVAL), Some(999));
+        assert_eq!(limit.admit("a", t0 + LogLimit::INTERVAL), None);
+    }
 
     #[test]
     fn an_inode_with_read_through_handles_open_stays_read_through_until_they_close() {

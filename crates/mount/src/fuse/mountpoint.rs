@@ -11,13 +11,30 @@ pub enum MountpointError {
     Io { path: PathBuf, source: io::Error },
 }
 
-/// Filesystem type and source of the topmost mount at `path`, from /proc/self/mountinfo.
-fn mount_info(path: &Path) -> Option<(String, String)> {
-    let wanted = path.to_string_lossy().into_owned();
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+/// What `/proc/<pid>/mountinfo` says of the topmost mount at a path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountLine {
+    pub fstype: String,
+    pub source: String,
+    /// The mount's device number (`st_dev` of its root).
+    pub dev: Option<u64>,
+}
+
+impl MountLine {
+    /// Whether it is a modelfs FUSE mount.
+    pub fn is_modelfs(&self) -> bool {
+        (self.fstype == "fuse" || self.fstype.starts_with("fuse.")) && self.source == "modelfs"
+    }
+}
+
+/// The topmost mount at exactly `path` (absolute, as mountinfo spells it), from the text of a
+/// `/proc/<pid>/mountinfo`: later lines are mounted on top of earlier ones.
+pub fn topmost_mount(mountinfo: &str, path: &Path) -> Option<MountLine> {
+    let wanted = path.to_string_lossy();
     let mut found = None;
-    for line in info.lines() {
-        let Some(mount_point) = line.split(' ').nth(4) else {
+    for line in mountinfo.lines() {
+        let mut fields = line.split(' ');
+        let (Some(devno), Some(mount_point)) = (fields.nth(2), fields.nth(1)) else {
             continue;
         };
         if unescape_mountinfo(mount_point) != wanted {
@@ -27,44 +44,26 @@ fn mount_info(path: &Path) -> Option<(String, String)> {
             continue;
         };
         let mut fields = tail.split(' ');
-        let fstype = fields.next().unwrap_or_default().to_string();
-        let source = fields.next().map(unescape_mountinfo).unwrap_or_default();
-        // Later lines are mounted on top of earlier ones: keep the last.
-        found = Some((fstype, source));
+        found = Some(MountLine {
+            fstype: fields.next().unwrap_or_default().to_string(),
+            source: fields.next().map(unescape_mountinfo).unwrap_or_default(),
+            dev: devno
+                .split_once(':')
+                .and_then(|(ma, mi)| Some(libc::makedev(ma.parse().ok()?, mi.parse().ok()?))),
+        });
     }
     found
 }
 
-/// The device number of the topmost mount at exactly `path`, if it is a modelfs FUSE mount,
-/// read from /proc/self/mountinfo without touching the mount itself (a `stat` of a
-/// connection no process serves waits until one does).
+/// The topmost mount at `path`, from this process's mount table; read without touching the
+/// mount itself (a `stat` of a connection no process serves waits until one does).
+fn mount_info(path: &Path) -> Option<MountLine> {
+    topmost_mount(&std::fs::read_to_string("/proc/self/mountinfo").ok()?, path)
+}
+
+/// The device number of the topmost mount at exactly `path`, if it is a modelfs FUSE mount.
 pub fn mount_info_dev(path: &Path) -> Option<u64> {
-    let wanted = path.to_string_lossy().into_owned();
-    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let mut found = None;
-    for line in info.lines() {
-        let mut fields = line.split(' ');
-        let (Some(devno), Some(mount_point)) = (fields.nth(2), fields.next().and(fields.next()))
-        else {
-            continue;
-        };
-        if unescape_mountinfo(mount_point) != wanted {
-            continue;
-        }
-        let Some(tail) = line.split(" - ").nth(1) else {
-            continue;
-        };
-        let mut fields = tail.split(' ');
-        let fstype = fields.next().unwrap_or_default();
-        let source = fields.next().map(unescape_mountinfo).unwrap_or_default();
-        let ours = (fstype == "fuse" || fstype.starts_with("fuse.")) && source == "modelfs";
-        let dev = devno
-            .split_once(':')
-            .and_then(|(ma, mi)| Some(libc::makedev(ma.parse().ok()?, mi.parse().ok()?)));
-        // Later lines are mounted on top of earlier ones: keep the last.
-        found = Some(if ours { dev } else { None });
-    }
-    found.flatten()
+    mount_info(path).filter(MountLine::is_modelfs)?.dev
 }
 
 /// `statfs` always reaches the FUSE daemon (no kernel cache answers it), so it tells a live
@@ -108,12 +107,11 @@ pub fn clean_stale_mount(path: &Path) -> Result<bool, MountpointError> {
     let mut cleaned = false;
     // Repeated crashes can leave several dead mounts stacked on one directory.
     for _ in 0..16 {
-        let Some((fstype, source)) = mount_info(path) else {
+        let Some(line) = mount_info(path) else {
             return Ok(cleaned);
         };
-        let ours = (fstype == "fuse" || fstype.starts_with("fuse.")) && source == "modelfs";
-        if !ours {
-            tracing::debug!(path = %path.display(), fstype, "mounting over a mount of another filesystem");
+        if !line.is_modelfs() {
+            tracing::debug!(path = %path.display(), fstype = line.fstype, "mounting over a mount of another filesystem");
             return Ok(cleaned);
         }
         match statfs(path) {

@@ -551,3 +551,83 @@ fn a_connection_served_over_io_uring_is_resumed_over_io_uring() {
         "the first server and both successors serve over the ring"
     );
 }
+
+/// The kernel function a task waiting for a FUSE answer sleeps in.
+fn waits_for_fuse(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/wchan")).is_ok_and(|w| w == "request_wait_answer")
+}
+
+/// Over io_uring, after a SIGKILL, a request reaches the kernel queue of its CPU in one of two
+/// ways. Until the dead process's rings are torn down, its ring entries still take requests,
+/// and the kernel ends each such request with `ECANCELED` (the copy into the entry's buffers
+/// must run in the dead thread), which uses the entry up: at most one failure per entry of the
+/// queue. After that a request waits in the queue, and fresh ring entries do not fetch it: the
+/// kernel hands a queued request to an entry only when one of that queue commits an answer. So
+/// a successor makes a request on every CPU once its entries are registered. The reader here
+/// is pinned to CPU 0 and is the only user of the mount there: without that request it would
+/// wait until the mount is aborted.
+#[test]
+fn a_request_queued_while_no_server_runs_is_answered_over_io_uring() {
+    let (mut node, model, expected) = node_serving_a_model(Layout::Kubernetes, Transport::Uring);
+    read_all(&model, &expected);
+    let (rel, sha) = expected.iter().next().unwrap();
+    let before = node.resumed();
+    node.stop_server(true);
+    let read_on_cpu0 = || {
+        Command::new("taskset")
+            .args(["-c", "0", "sha256sum"])
+            .arg(model.join(rel))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    // The dead process had 4 entries per queue (8 FUSE threads over 2 CPUs; more CPUs, fewer).
+    let entries_per_queue = 8;
+    let mut canceled = 0;
+    let mut reader = loop {
+        let mut reader = read_on_cpu0();
+        let pid = reader.id();
+        let mut ended = None;
+        wait_for(
+            "the reader waiting for an answer or failing",
+            Duration::from_secs(30),
+            || {
+                ended = reader.try_wait().unwrap();
+                ended.is_some() || waits_for_fuse(pid)
+            },
+        );
+        if ended.is_none() {
+            break reader;
+        }
+        let out = reader.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(
+            stderr.contains("Operation canceled"),
+            "a request to a dead ring entry fails with ECANCELED, nothing else: {stderr}"
+        );
+        canceled += 1;
+        assert!(
+            canceled <= entries_per_queue,
+            "more requests failed than the dead process had entries on CPU 0"
+        );
+    };
+    eprintln!("requests ended with ECANCELED by the dead process's ring entries: {canceled}");
+    node.start_server(Path::new(BIN));
+    wait_for("the resumed connection", Duration::from_secs(60), || {
+        node.resumed() > before
+    });
+    let mut status = None;
+    wait_for(
+        "the request made while no server ran answered",
+        Duration::from_secs(30),
+        || {
+            status = reader.try_wait().unwrap();
+            status.is_some()
+        },
+    );
+    let out = reader.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}", out.status);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.split(' ').next(), Some(sha.as_str()), "{rel}");
+}

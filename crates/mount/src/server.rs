@@ -292,6 +292,9 @@ impl MountServer {
                         format!("mounting the kept connection at {}", config.mount.display())
                     })?;
                 }
+                // Over io_uring, requests made while no process served wait for a request on
+                // their CPU (see the method).
+                mount.fetch_queued_ring_requests();
                 tracing::info!(
                     mount = %config.mount.display(),
                     previous = %t.taken.meta.server,

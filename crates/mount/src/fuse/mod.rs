@@ -695,6 +695,40 @@ impl MountHandle {
         .map_err(io::Error::from)
     }
 
+    /// Over io_uring, after a takeover: makes one request (a `statfs` of the mount) from a
+    /// thread pinned to each CPU, in the background. A request made while no process served
+    /// waits in its CPU's queue in the kernel, and new ring entries do not fetch it: the kernel
+    /// hands a queued request to an entry only when an entry of that queue commits an answer
+    /// (`fs/fuse/dev_uring.c`: registering makes an entry available, committing fetches the
+    /// next). Without a request on that CPU the caller would wait until the mount is aborted;
+    /// each answer here fetches the next queued request, and so on until the queue is empty.
+    pub fn fetch_queued_ring_requests(&self) {
+        if !self.connection.uring {
+            return;
+        }
+        let cpus = modelfs_fuse_ring::possible_cpus().unwrap_or(1).max(1);
+        for cpu in 0..cpus {
+            let path = self.mountpoint.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("fuse-fetch-{cpu}"))
+                .spawn(move || {
+                    let mut set = rustix::thread::CpuSet::new();
+                    set.set(cpu);
+                    // An offline CPU makes no request, so nothing waits in its queue.
+                    if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
+                        tracing::debug!(cpu, error = %e, "not pinned; no request made there");
+                        return;
+                    }
+                    if let Err(e) = rustix::fs::statfs(&path) {
+                        tracing::warn!(cpu, error = %e, "the request that fetches queued FUSE requests failed");
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!(cpu, error = %e, "no thread to fetch queued FUSE requests");
+            }
+        }
+    }
+
     /// Unmounts; if files are still open (busy), detaches lazily so the daemon never hangs on
     /// exit. Stops the notifier. Idempotent.
     pub fn unmount(&self) -> io::Result<()> {

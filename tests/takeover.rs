@@ -525,9 +525,9 @@ fn an_outside_umount_and_a_fusectl_abort_are_recovered() {
 }
 
 /// A connection that negotiated FUSE over io_uring is resumed over io_uring: the kernel
-/// accepts ring entries from the process that took the connection over. (Requests in flight
-/// over the ring when a server dies are not resent by the kernel, which is why `auto` keeps to
-/// /dev/fuse with a keeper: deploy/UPGRADE.md.)
+/// accepts ring entries from the process that took the connection over. (Requests that reach
+/// a dead server's ring entries fail, and one it had received is never resent, which is why
+/// `auto` keeps to /dev/fuse with a keeper: `modelfs_mount::takeover`, deploy/UPGRADE.md.)
 #[test]
 fn a_connection_served_over_io_uring_is_resumed_over_io_uring() {
     let (mut node, model, expected) = node_serving_a_model(Layout::Kubernetes, Transport::Uring);

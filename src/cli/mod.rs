@@ -497,8 +497,9 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         }
         Some(path)
     };
-    // A request the kernel handed to a dead process's io_uring entry is not resent to its
-    // successor (FUSE_NOTIFY_RESEND covers /dev/fuse only), so with a keeper `auto` keeps to
+    // Over io_uring the kernel fails requests that reach a dead process's ring entries
+    // (ECANCELED) and never resends one it had delivered there (FUSE_NOTIFY_RESEND covers
+    // /dev/fuse only): see `modelfs_mount::takeover`. So with a keeper `auto` keeps to
     // /dev/fuse, where a restart loses nothing (deploy/UPGRADE.md).
     let transport = match (args.fuse_transport, &keeper) {
         (FuseTransport::Auto, Some(_)) => {
@@ -506,7 +507,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
             FuseTransport::Dev
         }
         (FuseTransport::Uring, Some(_)) => {
-            tracing::warn!("--fuse-transport uring with a keeper: a request in flight over io_uring when this process dies is not resent to its successor");
+            tracing::warn!("--fuse-transport uring with a keeper: when this process dies, requests reaching its io_uring entries fail (ECANCELED) and one it had received and not answered is not resent to its successor");
             FuseTransport::Uring
         }
         (t, _) => t,

@@ -40,11 +40,37 @@
 //! (`SIGINT`) of a foreground server.
 //!
 //! # io_uring
-//! A resumed connection that negotiated FUSE over io_uring gets new ring entries registered
-//! by the successor (the kernel accepts them on a connection another process initialized).
-//! `FUSE_NOTIFY_RESEND` covers only requests read over `/dev/fuse`: a request the kernel had
-//! handed to a dead process's ring entry is ended by the kernel (`ECANCELED` to the caller)
-//! when that process's ring goes away. BENCHMARKS.md gives the measured count.
+//! A connection that negotiated FUSE over io_uring stays on the ring for good (the kernel
+//! switches its input queue to the ring once every CPU's queue has an entry), so a successor
+//! registers ring entries of its own; the kernel accepts them on a connection another process
+//! initialized, on queues whose old entries are gone. What the kernel (`fs/fuse/dev_uring.c`,
+//! Linux 6.18) does with the dead process's entries decides what a pod sees:
+//! * Every entry is at all times either *available* (its `COMMIT_AND_FETCH` or `REGISTER`
+//!   waits for a request) or *in userspace* (it holds a request). There is no command that
+//!   retires an entry, so no server, however it stops, can leave with neither.
+//! * Available entries keep taking requests until the dead process's rings are torn down
+//!   (after its last thread exits, in a kernel worker). Copying a request into an entry's
+//!   buffers must run in the thread that registered it; with that thread gone the kernel ends
+//!   the request with `ECANCELED`. The caller gets the error: a failed `open`. At most one per
+//!   entry, and only in that window, but a SIGKILL cannot close it from user space. Measured
+//!   (`a_request_queued_while_no_server_runs_is_answered_over_io_uring`): a request made on
+//!   one CPU right after the dead process was reaped failed so in about half of the runs.
+//! * A request in userspace (delivered, not yet answered) stays in its queue's processing
+//!   list; `FUSE_NOTIFY_RESEND` covers only `/dev/fuse` readers, and the ring's teardown does
+//!   not end it: its caller waits until the connection is aborted.
+//! * A request made while the queue has no available entry waits in the queue, and a new
+//!   entry does not fetch it: the kernel hands a queued request out only when an entry of that
+//!   queue commits an answer. The successor therefore makes one request on every CPU
+//!   ([`crate::fuse::MountHandle::fetch_queued_ring_requests`]), which unblocks the queue.
+//!
+//! Keeping the ring's descriptor alive in the keeper does not help: the commands belong to
+//! the thread that issued them (the copies run as its task work), and a single-issuer ring
+//! cannot even be entered by another process. The delivered-but-unanswered case could be
+//! recovered (the successor maps the entries' buffers at the same address from a shared memory
+//! file and commits them: the kernel reads the answer at the address the dead process
+//! registered, in the committing process), but the `ECANCELED` one cannot. So with a keeper
+//! `--fuse-transport auto` serves over `/dev/fuse`, where a restart loses nothing, and
+//! `uring` says what it costs (BENCHMARKS.md, "Mount server takeover").
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};

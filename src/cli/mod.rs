@@ -507,10 +507,20 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
             FuseTransport::Dev
         }
         (FuseTransport::Uring, Some(_)) => {
-            tracing::warn!("--fuse-transport uring with a keeper: when this process dies, requests reaching its io_uring entries fail (ECANCELED) and one it had received and not answered is not resent to its successor");
+            tracing::warn!("--fuse-transport uring with a keeper: when this process dies, requests that reach its io_uring entries before the kernel tears its rings down fail (ECANCELED)");
             FuseTransport::Uring
         }
         (t, _) => t,
+    };
+    // Beside the inode log: a successor maps the ring's buffers again, at the same address
+    // (the kernel reads an answer where the entry was registered).
+    let ring_buffers = match &keeper {
+        Some(_) => Some(
+            absolute(&args.state)?
+                .join("mount-server")
+                .join("ring-buffers"),
+        ),
+        None => None,
     };
     let config = modelfs_mount::server::ServerConfig {
         mount: absolute(&args.mount)?,
@@ -521,6 +531,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
             passthrough: args.passthrough,
             threads: args.fuse_threads,
             transport,
+            ring_buffers,
             ..FuseConfig::default()
         },
     };

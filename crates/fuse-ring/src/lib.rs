@@ -38,11 +38,12 @@
 
 pub mod abi;
 mod dev;
+pub mod memory;
 mod ring;
 
 pub use dev::{op_in_len, serve_dev, DevConfig, Ended, Notifier, RunningDev};
 
+pub use memory::RingMemory;
 pub use ring::{
-    possible_cpus, prepare, BackingId, Handler, PreparedRing, Reply, Request, RingConfig,
-    RunningRing,
+    possible_cpus, prepare, BackingId, Handler, PreparedRing, Reply, Request, RunningRing,
 };

@@ -20,6 +20,7 @@ use std::time::Duration;
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::abi::{self, FileAttr, InHeader, Statfs};
+use crate::memory::{adoption, Adoption, RingMemory, SlotMemory, SlotState};
 
 const CMD_REGISTER: u32 = 1;
 const CMD_COMMIT_AND_FETCH: u32 = 2;
@@ -143,15 +144,6 @@ pub trait Handler: Send + Sync + 'static {
     fn forget(&self, _ino: u64, _nlookup: u64) {}
 }
 
-#[derive(Clone, Debug)]
-pub struct RingConfig {
-    /// Threads (each with one ring entry) per CPU queue.
-    pub threads_per_queue: usize,
-    /// Bytes of each entry's payload buffer: at least the kernel's largest request or reply,
-    /// `max(max_write, max_pages * page size)` as negotiated at `INIT`.
-    pub payload_size: usize,
-}
-
 /// The CPUs the kernel may run a task on (`/sys/devices/system/cpu/possible`): the kernel makes
 /// one queue per possible CPU and uses the ring only once every one has an entry.
 pub fn possible_cpus() -> io::Result<usize> {
@@ -203,19 +195,28 @@ pub struct PreparedRing {
     queues: usize,
 }
 
-/// Creates `threads_per_queue` rings per possible CPU, each in its own thread pinned to that
-/// CPU. Fails if any ring cannot be created (io_uring disabled by `kernel.io_uring_disabled`, a
-/// seccomp filter, memory limits): then the mount must not ask for the ring.
-pub fn prepare(config: &RingConfig) -> io::Result<PreparedRing> {
+/// Creates one ring per entry of `memory` (`per_queue` per possible CPU), each in its own
+/// thread pinned to its queue's CPU. Fails if any ring cannot be created (io_uring disabled by
+/// `kernel.io_uring_disabled`, a seccomp filter, memory limits), or if `memory` was laid out
+/// for another number of CPUs: then the mount must not ask for the ring. With adopted memory
+/// each thread first answers what its slot holds from the previous process
+/// ([`crate::memory::adoption`]).
+pub fn prepare(memory: Arc<RingMemory>) -> io::Result<PreparedRing> {
     let queues = possible_cpus()?;
-    let per_queue = config.threads_per_queue.max(1);
+    if memory.queues() != queues {
+        return Err(io::Error::other(format!(
+            "ring buffers laid out for {} CPUs, {queues} here",
+            memory.queues()
+        )));
+    }
+    let per_queue = memory.per_queue();
     let mut prepared = PreparedRing {
         workers: Vec::with_capacity(queues * per_queue),
         queues,
     };
     for qid in 0..queues {
         for n in 0..per_queue {
-            match spawn_worker(qid, n, config.payload_size) {
+            match spawn_worker(qid, n, qid * per_queue + n, memory.clone()) {
                 Ok(w) => prepared.workers.push(w),
                 Err(e) => {
                     prepared.cancel();
@@ -227,14 +228,14 @@ pub fn prepare(config: &RingConfig) -> io::Result<PreparedRing> {
     Ok(prepared)
 }
 
-/// Starts the `n`th thread of queue `qid` and waits until it has its ring and buffers.
-fn spawn_worker(qid: usize, n: usize, payload_size: usize) -> io::Result<Worker> {
+/// Starts the `n`th thread of queue `qid` (slot `index`) and waits until it has its ring.
+fn spawn_worker(qid: usize, n: usize, index: usize, memory: Arc<RingMemory>) -> io::Result<Worker> {
     let (start_tx, start_rx) = mpsc::channel::<Start>();
     let (reg_tx, reg_rx) = mpsc::channel::<io::Result<()>>();
     let (setup_tx, setup_rx) = mpsc::channel::<io::Result<()>>();
     let thread = std::thread::Builder::new()
         .name(format!("fuse-ring-{qid}.{n}"))
-        .spawn(move || worker(qid, payload_size, setup_tx, start_rx, reg_tx))?;
+        .spawn(move || worker(qid, index, memory, setup_tx, start_rx, reg_tx))?;
     let setup = setup_rx
         .recv()
         .unwrap_or_else(|_| Err(io::Error::other("ring thread ended during its setup")));
@@ -315,32 +316,26 @@ impl RunningRing {
     }
 }
 
-/// One entry's buffers, at fixed addresses for the kernel.
+/// One entry's buffers (a slot of the shared [`RingMemory`]) and the iovecs that name them to
+/// the kernel.
 struct Slot {
-    header: Box<[u8]>,
-    payload: Box<[u8]>,
+    memory: SlotMemory,
     iov: Box<[libc::iovec; 2]>,
 }
 
 impl Slot {
-    fn new(payload_size: usize) -> Self {
-        let mut header = vec![0u8; abi::RING_HEADER_LEN].into_boxed_slice();
-        let mut payload = vec![0u8; payload_size].into_boxed_slice();
+    fn new(memory: SlotMemory) -> Self {
         let iov = Box::new([
             libc::iovec {
-                iov_base: header.as_mut_ptr().cast(),
-                iov_len: header.len(),
+                iov_base: memory.header_ptr().cast(),
+                iov_len: abi::RING_HEADER_LEN,
             },
             libc::iovec {
-                iov_base: payload.as_mut_ptr().cast(),
-                iov_len: payload.len(),
+                iov_base: memory.payload_ptr().cast(),
+                iov_len: memory.payload_len(),
             },
         ]);
-        Self {
-            header,
-            payload,
-            iov,
-        }
+        Self { memory, iov }
     }
 }
 
@@ -371,11 +366,64 @@ struct Entry {
 }
 
 impl Entry {
-    fn new(payload_size: usize) -> io::Result<Self> {
+    fn new(memory: &Arc<RingMemory>, index: usize) -> io::Result<Self> {
         Ok(Self {
             ring: new_ring(2)?,
-            slot: Slot::new(payload_size),
+            slot: Slot::new(memory.slot(index)),
         })
+    }
+
+    /// Answers what the slot holds from a previous process, if anything, and commits it from
+    /// this ring, which makes the kernel's entry this thread's; otherwise (nothing held, or the
+    /// kernel no longer knows the request) registers the entry afresh. The first completion
+    /// if the kernel answered at once, as [`Self::register`].
+    fn take_over(
+        &mut self,
+        fd: types::Fd,
+        qid: usize,
+        handler: &dyn Handler,
+        scratch: &mut Vec<u8>,
+    ) -> io::Result<Option<i32>> {
+        let (state, recorded) = self.slot.memory.state();
+        let in_header = abi::u64_at(self.slot.memory.header(), 8);
+        let unique = match adoption(state, recorded, in_header) {
+            Adoption::Register => return self.register(fd, qid),
+            Adoption::Commit(u) => u,
+            Adoption::Restore(_) => {
+                let (header, payload, save) = self.slot.memory.buffers();
+                header.copy_from_slice(&save[..abi::RING_HEADER_LEN]);
+                let len = (abi::u32_at(header, abi::RING_PAYLOAD_SZ) as usize)
+                    .min(REQUEST_PAYLOAD_MAX)
+                    .min(payload.len());
+                payload[..len]
+                    .copy_from_slice(&save[abi::RING_HEADER_LEN..abi::RING_HEADER_LEN + len]);
+                answer(&mut self.slot, handler, scratch)
+            }
+            Adoption::Answer(_) => answer(&mut self.slot, handler, scratch),
+        };
+        let commit = uring_cmd(fd, CMD_COMMIT_AND_FETCH, qid, unique)
+            .build()
+            .user_data(0);
+        // SAFETY: as for a registration: the slot outlives the ring.
+        unsafe { push(&mut self.ring, &commit) }?;
+        self.ring.submit()?;
+        let first = self.ring.completion().next().map(|cqe| cqe.result());
+        match first {
+            Some(result) if result < 0 => {
+                // The kernel no longer holds that request (its answer was committed before
+                // the previous process died).
+                tracing::debug!(qid, unique, error = %io::Error::from_raw_os_error(-result), "nothing to take over in a ring slot");
+                self.register(fd, qid)
+            }
+            early => {
+                tracing::info!(
+                    qid,
+                    unique,
+                    "answered a request the previous process had received over io_uring"
+                );
+                Ok(early)
+            }
+        }
     }
 
     /// Submits the entry's `REGISTER`; the result if the kernel answered at once (a refusal;
@@ -396,7 +444,8 @@ const RESTARTS_MAX: u32 = 10;
 
 fn worker(
     qid: usize,
-    payload_size: usize,
+    index: usize,
+    memory: Arc<RingMemory>,
     setup: mpsc::Sender<io::Result<()>>,
     start: mpsc::Receiver<Start>,
     registered: mpsc::Sender<io::Result<()>>,
@@ -405,7 +454,7 @@ fn worker(
         // A possible CPU that is offline: its queue gets requests only once it comes online.
         tracing::debug!(qid, error = %e, "ring thread not pinned");
     }
-    let mut entry = match Entry::new(payload_size) {
+    let mut entry = match Entry::new(&memory, index) {
         Ok(e) => e,
         Err(e) => {
             let _ = setup.send(Err(e));
@@ -417,7 +466,13 @@ fn worker(
         return;
     };
     let fd = types::Fd(dev.as_raw_fd());
-    let early = match entry.register(fd, qid) {
+    let first = if memory.adopted() {
+        let mut scratch = Vec::with_capacity(REQUEST_PAYLOAD_MAX);
+        entry.take_over(fd, qid, &*handler, &mut scratch)
+    } else {
+        entry.register(fd, qid)
+    };
+    let early = match first {
         Ok(Some(result)) if result < 0 => {
             let _ = registered.send(Err(io::Error::from_raw_os_error(-result)));
             return;
@@ -438,7 +493,7 @@ fn worker(
         restarts += 1;
         std::thread::sleep(Duration::from_millis(20 << restarts.min(5)));
         // The failed ring and its buffers go here, in order, as the new ones take their place.
-        entry = match Entry::new(payload_size) {
+        entry = match Entry::new(&memory, index) {
             Ok(e) => e,
             Err(e) => {
                 tracing::error!(qid, error = %e, restarts, "a new ring for a failed FUSE ring thread cannot be made");
@@ -582,29 +637,38 @@ fn wait_one(ring: &mut Ring) -> io::Result<i32> {
     }
 }
 
-/// Answers the request in `slot` and writes the reply header; returns the request's id.
+/// Answers the request in `slot` and writes the reply header; returns the request's id. The
+/// request is first copied to the slot's save area and the slot's control word records each
+/// step, so a successor can tell an answer in progress from a complete one
+/// ([`crate::memory::adoption`]).
 fn answer(slot: &mut Slot, handler: &dyn Handler, scratch: &mut Vec<u8>) -> u64 {
-    let header = InHeader::parse(&slot.header[..abi::IN_HEADER_LEN]);
-    let payload_len = (abi::u32_at(&slot.header, abi::RING_PAYLOAD_SZ) as usize)
-        .min(slot.payload.len())
+    let (h, payload, save) = slot.memory.buffers();
+    let header = InHeader::parse(&h[..abi::IN_HEADER_LEN]);
+    let payload_len = (abi::u32_at(h, abi::RING_PAYLOAD_SZ) as usize)
+        .min(payload.len())
         .min(REQUEST_PAYLOAD_MAX);
+    save[..abi::RING_HEADER_LEN].copy_from_slice(h);
+    save[abi::RING_HEADER_LEN..abi::RING_HEADER_LEN + payload_len]
+        .copy_from_slice(&payload[..payload_len]);
+    slot.memory.set_state(SlotState::Saved, header.unique);
+    let (h, payload, _) = slot.memory.buffers();
     scratch.clear();
-    scratch.extend_from_slice(&slot.payload[..payload_len]);
+    scratch.extend_from_slice(&payload[..payload_len]);
     let mut op_in = [0u8; 128];
-    op_in.copy_from_slice(&slot.header[abi::RING_OP_IN..abi::RING_OP_IN + 128]);
+    op_in.copy_from_slice(&h[abi::RING_OP_IN..abi::RING_OP_IN + 128]);
     let req = Request {
         header,
         op_in: &op_in,
         payload: scratch,
     };
-    let mut reply = Reply::new(&mut slot.payload);
+    let mut reply = Reply::new(payload);
     call_handler(handler, &req, &mut reply);
     let (len, error) = reply.outcome();
-    let h = &mut slot.header;
     abi::put_u32(h, 0, (abi::OUT_HEADER_LEN + len) as u32);
     abi::put_u32(h, 4, error as u32);
     abi::put_u64(h, 8, header.unique);
     abi::put_u32(h, abi::RING_PAYLOAD_SZ, len as u32);
+    slot.memory.set_state(SlotState::Replied, header.unique);
     header.unique
 }
 

@@ -138,6 +138,10 @@ pub struct FuseConfig {
     /// Passthrough stacking depth: 1 when the blob store is on a plain filesystem, 2 when it is
     /// itself on a stacked one (overlayfs).
     pub max_stack_depth: u32,
+    /// The file holding the io_uring entries' buffers (`modelfs_fuse_ring::memory`), which a
+    /// successor maps again to answer what this process had received and not answered; `None`:
+    /// anonymous memory, nothing to take over.
+    pub ring_buffers: Option<PathBuf>,
 }
 
 impl Default for FuseConfig {
@@ -150,6 +154,7 @@ impl Default for FuseConfig {
             dir_ttl: Duration::from_secs(60),
             read_ahead_kb: 1024,
             max_stack_depth: 1,
+            ring_buffers: None,
         }
     }
 }
@@ -806,6 +811,10 @@ pub fn mount(
         answers::payload_size(config.read_ahead_kb),
         prepared.is_some(),
     );
+    let (prepared, ring_memory) = match prepared {
+        Some((p, m)) => (Some(p), Some(m)),
+        None => (None, None),
+    };
     let mut fuse_config = fuser::Config::default();
     fuse_config.mount_options = vec![
         MountOption::RO,
@@ -843,6 +852,9 @@ pub fn mount(
             "the new mount is missing from /proc/self/mountinfo",
         ))
     })?;
+    if let Some(memory) = &ring_memory {
+        memory.set_tag(dev_number);
+    }
     let connection = Connection {
         passthrough: fs.passthrough.load(Ordering::Relaxed),
         uring: ring.is_some(),
@@ -893,13 +905,10 @@ pub fn resume(
         // The connection's queues hold every request until entries are registered: a ring
         // that cannot be started here leaves the mount hung, so it fails the start (the
         // process exits and is restarted; the connection waits in the keeper).
-        let payload = connection.payload;
-        let queues = modelfs_fuse_ring::possible_cpus().unwrap_or(1).max(1);
-        let prepared = modelfs_fuse_ring::prepare(&modelfs_fuse_ring::RingConfig {
-            threads_per_queue: config.threads.div_ceil(queues).max(1),
-            payload_size: payload,
-        })
-        .map_err(|e| MountError::RingUnavailable(format!("io_uring cannot be set up: {e}")))?;
+        let memory = ring_memory_to_resume(&config, &connection)
+            .map_err(|e| MountError::RingUnavailable(format!("io_uring buffers: {e}")))?;
+        let prepared = modelfs_fuse_ring::prepare(memory)
+            .map_err(|e| MountError::RingUnavailable(format!("io_uring cannot be set up: {e}")))?;
         fs.ring_granted.store(true, Ordering::Relaxed);
         let strict = FuseConfig {
             transport: FuseTransport::Uring,
@@ -1090,11 +1099,58 @@ fn spawn_notifier(fs: &ModelFs, dev: &Arc<OwnedFd>) -> io::Result<NotifierThread
     Ok((tx, thread))
 }
 
+type PreparedWithMemory = (
+    modelfs_fuse_ring::PreparedRing,
+    Arc<modelfs_fuse_ring::RingMemory>,
+);
+
+/// New buffers for the ring entries: `config.threads` spread over one queue per possible CPU,
+/// in `config.ring_buffers` if set.
+fn new_ring_memory(
+    config: &FuseConfig,
+    payload: usize,
+) -> io::Result<Arc<modelfs_fuse_ring::RingMemory>> {
+    let queues = modelfs_fuse_ring::possible_cpus()?;
+    let per_queue = config.threads.div_ceil(queues).max(1);
+    if let Some(parent) = config.ring_buffers.as_deref().and_then(Path::parent) {
+        std::fs::create_dir_all(parent)?;
+    }
+    modelfs_fuse_ring::RingMemory::create(
+        config.ring_buffers.as_deref(),
+        queues,
+        per_queue,
+        payload,
+    )
+}
+
+/// The ring buffers of the process `connection` was taken over from, mapped where it had them,
+/// so its entries' requests can be answered; new buffers if they cannot be had (then a request
+/// it had received and not answered waits until the connection ends: said in the log).
+fn ring_memory_to_resume(
+    config: &FuseConfig,
+    connection: &Connection,
+) -> io::Result<Arc<modelfs_fuse_ring::RingMemory>> {
+    if let Some(path) = &config.ring_buffers {
+        match modelfs_fuse_ring::RingMemory::adopt(path, connection.dev) {
+            Ok(m) if m.payload() == connection.payload => return Ok(m),
+            Ok(_) => tracing::warn!(
+                "the previous process's io_uring buffers have another size; requests it had received and not answered are not answered"
+            ),
+            Err(e) => tracing::warn!(
+                path = %path.display(),
+                error = %e,
+                "the previous process's io_uring buffers cannot be mapped; requests it had received and not answered are not answered"
+            ),
+        }
+    }
+    let memory = new_ring_memory(config, connection.payload)?;
+    memory.set_tag(connection.dev);
+    Ok(memory)
+}
+
 /// The ring's threads and buffers, made before the mount so `init` asks for FUSE over io_uring
 /// only if they exist.
-fn prepare_ring(
-    config: &FuseConfig,
-) -> Result<Option<modelfs_fuse_ring::PreparedRing>, MountError> {
+fn prepare_ring(config: &FuseConfig) -> Result<Option<PreparedWithMemory>, MountError> {
     if config.transport == FuseTransport::Dev {
         return Ok(None);
     }
@@ -1109,12 +1165,9 @@ fn prepare_ring(
         return Ok(None);
     }
     let payload = answers::payload_size(config.read_ahead_kb);
-    let queues = modelfs_fuse_ring::possible_cpus().unwrap_or(1).max(1);
-    let ring_config = modelfs_fuse_ring::RingConfig {
-        threads_per_queue: config.threads.div_ceil(queues).max(1),
-        payload_size: payload,
-    };
-    match modelfs_fuse_ring::prepare(&ring_config) {
+    let prepared = new_ring_memory(config, payload)
+        .and_then(|m| Ok((modelfs_fuse_ring::prepare(m.clone())?, m)));
+    match prepared {
         Ok(prepared) => Ok(Some(prepared)),
         Err(e) if config.transport == FuseTransport::Uring => Err(MountError::RingUnavailable(
             format!("io_uring cannot be set up here: {e}"),

@@ -498,9 +498,8 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         Some(path)
     };
     // Over io_uring the kernel fails requests that reach a dead process's ring entries
-    // (ECANCELED) and never resends one it had delivered there (FUSE_NOTIFY_RESEND covers
-    // /dev/fuse only): see `modelfs_mount::takeover`. So with a keeper `auto` keeps to
-    // /dev/fuse, where a restart loses nothing (deploy/UPGRADE.md).
+    // (ECANCELED): see `modelfs_mount::takeover`. So with a keeper `auto` keeps to /dev/fuse,
+    // where a restart loses nothing (deploy/UPGRADE.md).
     let transport = match (args.fuse_transport, &keeper) {
         (FuseTransport::Auto, Some(_)) => {
             tracing::info!("--fuse-transport auto with a keeper: serving over /dev/fuse, which a restart resumes without losing a request");
@@ -512,16 +511,9 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         }
         (t, _) => t,
     };
-    // Beside the inode log: a successor maps the ring's buffers again, at the same address
-    // (the kernel reads an answer where the entry was registered).
-    let ring_buffers = match &keeper {
-        Some(_) => Some(
-            absolute(&args.state)?
-                .join("mount-server")
-                .join("ring-buffers"),
-        ),
-        None => None,
-    };
+    // A successor maps the ring's buffers again, at the same address (the kernel reads an
+    // answer where the entry was registered).
+    let ring_takeover = keeper.is_some();
     let config = modelfs_mount::server::ServerConfig {
         mount: absolute(&args.mount)?,
         state: absolute(&args.state)?,
@@ -531,7 +523,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
             passthrough: args.passthrough,
             threads: args.fuse_threads,
             transport,
-            ring_buffers,
+            ring_takeover,
             ..FuseConfig::default()
         },
     };

@@ -33,8 +33,10 @@
 //! queue with one entry fewer (a queue without entries would hold that CPU's requests forever).
 //!
 //! Requests are answered in the thread that received them, one at a time per thread; each CPU's
-//! queue has `threads_per_queue` threads so a blocking read-through `pread` does not hold up the
-//! CPU's other requests.
+//! queue has several threads so a blocking read-through `pread` does not hold up the CPU's
+//! other requests. The entries' buffers are slots of one shared mapping ([`memory`]) that a
+//! process taking the connection over maps at the same address, to answer what a dead process
+//! had received.
 
 pub mod abi;
 mod dev;

@@ -12,6 +12,9 @@
 //! into the same addresses). See the mount crate's `takeover` module for what this does not
 //! cover.
 //!
+//! The memory file travels with the connection's descriptor (the keeper holds a duplicate),
+//! like the journal: memory only, nothing written back to a disk.
+//!
 //! # Layout
 //! A header page (magic, the mapping's address, queues, entries per queue, payload size, slot
 //! size, and a tag naming the connection), then one slot per entry, `qid * per_queue + n`:
@@ -22,8 +25,7 @@
 #![allow(unsafe_code)]
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::path::Path;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -106,7 +108,7 @@ pub fn adoption(state: SlotState, recorded: u64, in_header: u64) -> Adoption {
 pub struct RingMemory {
     base: *mut u8,
     len: usize,
-    _file: OwnedFd,
+    file: OwnedFd,
     queues: usize,
     per_queue: usize,
     payload: usize,
@@ -124,46 +126,35 @@ fn slot_size(payload: usize) -> usize {
 }
 
 impl RingMemory {
-    /// A new mapping for `queues * per_queue` entries of `payload` bytes. With `path`, a file
-    /// there (created or emptied, mode 0600) mapped at a fixed address a successor can map
-    /// again; without, anonymous shared memory anywhere (nothing to take over).
+    /// A new mapping for `queues * per_queue` entries of `payload` bytes, in a memory file
+    /// ([`Self::file`]). With `fixed`, at one of a few fixed addresses a successor finds free
+    /// ([`Self::adopt`]); else anywhere (nothing to take over).
     pub fn create(
-        path: Option<&Path>,
+        fixed: bool,
         queues: usize,
         per_queue: usize,
         payload: usize,
     ) -> io::Result<Arc<Self>> {
-        let file = match path {
-            Some(p) => rustix::fs::open(
-                p,
-                rustix::fs::OFlags::CREATE
-                    | rustix::fs::OFlags::TRUNC
-                    | rustix::fs::OFlags::RDWR
-                    | rustix::fs::OFlags::CLOEXEC,
-                rustix::fs::Mode::from_raw_mode(0o600),
-            )?,
-            None => rustix::fs::memfd_create("modelfs-ring", rustix::fs::MemfdFlags::CLOEXEC)?,
-        };
+        let file = rustix::fs::memfd_create("modelfs-ring", rustix::fs::MemfdFlags::CLOEXEC)?;
         let slot_size = slot_size(payload);
         let len = PAGE + queues * per_queue * slot_size;
         rustix::fs::ftruncate(&file, len as u64)?;
-        let base = match path {
-            Some(_) => {
-                let mut mapped = Err(io::Error::other("no address tried"));
-                for at in BASES {
-                    mapped = map(&file, len, Some(at));
-                    if mapped.is_ok() {
-                        break;
-                    }
+        let base = if fixed {
+            let mut mapped = Err(io::Error::other("no address tried"));
+            for at in BASES {
+                mapped = map(&file, len, Some(at));
+                if mapped.is_ok() {
+                    break;
                 }
-                mapped?
             }
-            None => map(&file, len, None)?,
+            mapped?
+        } else {
+            map(&file, len, None)?
         };
         let memory = RingMemory {
             base,
             len,
-            _file: file,
+            file,
             queues,
             per_queue,
             payload,
@@ -181,23 +172,18 @@ impl RingMemory {
         Ok(Arc::new(memory))
     }
 
-    /// Maps the file a predecessor created at `path` at the address it used, if its tag is
-    /// `tag` (the connection it served).
-    pub fn adopt(path: &Path, tag: u64) -> io::Result<Arc<Self>> {
-        let file = rustix::fs::open(
-            path,
-            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )?;
+    /// Maps the memory file a predecessor created ([`Self::file`]) at the address it used, if
+    /// its tag is `tag` (the connection it served).
+    pub fn adopt(file: OwnedFd, tag: u64) -> io::Result<Arc<Self>> {
         let mut head = [0u8; 56];
         let got = rustix::io::pread(&file, &mut head, 0)?;
         let word = |i: usize| u64::from_le_bytes(head[i * 8..i * 8 + 8].try_into().unwrap());
         if got < head.len() || word(0) != MAGIC {
-            return Err(io::Error::other("not a ring buffer file"));
+            return Err(io::Error::other("not ring buffers"));
         }
         if word(6) != tag {
             return Err(io::Error::other(format!(
-                "the ring buffer file belongs to another connection ({} != {tag})",
+                "the ring buffers belong to another connection ({} != {tag})",
                 word(6)
             )));
         }
@@ -210,26 +196,31 @@ impl RingMemory {
         );
         if slot_size != self::slot_size(payload) || queues == 0 || per_queue == 0 {
             return Err(io::Error::other(
-                "the ring buffer file's layout is not this version's",
+                "the ring buffers are laid out by another version",
             ));
         }
         let len = PAGE + queues * per_queue * slot_size;
         if (rustix::fs::fstat(&file)?.st_size as usize) < len {
             return Err(io::Error::other(
-                "the ring buffer file is shorter than its layout",
+                "the ring buffers are shorter than their layout",
             ));
         }
         let base = map(&file, len, Some(at))?;
         Ok(Arc::new(RingMemory {
             base,
             len,
-            _file: file,
+            file,
             queues,
             per_queue,
             payload,
             slot_size,
             adopted: true,
         }))
+    }
+
+    /// The memory file, for a successor ([`Self::adopt`]).
+    pub fn file(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
     }
 
     /// Names the connection the buffers serve (its mount's device number), for [`Self::adopt`].
@@ -420,23 +411,22 @@ mod tests {
 
     #[test]
     fn a_successor_maps_the_buffers_at_the_same_address_and_sees_them() {
-        let dir = std::env::temp_dir().join(format!("modelfs-ring-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("ring");
-        let first = RingMemory::create(Some(&path), 2, 3, 8192).unwrap();
+        let first = RingMemory::create(true, 2, 3, 8192).unwrap();
         first.set_tag(42);
         let mut slot = first.slot(4);
         slot.header()[8..16].copy_from_slice(&77u64.to_le_bytes());
         slot.set_state(SlotState::Replied, 77);
         let header_at = slot.header_ptr() as usize;
+        let file = || first.file().try_clone_to_owned().unwrap();
         assert!(
-            adopt_err(&path, 42).contains("is not free"),
+            adopt_err(file(), 42).contains("is not free"),
             "the address is this process's own mapping"
         );
+        assert!(adopt_err(file(), 41).contains("another connection"));
+        let kept = file();
         drop(slot);
         drop(first);
-        assert!(adopt_err(&path, 41).contains("another connection"));
-        let second = RingMemory::adopt(&path, 42).unwrap();
+        let second = RingMemory::adopt(kept, 42).unwrap();
         assert!(second.adopted());
         assert_eq!(
             (second.queues(), second.per_queue(), second.payload()),
@@ -446,13 +436,10 @@ mod tests {
         assert_eq!(slot.header_ptr() as usize, header_at, "the same address");
         assert_eq!(slot.state(), (SlotState::Replied, 77));
         assert_eq!(slot.header()[8..16], 77u64.to_le_bytes());
-        drop(slot);
-        drop(second);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    fn adopt_err(path: &Path, tag: u64) -> String {
-        match RingMemory::adopt(path, tag) {
+    fn adopt_err(file: OwnedFd, tag: u64) -> String {
+        match RingMemory::adopt(file, tag) {
             Ok(_) => "adopted".into(),
             Err(e) => e.to_string(),
         }

@@ -1,11 +1,12 @@
 //! The ring threads: one io_uring per thread, pinned to the CPU of the queue it serves.
 //!
-//! `unsafe` is confined to this module, for three things the kernel ABI needs and no safe API
-//! offers: pushing SQEs whose buffers the kernel writes (they live in the thread, which drops its
-//! ring before them, and the kernel touches them only inside this thread's own system calls:
-//! request copies run as task work of the thread that registered the entry, replies are read
-//! during its `COMMIT_AND_FETCH`), setting the SQE's `len` field (which the io-uring crate's
-//! `UringCmd80` does not expose), and the passthrough backing ioctls.
+//! `unsafe` is confined to this module and [`crate::memory`], for what the kernel ABI needs and
+//! no safe API offers: pushing SQEs whose buffers the kernel writes (a slot of the shared
+//! mapping, which each thread's slot keeps mapped until after its ring is dropped; the kernel
+//! touches it only inside this thread's own system calls: request copies run as task work of
+//! the thread that registered or last committed the entry, replies are read during its
+//! `COMMIT_AND_FETCH`), setting the SQE's `len` field (which the io-uring crate's `UringCmd80`
+//! does not expose), the passthrough backing ioctls, and the mapping itself.
 
 #![allow(unsafe_code)]
 

@@ -130,10 +130,10 @@
 //! (`<state>/mount-server/inodes.log`, written before a mapping that shows new numbers to the
 //! kernel is swapped in: [`vfs::InodeRecord`]), open file handles and passthrough backing ids
 //! through the journal that travels with the descriptor ([`fuse::journal`]), and requests read
-//! but not answered through `FUSE_NOTIFY_RESEND`. Over io_uring the kernel loses requests at
-//! every restart (those reaching the dead process's ring entries fail, one it had received is
-//! never resent: [`takeover`], "io_uring"), so with a keeper `--fuse-transport auto` serves
-//! over `/dev/fuse`.
+//! but not answered through `FUSE_NOTIFY_RESEND` (over io_uring: through the entries' buffers,
+//! which a successor maps at the same address). Over io_uring the kernel still fails the
+//! requests that reach a dead process's ring entries ([`takeover`], "io_uring"), so with a
+//! keeper `--fuse-transport auto` serves over `/dev/fuse`.
 //!
 //! # Standalone
 //! `modelfs serve` is still one command: it runs the mount server and supervises

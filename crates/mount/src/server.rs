@@ -965,6 +965,7 @@ impl Shared {
             dev: handover.dev,
             journal: handover.journal,
             under: self.under.try_clone()?,
+            ring: handover.ring,
         })
     }
 

@@ -44,33 +44,36 @@
 //! switches its input queue to the ring once every CPU's queue has an entry), so a successor
 //! registers ring entries of its own; the kernel accepts them on a connection another process
 //! initialized, on queues whose old entries are gone. What the kernel (`fs/fuse/dev_uring.c`,
-//! Linux 6.18) does with the dead process's entries decides what a pod sees:
+//! Linux 6.18) does with the dead process's entries, and what is done about it:
 //! * Every entry is at all times either *available* (its `COMMIT_AND_FETCH` or `REGISTER`
 //!   waits for a request) or *in userspace* (it holds a request). There is no command that
-//!   retires an entry, so no server, however it stops, can leave with neither.
+//!   retires an entry, so no server, however it stops, leaves with neither.
+//! * A request in userspace (delivered, not yet answered) stays in its queue's processing
+//!   list; `FUSE_NOTIFY_RESEND` covers only `/dev/fuse` readers and the ring's teardown does
+//!   not end it. But the kernel reads an answer from the entry's buffers at the address they
+//!   were registered with, in whichever process commits it, and then hands that process's
+//!   ring the entry. So the entries' buffers live in a memory file mapped at a fixed address
+//!   (`modelfs_fuse_ring::memory`), deposited here beside the journal; a successor maps it at
+//!   the same address, answers what each slot holds (a control word tells a request not yet
+//!   touched, one being answered, whose copy is kept, and a complete answer) and commits it.
+//!   A commit the kernel no longer knows is refused and the slot registered afresh.
 //! * Available entries keep taking requests until the dead process's rings are torn down
 //!   (after its last thread exits, in a kernel worker). Copying a request into an entry's
 //!   buffers must run in the thread that registered it; with that thread gone the kernel ends
-//!   the request with `ECANCELED`. The caller gets the error: a failed `open`. At most one per
-//!   entry, and only in that window, but a SIGKILL cannot close it from user space. Measured
-//!   (`a_request_queued_while_no_server_runs_is_answered_over_io_uring`): a request made on
-//!   one CPU right after the dead process was reaped failed so in about half of the runs.
-//! * A request in userspace (delivered, not yet answered) stays in its queue's processing
-//!   list; `FUSE_NOTIFY_RESEND` covers only `/dev/fuse` readers, and the ring's teardown does
-//!   not end it: its caller waits until the connection is aborted.
+//!   the request with `ECANCELED`, and the caller gets the error: a failed `open`, at most one
+//!   per entry and restart. Nothing in user space closes that window, so the pod test over
+//!   io_uring counts these (about one per restart) and `auto` serves over `/dev/fuse` when a
+//!   keeper is configured.
 //! * A request made while the queue has no available entry waits in the queue, and a new
 //!   entry does not fetch it: the kernel hands a queued request out only when an entry of that
-//!   queue commits an answer. The successor therefore makes one request on every CPU
-//!   ([`crate::fuse::MountHandle::fetch_queued_ring_requests`]), which unblocks the queue.
+//!   queue commits an answer. The successor makes one request on every CPU
+//!   ([`crate::fuse::MountHandle::fetch_queued_ring_requests`]).
 //!
-//! Keeping the ring's descriptor alive in the keeper does not help: the commands belong to
-//! the thread that issued them (the copies run as its task work), and a single-issuer ring
-//! cannot even be entered by another process. The delivered-but-unanswered case could be
-//! recovered (the successor maps the entries' buffers at the same address from a shared memory
-//! file and commits them: the kernel reads the answer at the address the dead process
-//! registered, in the committing process), but the `ECANCELED` one cannot. So with a keeper
-//! `--fuse-transport auto` serves over `/dev/fuse`, where a restart loses nothing, and
-//! `uring` says what it costs (BENCHMARKS.md, "Mount server takeover").
+//! Keeping the ring's own descriptor alive in the keeper would not help: the commands belong
+//! to the thread that issued them (the copies run as its task work), and a single-issuer ring
+//! cannot even be entered by another process. A keeper of a version before the io_uring
+//! buffers refuses a fourth descriptor; the holder then deposits without it (logged).
+//! BENCHMARKS.md ("Mount server takeover", "Over io_uring") has the figures.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
@@ -117,6 +120,10 @@ enum Request {
         protocol: u32,
         mountpoint: PathBuf,
         wait_ms: u64,
+        /// The taker accepts a fourth descriptor, the io_uring buffers (a taker that does not
+        /// know them gets three).
+        #[serde(default)]
+        ring: bool,
     },
     /// Drops the session; its holder is told to unmount and exit.
     Release {
@@ -164,7 +171,7 @@ pub enum KeeperError {
 
 fn send(sock: &OwnedFd, message: &impl Serialize, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let bytes = serde_json::to_vec(message).map_err(io::Error::other)?;
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(io::Error::other("too many descriptors for one message"));
@@ -181,7 +188,7 @@ fn send(sock: &OwnedFd, message: &impl Serialize, fds: &[BorrowedFd<'_>]) -> io:
 /// One message and the descriptors that came with it; `None` at the end of the stream.
 fn receive<T: for<'de> Deserialize<'de>>(sock: &OwnedFd) -> io::Result<Option<(T, Vec<OwnedFd>)>> {
     let mut buf = vec![0u8; MESSAGE_MAX];
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = loop {
         match rustix::net::recvmsg(
@@ -274,6 +281,7 @@ pub fn take(
             protocol: KEEPER_PROTOCOL,
             mountpoint: mountpoint.to_path_buf(),
             wait_ms: wait.as_millis() as u64,
+            ring: true,
         },
     )?;
     match reply {
@@ -286,12 +294,13 @@ pub fn take(
                     wait.as_secs()
                 )));
             }
-            if fds.len() != 3 {
+            if fds.len() != 3 && fds.len() != 4 {
                 return Err(KeeperError::Protocol(format!(
-                    "a session came with {} descriptors, not 3",
+                    "a session came with {} descriptors, not 3 or 4",
                     fds.len()
                 )));
             }
+            let ring = (fds.len() == 4).then(|| fds.pop().expect("4 descriptors"));
             let under = fds.pop().expect("3 descriptors");
             let journal = fds.pop().expect("3 descriptors");
             let dev = fds.pop().expect("3 descriptors");
@@ -299,6 +308,7 @@ pub fn take(
                 handover: Handover {
                     dev,
                     journal,
+                    ring,
                     connection: meta.connection.clone(),
                 },
                 meta,
@@ -344,6 +354,8 @@ pub struct Deposit {
     pub dev: OwnedFd,
     pub journal: OwnedFd,
     pub under: OwnedFd,
+    /// The io_uring buffers (`modelfs_fuse_ring::memory`), if requests come over io_uring.
+    pub ring: Option<OwnedFd>,
 }
 
 /// What a holder's link reports.
@@ -432,6 +444,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl HolderShared {
     fn run(&self, on_event: &dyn Fn(HolderEvent)) {
         let mut warned = false;
+        let mut old_keeper = false;
         loop {
             let generation = *lock(&self.generation);
             let Some(deposit) = lock(&self.deposit).clone() else {
@@ -452,14 +465,24 @@ impl HolderShared {
                 protocol: KEEPER_PROTOCOL,
                 meta: deposit.meta.clone(),
             };
-            let fds = [
+            let mut fds = vec![
                 deposit.dev.as_fd(),
                 deposit.journal.as_fd(),
                 deposit.under.as_fd(),
             ];
+            if let (Some(ring), false) = (&deposit.ring, old_keeper) {
+                fds.push(ring.as_fd());
+            }
             let outcome = send(&sock, &request, &fds).and_then(|_| receive::<Reply>(&sock));
             match outcome {
                 Ok(Some((Reply::Done, _))) => {}
+                Ok(Some((Reply::Refused { .. }, _))) if fds.len() == 4 => {
+                    // A keeper of a version before the io_uring buffers: it keeps the
+                    // session, and a successor cannot answer what this process received.
+                    tracing::warn!("the keeper takes no io_uring buffers; depositing without them");
+                    old_keeper = true;
+                    continue;
+                }
                 Ok(Some((Reply::Refused { reason }, _))) => {
                     tracing::error!(reason, "the keeper refused the session");
                     std::thread::sleep(RECONNECT * 4);
@@ -524,6 +547,7 @@ struct Held {
     dev: OwnedFd,
     journal: OwnedFd,
     under: OwnedFd,
+    ring: Option<OwnedFd>,
     /// The connection of the process that deposited it, while open.
     holder: Option<u64>,
 }
@@ -714,15 +738,16 @@ impl Keeper {
             }
             let result = match request {
                 Request::Deposit { meta, .. } => {
-                    if fds.len() != 3 || !is_fuse_device(&fds[0]) {
+                    if !(fds.len() == 3 || fds.len() == 4) || !is_fuse_device(&fds[0]) {
                         send(
                             sock,
                             &Reply::Refused {
-                                reason: "a deposit carries /dev/fuse, the journal and the directory under the mount".into(),
+                                reason: "a deposit carries /dev/fuse, the journal, the directory under the mount and maybe the io_uring buffers".into(),
                             },
                             &[],
                         )
                     } else {
+                        let ring = (fds.len() == 4).then(|| fds.pop().expect("4"));
                         let under = fds.pop().expect("3");
                         let journal = fds.pop().expect("3");
                         let dev = fds.pop().expect("3");
@@ -736,6 +761,7 @@ impl Keeper {
                                 dev,
                                 journal,
                                 under,
+                                ring,
                                 holder: Some(id),
                             },
                         );
@@ -747,8 +773,9 @@ impl Keeper {
                 Request::Take {
                     mountpoint,
                     wait_ms,
+                    ring,
                     ..
-                } => self.take(sock, id, &mountpoint, Duration::from_millis(wait_ms)),
+                } => self.take(sock, id, &mountpoint, Duration::from_millis(wait_ms), ring),
                 Request::Release { mountpoint, .. } => {
                     let held = lock(&self.state).sessions.remove(&mountpoint);
                     match held {
@@ -788,7 +815,14 @@ impl Keeper {
         }
     }
 
-    fn take(&self, sock: &OwnedFd, id: u64, mountpoint: &Path, wait: Duration) -> io::Result<()> {
+    fn take(
+        &self,
+        sock: &OwnedFd,
+        id: u64,
+        mountpoint: &Path,
+        wait: Duration,
+        with_ring: bool,
+    ) -> io::Result<()> {
         let deadline = Instant::now() + wait.min(Duration::from_secs(60));
         let mut st = lock(&self.state);
         loop {
@@ -806,7 +840,10 @@ impl Keeper {
                     meta: held.meta.clone(),
                     holder_gone,
                 };
-                let fds = [held.dev.as_fd(), held.journal.as_fd(), held.under.as_fd()];
+                let mut fds = vec![held.dev.as_fd(), held.journal.as_fd(), held.under.as_fd()];
+                if let (Some(ring), true) = (&held.ring, with_ring) {
+                    fds.push(ring.as_fd());
+                }
                 return send(sock, &reply, &fds);
             }
             st = self

@@ -52,7 +52,7 @@
 //! answer layer decides ([`answers`]). `FORGET` and `INTERRUPT` still come over `/dev/fuse`,
 //! as does everything if the kernel refuses the ring's registration (then `auto` logs it and
 //! goes on, `uring` fails the mount). Passthrough backing ids are per connection, registered
-//! through its descriptor. A restart loses requests over io_uring, not over `/dev/fuse`
+//! through its descriptor. A restart can fail requests over io_uring, not over `/dev/fuse`
 //! ([`crate::takeover`], "io_uring"), so with a keeper the command line picks `/dev/fuse` for
 //! `auto`.
 //!
@@ -60,7 +60,8 @@
 //! Inode numbers are stable (the persisted mapping gives the same numbers again); open file
 //! handles and registered backing ids are recorded in a journal ([`journal`]) that travels
 //! with the connection's descriptor, so a successor answers every handle the kernel still
-//! holds and gives new opens of an inode the backing id its open handles use.
+//! holds and gives new opens of an inode the backing id its open handles use. Over io_uring
+//! the entries' buffers travel too, so a successor answers what this process had received.
 //!
 //! # Invalidation
 //! Mapping changes return kernel entries to invalidate. They are sent by a dedicated thread,
@@ -138,10 +139,10 @@ pub struct FuseConfig {
     /// Passthrough stacking depth: 1 when the blob store is on a plain filesystem, 2 when it is
     /// itself on a stacked one (overlayfs).
     pub max_stack_depth: u32,
-    /// The file holding the io_uring entries' buffers (`modelfs_fuse_ring::memory`), which a
-    /// successor maps again to answer what this process had received and not answered; `None`:
-    /// anonymous memory, nothing to take over.
-    pub ring_buffers: Option<PathBuf>,
+    /// Map the io_uring entries' buffers at a fixed address (`modelfs_fuse_ring::memory`), so
+    /// a successor can map them again and answer what this process had received and not
+    /// answered (with a keeper).
+    pub ring_takeover: bool,
 }
 
 impl Default for FuseConfig {
@@ -154,7 +155,7 @@ impl Default for FuseConfig {
             dir_ttl: Duration::from_secs(60),
             read_ahead_kb: 1024,
             max_stack_depth: 1,
-            ring_buffers: None,
+            ring_takeover: false,
         }
     }
 }
@@ -603,6 +604,9 @@ pub struct Handover {
     pub dev: OwnedFd,
     /// The journal's memory file ([`journal`]).
     pub journal: OwnedFd,
+    /// The io_uring entries' buffers (`modelfs_fuse_ring::memory`), when requests come over
+    /// io_uring.
+    pub ring: Option<OwnedFd>,
     pub connection: Connection,
 }
 
@@ -615,6 +619,7 @@ pub struct MountHandle {
     passthrough: Arc<AtomicBool>,
     dev: Arc<OwnedFd>,
     journal: Arc<Journal>,
+    ring_memory: Option<Arc<modelfs_fuse_ring::RingMemory>>,
     connection: Connection,
     serving: RunningDev,
     resumed: bool,
@@ -658,6 +663,10 @@ impl MountHandle {
         Ok(Handover {
             dev: self.dev.as_fd().try_clone_to_owned()?,
             journal: self.journal.file().try_clone_to_owned()?,
+            ring: match &self.ring_memory {
+                Some(m) => Some(m.file().try_clone_to_owned()?),
+                None => None,
+            },
             connection: self.connection.clone(),
         })
     }
@@ -861,7 +870,17 @@ pub fn mount(
         payload: fs.payload,
         dev: dev_number,
     };
-    let handle = serve(fs, dev, ring, connection, mountpoint, &config, false)?;
+    let ring_memory = ring_memory.filter(|_| ring.is_some());
+    let handle = serve(
+        fs,
+        dev,
+        ring,
+        ring_memory,
+        connection,
+        mountpoint,
+        &config,
+        false,
+    )?;
     if let Err(e) = mountpoint::set_read_ahead(dev_number, config.read_ahead_kb) {
         tracing::warn!(error = %e, "could not raise the mount's read-ahead");
     }
@@ -901,12 +920,14 @@ pub fn resume(
     );
     let dev = Arc::new(handover.dev);
     restore(&fs, &dev, entries);
+    let mut ring_memory = None;
     let ring = if connection.uring {
         // The connection's queues hold every request until entries are registered: a ring
         // that cannot be started here leaves the mount hung, so it fails the start (the
         // process exits and is restarted; the connection waits in the keeper).
-        let memory = ring_memory_to_resume(&config, &connection)
+        let memory = ring_memory_to_resume(&config, &connection, handover.ring)
             .map_err(|e| MountError::RingUnavailable(format!("io_uring buffers: {e}")))?;
+        ring_memory = Some(memory.clone());
         let prepared = modelfs_fuse_ring::prepare(memory)
             .map_err(|e| MountError::RingUnavailable(format!("io_uring cannot be set up: {e}")))?;
         fs.ring_granted.store(true, Ordering::Relaxed);
@@ -918,7 +939,16 @@ pub fn resume(
     } else {
         None
     };
-    serve(fs, dev, ring, connection, mountpoint, &config, true)
+    serve(
+        fs,
+        dev,
+        ring,
+        ring_memory,
+        connection,
+        mountpoint,
+        &config,
+        true,
+    )
 }
 
 /// Rebuilds the handle table and backing cache from a predecessor's journal. A handle whose
@@ -990,10 +1020,12 @@ fn restore(fs: &ModelFs, dev: &Arc<OwnedFd>, entries: Vec<Entry>) {
 }
 
 /// Starts the `/dev/fuse` threads and the notifier over a connection whose `INIT` is done.
+#[allow(clippy::too_many_arguments)]
 fn serve(
     fs: ModelFs,
     dev: Arc<OwnedFd>,
     ring: Option<RunningRing>,
+    ring_memory: Option<Arc<modelfs_fuse_ring::RingMemory>>,
     connection: Connection,
     mountpoint: &Path,
     config: &FuseConfig,
@@ -1040,6 +1072,7 @@ fn serve(
         passthrough: fs.passthrough.clone(),
         dev,
         journal: fs.journal.clone(),
+        ring_memory,
         connection,
         serving,
         resumed,
@@ -1104,23 +1137,14 @@ type PreparedWithMemory = (
     Arc<modelfs_fuse_ring::RingMemory>,
 );
 
-/// New buffers for the ring entries: `config.threads` spread over one queue per possible CPU,
-/// in `config.ring_buffers` if set.
+/// New buffers for the ring entries: `config.threads` spread over one queue per possible CPU.
 fn new_ring_memory(
     config: &FuseConfig,
     payload: usize,
 ) -> io::Result<Arc<modelfs_fuse_ring::RingMemory>> {
     let queues = modelfs_fuse_ring::possible_cpus()?;
     let per_queue = config.threads.div_ceil(queues).max(1);
-    if let Some(parent) = config.ring_buffers.as_deref().and_then(Path::parent) {
-        std::fs::create_dir_all(parent)?;
-    }
-    modelfs_fuse_ring::RingMemory::create(
-        config.ring_buffers.as_deref(),
-        queues,
-        per_queue,
-        payload,
-    )
+    modelfs_fuse_ring::RingMemory::create(config.ring_takeover, queues, per_queue, payload)
 }
 
 /// The ring buffers of the process `connection` was taken over from, mapped where it had them,
@@ -1129,19 +1153,25 @@ fn new_ring_memory(
 fn ring_memory_to_resume(
     config: &FuseConfig,
     connection: &Connection,
+    previous: Option<OwnedFd>,
 ) -> io::Result<Arc<modelfs_fuse_ring::RingMemory>> {
-    if let Some(path) = &config.ring_buffers {
-        match modelfs_fuse_ring::RingMemory::adopt(path, connection.dev) {
-            Ok(m) if m.payload() == connection.payload => return Ok(m),
-            Ok(_) => tracing::warn!(
-                "the previous process's io_uring buffers have another size; requests it had received and not answered are not answered"
-            ),
-            Err(e) => tracing::warn!(
-                path = %path.display(),
-                error = %e,
-                "the previous process's io_uring buffers cannot be mapped; requests it had received and not answered are not answered"
-            ),
+    match previous.map(|fd| modelfs_fuse_ring::RingMemory::adopt(fd, connection.dev)) {
+        Some(Ok(m))
+            if m.payload() == connection.payload
+                && Some(m.queues()) == modelfs_fuse_ring::possible_cpus().ok() =>
+        {
+            return Ok(m)
         }
+        Some(Ok(_)) => tracing::warn!(
+            "the previous process's io_uring buffers are laid out for another size or CPU count; requests it had received and not answered are not answered"
+        ),
+        Some(Err(e)) => tracing::warn!(
+            error = %e,
+            "the previous process's io_uring buffers cannot be mapped; requests it had received and not answered are not answered"
+        ),
+        None => tracing::warn!(
+            "the previous process left no io_uring buffers; requests it had received and not answered are not answered"
+        ),
     }
     let memory = new_ring_memory(config, connection.payload)?;
     memory.set_tag(connection.dev);

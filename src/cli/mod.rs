@@ -74,7 +74,8 @@ pub struct ServeArgs {
     /// Stores and durable records.
     #[arg(long)]
     state: PathBuf,
-    /// Directory of YAML files with BaseModel / ClusterBaseModel objects (standalone mode).
+    /// Directory of YAML files with BaseModel / ClusterBaseModel objects. Required in
+    /// standalone mode (without --kube).
     #[arg(long, required_unless_present = "kube", conflicts_with = "kube")]
     models: Option<PathBuf>,
     /// Kubernetes mode: watch BaseModels and ClusterBaseModels through the API server
@@ -368,6 +369,15 @@ pub fn main() -> Result<()> {
             // Bad flags stop `serve` before anything is mounted, rather than an agent that
             // fails at start and is restarted forever.
             args.proxy.proxies()?;
+            // A taken --listen address would let the mount come up and its agent fail at
+            // start, restarted forever: refuse it now, with the reason.
+            std::net::TcpListener::bind(args.listen).with_context(|| {
+                format!(
+                    "--listen {}: cannot listen there (another modelfs, or another program, \
+                     holds it; pick a free address)",
+                    args.listen
+                )
+            })?;
             let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
             let mut agent_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
             match agent_args.iter().position(|a| a == "serve") {

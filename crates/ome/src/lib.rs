@@ -67,7 +67,7 @@ pub mod status;
 
 // The types callers name most; everything else is reachable through the submodules
 // (`modelfs_ome::objects::NodeAffinity`, `modelfs_ome::source::is_commit_hash`, ...).
-pub use key::{KeyError, ModelKey};
+pub use key::{key_parts, KeyError, ModelKey};
 pub use model::{ModelError, ModelSpec};
 pub use objects::{DownloadPolicy, ModelKind, ModelObject, OME_API_VERSION};
 pub use parse::{

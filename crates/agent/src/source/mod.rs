@@ -436,13 +436,6 @@ impl SourceConfig {
     }
 }
 
-impl Default for SourceConfig {
-    /// The public hub, no default token, default tuning.
-    fn default() -> Self {
-        Self::new(hf::HfConfig::default()).expect("the default HTTP client builds")
-    }
-}
-
 /// A resolvable, fetchable source.
 #[derive(Clone, Debug)]
 pub enum Source {

@@ -32,17 +32,15 @@ async fn wait_for<T>(what: &str, daemon: &Daemon, mut check: impl FnMut() -> Opt
 }
 
 /// OME's Llama 3.2 1B config beside one real safetensors file of 64_064 parameters.
-fn llama_dir(root: &Path) -> PathBuf {
-    let fixtures = std::env::var_os("MODELFS_FIXTURES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
+/// `None` without the `hf-configs` fixtures (the test is then skipped, one line says so).
+fn llama_dir(root: &Path) -> Option<PathBuf> {
+    let config = modelfs_test_fixtures::require(
+        "configmap_entry_and_spec_backfill_with_skip_and_broken_configs",
+        "hf-configs/llama3_2_1b.json",
+    )?;
     let dir = root.join("llama");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::copy(
-        fixtures.join("hf-configs/llama3_2_1b.json"),
-        dir.join("config.json"),
-    )
-    .expect("hf-configs fixture (set MODELFS_FIXTURES_DIR)");
+    std::fs::copy(config, dir.join("config.json")).unwrap();
     let header = json!({
         "embed.weight": {"dtype": "F32", "shape": [1000, 64], "data_offsets": [0, 256000]},
         "norm.weight": {"dtype": "F32", "shape": [64], "data_offsets": [256000, 256256]},
@@ -52,7 +50,7 @@ fn llama_dir(root: &Path) -> PathBuf {
     file.extend(header.as_bytes());
     file.resize(file.len() + 256_256, 0);
     std::fs::write(dir.join("model.safetensors"), file).unwrap();
-    dir
+    Some(dir)
 }
 
 fn model(
@@ -75,7 +73,9 @@ fn model(
 async fn configmap_entry_and_spec_backfill_with_skip_and_broken_configs() {
     let server = FakeApiServer::start().await;
     let data = tempfile::tempdir().unwrap();
-    let llama = llama_dir(data.path());
+    let Some(llama) = llama_dir(data.path()) else {
+        return;
+    };
     let uri = format!("local://{}", llama.display());
     let broken = data.path().join("broken");
     std::fs::create_dir_all(&broken).unwrap();

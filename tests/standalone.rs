@@ -312,6 +312,12 @@ fn bad_input_fails_with_a_reason_and_hurts_no_other_model() {
         file_err.contains("line"),
         "a YAML error names its line: {file_err}"
     );
+    assert!(
+        !file_err.contains("kept"),
+        "a new file has no earlier models to keep: {file_err}"
+    );
+    // A rejected policy is not shown as the default one.
+    assert_eq!(s["clusterbasemodel.badpolicy"]["policy"], "", "{s}");
     assert_eq!(s["clusterbasemodel.good"]["status"], "Ready");
     assert_eq!(
         std::fs::read(env.mount.join("good/config.json")).unwrap(),
@@ -325,9 +331,11 @@ fn bad_input_fails_with_a_reason_and_hurts_no_other_model() {
         "good.yaml",
         "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata: {name: good\n",
     );
-    d.wait_until("file error", Duration::from_secs(10), |s| {
+    let s = d.wait_until("file error", Duration::from_secs(10), |s| {
         s.get("file:good.yaml").is_some()
     });
+    let kept = s["file:good.yaml"]["reason"].as_str().unwrap();
+    assert!(kept.contains("defined before are kept"), "{kept}");
     assert_eq!(d.status()["clusterbasemodel.good"]["status"], "Ready");
     assert!(env.mount.join("good/config.json").exists());
 
@@ -422,6 +430,12 @@ fn quick_start_example_serves_both_policies() {
             .unwrap()
     };
     assert_eq!(parent(&cluster), "clusterbasemodel.tiny-llm");
+    // The manifest's relative `local://../tiny-model` is shown as the directory it names.
+    let source = cluster["source"].as_str().unwrap_or_default();
+    assert!(
+        source.ends_with("/examples/tiny-model") && !source.contains(".."),
+        "{source}"
+    );
     // The example's config.json is parsed as OME's agent does: the architecture, and the
     // parameter count from the safetensors header (4x8 weight + 8 bias = 40).
     // It is parsed after the model is Ready: wait for it.
@@ -627,4 +641,64 @@ fn state_writes_on_a_full_disk_back_off_and_recover() {
     assert_eq!(lines(&log, "writing works again"), 2, "{log}");
     assert_eq!(lines(&log, "writing failed;"), 2, "{log}");
     assert_eq!(d.status()["clusterbasemodel.a"]["status"], "Ready");
+}
+
+/// A `local://` directory that does not exist yet fails the model with a retry, and the model
+/// starts by itself once the directory appears (no manifest change needed).
+#[test]
+fn a_missing_local_directory_is_retried_and_served_once_created() {
+    let env = TestEnv::new();
+    let later = env.root.path().join("later");
+    let d = Daemon::start(&env, &[]);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("later", &uri(&later), "AlwaysDownload", None),
+    );
+    let failed = d.wait_model("clusterbasemodel.later", "Failed");
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("does not exist"), "{reason}");
+    assert!(
+        reason.contains("retry"),
+        "the reason says it is retried: {reason}"
+    );
+    // Made elsewhere and renamed in, as a copy tool would, so no import sees half of it.
+    let staging = env.dir("staging");
+    make_model_dir(&staging, 11, 50_000);
+    std::fs::rename(&staging, &later).unwrap();
+    d.wait_model("clusterbasemodel.later", "Ready");
+    assert_eq!(contents(&env.mount.join("later")), contents(&later));
+}
+
+/// `serve` with a `--listen` address another program holds fails at once, names the flag,
+/// and mounts nothing (rather than an agent restarted forever under a live mount).
+#[test]
+fn a_taken_listen_address_fails_serve_before_mounting() {
+    let env = TestEnv::new();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let mut child = env
+        .serve_command(&addr)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut exit = None;
+    wait_for("serve to exit", Duration::from_secs(30), || {
+        exit = child.try_wait().unwrap();
+        exit.is_some()
+    });
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!exit.unwrap().success(), "{stderr}");
+    assert!(
+        stderr.contains("--listen") && stderr.contains(&addr),
+        "{stderr}"
+    );
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(env.mount.to_str().unwrap()),
+        "nothing is mounted"
+    );
+    drop(taken);
 }

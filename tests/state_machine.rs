@@ -75,7 +75,12 @@ impl Life {
             gc_grace: Duration::ZERO,
             tick: Duration::from_millis(20),
             retry_base: Duration::from_millis(50),
-            ..ReconcilerConfig::default()
+            ..ReconcilerConfig::new(
+                modelfs_agent::source::SourceConfig::new(
+                    modelfs_agent::source::hf::HfConfig::default(),
+                )
+                .expect("HTTP clients"),
+            )
         };
         let handle = {
             let _guard = runtime.enter();

@@ -74,7 +74,8 @@ pub struct ServeArgs {
     /// Stores and durable records.
     #[arg(long)]
     state: PathBuf,
-    /// Directory of YAML files with BaseModel / ClusterBaseModel objects (standalone mode).
+    /// Directory of YAML files with BaseModel / ClusterBaseModel objects. Required in
+    /// standalone mode (without --kube).
     #[arg(long, required_unless_present = "kube", conflicts_with = "kube")]
     models: Option<PathBuf>,
     /// Kubernetes mode: watch BaseModels and ClusterBaseModels through the API server
@@ -104,7 +105,7 @@ pub struct ServeArgs {
     models_root_dir: Option<PathBuf>,
     /// How file data is served.
     #[arg(long, value_enum, default_value = "auto")]
-    passthrough: PassthroughMode,
+    passthrough: PassthroughArg,
     /// Seconds a store with no users stays on disk before it is removed.
     #[arg(long, default_value_t = 300)]
     gc_grace_secs: u64,
@@ -129,7 +130,7 @@ pub struct ServeArgs {
     /// How FUSE requests reach the daemon: io_uring per-CPU queues when the kernel offers them
     /// (`auto`: Linux >= 6.14 with the fuse module parameter enable_uring=1), or /dev/fuse.
     #[arg(long, value_enum, default_value = "auto")]
-    fuse_transport: FuseTransport,
+    fuse_transport: TransportArg,
     /// The keeper's socket (it holds the FUSE connection while the mount server restarts).
     /// Default: <state>/mount-server/keeper.sock.
     #[arg(long)]
@@ -138,7 +139,7 @@ pub struct ServeArgs {
     #[arg(long)]
     no_keeper: bool,
     /// Node-wide limit on concurrent fetches.
-    #[arg(long, default_value_t = ReconcilerConfig::default().max_concurrent_fetches)]
+    #[arg(long, default_value_t = modelfs_agent::reconciler::DEFAULT_MAX_CONCURRENT_FETCHES)]
     max_concurrent_fetches: usize,
     /// Log lines as JSON.
     #[arg(long)]
@@ -252,14 +253,14 @@ pub struct MountServerArgs {
     mount_socket: Option<PathBuf>,
     /// How file data is served.
     #[arg(long, value_enum, default_value = "auto")]
-    passthrough: PassthroughMode,
+    passthrough: PassthroughArg,
     /// FUSE worker threads (with io_uring: the ring threads, spread over one queue per CPU).
     #[arg(long, default_value_t = FuseConfig::default().threads)]
     fuse_threads: usize,
     /// How FUSE requests reach the daemon: io_uring per-CPU queues when the kernel offers them
     /// (`auto`: Linux >= 6.14 with the fuse module parameter enable_uring=1), or /dev/fuse.
     #[arg(long, value_enum, default_value = "auto")]
-    fuse_transport: FuseTransport,
+    fuse_transport: TransportArg,
     /// The keeper's socket (it holds the FUSE connection while the mount server restarts).
     /// Default: <state>/mount-server/keeper.sock.
     #[arg(long)]
@@ -360,6 +361,50 @@ impl HfArgs {
 /// How long `serve` waits at exit for blocking work that ignored cancellation.
 const BLOCKING_WORK_GRACE: Duration = Duration::from_secs(2);
 
+/// `--passthrough`: the mount crate's [`PassthroughMode`], mapped here so that crate needs no
+/// command-line parser.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PassthroughArg {
+    /// Use passthrough when the kernel grants it, read-through otherwise (per file).
+    Auto,
+    /// Refuse to mount without kernel passthrough support.
+    Always,
+    /// Always serve reads from the daemon.
+    Never,
+}
+
+impl From<PassthroughArg> for PassthroughMode {
+    fn from(arg: PassthroughArg) -> Self {
+        match arg {
+            PassthroughArg::Auto => PassthroughMode::Auto,
+            PassthroughArg::Always => PassthroughMode::Always,
+            PassthroughArg::Never => PassthroughMode::Never,
+        }
+    }
+}
+
+/// `--fuse-transport`: the mount crate's [`FuseTransport`], mapped here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportArg {
+    /// FUSE over io_uring when the kernel offers it (the `fuse` module parameter
+    /// `enable_uring`, Linux >= 6.14) and io_uring works here; `/dev/fuse` otherwise.
+    Auto,
+    /// Refuse to mount without FUSE over io_uring.
+    Uring,
+    /// Always `/dev/fuse`.
+    Dev,
+}
+
+impl From<TransportArg> for FuseTransport {
+    fn from(arg: TransportArg) -> Self {
+        match arg {
+            TransportArg::Auto => FuseTransport::Auto,
+            TransportArg::Uring => FuseTransport::Uring,
+            TransportArg::Dev => FuseTransport::Dev,
+        }
+    }
+}
+
 pub fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
@@ -368,6 +413,15 @@ pub fn main() -> Result<()> {
             // Bad flags stop `serve` before anything is mounted, rather than an agent that
             // fails at start and is restarted forever.
             args.proxy.proxies()?;
+            // A taken --listen address would let the mount come up and its agent fail at
+            // start, restarted forever: refuse it now, with the reason.
+            std::net::TcpListener::bind(args.listen).with_context(|| {
+                format!(
+                    "--listen {}: cannot listen there (another modelfs, or another program, \
+                     holds it; pick a free address)",
+                    args.listen
+                )
+            })?;
             let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
             let mut agent_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
             match agent_args.iter().position(|a| a == "serve") {
@@ -500,7 +554,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
     // Over io_uring the kernel fails requests that reach a dead process's ring entries
     // (ECANCELED): see `modelfs_mount::takeover`. So with a keeper `auto` keeps to /dev/fuse,
     // where a restart loses nothing (deploy/UPGRADE.md).
-    let transport = match (args.fuse_transport, &keeper) {
+    let transport = match (FuseTransport::from(args.fuse_transport), &keeper) {
         (FuseTransport::Auto, Some(_)) => {
             tracing::info!("--fuse-transport auto with a keeper: serving over /dev/fuse, which a restart resumes without losing a request");
             FuseTransport::Dev
@@ -520,7 +574,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         keeper,
         socket,
         fuse: FuseConfig {
-            passthrough: args.passthrough,
+            passthrough: args.passthrough.into(),
             threads: args.fuse_threads,
             transport,
             ring_takeover,
@@ -637,19 +691,19 @@ async fn agent(args: ServeArgs) -> Result<()> {
         proxy: proxies.hf.clone(),
         ..args.hf.config()
     };
+    let sources = SourceConfig::new(hf_config)
+        .context("configuring sources")?
+        .with_under_mount(under_mount)
+        .with_proxies(proxies);
     let reconciler_config = ReconcilerConfig {
         models_root_dir: models_root_dir.clone(),
         gc_grace: Duration::from_secs(args.gc_grace_secs),
         max_concurrent_fetches: args.max_concurrent_fetches,
-        sources: SourceConfig::new(hf_config)
-            .context("configuring sources")?
-            .with_under_mount(under_mount)
-            .with_proxies(proxies),
         hf_cache_dir: hf_cache_dir(&args.hf_cache_dir)?,
         hf_cache_linger: Duration::from_secs(args.hf_cache_linger_secs),
         resolve_interval: (args.resolve_interval_secs > 0)
             .then(|| Duration::from_secs(args.resolve_interval_secs)),
-        ..ReconcilerConfig::default()
+        ..ReconcilerConfig::new(sources)
     };
     let sink: Arc<dyn MountSink> = mount;
     let reconciler = Reconciler::start(reconciler_config, state, core, Some(sink), metrics.clone())

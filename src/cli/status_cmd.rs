@@ -72,6 +72,9 @@ pub fn human_bytes(n: u64) -> String {
     }
 }
 
+/// The widest STATUS cell; a longer reason is cut there and printed in full below the table.
+const STATUS_WIDTH: usize = 60;
+
 /// The table: key, status (with percent and ETA while downloading), policy, parent, the model
 /// as its config describes it (architecture and parameter count, `config?` when the config was
 /// missing or unparseable), path, size.
@@ -85,6 +88,7 @@ pub fn table(doc: &StatusDoc) -> String {
         "PATH".into(),
         "SIZE ON DISK".into(),
     ]];
+    let mut reasons = Vec::new();
     for (key, e) in doc {
         let mut status = e.status.clone();
         if let Some(p) = &e.progress {
@@ -101,7 +105,16 @@ pub fn table(doc: &StatusDoc) -> String {
             }
         }
         if let Some(r) = &e.reason {
-            status = format!("{status}: {r}");
+            let full = format!("{status}: {r}");
+            if full.chars().count() > STATUS_WIDTH {
+                // A long reason would widen the whole column: the table shows its start and
+                // the full text follows the table.
+                let cut: String = full.chars().take(STATUS_WIDTH - 3).collect();
+                status = format!("{cut}...");
+                reasons.push(format!("{key}: {r}"));
+            } else {
+                status = full;
+            }
         }
         let parent = match e.parent() {
             Some(p) if p == key => "(self)".to_string(),
@@ -145,6 +158,13 @@ pub fn table(doc: &StatusDoc) -> String {
         out.push_str(line.join("  ").trim_end());
         out.push('\n');
     }
+    if !reasons.is_empty() {
+        out.push('\n');
+        for r in reasons {
+            out.push_str(&r);
+            out.push('\n');
+        }
+    }
     out
 }
 
@@ -163,5 +183,49 @@ fn model_column(e: &modelfs_ome::status::ModelStatus) -> String {
         "config?".into()
     } else {
         "-".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use modelfs_ome::status::ModelStatus;
+
+    use super::*;
+
+    #[test]
+    fn a_long_reason_is_cut_in_the_table_and_printed_whole_below_it() {
+        let reason = format!("source directory /data/{} does not exist", "x".repeat(150));
+        let mut doc = StatusDoc::new();
+        doc.insert(
+            "clusterbasemodel.broken".into(),
+            Arc::new(ModelStatus {
+                status: "Failed".into(),
+                reason: Some(reason.clone()),
+                ..Default::default()
+            }),
+        );
+        doc.insert(
+            "clusterbasemodel.ok".into(),
+            Arc::new(ModelStatus {
+                status: "Ready".into(),
+                policy: "ReuseIfExists".into(),
+                ..Default::default()
+            }),
+        );
+        let out = table(&doc);
+        let lines: Vec<&str> = out.lines().collect();
+        // Header and two rows, a blank line, then the whole reason.
+        assert_eq!(lines.len(), 5, "{out}");
+        for row in &lines[..3] {
+            assert!(row.len() < 140, "a row as wide as its reason: {row}");
+        }
+        assert!(lines[1].contains("Failed: source directory"), "{out}");
+        assert!(lines[1].contains("..."), "{out}");
+        assert_eq!(lines[4], format!("clusterbasemodel.broken: {reason}"));
+        // No policy is shown as none, not as a default.
+        assert!(lines[1].contains("  -  "), "{out}");
+        assert!(lines[2].contains("ReuseIfExists"), "{out}");
     }
 }

@@ -73,6 +73,27 @@ impl ModelKey {
         }
     }
 
+    /// The kind of the model the key names.
+    pub fn kind(&self) -> ModelKind {
+        self.parts().0
+    }
+
+    /// A BaseModel's namespace; `None` for a ClusterBaseModel.
+    pub fn namespace(&self) -> Option<&str> {
+        self.parts().1
+    }
+
+    /// The model's `metadata.name`.
+    pub fn name(&self) -> &str {
+        self.parts().2
+    }
+
+    /// `(kind, namespace, name)`. A key is only ever built by [`ModelKey::new`] (or read back
+    /// from records it wrote), so it always has one of the two shapes.
+    pub fn parts(&self) -> (ModelKind, Option<&str>, &str) {
+        key_parts(&self.0).unwrap_or((ModelKind::ClusterBaseModel, None, &self.0))
+    }
+
     /// The key as text.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -94,6 +115,18 @@ impl AsRef<str> for ModelKey {
     fn as_ref(&self) -> &str {
         &self.0
     }
+}
+
+/// `(kind, namespace, name)` of a key's text (`clusterbasemodel.<name>` or
+/// `<namespace>.basemodel.<name>`), `None` for text of neither shape: the one parser of the key
+/// format, for keys read back from outside (ConfigMap data, labels) as for [`ModelKey`]s. A
+/// namespace is a DNS label (no dots), so the first `.basemodel.` ends it.
+pub fn key_parts(key: &str) -> Option<(ModelKind, Option<&str>, &str)> {
+    if let Some(name) = key.strip_prefix("clusterbasemodel.") {
+        return Some((ModelKind::ClusterBaseModel, None, name));
+    }
+    let (namespace, name) = key.split_once(".basemodel.")?;
+    Some((ModelKind::BaseModel, Some(namespace), name))
 }
 
 /// Why a model has no key.
@@ -160,6 +193,26 @@ fn validate_dns_text(text: &str, max: usize, allows_dot: bool) -> Result<(), Nam
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_parse_back_into_their_parts() {
+        // Names may hold dots and even `basemodel`; a namespace cannot hold a dot.
+        for (kind, namespace, name) in [
+            (ModelKind::ClusterBaseModel, None, "qwen3-8b"),
+            (ModelKind::ClusterBaseModel, None, "a.basemodel.b"),
+            (ModelKind::BaseModel, Some("team-a"), "llama.v3"),
+            (ModelKind::BaseModel, Some("ns"), "x.basemodel.y"),
+        ] {
+            let key = ModelKey::new(kind, namespace, name).expect("valid");
+            assert_eq!(key.parts(), (kind, namespace, name), "{key}");
+            assert_eq!(key.kind(), kind);
+            assert_eq!(key.namespace(), namespace);
+            assert_eq!(key.name(), name);
+            assert_eq!(key_parts(key.as_str()), Some((kind, namespace, name)));
+        }
+        assert_eq!(key_parts("configmap-key"), None);
+        assert_eq!(key_parts("basemodel.x"), None);
+    }
 
     #[test]
     fn key_formats() {

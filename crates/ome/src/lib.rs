@@ -67,7 +67,7 @@ pub mod status;
 
 // The types callers name most; everything else is reachable through the submodules
 // (`modelfs_ome::objects::NodeAffinity`, `modelfs_ome::source::is_commit_hash`, ...).
-pub use key::{KeyError, ModelKey};
+pub use key::{key_parts, KeyError, ModelKey};
 pub use model::{ModelError, ModelSpec};
 pub use objects::{DownloadPolicy, ModelKind, ModelObject, OME_API_VERSION};
 pub use parse::{
@@ -81,26 +81,20 @@ pub use source::{SourceUri, SourceUriError};
 mod test_support {
     use std::path::PathBuf;
 
-    /// The shared fixtures: `$MODELFS_FIXTURES_DIR`, else `../shared/fixtures` next to the
-    /// repository.
-    pub(crate) fn fixtures_dir() -> PathBuf {
-        match std::env::var_os("MODELFS_FIXTURES_DIR") {
-            Some(dir) => PathBuf::from(dir),
-            None => PathBuf::from(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../../../shared/fixtures"
-            )),
-        }
+    /// The fixtures directory `relative` for `test`, or `None` when it is missing (after one
+    /// line saying that `test` is skipped; `modelfs_test_fixtures` has the rules).
+    pub(crate) fn fixtures(test: &str, relative: &str) -> Option<PathBuf> {
+        modelfs_test_fixtures::require(test, relative)
     }
 
-    /// One of OME's CRDs from `ome-crds/`, as JSON.
-    pub(crate) fn read_ome_crd(file_name: &str) -> serde_json::Value {
-        let path = fixtures_dir().join("ome-crds").join(file_name);
+    /// One of OME's CRDs from `ome-crds/`, as JSON, or `None` when the fixtures are missing.
+    pub(crate) fn read_ome_crd(test: &str, file_name: &str) -> Option<serde_json::Value> {
+        let path = fixtures(test, "ome-crds")?.join(file_name);
         let text = std::fs::read_to_string(&path)
             .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
         let mut documents: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text)
             .unwrap_or_else(|error| panic!("cannot parse {}: {error}", path.display()));
         assert_eq!(documents.len(), 1, "{} holds one CRD", path.display());
-        documents.remove(0)
+        Some(documents.remove(0))
     }
 }

@@ -30,7 +30,6 @@ use kube::Client;
 use serde_json::{json, Map, Value};
 
 use super::producer::model_resource;
-use super::status_sink::split_model_key;
 use crate::reconciler::ReconcilerHandle;
 use modelfs_ome::status::ModelConfigStatus;
 use modelfs_ome::ModelKind;
@@ -183,7 +182,7 @@ async fn backfill(
     key: &str,
     config: &ModelConfigStatus,
 ) -> Result<(), kube::Error> {
-    let Some((kind, namespace, name)) = split_model_key(key) else {
+    let Some((kind, namespace, name)) = modelfs_ome::key_parts(key) else {
         return Ok(());
     };
     let resource = model_resource(kind);

@@ -61,7 +61,6 @@ use super::names::{
 use super::producer::References;
 use crate::reconciler::ReconcilerHandle;
 use modelfs_ome::status::{ModelStatus, StatusDoc};
-use modelfs_ome::ModelKind;
 
 /// Name this daemon reports as the ConfigMap's manager and as the Events' controller.
 pub const MANAGER: &str = "modelfs";
@@ -116,15 +115,6 @@ pub enum StatusSinkError {
 /// writer that changes the object continuously can exhaust this.
 const MAX_CONFLICT_RETRIES: u32 = 20;
 
-/// `(kind, namespace, name)` of a model key.
-pub fn split_model_key(key: &str) -> Option<(ModelKind, Option<&str>, &str)> {
-    if let Some(name) = key.strip_prefix("clusterbasemodel.") {
-        return Some((ModelKind::ClusterBaseModel, None, name));
-    }
-    let (namespace, name) = key.split_once(".basemodel.")?;
-    Some((ModelKind::BaseModel, Some(namespace), name))
-}
-
 /// The state-relevant part of an entry (everything but progress and byte counts).
 fn significant(entry: &ModelStatus) -> ModelStatus {
     ModelStatus {
@@ -136,7 +126,7 @@ fn significant(entry: &ModelStatus) -> ModelStatus {
 
 fn significant_doc(doc: &StatusDoc) -> BTreeMap<&String, ModelStatus> {
     doc.iter()
-        .filter(|(key, _)| split_model_key(key).is_some())
+        .filter(|(key, _)| modelfs_ome::key_parts(key).is_some())
         .map(|(key, entry)| (key, significant(entry)))
         .collect()
 }
@@ -169,7 +159,7 @@ fn wanted(doc: &StatusDoc) -> Result<Wanted, serde_json::Error> {
     let mut entries = BTreeMap::new();
     let mut labels = BTreeMap::new();
     for (key, entry) in doc {
-        let Some((kind, namespace, name)) = split_model_key(key) else {
+        let Some((kind, namespace, name)) = modelfs_ome::key_parts(key) else {
             continue;
         };
         let data_key = configmap_key(kind, namespace, name);
@@ -569,7 +559,7 @@ impl EventPublisher {
         }
         // Models that left the document while their object still exists (being deleted).
         for (key, entry) in before {
-            if after.contains_key(key) || split_model_key(key).is_none() {
+            if after.contains_key(key) || modelfs_ome::key_parts(key).is_none() {
                 continue;
             }
             let Some(reference) = references
@@ -694,7 +684,7 @@ impl EventPublisher {
 
 /// The node ConfigMap data key of a model key.
 fn configmap_key_of(model_key: &str) -> Option<String> {
-    let (kind, namespace, name) = split_model_key(model_key)?;
+    let (kind, namespace, name) = modelfs_ome::key_parts(model_key)?;
     Some(configmap_key(kind, namespace, name))
 }
 

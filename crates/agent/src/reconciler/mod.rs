@@ -176,16 +176,21 @@ pub struct ReconcilerConfig {
     pub resolve_interval: Option<Duration>,
 }
 
-impl Default for ReconcilerConfig {
-    fn default() -> Self {
+/// [`ReconcilerConfig::max_concurrent_fetches`] unless configured.
+pub const DEFAULT_MAX_CONCURRENT_FETCHES: usize = 4;
+
+impl ReconcilerConfig {
+    /// The defaults around `sources` (which has none: building its HTTP clients can fail, and
+    /// that is the caller's error to report).
+    pub fn new(sources: SourceConfig) -> Self {
         Self {
             models_root_dir: PathBuf::from("/mnt/models"),
             gc_grace: Duration::from_secs(300),
             tick: Duration::from_secs(1),
-            max_concurrent_fetches: 4,
+            max_concurrent_fetches: DEFAULT_MAX_CONCURRENT_FETCHES,
             retry_base: Duration::from_secs(2),
             retry_max: Duration::from_secs(300),
-            sources: SourceConfig::default(),
+            sources,
             hf_cache_dir: None,
             hf_cache_linger: Duration::from_secs(300),
             resolve_interval: None,
@@ -1296,9 +1301,13 @@ impl Reconciler {
             Some(r) => r.seq,
             None => self.records.allocate_model_seq(),
         };
-        let (namespace, name) = split_key(key);
         if !self.records.models().contains_key(key) {
-            let rec = ModelRecord::new(seq, name, namespace, ModelPhase::Failed);
+            let rec = ModelRecord::new(
+                seq,
+                key.name().to_owned(),
+                key.namespace().map(str::to_owned),
+                ModelPhase::Failed,
+            );
             self.records.insert_model(key.clone(), rec);
         }
         let mut rec = self.records.model_mut(key).expect("model record");
@@ -2341,28 +2350,10 @@ impl Reconciler {
 
 /// The labels of OME's model-agent metrics for a model.
 fn ome_labels(key: &ModelKey) -> crate::metrics::OmeModelLabels {
-    let (namespace, name) = split_key(key);
     crate::metrics::OmeModelLabels {
-        model_type: if namespace.is_some() {
-            "BaseModel"
-        } else {
-            "ClusterBaseModel"
-        }
-        .to_owned(),
-        namespace: namespace.unwrap_or_default(),
-        name,
-    }
-}
-
-/// `(namespace, name)` of an OME key.
-fn split_key(key: &ModelKey) -> (Option<String>, String) {
-    let s = key.as_str();
-    if let Some(name) = s.strip_prefix("clusterbasemodel.") {
-        return (None, name.to_string());
-    }
-    match s.split_once(".basemodel.") {
-        Some((ns, name)) => (Some(ns.to_string()), name.to_string()),
-        None => (None, s.to_string()),
+        model_type: key.kind().as_str().to_owned(),
+        namespace: key.namespace().unwrap_or_default().to_owned(),
+        name: key.name().to_owned(),
     }
 }
 

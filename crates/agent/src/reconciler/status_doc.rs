@@ -45,7 +45,13 @@ impl Reconciler {
             let mut e = ModelStatus {
                 name: rec.name.clone(),
                 status: rec.phase.as_str().to_string(),
-                policy: rec.policy.as_str().to_string(),
+                // A model whose object was never accepted has no policy (the record's is only
+                // a default): shown as none rather than as `AlwaysDownload`.
+                policy: if rec.source.is_empty() {
+                    String::new()
+                } else {
+                    rec.policy.as_str().to_string()
+                },
                 path: if rec.path.is_empty() {
                     String::new()
                 } else {

@@ -6,7 +6,9 @@ fn start(state: &std::path::Path) -> ReconcilerHandle {
     Reconciler::start(
         ReconcilerConfig {
             tick: Duration::from_millis(10),
-            ..ReconcilerConfig::default()
+            ..ReconcilerConfig::new(
+                SourceConfig::new(crate::source::hf::HfConfig::default()).expect("HTTP clients"),
+            )
         },
         StateDir::open(state).unwrap(),
         Arc::new(FsCore::new()),

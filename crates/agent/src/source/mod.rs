@@ -121,9 +121,11 @@ impl SourceError {
                 matches!(source, StoreError::DiskFull { .. } | StoreError::Io { .. })
             }
             SourceError::LocalIo { .. } => true,
+            // The directory may be created (or its disk mounted) later: the model starts by
+            // itself then, as for any source that is not there yet.
+            SourceError::LocalMissing { .. } => true,
             SourceError::Transfer(e) => e.is_transient(),
-            SourceError::LocalMissing { .. }
-            | SourceError::LocalSpecialFile { .. }
+            SourceError::LocalSpecialFile { .. }
             | SourceError::LocalNotDirectory { .. }
             | SourceError::LocalSymlinkEscape { .. }
             | SourceError::LocalNotPublic { .. }
@@ -431,13 +433,6 @@ impl SourceConfig {
                 source,
             }),
         }
-    }
-}
-
-impl Default for SourceConfig {
-    /// The public hub, no default token, default tuning.
-    fn default() -> Self {
-        Self::new(hf::HfConfig::default()).expect("the default HTTP client builds")
     }
 }
 

@@ -27,7 +27,7 @@ use notify::{RecursiveMode, Watcher};
 use crate::metrics::Metrics;
 use crate::reconciler::{DesiredState, ReconcilerHandle};
 use crate::source::Token;
-use modelfs_ome::{parse_documents, Document, ManifestError, ModelKey, ModelSpec};
+use modelfs_ome::{parse_documents, Document, ManifestError, ModelKey, ModelSpec, SourceUri};
 
 /// `spec.storage.parameters` entry that carries a source token in standalone manifests. It is
 /// moved out of the spec into [`DesiredState::tokens`] so no spec ever holds a secret.
@@ -249,10 +249,16 @@ impl Scanner {
                 known.errors = errors;
             }
             Err(reason) => {
-                tracing::warn!(file = %rel, %reason, "manifest file unusable; keeping its previous models");
-                known.errors = vec![format!(
-                    "{reason} (the models this file defined before are kept)"
-                )];
+                // Only a file that defined models before has any to keep.
+                if known.last_good.is_empty() {
+                    tracing::warn!(file = %rel, %reason, "manifest file unusable");
+                    known.errors = vec![reason];
+                } else {
+                    tracing::warn!(file = %rel, %reason, "manifest file unusable; keeping its previous models");
+                    known.errors = vec![format!(
+                        "{reason} (the models this file defined before are kept)"
+                    )];
+                }
             }
         }
     }
@@ -272,7 +278,7 @@ impl Scanner {
                         let spec = obj
                             .to_spec(models_root_dir)
                             .map(|mut s| {
-                                s.source = s.source.resolve_local_relative(base);
+                                s.source = resolve_local(s.source, base);
                                 token = s.parameters.remove(TOKEN_PARAMETER).map(Token::new);
                                 s
                             })
@@ -374,6 +380,20 @@ pub fn watch(
         _watcher: watcher,
         task,
     })
+}
+
+/// A relative `local://` path made absolute against the manifest's directory, and then the
+/// real path it names when it exists (so `local://../tiny-model` is shown and compared as
+/// `/srv/examples/tiny-model`, its `..` resolved by the filesystem, symlinks included, never
+/// lexically). A directory that does not exist yet keeps the joined path.
+fn resolve_local(source: SourceUri, base: &Path) -> SourceUri {
+    let was_relative = matches!(&source, SourceUri::Local { path } if path.is_relative());
+    match source.resolve_local_relative(base) {
+        SourceUri::Local { path } if was_relative => SourceUri::Local {
+            path: std::fs::canonicalize(&path).unwrap_or(path),
+        },
+        other => other,
+    }
 }
 
 #[cfg(test)]

@@ -98,7 +98,7 @@ pub use mountpoint::{
 };
 
 /// How file data is served.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PassthroughMode {
     /// Use passthrough when the kernel grants it, read-through otherwise (per file).
     Auto,
@@ -109,7 +109,7 @@ pub enum PassthroughMode {
 }
 
 /// How requests reach the daemon.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FuseTransport {
     /// FUSE over io_uring when the kernel offers it (the `fuse` module parameter
     /// `enable_uring`, Linux >= 6.14) and io_uring works here; `/dev/fuse` otherwise.

@@ -622,7 +622,6 @@ pub fn files_of(src: &Path) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// SIGTERM to a child process of this test.
 /// Polls `pred` every 10 ms until it holds; panics naming `what` after `timeout`.
 pub fn wait_for(what: &str, timeout: Duration, mut pred: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
@@ -635,12 +634,14 @@ pub fn wait_for(what: &str, timeout: Duration, mut pred: impl FnMut() -> bool) {
     panic!("timed out waiting for {what}");
 }
 
+/// SIGINT to a child process of this test.
 pub fn interrupt(pid: u32) {
     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
     }
 }
 
+/// SIGTERM to a child process of this test.
 pub fn terminate(pid: u32) {
     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);

@@ -79,17 +79,10 @@ pub use source::{SourceUri, SourceUriError};
 /// Helpers shared by the tests of this module.
 #[cfg(test)]
 mod test_support {
-    use std::path::PathBuf;
-
-    /// The fixtures directory `relative` for `test`, or `None` when it is missing (after one
-    /// line saying that `test` is skipped; `modelfs_test_fixtures` has the rules).
-    pub(crate) fn fixtures(test: &str, relative: &str) -> Option<PathBuf> {
-        modelfs_test_fixtures::require(test, relative)
-    }
 
     /// One of OME's CRDs from `ome-crds/`, as JSON, or `None` when the fixtures are missing.
     pub(crate) fn read_ome_crd(test: &str, file_name: &str) -> Option<serde_json::Value> {
-        let path = fixtures(test, "ome-crds")?.join(file_name);
+        let path = modelfs_test_fixtures::require(test, "ome-crds")?.join(file_name);
         let text = std::fs::read_to_string(&path)
             .unwrap_or_else(|error| panic!("cannot read {}: {error}", path.display()));
         let mut documents: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text)

@@ -223,7 +223,7 @@ mod tests {
     #[test]
     fn every_fixture_parses_and_converts() {
         let Some(models_dir) =
-            crate::test_support::fixtures("every_fixture_parses_and_converts", "ome-models")
+            modelfs_test_fixtures::require("every_fixture_parses_and_converts", "ome-models")
         else {
             return;
         };

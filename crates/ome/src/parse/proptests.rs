@@ -142,7 +142,7 @@ fn check(text: String) {
 
 #[test]
 fn the_samples_parse() {
-    let Some(dir) = crate::test_support::fixtures("the_samples_parse", "ome-models") else {
+    let Some(dir) = modelfs_test_fixtures::require("the_samples_parse", "ome-models") else {
         return;
     };
     let samples = samples();

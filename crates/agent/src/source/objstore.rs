@@ -25,11 +25,18 @@
 //! ([`TransferError::Changed`]) and the model is listed again. The size is checked and the
 //! sha256 computed while writing, as for every source, and so is what the store publishes
 //! about the bytes ([`RangeSource::content_check`]): GCS's `md5Hash` (in the manifest) or,
-//! for a composed object, its `crc32c`; Azure's `Content-MD5`; S3's ETag when it is the MD5
-//! of the bytes (a single-part upload without SSE-KMS or SSE-C; a multipart ETag is an MD5 of
-//! the parts' MD5s, which would need each part's size). Azure and S3 take one HEAD of the
-//! listed version per file for that. A file with none of these is checked by its size only,
-//! and the model's status says so.
+//! for a composed object, its `crc32c`; Azure's `Content-MD5`; for S3, from one `HEAD` of the
+//! listed version with `x-amz-checksum-mode: ENABLED`, best first: a full-object checksum
+//! (CRC32, CRC32C, CRC64NVME, SHA1, SHA256), a composite checksum (`<value>-<N>`, the
+//! checksum of the parts' checksums), the ETag when it is the MD5 of the bytes (a single-part
+//! upload without SSE-KMS or SSE-C) or of the parts' MD5s (`<md5>-<N>`, a multipart upload
+//! without SSE-KMS or SSE-C). Composite values need each part's size: one
+//! `HEAD ?partNumber=N` per part gives its `Content-Length` (remembered per object version;
+//! sizes that do not add up to the object's, as from a store that ignores `partNumber`,
+//! leave the value unused). Azure takes one HEAD per file. A file with none of these (an
+//! SSE-KMS multipart object without a checksum, a store that answers no part HEAD) is checked
+//! by its size only, the reason logged, and the model's status says so
+//! (`integrity: size-only`).
 //!
 //! # Credentials and settings
 //! The usual environment of each cloud (`object_store`'s `from_env`: `AWS_*`, `GOOGLE_*`,

@@ -347,6 +347,73 @@ fn oci_model_is_ready_with_the_bucket_bytes_and_reuse_keeps_one_store() {
     );
 }
 
+/// A model in one of OME's legacy URI forms.
+fn legacy_oci_model(name: &str, uri: &str, policy: &str) -> String {
+    format!(
+        "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: {name}\nspec:\n  storage:\n    storageUri: {uri}\n    downloadPolicy: {policy}\n    parameters:\n      auth: UserPrincipal\n"
+    )
+}
+
+/// OME's legacy forms: `oci://<bucket>/<prefix>` asks the service for the namespace
+/// (`GET /n/`), `oci://<ns>@<region>/<bucket>/<prefix>` names it; both name the same objects
+/// as `oci://n/<ns>/b/<bucket>/o/<prefix>`, so a `ReuseIfExists` model in another form maps
+/// onto the first copy and nothing is fetched twice.
+#[test]
+fn legacy_oci_forms_serve_the_same_objects_as_omes_form() {
+    let oci = TestOci::start(1000);
+    let files = model_files(21, 1 << 20);
+    oci.put_files("legacy/v1", &files);
+    let env = TestEnv::new();
+    let key = ApiKey::generate(&env.dir("keys"), "agent");
+    key.register(&oci);
+    let config = key.config_file(&env.dir("keys"));
+    let d = start_daemon(&env, &oci, Some(&config));
+
+    env.write_models(
+        "a.yaml",
+        &legacy_oci_model(
+            "legacy-a",
+            &format!("oci://{BUCKET}/legacy/v1"),
+            "AlwaysDownload",
+        ),
+    );
+    let a = d.wait_model("clusterbasemodel.legacy-a", "Ready");
+    assert_tree(&env.mount.join("legacy-a"), &files);
+    assert_eq!(oci.server().stats().bytes_served, total(&files));
+
+    env.write_models(
+        "b.yaml",
+        &legacy_oci_model(
+            "legacy-b",
+            &format!("oci://{NS}@us-ashburn-1/{BUCKET}/legacy/v1"),
+            "ReuseIfExists",
+        ),
+    );
+    env.write_models(
+        "c.yaml",
+        &oci_model("legacy-c", "legacy/v1", "ReuseIfExists", ""),
+    );
+    for name in ["legacy-b", "legacy-c"] {
+        let m = d.wait_model(&format!("clusterbasemodel.{name}"), "Ready");
+        assert_tree(&env.mount.join(name), &files);
+        assert_eq!(
+            m["config"]["artifact"]["sha"], a["config"]["artifact"]["sha"],
+            "{name} names the same objects"
+        );
+    }
+    assert_eq!(env.stores_with_blobs().len(), 1, "one store for the three forms");
+    assert_eq!(oci.server().stats().bytes_served, total(&files));
+
+    // A bucket the tenancy does not have: the service's own reason.
+    env.write_models(
+        "d.yaml",
+        &legacy_oci_model("legacy-d", "oci://nosuchbucket/x", "AlwaysDownload"),
+    );
+    let failed = d.wait_model("clusterbasemodel.legacy-d", "Failed");
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("nosuchbucket"), "{reason}");
+}
+
 #[test]
 fn wrong_md5_and_truncated_bodies_never_reach_the_mount() {
     let oci = TestOci::start(1000);

@@ -476,10 +476,12 @@ impl Source {
             ))),
             SourceUri::Oci {
                 namespace,
+                region,
                 bucket,
                 prefix,
             } => Ok(Source::Oci(oci::OciSource::new(
                 namespace.clone(),
+                region.clone(),
                 bucket.clone(),
                 prefix.clone(),
                 parameters,

@@ -288,7 +288,11 @@ mod tests {
             (Some(TENSORRT_LLM_FORMAT), none.clone(), true),
             (Some(TENSORRT_LLM_FORMAT), map(&[("type", "Serving")]), true),
             (Some(TENSORRT_LLM_FORMAT), map(&[("other", "x")]), true),
-            (Some(TENSORRT_LLM_FORMAT), map(&[("type", "serving")]), false),
+            (
+                Some(TENSORRT_LLM_FORMAT),
+                map(&[("type", "serving")]),
+                false,
+            ),
             (Some(TENSORRT_LLM_FORMAT), map(&[("type", "")]), false),
             (Some("TensorRTLLM"), none.clone(), false),
             (Some("safetensors"), map(&[("type", "Serving")]), false),

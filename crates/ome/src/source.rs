@@ -433,7 +433,12 @@ fn parse_oci(uri: &str, rest: &str) -> Result<SourceUri, SourceUriError> {
                  (<namespace>@<region>/<bucket>/<prefix>)"
             )));
         }
-        (Some(ns).filter(|ns| !ns.is_empty()), Some(region), bucket, prefix)
+        (
+            Some(ns).filter(|ns| !ns.is_empty()),
+            Some(region),
+            bucket,
+            prefix,
+        )
     } else {
         let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
         (None, None, bucket, prefix)
@@ -645,7 +650,11 @@ mod tests {
             let parsed = SourceUri::parse(uri).unwrap_or_else(|e| panic!("{uri}: {e}"));
             assert_eq!(parsed, want, "{uri}");
             let shown = parsed.to_string();
-            assert_eq!(SourceUri::parse(&shown).unwrap(), want, "{uri} shown as {shown}");
+            assert_eq!(
+                SourceUri::parse(&shown).unwrap(),
+                want,
+                "{uri} shown as {shown}"
+            );
         }
         for (bad, why) in [
             ("oci://myns@us-phoenix-1", "the bucket name is missing"),

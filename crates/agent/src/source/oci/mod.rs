@@ -102,6 +102,9 @@ pub struct OciSource {
     region: Option<String>,
     /// The source as its URI shows it (log lines and reasons).
     shown: String,
+    /// The TensorRT-LLM shape alias: only objects whose name contains `/<alias>/` are kept
+    /// (`modelfs_ome::shape`).
+    shape: Option<String>,
     /// The model's Secret entry (user principal profile and key), if any.
     secret: Option<Token>,
     client: Arc<HubClient>,
@@ -181,12 +184,21 @@ impl OciSource {
                 .cloned()
                 .or(uri_region),
             shown,
+            shape: None,
             secret,
             client,
             config,
             throttle: Default::default(),
             etags: Arc::default(),
         })
+    }
+
+    /// Keeps only the objects of the TensorRT-LLM shape `alias` (`None`: every object).
+    pub fn with_shape(self, alias: Option<String>) -> Self {
+        Self {
+            shape: alias,
+            ..self
+        }
     }
 
     /// Reports every wait this source spends on HTTP 429 to `observer`.
@@ -552,6 +564,21 @@ impl OciSource {
             }
             .into());
         }
+        if let Some(alias) = &self.shape {
+            // OME's gopher filters the listing by the full object name (prefix included).
+            objects.retain(|o| modelfs_ome::shape::keeps(&o.key, alias));
+            if !objects
+                .iter()
+                .any(|o| !(o.size == 0 && o.key.ends_with('/')))
+            {
+                return Err(TransferError::Config {
+                    what: self.label(),
+                    detail: modelfs_ome::shape::nothing_kept_reason(alias),
+                }
+                .into());
+            }
+            tracing::info!(source = %self.label(), shape = %alias, objects = objects.len(), "TensorRT-LLM serving model: kept the objects of the node's shape");
+        }
         let manifest =
             pipeline::manifest_from_listing(&self.location(&session), &self.prefix, objects)?;
         let mut pinned = self.etags.lock().expect("etag map");
@@ -603,8 +630,13 @@ impl OciSource {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         let version = etag.clone().or(md5).unwrap_or_default();
-        let identity = size
-            .map(|size| object_identity(&format!("{}/{name}", self.location(session)), size, &version));
+        let identity = size.map(|size| {
+            object_identity(
+                &format!("{}/{name}", self.location(session)),
+                size,
+                &version,
+            )
+        });
         match entry.digest {
             FileDigest::Object { identity: want, .. } if Some(want) == identity => {
                 if let Some(etag) = &etag {

@@ -277,9 +277,10 @@ pub struct MountServerArgs {
 /// only, never from a flag, so it does not show in the process list.
 #[derive(clap::Args, Debug)]
 struct HfArgs {
-    /// Hugging Face endpoint.
-    #[arg(long, env = "HF_ENDPOINT", default_value = modelfs_agent::source::hf::DEFAULT_ENDPOINT)]
-    hf_endpoint: String,
+    /// Hugging Face endpoint [env: HF_ENDPOINT, else ENDPOINT (OME's agent's variable), else
+    /// https://huggingface.co].
+    #[arg(long, env = "HF_ENDPOINT")]
+    hf_endpoint: Option<String>,
     /// Files of one model downloaded at once.
     #[arg(long, default_value_t = DownloadTuning::default().max_files)]
     hf_max_files: usize,
@@ -327,11 +328,28 @@ struct HfArgs {
     hf_progress_log_secs: u64,
 }
 
+/// The hub endpoint: `--hf-endpoint`, else `HF_ENDPOINT` (both through clap), else `ENDPOINT`,
+/// the variable OME's model agent reads (its configuration binds the key `endpoint` to the
+/// environment), else the public hub. `HF_ENDPOINT` wins over `ENDPOINT` because it is the
+/// hub clients' own variable and more specific; empty values count as unset, as in OME.
+fn hub_endpoint(flag_or_hf_endpoint: Option<&str>, endpoint_env: Option<&str>) -> String {
+    [flag_or_hf_endpoint, endpoint_env]
+        .into_iter()
+        .flatten()
+        .map(str::trim)
+        .find(|value| !value.is_empty())
+        .unwrap_or(modelfs_agent::source::hf::DEFAULT_ENDPOINT)
+        .to_owned()
+}
+
 impl HfArgs {
     fn config(&self) -> HfConfig {
         let defaults = DownloadTuning::default();
         HfConfig {
-            endpoint: self.hf_endpoint.clone(),
+            endpoint: hub_endpoint(
+                self.hf_endpoint.as_deref(),
+                std::env::var("ENDPOINT").ok().as_deref(),
+            ),
             default_token: std::env::var("HF_TOKEN")
                 .ok()
                 .filter(|t| !t.trim().is_empty())
@@ -823,4 +841,30 @@ fn hf_cache_dir(arg: &str) -> Result<Option<modelfs_ome::MountPath>> {
     modelfs_ome::MountPath::from_relative(arg)
         .map(Some)
         .with_context(|| format!("--hf-cache-dir {arg:?} must be a relative path below the mount"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hub_endpoint;
+
+    /// `--hf-endpoint`/`HF_ENDPOINT` first, then OME's `ENDPOINT`, then the public hub; empty
+    /// values are skipped.
+    #[test]
+    fn hub_endpoint_order() {
+        let cases = [
+            (Some("http://a"), Some("http://b"), "http://a"),
+            (None, Some("http://b"), "http://b"),
+            (Some(""), Some("http://b"), "http://b"),
+            (Some("  "), Some(" http://b "), "http://b"),
+            (None, Some(""), modelfs_agent::source::hf::DEFAULT_ENDPOINT),
+            (None, None, modelfs_agent::source::hf::DEFAULT_ENDPOINT),
+        ];
+        for (hf_endpoint, endpoint, expected) in cases {
+            assert_eq!(
+                hub_endpoint(hf_endpoint, endpoint),
+                expected,
+                "HF_ENDPOINT {hf_endpoint:?}, ENDPOINT {endpoint:?}"
+            );
+        }
+    }
 }

@@ -168,7 +168,17 @@ pub fn table(doc: &StatusDoc) -> String {
     out
 }
 
+/// The MODEL cell, with the TensorRT-LLM shape the files were chosen for, if any.
 fn model_column(e: &modelfs_ome::status::ModelStatus) -> String {
+    let model = described_model(e);
+    match &e.shape {
+        Some(shape) if model == "-" => format!("shape {shape}"),
+        Some(shape) => format!("{model} (shape {shape})"),
+        None => model,
+    }
+}
+
+fn described_model(e: &modelfs_ome::status::ModelStatus) -> String {
     let c = &e.config;
     if c.has_derived() {
         let arch = if c.model_architecture.is_empty() {
@@ -193,6 +203,48 @@ mod tests {
     use modelfs_ome::status::ModelStatus;
 
     use super::*;
+
+    /// A TensorRT-LLM model's shape is shown in the MODEL column, after what its config
+    /// describes (or alone when nothing is derived).
+    #[test]
+    fn the_shape_is_shown_beside_the_model() {
+        let mut doc = StatusDoc::new();
+        let mut described = ModelStatus {
+            status: "Ready".into(),
+            shape: Some("H100".into()),
+            ..Default::default()
+        };
+        described.config.model_architecture = "LlamaForCausalLM".into();
+        described.config.model_parameter_size = "8B".into();
+        described.config.model_format = Some(modelfs_ome::modelconfig::NameVersion {
+            name: "safetensors".into(),
+            version: None,
+        });
+        doc.insert("clusterbasemodel.described".into(), Arc::new(described));
+        doc.insert(
+            "clusterbasemodel.engines".into(),
+            Arc::new(ModelStatus {
+                status: "Ready".into(),
+                shape: Some("A100-80G".into()),
+                ..Default::default()
+            }),
+        );
+        let out = table(&doc);
+        let row = |key: &str| {
+            out.lines()
+                .find(|l| l.starts_with(key))
+                .unwrap_or_else(|| panic!("{out}"))
+                .to_owned()
+        };
+        assert!(
+            row("clusterbasemodel.described").contains("LlamaForCausalLM 8B (shape H100)"),
+            "{out}"
+        );
+        assert!(
+            row("clusterbasemodel.engines").contains("  shape A100-80G  "),
+            "{out}"
+        );
+    }
 
     #[test]
     fn a_long_reason_is_cut_in_the_table_and_printed_whole_below_it() {

@@ -43,6 +43,10 @@ pub struct ModelSpec {
     pub parameters: BTreeMap<String, String>,
     /// `metadata.labels`.
     pub labels: BTreeMap<String, String>,
+    /// The TensorRT-LLM shape alias whose objects alone make the artifact
+    /// ([`crate::shape`]); set by the Kubernetes planner from the node, `None` elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<String>,
 }
 
 impl ModelSpec {
@@ -176,6 +180,7 @@ impl ModelObject {
             token_secret: storage.key.clone().filter(|secret| !secret.is_empty()),
             parameters: storage.parameters.clone(),
             labels: self.metadata.labels.clone(),
+            shape: None,
         })
     }
 }

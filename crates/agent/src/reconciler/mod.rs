@@ -520,6 +520,12 @@ pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> St
         h.update(b"parameters\0");
         h.update(p.as_bytes());
     }
+    // Only when filtered, so other models keep their fingerprints; a relabelled node (another
+    // alias) selects other objects and needs a new resolve.
+    if let Some(shape) = &spec.shape {
+        h.update(b"shape\0");
+        h.update(shape.as_bytes());
+    }
     hex::encode(&h.finalize()[..16])
 }
 
@@ -546,6 +552,21 @@ pub fn parameters_digest(parameters: &BTreeMap<String, String>) -> Option<String
         h.update(v.as_bytes());
         h.update([0]);
     }
+    Some(hex::encode(&h.finalize()[..16]))
+}
+
+/// What the records keep of everything besides the URI that selects a model's files: the
+/// parameters' digest and, for a TensorRT-LLM model, the shape alias its objects are filtered
+/// by, so that an artifact is reused only for the same selection (a relabelled node resolves
+/// again). Without a shape it is [`parameters_digest`], so existing records keep matching.
+fn selection_digest(spec: &ModelSpec) -> Option<String> {
+    let Some(shape) = &spec.shape else {
+        return parameters_digest(&spec.parameters);
+    };
+    let mut h = Sha256::new();
+    h.update(parameters_digest(&spec.parameters).unwrap_or_default());
+    h.update(b"\0shape\0");
+    h.update(shape.as_bytes());
     Some(hex::encode(&h.finalize()[..16]))
 }
 
@@ -1200,14 +1221,13 @@ impl Reconciler {
         {
             return;
         }
-        let source =
-            match Source::for_uri(&spec.source, &self.config.sources, token, &spec.parameters) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(model = %key, error = %e, "re-resolve skipped");
-                    return;
-                }
-            };
+        let source = match Source::for_uri(&spec.source, &self.config.sources, token, spec) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(model = %key, error = %e, "re-resolve skipped");
+                return;
+            }
+        };
         tracing::info!(model = %key, source = %spec.source, "resolving again (periodic)");
         let cancel = self.begin_resolving(key, &fp, spec, &source, true);
         self.spawn_resolve(key, fp, source, &cancel);
@@ -1417,23 +1437,22 @@ impl Reconciler {
             self.fail_conflict(key, &fp, reason, None);
             return true;
         }
-        let source =
-            match Source::for_uri(&spec.source, &self.config.sources, token, &spec.parameters) {
-                Ok(s) => {
-                    let (metrics, labels) = (self.metrics.clone(), ome_labels(key));
-                    s.observe_throttling(crate::source::ThrottleObserver::new(move |waited| {
-                        metrics
-                            .ome
-                            .rate_limit_wait
-                            .get_or_create(&labels)
-                            .observe(waited.as_secs_f64())
-                    }))
-                }
-                Err(e) => {
-                    self.fail(key, &fp, &e);
-                    return true;
-                }
-            };
+        let source = match Source::for_uri(&spec.source, &self.config.sources, token, spec) {
+            Ok(s) => {
+                let (metrics, labels) = (self.metrics.clone(), ome_labels(key));
+                s.observe_throttling(crate::source::ThrottleObserver::new(move |waited| {
+                    metrics
+                        .ome
+                        .rate_limit_wait
+                        .get_or_create(&labels)
+                        .observe(waited.as_secs_f64())
+                }))
+            }
+            Err(e) => {
+                self.fail(key, &fp, &e);
+                return true;
+            }
+        };
         self.records.model_mut(key).expect("record").phase = ModelPhase::Updating;
         let rec = &self.records.models()[key];
         // Same source (and parameters) as the served artifact: only policy, path or label
@@ -1441,7 +1460,7 @@ impl Reconciler {
         let known = match (rec.artifact.clone(), rec.served_source.clone()) {
             (Some(a), Some(src))
                 if src == spec.source.to_string()
-                    && rec.served_parameters == parameters_digest(&spec.parameters) =>
+                    && rec.served_parameters == selection_digest(spec) =>
             {
                 self.artifact(&a)
             }
@@ -1525,7 +1544,7 @@ impl Reconciler {
             sha: manifest.revision.clone(),
             path: spec.path.clone(),
             source: spec.source.to_string(),
-            parameters: parameters_digest(&spec.parameters),
+            parameters: selection_digest(spec),
         }
     }
 

@@ -235,8 +235,12 @@ impl ObjectSource {
                 let http = super::proxy::configure(config.proxies.for_scheme("s3"), builder)
                     .and_then(|b| b.build())
                     .map_err(|e| config_error(&what, e.to_string()))?;
+                let region = b
+                    .get_config_value(&object_store::aws::AmazonS3ConfigKey::Region)
+                    .unwrap_or_else(|| "us-east-1".to_string());
                 s3 = Some(Arc::new(S3Heads {
                     signer,
+                    region,
                     anonymous,
                     http,
                     parts: Mutex::default(),
@@ -594,11 +598,16 @@ impl RangeSource for ObjectSource {
 
 /// The S3 HEADs `object_store` cannot send: with `x-amz-checksum-mode: ENABLED` (the
 /// object's checksum) and `?partNumber=N` (one part's size), both of which must be signed.
-/// They go out as presigned URLs (the same credentials, endpoint and addressing as every other
-/// request of the source) through a client with the source's proxy.
+/// The URL comes from `object_store`'s signer (the same endpoint and addressing as every other
+/// request of the source, its signature dropped); the request is signed in its headers
+/// (SigV4 `Authorization`, as every other request of the source, not a presigned query: some
+/// S3-compatible servers answer presigned requests only for GET) and goes out through a
+/// client with the source's proxy.
 #[derive(Debug)]
 struct S3Heads {
     signer: object_store::aws::AmazonS3,
+    /// The region requests are signed for.
+    region: String,
     anonymous: bool,
     http: reqwest::Client,
     /// The part sizes of each multipart object version (key, ETag), once known; `None`: the
@@ -654,18 +663,43 @@ impl S3Heads {
                 what: what.into(),
                 detail: format!("signing a HEAD request: {e}"),
             })?;
+        // Only the object's address and `partNumber` are kept from the presigned URL.
+        let kept: Vec<(String, String)> = url
+            .query_pairs()
+            .filter(|(k, _)| !k.to_ascii_lowercase().starts_with("x-amz-"))
+            .map(|(k, v)| (k.into_owned(), v.into_owned()))
+            .collect();
+        url.query_pairs_mut().clear().extend_pairs(kept);
+        if url.query() == Some("") {
+            url.set_query(None);
+        }
+        let mut request = self.http.head(url.as_str());
         if self.anonymous {
-            let kept: Vec<(String, String)> = url
-                .query_pairs()
-                .filter(|(k, _)| !k.to_ascii_lowercase().starts_with("x-amz-"))
-                .map(|(k, v)| (k.into_owned(), v.into_owned()))
-                .collect();
-            url.query_pairs_mut().clear().extend_pairs(kept);
-            if url.query() == Some("") {
-                url.set_query(None);
+            request = request.header(mode.0, mode.1);
+        } else {
+            let signing_error = |detail: String| TransferError::Config {
+                what: what.into(),
+                detail: format!("signing a HEAD request: {detail}"),
+            };
+            let credential = self
+                .signer
+                .credentials()
+                .get_credential()
+                .await
+                .map_err(|e| signing_error(e.to_string()))?;
+            let mut signed = http::Request::builder()
+                .method(http::Method::HEAD)
+                .uri(url.as_str())
+                .header(mode.0, mode.1)
+                .body(object_store::client::HttpRequestBody::empty())
+                .map_err(|e| signing_error(e.to_string()))?;
+            object_store::aws::AwsAuthorizer::new(&credential, "s3", &self.region)
+                .try_authorize(&mut signed, None)
+                .map_err(|e| signing_error(e.to_string()))?;
+            for (name, value) in signed.headers() {
+                request = request.header(name, value);
             }
         }
-        let mut request = self.http.head(url.as_str()).header(mode.0, mode.1);
         if let Some(v) = if_match {
             request = request.header(reqwest::header::IF_MATCH, v);
         }

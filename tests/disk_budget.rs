@@ -135,7 +135,11 @@ fn a_fetch_that_cannot_fit_is_refused_with_the_reason_and_starts_when_space_is_f
     );
     assert!(reason.ends_with("free under the budget"), "{reason}");
     // Not started: no store holds a byte of it, nothing is at its path.
-    assert!(env.stores_with_blobs().is_empty(), "{:?}", env.stores_with_blobs());
+    assert!(
+        env.stores_with_blobs().is_empty(),
+        "{:?}",
+        env.stores_with_blobs()
+    );
     assert!(!env.mount.join("big").exists());
     assert!(d.metric("modelfs_disk_refused_fetches_total") >= 1.0);
     d.wait_until("the shortfall is reported", Duration::from_secs(10), |_| {
@@ -151,7 +155,8 @@ fn a_fetch_that_cannot_fit_is_refused_with_the_reason_and_starts_when_space_is_f
     assert!(out.status.success(), "{text}");
     assert!(text.contains("InsufficientStorage"), "{text}");
     assert!(
-        text.lines().any(|l| l.starts_with("disk: ") && l.contains("free under the budget (100%")),
+        text.lines()
+            .any(|l| l.starts_with("disk: ") && l.contains("free under the budget (100%")),
         "{text}"
     );
 
@@ -178,10 +183,7 @@ fn under_pressure_unserved_stores_go_oldest_first_reserved_last_and_never_an_ope
         make_model_dir(&dir, 10 + i as u64, 2 << 20);
         srcs.insert(*name, dir);
     }
-    let d = Daemon::start(
-        &env,
-        &["--disk-budget", "100%", "--gc-grace-secs", "3600"],
-    );
+    let d = Daemon::start(&env, &["--disk-budget", "100%", "--gc-grace-secs", "3600"]);
     for name in ["a", "b", "s"] {
         env.write_models(
             &format!("{name}.yaml"),
@@ -214,7 +216,10 @@ fn under_pressure_unserved_stores_go_oldest_first_reserved_last_and_never_an_ope
         });
     }
     for name in ["a", "b", "r"] {
-        assert!(store_dir(&env, &store(name)).exists(), "{name} kept in grace");
+        assert!(
+            store_dir(&env, &store(name)).exists(),
+            "{name} kept in grace"
+        );
     }
 
     // A new model needs more than a's store frees: with b open, the reserved store goes too.
@@ -223,17 +228,32 @@ fn under_pressure_unserved_stores_go_oldest_first_reserved_last_and_never_an_ope
     let needed = tree_size(&n);
     let a_bytes = tree_size(&srcs["a"]);
     let filler = fill_leaving(&env.state, "filler", 1 << 20);
-    assert!(needed > a_bytes + (1 << 20), "the test needs a shortfall above a's store");
+    assert!(
+        needed > a_bytes + (1 << 20),
+        "the test needs a shortfall above a's store"
+    );
     env.write_models(
         "n.yaml",
         &cluster_model("n", &uri(&n), "AlwaysDownload", None),
     );
     d.wait_model("clusterbasemodel.n", "Ready");
     assert_eq!(contents(&env.mount.join("n")), contents(&n));
-    assert!(!store_dir(&env, &store("a")).exists(), "a (in grace) was reclaimed");
-    assert!(!store_dir(&env, &store("r")).exists(), "the reserved store was reclaimed");
-    assert!(store_dir(&env, &store("b")).exists(), "an open store never goes");
-    assert!(store_dir(&env, &store("s")).exists(), "a served store never goes");
+    assert!(
+        !store_dir(&env, &store("a")).exists(),
+        "a (in grace) was reclaimed"
+    );
+    assert!(
+        !store_dir(&env, &store("r")).exists(),
+        "the reserved store was reclaimed"
+    );
+    assert!(
+        store_dir(&env, &store("b")).exists(),
+        "an open store never goes"
+    );
+    assert!(
+        store_dir(&env, &store("s")).exists(),
+        "a served store never goes"
+    );
     assert_eq!(d.metric("modelfs_disk_reclaimed_stores_total"), 2.0);
     let log = d.log_text();
     let reclaimed: Vec<&str> = log

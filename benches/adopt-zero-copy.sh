@@ -5,9 +5,10 @@
 #
 # Generates an old-agent tree of SIZE_MIB (default 2048) under a models root, as OME's agent
 # leaves it (`<root>/<path>/<files>`, root-owned, 0644), and serves the same files from the
-# loopback hub (modelfs-hub) as hf://bench/model. Then, for each placement:
-#   same:  --mount $WORK/same/models, no --state (default: $WORK/same/.modelfs-models);
-#   other: --mount $WORK/other/models, --state on a tmpfs (another filesystem);
+# loopback hub (modelfs-hub) as hf://bench/model. The models roots live on an ext4 filesystem
+# of their own (a loop device), so `df` sees nothing but the daemon. Then, for each placement:
+#   same:  --mount $FS/s/models, no --state (default: $FS/s/.modelfs-models);
+#   other: --mount $FS/o/models, --state on a tmpfs (another filesystem);
 # starts `modelfs serve`, waits for the model to be Ready, and reports: `df` of the models
 # root's filesystem and of the state's before and after, bytes the agent read from storage
 # (/proc/<agent>/io read_bytes, page cache dropped before), bytes the hub served (0: nothing
@@ -15,7 +16,8 @@
 #
 # Usage: benches/adopt-zero-copy.sh
 # Env:   SIZE_MIB (default 2048), WORK (default a new temp dir), PROFILE (release|debug,
-#        default release), CARGO_TARGET_DIR (default target).
+#        default release), CARGO_TARGET_DIR (default target), NO_BUILD (set: use the binaries
+#        as they are).
 # Needs root (mounts FUSE and a tmpfs, drops the page cache).
 set -euo pipefail
 
@@ -23,9 +25,12 @@ SIZE_MIB=${SIZE_MIB:-2048}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 PROFILE=${PROFILE:-release}
-WORK=${WORK:-$(mktemp -d /tmp/modelfs-bench-adopt.XXXXXX)}
+# Short paths: the agent socket lives below the state directory (sun_path is 108 bytes).
+WORK=${WORK:-$(mktemp -d /tmp/mfs-adopt.XXXXXX)}
 
-if [[ $PROFILE == release ]]; then
+if [[ -n ${NO_BUILD:-} ]]; then
+  :
+elif [[ $PROFILE == release ]]; then
   cargo build --release --quiet -p modelfs -p modelfs-devhub --bin modelfs --bin modelfs-hub
 else
   cargo build --quiet -p modelfs -p modelfs-devhub --bin modelfs --bin modelfs-hub
@@ -36,7 +41,7 @@ HUB=$TARGET/$PROFILE/modelfs-hub
 cleanup() {
   [[ -n ${D_PID:-} ]] && kill -INT "$D_PID" 2>/dev/null && wait "$D_PID" 2>/dev/null || true
   [[ -n ${HUB_PID:-} ]] && kill "$HUB_PID" 2>/dev/null || true
-  for m in "$WORK/same/models" "$WORK/other/models" "$WORK/other-state"; do
+  for m in "$FS/s/models" "$FS/o/models" "$WORK/other-state" "$FS"; do
     umount -l "$m" 2>/dev/null || true
   done
 }
@@ -62,12 +67,20 @@ URL=$(sed -n 's/^listening //p' "$WORK/hub.out")
 [[ -n $URL ]] || { echo "hub did not start"; cat "$WORK/hub.err"; exit 1; }
 hub_bytes() { curl -s "$URL/_hub/stats" | jq -r .bytes_served; }
 
+# The filesystem of the models roots: ext4 on a loop device, room for two old trees.
+FS=$WORK/f
+mkdir -p "$FS"
+rm -f "$WORK/fs.img"
+truncate -s $((3 * SIZE_MIB + 1024))M "$WORK/fs.img"
+mkfs.ext4 -q -F "$WORK/fs.img"
+mount -o loop "$WORK/fs.img" "$FS"
+
 drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 used_kib() { df --output=used -k "$1" | tail -1 | tr -d ' '; }
 
 run() {
   local name=$1 state_flag=$2 state_dir=$3
-  local base=$WORK/$name models=$WORK/$name/models
+  local base=$FS/${name:0:1} models=$FS/${name:0:1}/models
   rm -rf "$base" && mkdir -p "$models/llama"
   # The old agent's download: a copy of the files at the model's path.
   cp "$SRC"/* "$models/llama/"
@@ -133,9 +146,9 @@ EOF
 }
 
 echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
-echo "filesystem of $WORK: $(df --output=fstype "$WORK" | tail -1 | tr -d ' ')"
+echo "models roots on: $(df --output=fstype "$FS" | tail -1 | tr -d ' ') (loop device, $((3 * SIZE_MIB + 1024)) MiB)"
 echo "adopting $((TOTAL >> 20)) MiB (5 files) left by an old agent"
-run same "" "$WORK/same/.modelfs-models"
+run same "" "$FS/s/.modelfs-models"
 mkdir -p "$WORK/other-state"
 mount -t tmpfs -o size=$((SIZE_MIB + 512))m modelfs-bench-state "$WORK/other-state"
 run other "--state $WORK/other-state" "$WORK/other-state"

@@ -777,7 +777,7 @@ impl Reconciler {
         r.remap();
         r.refresh_store_bytes();
         r.report_placement();
-        r.measure_disk();
+        r.measure_disk(true);
         let disk = r.disk.shared.clone();
         r.save();
         r.publish();
@@ -1860,10 +1860,9 @@ impl Reconciler {
                 Effect::Fail {
                     key,
                     reason,
-                    retry: decide::RetryKind::Space { shortfall },
+                    retry: decide::RetryKind::Space { needed },
                 } => {
                     let fp = self.fingerprint_of(&key);
-                    let needed = self.disk.shared.load().free_for_new_fetch() + shortfall;
                     self.refuse_for_space(&key, &fp, reason, needed);
                     self.work_changed(&key);
                 }

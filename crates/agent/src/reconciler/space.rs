@@ -37,14 +37,24 @@ use modelfs_ome::{ModelKey, ModelSpec};
 /// when space appears).
 pub(super) const SPACE_BACKSTOP: Duration = Duration::from_secs(60);
 
+/// With nothing refused and nothing admitted, the passes over every store (the bytes of all
+/// stores, of reserved and releasable ones) run this often; otherwise at every tick. An idle
+/// tick costs one `statvfs`.
+const FULL_MEASURE_IDLE: Duration = Duration::from_secs(30);
+
 /// The actor's disk bookkeeping.
 pub(super) struct Disk {
     pub(super) budget: Option<DiskBudget>,
     /// The store and the models root are one mount: adoption links.
     pub(super) links: bool,
     pub(super) shared: Arc<ArcSwap<DiskState>>,
-    /// Bytes each fetch in progress was admitted with.
+    /// Bytes each fetch in progress was admitted with, and their sum.
     admitted: HashMap<ModelKey, u64>,
+    admitted_total: u64,
+    /// Of `admitted_total`, what the fetches had written at the last full measurement.
+    written_seen: u64,
+    /// When the passes over every store last ran.
+    last_full: Option<Instant>,
     /// Models refused for space, with the bytes their fetch needs.
     pub(super) refused: BTreeMap<ModelKey, u64>,
 }
@@ -56,6 +66,9 @@ impl Disk {
             links: false,
             shared: Arc::new(ArcSwap::from_pointee(DiskState::default())),
             admitted: HashMap::new(),
+            admitted_total: 0,
+            written_seen: 0,
+            last_full: None,
             refused: BTreeMap::new(),
         }
     }
@@ -138,10 +151,28 @@ impl Reconciler {
         );
     }
 
-    /// Measures the disk (one `statvfs`, the store sizes the actor keeps), publishes it and
-    /// sets the gauges.
-    pub(super) fn measure_disk(&mut self) -> Arc<DiskState> {
+    /// Measures the disk, publishes it and sets the gauges: one `statvfs`, and (`full`) the
+    /// passes over every store and every admitted fetch; without `full` their last results
+    /// are reused.
+    pub(super) fn measure_disk(&mut self, full: bool) -> Arc<DiskState> {
         let fs = FsSpace::of(self.state.root()).unwrap_or_default();
+        let last = self.disk.shared.load_full();
+        if !full && self.disk.last_full.is_some() {
+            let free = self
+                .disk
+                .budget
+                .map(|b| b.free(&fs, last.stores_bytes))
+                .unwrap_or(fs.available);
+            let state = Arc::new(DiskState {
+                filesystem: fs,
+                free_bytes: free,
+                budget_bytes: self.disk.budget.map(|b| b.limit(&fs)).unwrap_or(fs.size),
+                ..(*last).clone()
+            });
+            self.publish_disk(&state);
+            return state;
+        }
+        self.disk.last_full = Some(Instant::now());
         let stores_bytes: u64 = self.store_bytes.values().sum();
         let mut reserved = 0;
         let mut releasable = 0;
@@ -156,18 +187,23 @@ impl Reconciler {
                 releasable += bytes;
             }
         }
-        // What admitted fetches will still write: admitted minus written so far.
+        // What admitted fetches will still write: admitted minus written so far. Fetches that
+        // ended leave the sums.
         let mut committed = 0u64;
+        let mut total = 0u64;
         let works = &self.works;
         self.disk.admitted.retain(|k, admitted| {
             let Some(Stage::Fetching { progress, .. }) = works.get(k).map(|w| &w.stage) else {
                 return false;
             };
+            total = total.saturating_add(*admitted);
             committed = committed.saturating_add(
                 admitted.saturating_sub(progress.fetched_bytes.load(Ordering::Relaxed)),
             );
             true
         });
+        self.disk.admitted_total = total;
+        self.disk.written_seen = total - committed;
         let budget = self.disk.budget;
         let state = DiskState {
             state_dir: self.state.root().display().to_string(),
@@ -197,6 +233,11 @@ impl Reconciler {
             shortfall_bytes: shortfall,
             ..state
         });
+        self.publish_disk(&state);
+        state
+    }
+
+    fn publish_disk(&self, state: &Arc<DiskState>) {
         let m = &self.metrics.disk;
         m.free_bytes.set(gauge(state.free_bytes));
         m.used_bytes.set(gauge(state.stores_bytes));
@@ -204,9 +245,26 @@ impl Reconciler {
         m.budget_bytes.set(gauge(state.budget_bytes));
         m.filesystem_available_bytes
             .set(gauge(state.filesystem.available));
-        m.shortfall_bytes.set(gauge(shortfall));
+        m.shortfall_bytes.set(gauge(state.shortfall_bytes));
         self.disk.shared.store(state.clone());
-        state
+    }
+
+    /// Free bytes for a new fetch now: a fresh `statvfs`, the stores' bytes from the last full
+    /// measurement, and what admitted fetches will still write (admitted since then counted
+    /// whole). Costs no pass over the stores: it runs at every placement.
+    fn free_now(&self) -> u64 {
+        let fs = FsSpace::of(self.state.root()).unwrap_or_default();
+        let last = self.disk.shared.load();
+        let free = self
+            .disk
+            .budget
+            .map(|b| b.free(&fs, last.stores_bytes))
+            .unwrap_or(fs.available);
+        let committed = self
+            .disk
+            .admitted_total
+            .saturating_sub(self.disk.written_seen);
+        free.saturating_sub(committed)
     }
 
     /// What admission needs to know for a fetch of `manifest` by `key` (`None`: no budget).
@@ -217,7 +275,6 @@ impl Reconciler {
         manifest: &Manifest,
     ) -> Option<Space> {
         self.disk.budget?;
-        let disk = self.measure_disk();
         let own = self.records.owned_store(key).cloned();
         let held = self.known_blobs(&[own], None).known;
         let adopt = if self.disk.links {
@@ -242,7 +299,7 @@ impl Reconciler {
             }
         }
         Some(Space {
-            free: disk.free_for_new_fetch(),
+            free: self.free_now(),
             needed,
         })
     }
@@ -257,7 +314,12 @@ impl Reconciler {
             self.works.get(key).map(|w| &w.stage),
             Some(Stage::Fetching { .. })
         ) {
-            self.disk.admitted.insert(key.clone(), space.needed);
+            let before = self.disk.admitted.insert(key.clone(), space.needed);
+            self.disk.admitted_total = self
+                .disk
+                .admitted_total
+                .saturating_sub(before.unwrap_or(0))
+                .saturating_add(space.needed);
             self.disk.refused.remove(key);
         }
     }
@@ -271,10 +333,18 @@ impl Reconciler {
         reason: String,
         needed: u64,
     ) {
-        self.cancel_work(key);
-        self.disk.admitted.remove(key);
-        self.disk.refused.insert(key.clone(), needed);
         self.metrics.disk.refused_fetches.inc();
+        tracing::warn!(model = %key, reason, "fetch not started: it does not fit under the disk budget");
+        self.wait_for_space(key, fp, reason, needed);
+    }
+
+    /// `key` is `Failed` with `reason` until `needed` bytes fit.
+    fn wait_for_space(&mut self, key: &ModelKey, fp: &str, reason: String, needed: u64) {
+        self.cancel_work(key);
+        if let Some(n) = self.disk.admitted.remove(key) {
+            self.disk.admitted_total = self.disk.admitted_total.saturating_sub(n);
+        }
+        self.disk.refused.insert(key.clone(), needed);
         self.retries.insert(
             key.clone(),
             Retry {
@@ -283,7 +353,6 @@ impl Reconciler {
                 at: Instant::now() + SPACE_BACKSTOP,
             },
         );
-        tracing::warn!(model = %key, reason, "fetch not started: it does not fit under the disk budget");
         if let Some(mut rec) = self.records.model_mut(key) {
             rec.phase = super::records::ModelPhase::Failed;
             rec.reason = Some(reason);
@@ -297,13 +366,13 @@ impl Reconciler {
             return false;
         }
         let needed = self.disk.admitted.get(key).copied().unwrap_or(0);
-        let disk = self.measure_disk();
+        let disk = self.measure_disk(true);
         self.metrics.disk.disk_full_fetches.inc();
         tracing::warn!(model = %key, error = %err, "the disk filled during the fetch");
         let reason = decide::space::disk_full_reason(disk.free_for_new_fetch());
         // At least one byte more than is free now: it waits until the disk has room again.
         let needed = needed.max(disk.free_for_new_fetch().saturating_add(1));
-        self.refuse_for_space(key, fp, reason, needed);
+        self.wait_for_space(key, fp, reason, needed);
         true
     }
 
@@ -326,10 +395,19 @@ impl Reconciler {
                 self.disk.refused.remove(&k);
             }
         }
-        let mut disk = self.measure_disk();
+        let busy = !self.disk.refused.is_empty() || !self.disk.admitted.is_empty();
+        let full = busy
+            || self
+                .disk
+                .last_full
+                .is_none_or(|t| t.elapsed() >= FULL_MEASURE_IDLE);
+        let mut disk = self.measure_disk(full);
+        if self.disk.refused.is_empty() {
+            return false;
+        }
         let mut changed = false;
         if disk.shortfall_bytes > 0 && self.reclaim(disk.shortfall_bytes) {
-            disk = self.measure_disk();
+            disk = self.measure_disk(true);
             changed = true;
         }
         // The refused models that fit now, smallest first, each counted against the rest.

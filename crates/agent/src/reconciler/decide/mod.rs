@@ -203,7 +203,7 @@ pub fn decide(records: &mut Records, event: &Event) -> Decision {
                             key: key.clone(),
                             reason: space::insufficient_reason(&space),
                             retry: RetryKind::Space {
-                                shortfall: space.shortfall(),
+                                needed: space.needed,
                             },
                         });
                         return d;
@@ -474,10 +474,9 @@ pub enum RetryKind {
     /// Transient, counting the refusals of the mount server (serving the model in between
     /// does not reset the backoff).
     MountRefused,
-    /// The fetch does not fit under the disk budget by `shortfall` bytes: reclaim under
-    /// pressure, then retried on a short timer and after every pass that frees bytes (see
-    /// [`space`]).
-    Space { shortfall: u64 },
+    /// The fetch, which writes `needed` bytes, does not fit under the disk budget: what
+    /// nothing serves is reclaimed, and it is retried as soon as it fits (see [`space`]).
+    Space { needed: u64 },
 }
 
 /// Users of one store that move to a store of their own (see [`hand_over_or_release`]).

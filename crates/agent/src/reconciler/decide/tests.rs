@@ -802,7 +802,7 @@ fn decide_effects_table() {
                 }),
             }),
             effects: vec![
-                "m fails (Space { shortfall: 313532612608 }): InsufficientStorage: needs 412 GiB, 120 GiB free under the budget",
+                "m fails (Space { needed: 442381631488 }): InsufficientStorage: needs 412 GiB, 120 GiB free under the budget",
             ],
             records: vec!["m <- -"],
         },

@@ -230,6 +230,11 @@ impl Candidates {
     pub(super) fn is_empty(&self) -> bool {
         self.first_seen.is_empty()
     }
+
+    /// When `tag` (`store:<id>`, ...) was first seen as garbage, if it is waiting.
+    pub(super) fn first_seen(&self, tag: &str) -> Option<Instant> {
+        self.first_seen.get(tag).copied()
+    }
 }
 
 impl Reconciler {

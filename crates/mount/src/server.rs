@@ -29,6 +29,10 @@ const USAGE_POLL: Duration = Duration::from_millis(100);
 
 /// Longest wait for an agent's `hello`.
 const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+/// Most agent connections served at once (one thread each). One agent holds one; the rest is
+/// room for an agent reconnecting before its old connection's end is seen, and for probes.
+/// A connection beyond it is told why and closed at once, without a thread.
+pub const MAX_CONNECTIONS: usize = 16;
 
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -716,26 +720,58 @@ fn unique_suffix() -> u64 {
 }
 
 fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
+    let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for stream in listener.incoming() {
         if shared.stopping.load(Ordering::Relaxed) {
             return;
         }
         match stream {
-            Ok(stream) => {
+            Ok(mut stream) => {
+                if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+                    // Answered from this thread: the line fits the socket's buffer, and the
+                    // timeout bounds the write should it not.
+                    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+                    let _ = refuse(
+                        &mut stream,
+                        format!(
+                            "too many connections: this mount server serves at most \
+                             {MAX_CONNECTIONS} agent connections at once"
+                        ),
+                    );
+                    continue;
+                }
+                active.fetch_add(1, Ordering::AcqRel);
+                let slot = ConnectionSlot(active.clone());
                 let shared = shared.clone();
-                let _ = std::thread::Builder::new()
-                    .name("agent-conn".into())
-                    .spawn(move || {
-                        if let Err(e) = serve_peer(&shared, stream) {
-                            tracing::warn!(error = %e, "agent connection ended");
-                        }
-                    });
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("agent-conn".into())
+                        .spawn(move || {
+                            let _slot = slot;
+                            if let Err(e) = serve_peer(&shared, stream) {
+                                tracing::warn!(error = %e, "agent connection ended");
+                            }
+                        });
+                if let Err(e) = spawned {
+                    // The closure (and with it the slot) was dropped.
+                    tracing::warn!(error = %e, "no thread for an agent connection");
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accepting an agent connection");
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
+    }
+}
+
+/// One connection counted against [`MAX_CONNECTIONS`]; released when its thread ends, however
+/// it ends.
+struct ConnectionSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -345,7 +345,11 @@ async fn targeting_malformed_objects_and_api_restarts() {
         // a model Ready, the pod binds the node directory): a path that climbs is.
         (
             "badpath",
-            base_model("t", "badpath", json!({"storageUri": uri, "path": "/etc/../m"})),
+            base_model(
+                "t",
+                "badpath",
+                json!({"storageUri": uri, "path": "/etc/../m"}),
+            ),
             "\"..\" is not allowed",
         ),
     ];

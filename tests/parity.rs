@@ -87,3 +87,51 @@ fn models_whose_files_are_outside_the_models_root_are_ready_and_serve_nothing() 
     );
     assert!(d.stop(), "clean shutdown");
 }
+
+/// `vendor://` below the models root: `Ready`, and its path is an empty read-only directory in
+/// the mount, so a runtime that binds it or creates it (`mkdir -p`) starts; writing into it is
+/// refused. A served model beside it is unaffected, and the directory goes with the model.
+#[test]
+fn a_vendor_model_below_the_models_root_is_an_empty_read_only_directory() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 3, 1 << 12);
+    let local_uri = format!("local://{}", src.display());
+    env.write_models(
+        "vendor.yaml",
+        &cluster_model(
+            "vend",
+            "vendor://nvidia/llama-3",
+            "AlwaysDownload",
+            Some("vendors/llama"),
+        ),
+    );
+    env.write_models(
+        "served.yaml",
+        &cluster_model("plain", &local_uri, "AlwaysDownload", Some("vendors/plain")),
+    );
+    let d = Daemon::start(&env, &["--allow-local-sources"]);
+    d.wait_model("clusterbasemodel.vend", "Ready");
+    d.wait_model("clusterbasemodel.plain", "Ready");
+    let dir = env.mount.join("vendors/llama");
+    wait_for("the vendor directory", Duration::from_secs(30), || {
+        dir.is_dir()
+    });
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "empty");
+    std::fs::create_dir_all(&dir).expect("mkdir -p of an existing directory succeeds");
+    let write = std::fs::write(dir.join("x"), b"x").unwrap_err();
+    assert_eq!(
+        write.raw_os_error(),
+        Some(rustix::io::Errno::ROFS.raw_os_error()),
+        "{write}"
+    );
+    assert_eq!(contents(&env.mount.join("vendors/plain")), contents(&src));
+
+    env.remove_models("vendor.yaml");
+    d.wait_gone("clusterbasemodel.vend");
+    wait_for("the vendor directory gone", Duration::from_secs(30), || {
+        !dir.exists()
+    });
+    assert_eq!(contents(&env.mount.join("vendors/plain")), contents(&src));
+    assert!(d.stop(), "clean shutdown");
+}

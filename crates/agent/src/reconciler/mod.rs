@@ -2321,7 +2321,29 @@ impl Reconciler {
             entries.extend(snapshots);
             files = refs;
         }
-        match self.fs.apply_with_files(&entries, &files) {
+        // `vendor://` models below the models root: an empty read-only directory at their
+        // path, so a pod binding it (or creating it, as runtimes do) finds it, as on OME's
+        // writable disk. Outside the root (`node_dir`) their record's path is absolute and
+        // skipped here.
+        let mut dirs: Vec<Vec<String>> = Vec::new();
+        for rec in self.records.models().values() {
+            if rec.phase != ModelPhase::Ready || rec.served_path.is_some() {
+                continue;
+            }
+            let vendor = rec
+                .served_source
+                .as_deref()
+                .and_then(|s| SourceUri::parse(s).ok())
+                .is_some_and(|s| s.is_vendor());
+            if let (true, Ok(path)) = (vendor, MountPath::from_relative(&rec.path)) {
+                if self.hf_cache_conflict(&path).is_none() {
+                    dirs.push(path.segments().to_vec());
+                }
+            }
+        }
+        dirs.sort();
+        dirs.dedup();
+        match self.fs.apply_mapping(&entries, &files, &dirs) {
             Ok(inv) => {
                 self.metrics.mapping_changes.inc();
                 match &self.mount {

@@ -12,8 +12,11 @@
 //! Owned entries are the ones shaped like model keys (`clusterbasemodel.*`,
 //! `*.basemodel.*` data keys; `models.ome.io/<model key>` labels) that this daemon wrote
 //! ([`super::written`]; a key OME's agent wrote for a model modelfs serves becomes one when
-//! modelfs writes its status). An owned entry for a model that is no longer on this node (a
-//! deletion while the daemon was down, a model that stopped targeting the node) is removed.
+//! modelfs writes its status), and those of model objects the producer hands over (a model
+//! being deleted: OME's controller keeps its finalizer until no node ConfigMap has the key, so
+//! the node's agent must remove it whoever wrote it). An owned entry for a model that is no
+//! longer on this node (a deletion while the daemon was down, a model that stopped targeting
+//! the node) is removed.
 //! Everything else, model-shaped keys and labels added by hand or by another writer included,
 //! is left exactly as read, as OME's agent leaves keys it does not handle.
 //!
@@ -282,6 +285,7 @@ async fn run(
         nodes: Api::all(client.clone()),
         config: config.clone(),
         written: std::sync::Mutex::new(written),
+        references: references.clone(),
     };
     let events = EventPublisher {
         recorder: Recorder::new(
@@ -351,6 +355,8 @@ struct Writer {
     config: StatusSinkConfig,
     /// Never held across an await.
     written: std::sync::Mutex<Written>,
+    /// The model objects the producer planned (targeted or being deleted).
+    references: References,
 }
 
 fn is_conflict(error: &kube::Error) -> bool {
@@ -360,6 +366,21 @@ fn is_conflict(error: &kube::Error) -> bool {
 impl Writer {
     fn lock_written(&self) -> std::sync::MutexGuard<'_, Written> {
         self.written.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The ConfigMap keys and node labels of the model objects the producer planned.
+    fn planned_keys(&self) -> (BTreeSet<String>, BTreeSet<String>) {
+        let references = self.references.lock().unwrap_or_else(|e| e.into_inner());
+        references
+            .keys()
+            .map(|key| {
+                let (kind, namespace, name) = key.parts();
+                (
+                    configmap_key(kind, namespace, name),
+                    node_label_key(kind, namespace, name),
+                )
+            })
+            .unzip()
     }
 
     /// Writes both objects; the labels (what OME schedules on) also when the ConfigMap write
@@ -426,6 +447,7 @@ impl Writer {
                         }
                     }
                     let current = configmap.data.get_or_insert_with(BTreeMap::new);
+                    let (planned, _) = self.planned_keys();
                     let stale: Vec<String> = {
                         let written = self.lock_written();
                         current
@@ -433,7 +455,8 @@ impl Writer {
                             .filter(|key| {
                                 is_model_key_shape(key)
                                     && !data.contains_key(*key)
-                                    && written.contains(Object::ConfigMap, key)
+                                    && (written.contains(Object::ConfigMap, key)
+                                        || planned.contains(*key))
                             })
                             .cloned()
                             .collect()
@@ -484,12 +507,13 @@ impl Writer {
             let mut patch = serde_json::Map::new();
             let ours: BTreeSet<&String> = labels.keys().collect();
             let mut removed = Vec::new();
+            let (_, planned) = self.planned_keys();
             {
                 let written = self.lock_written();
                 for key in current.keys() {
                     if is_model_label(key)
                         && !ours.contains(key)
-                        && written.contains(Object::NodeLabels, key)
+                        && (written.contains(Object::NodeLabels, key) || planned.contains(key))
                     {
                         patch.insert(key.clone(), serde_json::Value::Null);
                         removed.push(key.clone());

@@ -194,3 +194,64 @@ async fn tensorrt_llm_models_get_the_engines_of_the_nodes_shape() {
     );
     drop(daemon);
 }
+
+/// Only what modelfs wrote is removed: a model-shaped ConfigMap key and node label added by
+/// hand stay through every write; the entry OME's agent left for a model modelfs now serves is
+/// taken over, and removed with its label when the model goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_keys_and_labels_modelfs_wrote_are_removed() {
+    let server = FakeApiServer::start().await;
+    let handmade_label = "models.ome.io/clusterbasemodel.handmade";
+    let served_label = "models.ome.io/clusterbasemodel.served";
+    server.put(
+        NODES,
+        json!({"metadata": {"name": NODE, "labels": {
+            handmade_label: "Ready", served_label: "Updating"}}}),
+    );
+    let handmade_entry = "{\"name\":\"handmade\",\"status\":\"Ready\"}";
+    server.put(
+        CM,
+        json!({"metadata": {"name": NODE, "namespace": "ome",
+            "labels": {"models.ome/basemodel-status": "true"}},
+            "data": {
+                "clusterbasemodel.handmade": handmade_entry,
+                "clusterbasemodel.served": "{\"name\":\"served\",\"status\":\"Updating\"}",
+                "unrelated": "kept"}}),
+    );
+    server.put(
+        CBM,
+        cluster_model("served", json!({"storageUri": "vendor://nvidia/llama"})),
+    );
+    server.put(
+        CBM,
+        cluster_model("other", json!({"storageUri": "vendor://nvidia/other"})),
+    );
+    let daemon = start_daemon(&server, &[], &[]);
+
+    wait_status(&server, "clusterbasemodel.served", "Ready").await;
+    wait_status(&server, "clusterbasemodel.other", "Ready").await;
+    wait_for("the served label", || {
+        (node_labels(&server).get(served_label).map(String::as_str) == Some("Ready")).then_some(())
+    })
+    .await;
+    let data = |server: &FakeApiServer| server.get(CM, "ome", NODE).unwrap()["data"].clone();
+    assert_eq!(data(&server)["clusterbasemodel.handmade"], handmade_entry);
+    assert_eq!(data(&server)["unrelated"], "kept");
+    assert_eq!(node_labels(&server)[handmade_label], "Ready");
+
+    server.delete(CBM, "", "served");
+    wait_for("served removed", || {
+        let gone = !entries(&server).contains_key("clusterbasemodel.served")
+            && !node_labels(&server).contains_key(served_label);
+        gone.then_some(())
+    })
+    .await;
+    assert_eq!(data(&server)["clusterbasemodel.handmade"], handmade_entry);
+    assert_eq!(node_labels(&server)[handmade_label], "Ready");
+    assert_eq!(
+        status_of(&server, "clusterbasemodel.other").as_deref(),
+        Some("Ready")
+    );
+
+    drop(daemon);
+}

@@ -534,6 +534,7 @@ fn run_connection(
             mapping: WireMapping {
                 entries,
                 files: modelfs_mount::server::wire_files(&applied.files),
+                dirs: applied.dirs.clone(),
             },
         };
         if let Err(e) = write_streamed(&mut writer, &message) {
@@ -679,6 +680,7 @@ mod tests {
                 store: StoreId::from_seq(1),
             }],
             files: Vec::new(),
+            dirs: Vec::new(),
         };
         let borrowed = serde_json::to_vec(&ApplyMessage::Apply {
             seq: 4,

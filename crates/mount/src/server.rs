@@ -1125,7 +1125,13 @@ impl Shared {
             }
         }
         let checked = started.elapsed();
-        let inv = match self.core.apply_with_files(&entries, &files) {
+        let dirs: Vec<Vec<String>> = mapping
+            .dirs
+            .iter()
+            .filter(|d| !d.is_empty() && d.iter().all(|s| valid_segment(s)))
+            .cloned()
+            .collect();
+        let inv = match self.core.apply_mapping(&entries, &files, &dirs) {
             Ok(inv) => inv,
             Err(e) => return (refused, Some(e.to_string())),
         };
@@ -1141,6 +1147,7 @@ impl Shared {
         let persisted = WireMapping {
             entries: accepted,
             files: accepted_files,
+            dirs,
         };
         let served_at: HashMap<&[String], &MountEntry> =
             entries.iter().map(|e| (e.path.as_slice(), e)).collect();

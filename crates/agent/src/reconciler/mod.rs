@@ -537,6 +537,10 @@ pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> St
         h.update(b"shape\0");
         h.update(shape.as_bytes());
     }
+    if let Some(dir) = &spec.node_dir {
+        h.update(b"node_dir\0");
+        h.update(dir.as_os_str().as_encoded_bytes());
+    }
     hex::encode(&h.finalize()[..16])
 }
 
@@ -564,6 +568,16 @@ pub fn parameters_digest(parameters: &BTreeMap<String, String>) -> Option<String
         h.update([0]);
     }
     Some(hex::encode(&h.finalize()[..16]))
+}
+
+/// The record's `path`: the model's path relative to the mount, or for a model whose
+/// directory lies outside the models root ([`ModelSpec::node_dir`]) that absolute directory
+/// (never a mount path: the path index skips it, and the status shows it as it is).
+fn recorded_path(spec: &ModelSpec) -> String {
+    match &spec.node_dir {
+        Some(dir) => dir.display().to_string(),
+        None => spec.path.to_string(),
+    }
 }
 
 /// What the records keep of everything besides the URI that selects a model's files: the
@@ -1413,7 +1427,7 @@ impl Reconciler {
                 rec.fingerprint = fp.clone();
                 rec.source = spec.source.to_string();
                 rec.policy = spec.policy;
-                rec.path = spec.path.to_string();
+                rec.path = recorded_path(spec);
                 rec.reserve = spec.reserve_artifact;
                 rec.name = spec.name.clone();
                 rec.namespace = spec.namespace.clone();
@@ -1434,13 +1448,24 @@ impl Reconciler {
             rec.fingerprint = fp.clone();
             rec.source = spec.source.to_string();
             rec.policy = spec.policy;
-            rec.path = spec.path.to_string();
+            rec.path = recorded_path(spec);
             rec.reserve = spec.reserve_artifact;
             self.records.insert_model(key.clone(), rec);
             tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
         }
         self.index_paths(key);
-        if spec.source.is_vendor() {
+        if spec.source.is_vendor() || spec.node_dir.is_some() {
+            if let (Some(dir), SourceUri::Local { .. }) = (&spec.node_dir, &spec.source) {
+                // As OME's agent: the directory must exist; a missing one is retried as any
+                // source is.
+                if std::fs::metadata(dir).is_err() {
+                    let error = crate::source::SourceError::LocalMissing {
+                        path: dir.display().to_string(),
+                    };
+                    self.fail(key, &fp, &error);
+                    return true;
+                }
+            }
             self.serve_without_files(key, spec);
             return true;
         }
@@ -1949,9 +1974,10 @@ impl Reconciler {
             .map_err(|e| e.to_string())
     }
 
-    /// A `vendor://` model: its files come with the serving runtime, so, as OME's agent does,
-    /// nothing is fetched or mounted and the model is `Ready` at once. A copy it owned before
-    /// (its source changed to vendor) is handed to its children or released.
+    /// A `vendor://` model (its files come with the serving runtime), or a `local://` one whose
+    /// directory lies outside the models root (the pod binds it from the node): as OME's agent
+    /// does, nothing is fetched or mounted and the model is `Ready` at once. A copy it owned
+    /// before (its source changed) is handed to its children or released.
     fn serve_without_files(&mut self, key: &ModelKey, spec: &ModelSpec) {
         self.cancel_work(key);
         self.retries.remove(key);
@@ -1960,7 +1986,7 @@ impl Reconciler {
             source: spec.source.to_string(),
         };
         self.apply_event(&event, None);
-        tracing::info!(model = %key, source = %spec.source, "vendor model: Ready with no files");
+        tracing::info!(model = %key, source = %spec.source, node_dir = ?spec.node_dir, "files on the node or in the runtime: Ready with nothing served");
         self.wake_waiters();
     }
 
@@ -2330,7 +2356,29 @@ impl Reconciler {
             entries.extend(snapshots);
             files = refs;
         }
-        match self.fs.apply_with_files(&entries, &files) {
+        // `vendor://` models below the models root: an empty read-only directory at their
+        // path, so a pod binding it (or creating it, as runtimes do) finds it, as on OME's
+        // writable disk. Outside the root (`node_dir`) their record's path is absolute and
+        // skipped here.
+        let mut dirs: Vec<Vec<String>> = Vec::new();
+        for rec in self.records.models().values() {
+            if rec.phase != ModelPhase::Ready || rec.served_path.is_some() {
+                continue;
+            }
+            let vendor = rec
+                .served_source
+                .as_deref()
+                .and_then(|s| SourceUri::parse(s).ok())
+                .is_some_and(|s| s.is_vendor());
+            if let (true, Ok(path)) = (vendor, MountPath::from_relative(&rec.path)) {
+                if self.hf_cache_conflict(&path).is_none() {
+                    dirs.push(path.segments().to_vec());
+                }
+            }
+        }
+        dirs.sort();
+        dirs.dedup();
+        match self.fs.apply_mapping(&entries, &files, &dirs) {
             Ok(inv) => {
                 self.metrics.mapping_changes.inc();
                 match &self.mount {

@@ -57,6 +57,12 @@
 //! inode; a forgotten one answers `ENOENT`, as a file that is gone). Opening one
 //! gives a sealed memfd holding the content, so the FUSE adapter treats it as any other file
 //! (passthrough or read-through).
+//!
+//! # Empty directories
+//! A mapping can also name directories that exist with nothing in them (read-only, as every
+//! synthesized directory): the paths of models whose files the serving runtime brings
+//! (`vendor://`), so that a pod binding such a path finds a directory. One that clashes with a
+//! model root, an inline file or a path below either is left out.
 
 pub mod hf_cache;
 pub mod tree;
@@ -451,6 +457,8 @@ pub struct AppliedMapping {
     pub generation: u64,
     pub entries: Vec<MountEntry>,
     pub files: Vec<InlineFile>,
+    /// Empty directories (module docs), as given.
+    pub dirs: Vec<Vec<String>>,
 }
 
 /// What the mount may still read ([`FsCore::blob_uses`]): the artifacts of its slots by
@@ -798,7 +806,17 @@ impl FsCore {
         entries: &[MountEntry],
         files: &[InlineFile],
     ) -> Result<Vec<Invalidation>, FsError> {
-        let inv = self.swap_mapping(entries, files)?;
+        self.apply_mapping(entries, files, &[])
+    }
+
+    /// [`FsCore::apply_with_files`] with empty directories (module docs).
+    pub fn apply_mapping(
+        &self,
+        entries: &[MountEntry],
+        files: &[InlineFile],
+        dirs: &[Vec<String>],
+    ) -> Result<Vec<Invalidation>, FsError> {
+        let inv = self.swap_mapping(entries, files, dirs)?;
         *self
             .last_applied
             .lock()
@@ -806,6 +824,7 @@ impl FsCore {
             generation: self.generation(),
             entries: entries.to_vec(),
             files: files.to_vec(),
+            dirs: dirs.to_vec(),
         });
         Ok(inv)
     }
@@ -814,6 +833,7 @@ impl FsCore {
         &self,
         entries: &[MountEntry],
         files: &[InlineFile],
+        dirs: &[Vec<String>],
     ) -> Result<Vec<Invalidation>, FsError> {
         check_paths(entries)?;
         let _serial = self
@@ -915,6 +935,7 @@ impl FsCore {
             }
         }
         self.place_inline_files(&mut reg, &mut new, &planned, files);
+        Self::place_empty_dirs(&mut reg, &mut new, &planned, files, dirs);
         if !reg.fresh.is_empty() {
             if let Some(log) = &*self.inode_log.lock().unwrap_or_else(|p| p.into_inner()) {
                 // Kept for the next apply if the write fails: this one is refused, so none of
@@ -993,6 +1014,39 @@ impl FsCore {
             );
         }
         inline.set_live(live, &mut reg.inline_ids);
+    }
+
+    /// Adds the empty directories `dirs` to `new`, skipping any that is empty, has an invalid
+    /// segment, or lies at or below a model root or an inline file.
+    fn place_empty_dirs(
+        reg: &mut Registries,
+        new: &mut Mapping,
+        planned: &[(Vec<String>, u32, &MountEntry)],
+        files: &[InlineFile],
+        dirs: &[Vec<String>],
+    ) {
+        if dirs.is_empty() {
+            return;
+        }
+        let leaves: HashSet<&[String]> = planned
+            .iter()
+            .map(|(path, _, _)| path.as_slice())
+            .chain(files.iter().map(|f| f.path.as_slice()))
+            .collect();
+        for dir in dirs {
+            let clash = dir.is_empty()
+                || dir
+                    .iter()
+                    .any(|s| s.is_empty() || s == "." || s == ".." || s.contains(['/', '\0']))
+                || (1..=dir.len()).any(|depth| leaves.contains(&dir[..depth]));
+            if clash {
+                continue;
+            }
+            // Every proper prefix of `dir` plus one more segment: `dir` itself included.
+            let mut with_child = dir.clone();
+            with_child.push(String::new());
+            Self::synthesize_parents(reg, new, &with_child);
+        }
     }
 
     /// Synthesized directories for every proper prefix of `path`; returns the innermost.

@@ -49,12 +49,6 @@ fn disk(d: &Daemon) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
-/// Bytes the filesystem of the state directory still has, as the daemon last measured it
-/// (it measures every tick).
-fn available(d: &Daemon) -> u64 {
-    disk(d)["filesystem"]["available"].as_u64().unwrap()
-}
-
 /// Another writer: fills `path` with `n` real bytes (tmpfs allocates only written pages).
 fn fill(path: &Path, n: u64) {
     let mut f = std::fs::File::create(path).unwrap();
@@ -354,4 +348,62 @@ fn a_disk_filled_by_another_writer_fails_the_fetch_keeps_serving_and_retries() {
         std::fs::read(env.mount.join("big/model.safetensors")).unwrap(),
         big
     );
+}
+
+/// Without `--state`, the stores go beside the mount on its filesystem
+/// (`<parent>/.modelfs-<name>`), and the daemon says the placement links at start.
+#[test]
+fn the_state_defaults_to_beside_the_models_root() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 7, 100_000);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", None),
+    );
+    let listen = format!("127.0.0.1:{}", free_port());
+    let log = env.root.path().join("default-state.log");
+    let log_file = std::fs::File::create(&log).unwrap();
+    let mut child = std::process::Command::new(BIN)
+        .args([
+            "serve",
+            "--no-keeper",
+            "--fuse-transport",
+            "dev",
+            "--listen",
+            &listen,
+        ])
+        .arg("--mount")
+        .arg(&env.mount)
+        .arg("--models")
+        .arg(&env.models)
+        .stdin(std::process::Stdio::null())
+        .stdout(log_file.try_clone().unwrap())
+        .stderr(log_file)
+        .spawn()
+        .unwrap();
+    let ready = || {
+        http_get(&listen, "/v1/models")
+            .and_then(|(_, body)| serde_json::from_str::<Value>(&body).ok())
+            .is_some_and(|v| v["clusterbasemodel.m"]["status"] == "Ready")
+    };
+    wait_for("m Ready", Duration::from_secs(60), ready);
+    let state = env.root.path().join(".modelfs-mnt");
+    let (_, body) = http_get(&listen, "/v1/disk").unwrap();
+    let d: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(d["state_dir"], state.display().to_string());
+    assert_eq!(d["budget"], "90%");
+    let blobs = sh(&format!(
+        "find '{}' -path '*/blobs/*' -type f | wc -l",
+        state.join("stores").display()
+    ));
+    assert!(blobs.trim().parse::<u32>().unwrap() > 0, "{blobs}");
+    assert_eq!(contents(&env.mount.join("m")), contents(&src));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("the store and the models root are on one filesystem and one mount"),
+        "{text}"
+    );
+    interrupt(child.id());
+    let _ = child.wait();
 }

@@ -775,7 +775,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
                     models_root_dir,
                     allow_local_sources: args.allow_local_sources,
                     progress_interval: Duration::from_secs(args.progress_interval_secs),
-                    written_file: Some(absolute(&args.state)?.join("kube-written.json")),
+                    written_file: Some(state_dir.join("kube-written.json")),
                 },
                 reconciler.clone(),
             ),

@@ -288,7 +288,7 @@ mod tests {
         // A FIFO where a file is expected: refused at once, without blocking.
         rustix::fs::mknodat(
             rustix::fs::CWD,
-            &dir.join("fifo"),
+            dir.join("fifo"),
             FileType::Fifo,
             Mode::from_raw_mode(0o600),
             0,

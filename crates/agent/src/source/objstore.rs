@@ -612,8 +612,11 @@ struct S3Heads {
     http: reqwest::Client,
     /// The part sizes of each multipart object version (key, ETag), once known; `None`: the
     /// store would not tell them.
-    parts: Mutex<HashMap<(String, String), Option<Vec<u64>>>>,
+    parts: Mutex<HashMap<ObjectVersion, Option<Vec<u64>>>>,
 }
+
+/// An object version: its key and ETag.
+type ObjectVersion = (String, String);
 
 /// Most parts an S3 multipart upload has.
 const MAX_S3_PARTS: u32 = 10_000;

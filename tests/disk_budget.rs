@@ -407,3 +407,65 @@ fn the_state_defaults_to_beside_the_models_root() {
     interrupt(child.id());
     let _ = child.wait();
 }
+
+/// A model moved to a new revision keeps the old one's blobs for the grace period; under
+/// pressure they go first, and the model keeps serving the new revision.
+#[test]
+fn under_pressure_the_blobs_of_a_retired_revision_go_before_their_grace_period() {
+    let env = TestEnv::new();
+    let _tmpfs = Tmpfs::mount(&env.state, "24m");
+    let v1 = env.dir("v1");
+    make_model_dir(&v1, 1, 3 << 20);
+    let v2 = env.dir("v2");
+    make_model_dir(&v2, 2, 3 << 20);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&v1), "AlwaysDownload", None),
+    );
+    let d = Daemon::start(&env, &["--disk-budget", "100%", "--gc-grace-secs", "3600"]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&v2), "AlwaysDownload", None),
+    );
+    d.wait_until("v2 served", Duration::from_secs(30), |_| {
+        contents(&env.mount.join("m")) == contents(&v2)
+    });
+    let blobs = || {
+        sh(&format!(
+            "find '{}' -path '*/blobs/*' -type f | wc -l",
+            env.state.join("stores").display()
+        ))
+        .trim()
+        .parse::<usize>()
+        .unwrap()
+    };
+    let distinct = |dir: &Path| {
+        tree(dir)
+            .values()
+            .filter(|v| !v.0)
+            .map(|v| v.3.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+    };
+    // Both revisions are on disk: the old one waits out its grace period.
+    assert!(blobs() > distinct(&v2), "{} blobs", blobs());
+
+    let n = env.dir("n");
+    make_model_dir(&n, 3, 2 << 20);
+    let filler = fill_leaving(&env.state, "filler", 1 << 20);
+    env.write_models(
+        "n.yaml",
+        &cluster_model("n", &uri(&n), "AlwaysDownload", None),
+    );
+    d.wait_model("clusterbasemodel.n", "Ready");
+    assert_eq!(contents(&env.mount.join("n")), contents(&n));
+    assert_eq!(contents(&env.mount.join("m")), contents(&v2));
+    assert_eq!(d.status()["clusterbasemodel.m"]["status"], "Ready");
+    // What is left: the blobs of m's current revision and of n.
+    assert_eq!(blobs(), distinct(&v2) + distinct(&n));
+    assert!(d
+        .log_text()
+        .contains("reclaimed the blobs of retired revisions under disk pressure"));
+    std::fs::remove_file(filler).unwrap();
+}

@@ -78,8 +78,8 @@ pub struct ServeArgs {
     #[arg(long)]
     state: Option<PathBuf>,
     /// What the stores may use: a size (`500G`, `2TiB`: decimal or binary units) in all, or a
-    /// percentage of the state directory's filesystem (`90%`) that it may be filled to, by
-    /// anyone. A fetch that does not fit is not started: the model says
+    /// percentage of the state directory's filesystem (`90%`; of used plus available bytes)
+    /// that it may be filled to, by anyone. A fetch that does not fit is not started: the model says
     /// `InsufficientStorage` and starts by itself when space appears.
     #[arg(long, default_value = "90%")]
     disk_budget: modelfs_agent::disk::DiskBudget,

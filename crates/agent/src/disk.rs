@@ -8,12 +8,15 @@
 //!
 //! * a size `B`: `min(B - stores, available)`: the stores stay within `B`, and never count
 //!   on more than the filesystem has;
-//! * a percentage `p`: `available - (1 - p) * size`: the last `1 - p` of the filesystem is a
-//!   safety margin left to everyone else (logs, images, another writer), so a full budget
-//!   never means a full disk.
+//! * a percentage `p`: `available - (1 - p) * (used + available)`: the last `1 - p` of the
+//!   filesystem is a safety margin left to everyone else (logs, images, another writer), so
+//!   a full budget never means a full disk.
 //!
-//! `available` is `statvfs`'s `f_bavail` (what an unprivileged writer may still use; the
-//! root-reserved blocks are margin too). Fetches already admitted but not finished have their
+//! `available` is `statvfs`'s `f_bavail` (what an unprivileged writer may still use) and
+//! `used` is `f_blocks - f_bfree`. The percentage is of `used + available`, the part of the
+//! filesystem writers can ever have, not of `f_blocks`: blocks reserved for root (5% on ext4
+//! by default, far more on some volumes) are never usable, and counting them would turn the
+//! margin into a refusal of every fetch. Fetches already admitted but not finished have their
 //! remaining bytes subtracted by the caller ([`DiskState::free_for_new_fetch`]), so two fetches
 //! that each fit alone are not both admitted into room for one.
 //!
@@ -126,6 +129,11 @@ pub struct FsSpace {
 }
 
 impl FsSpace {
+    /// What writers can ever have: used plus available (not the blocks reserved for root).
+    pub fn usable(&self) -> u64 {
+        self.used.saturating_add(self.available)
+    }
+
     pub fn of(path: &Path) -> std::io::Result<Self> {
         let v = rustix::fs::statvfs(path)?;
         let unit = if v.f_frsize > 0 {
@@ -146,7 +154,7 @@ impl DiskBudget {
     pub fn limit(&self, fs: &FsSpace) -> u64 {
         match *self {
             DiskBudget::Bytes(n) => n,
-            DiskBudget::Percent(p) => ((fs.size as f64) * p / 100.0) as u64,
+            DiskBudget::Percent(p) => (fs.usable() as f64 * p / 100.0) as u64,
         }
     }
 
@@ -155,7 +163,7 @@ impl DiskBudget {
         match *self {
             DiskBudget::Bytes(n) => n.saturating_sub(stores).min(fs.available),
             DiskBudget::Percent(_) => {
-                let margin = fs.size.saturating_sub(self.limit(fs));
+                let margin = fs.usable().saturating_sub(self.limit(fs));
                 fs.available.saturating_sub(margin)
             }
         }
@@ -333,6 +341,15 @@ mod tests {
         }
         assert_eq!(DiskBudget::Percent(90.0).limit(&fs), 900);
         assert_eq!(DiskBudget::Bytes(7).limit(&fs), 7);
+        // Blocks reserved for root (size 2000, of which 1000 nobody but root may use) are no
+        // part of the percentage: the margin is 10% of what writers can have.
+        let reserved = FsSpace {
+            size: 2000,
+            available: 300,
+            used: 700,
+        };
+        assert_eq!(DiskBudget::Percent(90.0).limit(&reserved), 900);
+        assert_eq!(DiskBudget::Percent(90.0).free(&reserved, 0), 200);
     }
 
     #[test]

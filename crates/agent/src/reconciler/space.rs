@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
 
-use super::decide::space::{ReclaimCandidate, ReclaimClass};
+use super::decide::space::{ReclaimCandidate, ReclaimClass, ReclaimWhat};
 use super::decide::{self, Space};
 use super::{Reconciler, Retry, Stage};
 use crate::disk::{DiskBudget, DiskState, FsSpace, Placement};
@@ -473,15 +473,49 @@ impl Reconciler {
             };
             candidates.push(ReclaimCandidate {
                 store: id.clone(),
+                what: ReclaimWhat::Store,
                 class,
                 age_secs,
                 bytes,
                 busy,
             });
         }
-        let chosen = decide::space::reclaim_order(&candidates, shortfall);
-        if chosen.is_empty() {
+        // Retired revisions in stores that stay: their unreferenced blobs, in grace.
+        let mut retired = self.retired_blobs();
+        for (id, r) in &retired {
+            let age = r.since.map_or(Duration::ZERO, |t| now.duration_since(t));
+            candidates.push(ReclaimCandidate {
+                store: id.clone(),
+                what: ReclaimWhat::RetiredBlobs,
+                class: if age >= grace {
+                    ReclaimClass::Expired
+                } else {
+                    ReclaimClass::InGrace
+                },
+                age_secs: age.as_secs(),
+                bytes: r.bytes,
+                busy: false,
+            });
+        }
+        let order = decide::space::reclaim_order(&candidates, shortfall);
+        if order.is_empty() {
             return false;
+        }
+        for (id, what) in &order {
+            if *what == ReclaimWhat::RetiredBlobs {
+                if let Some(r) = retired.remove(id) {
+                    self.remove_retired_blobs(id, &r.names);
+                    tracing::info!(store = %id, blobs = r.names.len(), bytes = r.bytes, "reclaimed the blobs of retired revisions under disk pressure");
+                }
+            }
+        }
+        let chosen: Vec<StoreId> = order
+            .into_iter()
+            .filter(|(_, what)| *what == ReclaimWhat::Store)
+            .map(|(id, _)| id)
+            .collect();
+        if chosen.is_empty() {
+            return true;
         }
         for id in &chosen {
             self.records.remove_store(id);

@@ -11,10 +11,11 @@
 //!
 //! *Reclaim*: under pressure (a refused fetch), what nothing serves goes before its grace
 //! period ends. The order is fixed here ([`reclaim_order`]): garbage whose grace period is over
-//! first (it goes anyway), then garbage inside its grace period (retired revisions, released
-//! stores: the grace period only spares a quick re-create a download), then reserved stores
-//! (an operator asked to keep those); within a class, oldest first. A store that is mapped or
-//! open never goes, whatever its class: its reader would see `ESTALE`.
+//! first (it goes anyway), then garbage inside its grace period (released stores, and the
+//! blobs of retired revisions left in a store that still serves a newer one: the grace period
+//! only spares a quick re-create a download), then reserved stores (an operator asked to keep
+//! those); within a class, oldest first. A store that is mapped or open never goes, whatever
+//! its class (its reader would see `ESTALE`), nor a blob an open file may still read.
 
 use modelfs_core::store::StoreId;
 
@@ -88,10 +89,21 @@ pub enum ReclaimClass {
     Reserved,
 }
 
+/// What of a store pressure removes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReclaimWhat {
+    /// The whole store (it serves nothing).
+    Store,
+    /// The blobs of retired revisions in a store that still serves (none of them is
+    /// referenced by what it serves, nor read by an open file).
+    RetiredBlobs,
+}
+
 /// One thing pressure may remove.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReclaimCandidate {
     pub store: StoreId,
+    pub what: ReclaimWhat,
     pub class: ReclaimClass,
     /// Seconds since it stopped serving anything (larger is older); for a reserved store
     /// without a known release time, its age as a store.
@@ -107,7 +119,10 @@ pub struct ReclaimCandidate {
 /// freed; when everything available is not enough, everything available is returned (the
 /// fetch still waits, but with the most room the disk can give, and the next admission
 /// check sees it).
-pub fn reclaim_order(candidates: &[ReclaimCandidate], shortfall: u64) -> Vec<StoreId> {
+pub fn reclaim_order(
+    candidates: &[ReclaimCandidate],
+    shortfall: u64,
+) -> Vec<(StoreId, ReclaimWhat)> {
     if shortfall == 0 {
         return Vec::new();
     }
@@ -125,7 +140,7 @@ pub fn reclaim_order(candidates: &[ReclaimCandidate], shortfall: u64) -> Vec<Sto
             break;
         }
         freed = freed.saturating_add(c.bytes);
-        out.push(c.store.clone());
+        out.push((c.store.clone(), c.what));
     }
     out
 }
@@ -191,6 +206,7 @@ mod tests {
     fn cand(n: u64, class: ReclaimClass, age: u64, bytes: u64, busy: bool) -> ReclaimCandidate {
         ReclaimCandidate {
             store: store(n),
+            what: ReclaimWhat::Store,
             class,
             age_secs: age,
             bytes,
@@ -220,7 +236,10 @@ mod tests {
             (10_000, vec![4, 3, 2, 1]),
         ];
         for (shortfall, want) in cases {
-            let want: Vec<StoreId> = want.into_iter().map(store).collect();
+            let want: Vec<(StoreId, ReclaimWhat)> = want
+                .into_iter()
+                .map(|n| (store(n), ReclaimWhat::Store))
+                .collect();
             assert_eq!(
                 reclaim_order(&all, shortfall),
                 want,
@@ -237,6 +256,41 @@ mod tests {
             cand(3, Reserved, 10, 50, false),
             cand(9, Reserved, 30, 50, false),
         ];
-        assert_eq!(reclaim_order(&all, 120), vec![store(9), store(3), store(7)]);
+        let got: Vec<StoreId> = reclaim_order(&all, 120)
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        assert_eq!(got, vec![store(9), store(3), store(7)]);
+    }
+
+    #[test]
+    fn retired_blobs_of_a_serving_store_go_with_the_other_garbage_in_grace() {
+        use ReclaimClass::*;
+        let blobs = |n, age, bytes| ReclaimCandidate {
+            what: ReclaimWhat::RetiredBlobs,
+            ..cand(n, InGrace, age, bytes, false)
+        };
+        let all = vec![
+            cand(1, Reserved, 9000, 100, false),
+            blobs(2, 50, 100),
+            cand(3, InGrace, 10, 100, false),
+            cand(4, Expired, 1, 100, false),
+        ];
+        assert_eq!(
+            reclaim_order(&all, 350),
+            vec![
+                (store(4), ReclaimWhat::Store),
+                (store(2), ReclaimWhat::RetiredBlobs),
+                (store(3), ReclaimWhat::Store),
+                (store(1), ReclaimWhat::Store),
+            ]
+        );
+        assert_eq!(
+            reclaim_order(&all, 150),
+            vec![
+                (store(4), ReclaimWhat::Store),
+                (store(2), ReclaimWhat::RetiredBlobs)
+            ]
+        );
     }
 }

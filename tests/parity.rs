@@ -135,3 +135,58 @@ fn a_vendor_model_below_the_models_root_is_an_empty_read_only_directory() {
     assert_eq!(contents(&env.mount.join("vendors/plain")), contents(&src));
     assert!(d.stop(), "clean shutdown");
 }
+
+fn reserved_model(name: &str, uri: &str, policy: &str, path: &str) -> String {
+    format!(
+        "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: {name}\n  labels:\n    models.ome/reserve-model-artifact: \"true\"\nspec:\n  storage:\n    storageUri: {uri}\n    downloadPolicy: {policy}\n    path: {path}\n"
+    )
+}
+
+/// A reserved model (`models.ome/reserve-model-artifact: "true"`) that is deleted keeps its
+/// directory at its path, read-only with the same files, as OME keeps it on disk; once a model
+/// reuses the reserved store elsewhere, the old path goes.
+#[test]
+fn a_deleted_reserved_models_directory_stays_until_its_store_is_reused() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 11, 1 << 14);
+    let uri = format!("local://{}", src.display());
+    env.write_models(
+        "kept.yaml",
+        &reserved_model("kept", &uri, "AlwaysDownload", "keep/llama"),
+    );
+    let d = Daemon::start(&env, &["--allow-local-sources"]);
+    d.wait_model("clusterbasemodel.kept", "Ready");
+    let kept = env.mount.join("keep/llama");
+    assert_eq!(contents(&kept), contents(&src));
+
+    env.remove_models("kept.yaml");
+    d.wait_gone("clusterbasemodel.kept");
+    // Past the grace period and a garbage collection pass, the directory is still served.
+    let passes = d.gc_passes();
+    d.wait_gc_settled_since(passes);
+    assert_eq!(
+        contents(&kept),
+        contents(&src),
+        "the reserved directory stays"
+    );
+    let write = std::fs::write(kept.join("new"), b"x").unwrap_err();
+    assert_eq!(
+        write.raw_os_error(),
+        Some(rustix::io::Errno::ROFS.raw_os_error()),
+        "{write}"
+    );
+
+    // Reused by a model at another path: the store is that model's now; the old path goes.
+    env.write_models(
+        "user.yaml",
+        &cluster_model("user", &uri, "ReuseIfExists", Some("elsewhere/llama")),
+    );
+    d.wait_model("clusterbasemodel.user", "Ready");
+    assert_eq!(contents(&env.mount.join("elsewhere/llama")), contents(&src));
+    wait_for("the reserved path gone", Duration::from_secs(30), || {
+        !kept.exists()
+    });
+    assert_eq!(env.stores_with_blobs().len(), 1, "one store, reused");
+    assert!(d.stop(), "clean shutdown");
+}

@@ -2349,6 +2349,40 @@ impl Reconciler {
                 store: handle,
             });
         }
+        // A reserved store keeps its last owner's directory (read-only) until it is reused or
+        // released, as OME keeps a reserved model's directory. A served model's path wins, and
+        // a path nested in or around a served one is left out (the fs layer refuses nesting).
+        let reserved: Vec<(StoreId, records::ReservedPlacement)> = self
+            .records
+            .stores()
+            .iter()
+            .filter(|(_, s)| s.owner.is_none() && s.reserved)
+            .filter_map(|(id, s)| Some((id.clone(), s.reserved_at.clone()?)))
+            .collect();
+        for (id, placement) in reserved {
+            let Ok(path) = MountPath::from_relative(&placement.path) else {
+                continue;
+            };
+            let segments = path.segments();
+            if entries
+                .iter()
+                .any(|e| e.path.starts_with(segments) || segments.starts_with(&e.path))
+                || self.hf_cache_conflict(&path).is_some()
+            {
+                continue;
+            }
+            let Some(stored) = self.artifact(&placement.artifact) else {
+                continue;
+            };
+            match self.state.store(&id) {
+                Ok(h) => entries.push(MountEntry {
+                    path: segments.to_vec(),
+                    artifact: stored,
+                    store: self.fs.store_handle(&id, h),
+                }),
+                Err(e) => tracing::error!(store = %id, error = %e, "reserved store unusable"),
+            }
+        }
         // The cache view joins the same snapshot: its refs and snapshots flip with the paths.
         let mut files = Vec::new();
         if let Some(view) = &mut self.hf_cache {

@@ -734,3 +734,55 @@ fn retired_inline_files_are_bounded_by_bytes() {
         assert!(f.core.getattr(ino).is_err(), "inode {ino}");
     }
 }
+
+/// Empty directories sit beside models and inline files; one at or below a model root or an
+/// inline file, or with an invalid segment, is left out and the rest of the mapping applies.
+#[test]
+fn empty_directories_beside_models_and_clashing_ones_left_out() {
+    let f = fixture();
+    let store = Store::open(f._dir.path().join("a")).unwrap();
+    let a = artifact(&store, &[("config.json", b"{}")]);
+    let files = [InlineFile {
+        path: vec!["refs".into(), "main".into()],
+        content: Arc::from(&b"abc"[..]),
+    }];
+    let seg = |p: &str| -> Vec<String> { p.split('/').map(str::to_string).collect() };
+    let dirs = [
+        seg("vendors/llama"),
+        seg("vendors/empty/deep"),
+        seg("team/m"),
+        seg("team/m/inside"),
+        seg("refs/main"),
+        seg("refs/main/x"),
+        seg("bad/.."),
+        Vec::new(),
+    ];
+    f.core
+        .apply_mapping(&[entry("team/m", &a, &f.store_a)], &files, &dirs)
+        .unwrap();
+    let llama = resolve(&f.core, "vendors/llama").unwrap();
+    assert_eq!(llama.kind, Kind::Dir);
+    assert_eq!(llama.perm, 0o555);
+    assert!(list(&f.core, llama.ino)
+        .iter()
+        .all(|(name, _)| name == "." || name == ".."));
+    assert_eq!(
+        resolve(&f.core, "vendors/empty/deep").unwrap().kind,
+        Kind::Dir
+    );
+    // The model and the inline file are what they were; nothing was put inside them.
+    assert_eq!(
+        resolve(&f.core, "team/m/config.json").unwrap().kind,
+        Kind::File
+    );
+    assert!(resolve(&f.core, "team/m/inside").is_err());
+    assert_eq!(resolve(&f.core, "refs/main").unwrap().kind, Kind::File);
+    assert!(resolve(&f.core, "bad").is_err());
+    assert_eq!(f.core.last_applied().dirs.len(), dirs.len());
+
+    // Without them in the next mapping, they go.
+    f.core
+        .apply_mapping(&[entry("team/m", &a, &f.store_a)], &files, &[])
+        .unwrap();
+    assert!(resolve(&f.core, "vendors").is_err());
+}

@@ -551,6 +551,7 @@ pub fn serve(records: &mut Records, key: &ModelKey, serve: Serve) -> (bool, Vec<
         if s.owner.is_none() {
             s.owner = Some(key.clone());
             s.reserved = false;
+            s.reserved_at = None;
         }
     }
     let mut effects = Vec::new();
@@ -602,9 +603,17 @@ pub fn hand_over_or_release(
         .or_else(|| users.first())
         .cloned();
     let Some(next) = next else {
+        // Where the leaving owner was served from this store: a reserved store keeps it.
+        let placement = records.models().get(key).and_then(|m| {
+            let path = m.served_path.clone()?;
+            let artifact = m.artifact.clone()?;
+            (m.store.as_ref() == Some(store))
+                .then_some(crate::reconciler::records::ReservedPlacement { path, artifact })
+        });
         if let Some(mut s) = records.store_mut(store) {
             s.owner = None;
             s.reserved = reserve;
+            s.reserved_at = placement.filter(|_| reserve);
             s.last_owner_namespace = leaving_ns;
             tracing::info!(%store, reserved = reserve, "store released");
         }

@@ -762,10 +762,12 @@ fn state_files_get_their_modes_whatever_the_umask() {
     assert_eq!(state & 0o022, 0, "the state directory is {state:o}");
 }
 
-/// Sends `hello` with a protocol version and returns the server's first line.
+/// Sends `hello` with a protocol version and returns the server's first line. The write may
+/// find the connection closed already (a server refusing a connection beyond its cap answers
+/// without reading): the answer is read all the same.
 fn hello(socket: &Path, version: u32) -> String {
     let mut s = UnixStream::connect(socket).unwrap();
-    writeln!(s, r#"{{"hello":{{"protocol":{version},"agent":"test"}}}}"#).unwrap();
+    let _ = writeln!(s, r#"{{"hello":{{"protocol":{version},"agent":"test"}}}}"#);
     let mut line = String::new();
     BufReader::new(s).read_line(&mut line).unwrap();
     line

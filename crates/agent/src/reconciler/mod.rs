@@ -1907,6 +1907,7 @@ impl Reconciler {
                     retry: decide::RetryKind::Space { needed },
                 } => {
                     let fp = self.fingerprint_of(&key);
+                    self.index_paths(&key);
                     self.refuse_for_space(&key, &fp, reason, needed);
                     self.work_changed(&key);
                 }

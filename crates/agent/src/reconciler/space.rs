@@ -11,8 +11,13 @@
 //!   that fit now are retried at once (a release, a collection pass, another writer deleting
 //!   files all show up there), the others are checked again at the next tick, and re-resolved
 //!   only every [`SPACE_BACKSTOP`] (their source may have changed).
-//! * While some model is refused, [`Reconciler::reclaim`] removes what nothing serves, in the
-//!   order of [`decide::space::reclaim_order`], never a store the mount uses or a fetch writes.
+//! * While some model is refused, [`Reconciler::reclaim`] removes what nothing serves (stores
+//!   released or reserved, and the blobs of retired revisions in stores that stay), in the
+//!   order of [`decide::space::reclaim_order`], never a store the mount uses or a fetch writes,
+//!   nor a blob an open file may read.
+//! * The passes over every store run at every tick only while a fetch is admitted or a model
+//!   refused; otherwise every [`FULL_MEASURE_IDLE`], so an idle tick costs one `statvfs`, and
+//!   a placement costs one `statvfs` plus a `stat` per file adoption may link.
 //! * A fetch that hits a full disk anyway (another writer filled it) fails with the same
 //!   reason and waits the same way; the mount and every served model are untouched (the
 //!   records and status writes have their own retry, `persist::FileWrites`).

@@ -527,9 +527,18 @@ async fn schemes_tokens_and_ome_metrics() {
         let path = entry["path"].as_str().unwrap();
         assert_eq!(files_of(Path::new(path)), files_of(&repos[repo]), "{key}");
     }
-    // vendor://: Ready with no files, as OME.
+    // vendor://: Ready with no files, as OME; its path is an empty directory so that the
+    // runtime's pod finds it.
     let vendor = wait_status(&server, "clusterbasemodel.vendor", "Ready").await;
-    assert!(!mnt.join("vendor").exists(), "{vendor}");
+    wait_for("the vendor directory", || {
+        mnt.join("vendor").is_dir().then_some(())
+    })
+    .await;
+    assert_eq!(
+        std::fs::read_dir(mnt.join("vendor")).unwrap().count(),
+        0,
+        "{vendor}"
+    );
     // A gated repository without a usable token fails with the hub's reason.
     for key in ["team.basemodel.missing-gated", "team.basemodel.wrong"] {
         let entry = wait_status(&server, key, "Failed").await;
@@ -619,7 +628,8 @@ async fn schemes_tokens_and_ome_metrics() {
         }
     }
 
-    // A downloaded model whose source becomes vendor:// leaves the mount and stays Ready.
+    // A downloaded model whose source becomes vendor:// stays Ready; its files leave the
+    // mount and its path is an empty directory.
     assert!(mnt.join("single").exists());
     server.merge(
         CBM,
@@ -635,8 +645,10 @@ async fn schemes_tokens_and_ome_metrics() {
             .then_some(())
     })
     .await;
-    wait_for("single's path gone", || {
-        (!mnt.join("single").exists()).then_some(())
+    wait_for("single's path an empty directory", || {
+        std::fs::read_dir(mnt.join("single"))
+            .is_ok_and(|mut entries| entries.next().is_none())
+            .then_some(())
     })
     .await;
     drop(daemon);

@@ -71,9 +71,18 @@ pub struct ServeArgs {
     /// Where the read-only FUSE mount is created.
     #[arg(long)]
     mount: PathBuf,
-    /// Stores and durable records.
+    /// Stores and durable records. Default: `.modelfs-<name>` beside the mount directory
+    /// (`/raid/models` -> `/raid/.modelfs-models`): on the models root's filesystem, so the
+    /// blobs land on the large disk and adopting an old agent's files is a hard link. Never
+    /// below the mount.
     #[arg(long)]
-    state: PathBuf,
+    state: Option<PathBuf>,
+    /// What the stores may use: a size (`500G`, `2TiB`: decimal or binary units) in all, or a
+    /// percentage of the state directory's filesystem (`90%`; of used plus available bytes)
+    /// that it may be filled to, by anyone. A fetch that does not fit is not started: the model says
+    /// `InsufficientStorage` and starts by itself when space appears.
+    #[arg(long, default_value = "90%")]
+    disk_budget: modelfs_agent::disk::DiskBudget,
     /// Directory of YAML files with BaseModel / ClusterBaseModel objects. Required in
     /// standalone mode (without --kube).
     #[arg(long, required_unless_present = "kube", conflicts_with = "kube")]
@@ -158,6 +167,23 @@ pub struct ServeArgs {
     hf: HfArgs,
     #[command(flatten)]
     proxy: ProxyArgs,
+}
+
+impl ServeArgs {
+    /// `--state`, or its default beside the mount directory (absolute either way).
+    fn state_dir(&self) -> Result<PathBuf> {
+        if let Some(s) = &self.state {
+            return absolute(s);
+        }
+        let mount = absolute(&self.mount)?;
+        let mount = mount.components().collect::<PathBuf>();
+        modelfs_agent::disk::default_state_dir(&mount).with_context(|| {
+            format!(
+                "--mount {} has no parent directory to keep the state beside it: give --state",
+                mount.display()
+            )
+        })
+    }
 }
 
 /// Per-source proxies (see `source::proxy`): each replaces HTTP_PROXY / HTTPS_PROXY /
@@ -440,7 +466,8 @@ pub fn main() -> Result<()> {
                     args.listen
                 )
             })?;
-            let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
+            let state = args.state_dir()?;
+            let socket = socket_path(&state, args.mount_socket.as_deref())?;
             let mut agent_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
             match agent_args.iter().position(|a| a == "serve") {
                 Some(i) => agent_args[i] = "agent".into(),
@@ -453,7 +480,7 @@ pub fn main() -> Result<()> {
             run_mount_server(
                 MountServerArgs {
                     mount: args.mount.clone(),
-                    state: args.state.clone(),
+                    state,
                     mount_socket: Some(socket),
                     passthrough: args.passthrough,
                     fuse_threads: args.fuse_threads,
@@ -656,19 +683,20 @@ async fn agent(args: ServeArgs) -> Result<()> {
             "per-source proxies (NO_PROXY applies)"
         );
     }
-    std::fs::create_dir_all(&args.state)
-        .with_context(|| format!("creating state directory {}", args.state.display()))?;
+    let state_dir = args.state_dir()?;
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating state directory {}", state_dir.display()))?;
     // A restarted agent may start while the previous one is still exiting.
     let lock_deadline = std::time::Instant::now() + STATE_LOCK_WAIT;
     let _lock = loop {
-        match lock_state(&args.state) {
+        match lock_state(&state_dir) {
             Ok(lock) => break lock,
             Err(e) if std::time::Instant::now() >= lock_deadline => return Err(e),
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     };
-    let state = StateDir::open(&args.state)
-        .with_context(|| format!("opening state directory {}", args.state.display()))?;
+    let state = StateDir::open(&state_dir)
+        .with_context(|| format!("opening state directory {}", state_dir.display()))?;
     let mount_dir = absolute(&args.mount)?;
     let models_root_dir = match &args.models_root_dir {
         Some(d) => absolute(d)?,
@@ -680,7 +708,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
     // of being hidden (see `adopt`).
     let metrics = Arc::new(Metrics::new());
     let core = Arc::new(FsCore::new());
-    let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
+    let socket = socket_path(&state_dir, args.mount_socket.as_deref())?;
     let (connect_core, connect_metrics) = (core.clone(), metrics.clone());
     let grace = Duration::from_secs(args.mount_server_grace_secs);
     let (mount, welcome, mount_dev) = tokio::task::spawn_blocking(move || {
@@ -700,7 +728,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
     ));
     let mounted = Arc::new(AtomicBool::new(true));
     let health = Arc::new(modelfs_agent::http::HealthChecks {
-        state_dir: args.state.clone(),
+        state_dir: state_dir.clone(),
         mount_dir: mount_dir.clone(),
         mount_dev,
     });
@@ -721,6 +749,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
         hf_cache_linger: Duration::from_secs(args.hf_cache_linger_secs),
         resolve_interval: (args.resolve_interval_secs > 0)
             .then(|| Duration::from_secs(args.resolve_interval_secs)),
+        disk_budget: Some(args.disk_budget),
         ..ReconcilerConfig::new(sources)
     };
     let sink: Arc<dyn MountSink> = mount;
@@ -746,7 +775,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
                     models_root_dir,
                     allow_local_sources: args.allow_local_sources,
                     progress_interval: Duration::from_secs(args.progress_interval_secs),
-                    written_file: Some(absolute(&args.state)?.join("kube-written.json")),
+                    written_file: Some(state_dir.join("kube-written.json")),
                 },
                 reconciler.clone(),
             ),

@@ -27,19 +27,31 @@ pub fn run(args: StatusArgs) -> Result<()> {
                 std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
             serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))?
         }
-        None => fetch(&args.listen)?,
+        None => serde_json::from_slice(&fetch(&args.listen, "/v1/models")?)
+            .context("parsing the daemon's /v1/models")?,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print!("{}", table(&doc));
+        // The disk line needs the running daemon (an older one has no /v1/disk: no line).
+        if args.state.is_none() {
+            let disk = fetch(&args.listen, "/v1/disk").and_then(|b| {
+                Ok(serde_json::from_slice::<modelfs_agent::disk::DiskState>(
+                    &b,
+                )?)
+            });
+            if let Ok(disk) = disk {
+                println!("{}", disk.summary());
+            }
+        }
     }
     Ok(())
 }
 
-fn fetch(listen: &str) -> Result<StatusDoc> {
+fn fetch(listen: &str, what: &str) -> Result<Vec<u8>> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let url = format!("http://{listen}/v1/models");
+    let url = format!("http://{listen}{what}");
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -53,7 +65,7 @@ fn fetch(listen: &str) -> Result<StatusDoc> {
             .await
             .with_context(|| format!("asking the daemon at {url} (is it running? --state reads the last status from disk)"))?
             .error_for_status()?;
-        Ok(resp.json::<StatusDoc>().await?)
+        Ok(resp.bytes().await?.to_vec())
     })
 }
 

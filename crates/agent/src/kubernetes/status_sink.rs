@@ -594,14 +594,18 @@ fn transition_event(before: Option<&ModelStatus>, after: &ModelStatus) -> Option
         "Failed"
             if was != Some("Failed") || before.and_then(|b| b.reason.clone()) != after.reason =>
         {
-            Some(event(
-                EventType::Warning,
-                "Failed",
-                after
-                    .reason
-                    .clone()
-                    .unwrap_or_else(|| "unknown reason".to_owned()),
-            ))
+            let note = after
+                .reason
+                .clone()
+                .unwrap_or_else(|| "unknown reason".to_owned());
+            // A fetch refused for space (SPEC 12) says so in the Event's reason, so that
+            // `kubectl get events --field-selector reason=InsufficientStorage` finds them.
+            let reason = if note.starts_with("InsufficientStorage:") {
+                "InsufficientStorage"
+            } else {
+                "Failed"
+            };
+            Some(event(EventType::Warning, reason, note))
         }
         _ => None,
     }
@@ -820,6 +824,13 @@ mod tests {
         assert_eq!(event.note.as_deref(), Some("no access"));
         assert!(transition_event(Some(&failed), &failed).is_none());
         assert!(transition_event(Some(&ready), &updating).is_none());
+        let mut full = entry("Failed", "", "AlwaysDownload");
+        full.reason =
+            Some("InsufficientStorage: needs 412 GiB, 120 GiB free under the budget".into());
+        let event = transition_event(Some(&updating), &full).unwrap();
+        assert_eq!(event.reason, "InsufficientStorage");
+        assert_eq!(event.type_, EventType::Warning);
+        assert!(event.note.unwrap().contains("needs 412 GiB"));
     }
 
     #[test]

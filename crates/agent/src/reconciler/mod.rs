@@ -94,6 +94,7 @@ pub mod gc;
 mod model_config;
 mod persist;
 pub mod records;
+mod space;
 mod status_doc;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -174,6 +175,9 @@ pub struct ReconcilerConfig {
     /// agent, which reads a source only when the model object changes) never. See
     /// [`Reconciler::refresh_due`].
     pub resolve_interval: Option<Duration>,
+    /// `--disk-budget`: fetches that do not fit are not started (`None`: no admission; see
+    /// [`crate::disk`]).
+    pub disk_budget: Option<crate::disk::DiskBudget>,
 }
 
 /// [`ReconcilerConfig::max_concurrent_fetches`] unless configured.
@@ -194,6 +198,7 @@ impl ReconcilerConfig {
             hf_cache_dir: None,
             hf_cache_linger: Duration::from_secs(300),
             resolve_interval: None,
+            disk_budget: Some(crate::disk::DiskBudget::default()),
         }
     }
 }
@@ -436,9 +441,15 @@ pub struct ReconcilerHandle {
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
     status_changes: Arc<tokio::sync::watch::Sender<Arc<StatusDoc>>>,
+    disk: Arc<ArcSwap<crate::disk::DiskState>>,
 }
 
 impl ReconcilerHandle {
+    /// The disk as last measured (`/v1/disk`, `modelfs status`).
+    pub fn disk(&self) -> Arc<crate::disk::DiskState> {
+        self.disk.load_full()
+    }
+
     /// A receiver that is notified whenever the status document changes (its value is the
     /// latest document).
     pub fn subscribe_status(&self) -> tokio::sync::watch::Receiver<Arc<StatusDoc>> {
@@ -661,6 +672,8 @@ pub struct Reconciler {
     /// A fetch waits for the next save (see `saves`).
     fetch_awaits_save: bool,
     flush_pacer: FlushPacer,
+    /// The disk budget's bookkeeping (see [`space`]).
+    disk: space::Disk,
 }
 
 /// When the whole-state passes may run again. Each pass over the state costs time proportional
@@ -716,6 +729,7 @@ impl Reconciler {
         let ready = Arc::new(AtomicBool::new(false));
         let status_changes = Arc::new(tokio::sync::watch::Sender::new(Arc::new(StatusDoc::new())));
         let alive = Arc::new(std::sync::atomic::AtomicU64::new(now_secs()));
+        let config_budget = config.disk_budget;
         let mut r = Reconciler {
             fetch_slots: Arc::new(Semaphore::new(config.max_concurrent_fetches.max(1))),
             config,
@@ -762,6 +776,7 @@ impl Reconciler {
             saves: tokio::sync::watch::Sender::new(0),
             fetch_awaits_save: false,
             flush_pacer: FlushPacer::new(),
+            disk: space::Disk::new(config_budget),
         };
         r.hf_cache = r
             .config
@@ -796,6 +811,9 @@ impl Reconciler {
         r.settle_paths();
         r.remap();
         r.refresh_store_bytes();
+        r.report_placement();
+        r.measure_disk(true);
+        let disk = r.disk.shared.clone();
         r.save();
         r.publish();
         let tick = r.config.tick;
@@ -837,6 +855,7 @@ impl Reconciler {
             ready,
             alive,
             status_changes,
+            disk,
         })
     }
 
@@ -974,7 +993,8 @@ impl Reconciler {
                 true
             }
             Event::Tick => {
-                let mut changed = self.retry_due();
+                let mut changed = self.space_tick();
+                changed |= self.retry_due();
                 self.refresh_due();
                 // Waiters whose model's work ended without a wake-up (a safety net: every
                 // end of work wakes its waiters).
@@ -1552,13 +1572,16 @@ impl Reconciler {
         };
         let spec = work.spec.clone();
         let want = Self::want(&spec, &manifest);
+        let space = self.space_for(key, &spec, &manifest);
         let event = decide::Event::ArtifactKnown {
             key: key.clone(),
             claims: self.related_claims(&want.path),
             in_flight: self.in_flight(&spec.source, &want.artifact),
             want,
+            space,
         };
         self.apply_event(&event, Some(&manifest));
+        self.admitted(key, space);
     }
 
     /// What `spec` asks to serve, `manifest` being its artifact.
@@ -1878,6 +1901,15 @@ impl Reconciler {
                     self.index_paths(&key);
                 }
                 Effect::Remap => self.remap_needed = true,
+                Effect::Fail {
+                    key,
+                    reason,
+                    retry: decide::RetryKind::Space { needed },
+                } => {
+                    let fp = self.fingerprint_of(&key);
+                    self.refuse_for_space(&key, &fp, reason, needed);
+                    self.work_changed(&key);
+                }
                 Effect::Fail { key, reason, retry } => {
                     let fp = self.fingerprint_of(&key);
                     if retry == decide::RetryKind::MountRefused {
@@ -2007,6 +2039,9 @@ impl Reconciler {
         }
         if let Some(outcome) = err.ome_outcome() {
             self.metrics.ome.record(ome_labels(key), outcome);
+        }
+        if self.fail_disk_full(key, fp, err) {
+            return;
         }
         self.fail_with(key, fp, err.to_string(), err.is_transient());
     }

@@ -50,7 +50,11 @@
 //! [`hf_cache`]). They sit in synthesized directories and are numbered like them (slot 0), one
 //! inode per (path, content) pair: new content is a new inode, so the kernel can never show new
 //! bytes under an old inode or old bytes under a new one, and an inode whose file left the
-//! mapping stays answerable (its old content) for a kernel that still holds it. Opening one
+//! mapping stays answerable (its old content) for a kernel that still holds it, as long as the
+//! retired files (those no longer in the mapping) hold at most [`RETIRED_INLINE_BYTES`] in all:
+//! beyond that the oldest retired ones are forgotten, so a mapping whose files keep changing
+//! cannot grow the process without bound (the kernel is never told when it drops an inline
+//! inode; a forgotten one answers `ENOENT`, as a file that is gone). Opening one
 //! gives a sealed memfd holding the content, so the FUSE adapter treats it as any other file
 //! (passthrough or read-through).
 //!
@@ -66,7 +70,7 @@ pub mod tree;
 // Locks here are taken poison-tolerant: a panic in one request handler (answered EIO by the
 // transport) must not turn every later request into an error. Every holder leaves the guarded
 // state consistent at each point it could panic (no multi-step update spans one).
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
@@ -373,6 +377,54 @@ struct Registries {
     next_slot: u32,
 }
 
+/// Most bytes the inline files that left the mapping keep (see the module docs).
+pub const RETIRED_INLINE_BYTES: usize = 1 << 20;
+
+/// Inline files by inode: those of the current mapping, and retired ones, oldest first.
+#[derive(Default)]
+struct InlineFiles {
+    files: HashMap<u64, InlineFile>,
+    live: HashSet<u64>,
+    retired: VecDeque<u64>,
+    retired_bytes: usize,
+}
+
+impl InlineFiles {
+    fn content(&self, ino: u64) -> Option<&Arc<[u8]>> {
+        self.files.get(&ino).map(|f| &f.content)
+    }
+
+    fn len_of(&self, ino: u64) -> usize {
+        self.files.get(&ino).map_or(0, |f| f.content.len())
+    }
+
+    /// Makes `live` the mapping's files: the others retire, and the oldest retired ones are
+    /// forgotten (with their number in `ids`, so the same file mapped again gets a new inode)
+    /// while the retired ones hold more than [`RETIRED_INLINE_BYTES`].
+    fn set_live(&mut self, live: HashSet<u64>, ids: &mut HashMap<(Vec<String>, Arc<[u8]>), u64>) {
+        if self.retired.iter().any(|i| live.contains(i)) {
+            self.retired.retain(|i| !live.contains(i));
+            self.retired_bytes = self.retired.iter().map(|i| self.len_of(*i)).sum();
+        }
+        let mut leaving: Vec<u64> = self.live.difference(&live).copied().collect();
+        leaving.sort_unstable();
+        for ino in leaving {
+            self.retired_bytes += self.len_of(ino);
+            self.retired.push_back(ino);
+        }
+        self.live = live;
+        while self.retired_bytes > RETIRED_INLINE_BYTES {
+            let Some(ino) = self.retired.pop_front() else {
+                break;
+            };
+            if let Some(f) = self.files.remove(&ino) {
+                self.retired_bytes -= f.content.len();
+                ids.remove(&(f.path, f.content));
+            }
+        }
+    }
+}
+
 pub struct FsCore {
     inode_log: Mutex<Option<InodeLog>>,
     mapping: ArcSwap<Mapping>,
@@ -381,8 +433,8 @@ pub struct FsCore {
     registries: Mutex<Registries>,
     stores: Mutex<HashMap<StoreId, Weak<StoreHandle>>>,
     handles: DashMap<u64, Arc<OpenBlob>>,
-    /// Every inline file ever mapped, by inode (a few bytes each; see the module docs).
-    inline: RwLock<HashMap<u64, Arc<[u8]>>>,
+    /// The inline files of the mapping and the retired ones still kept (see the module docs).
+    inline: RwLock<InlineFiles>,
     next_fh: AtomicU64,
     /// Shown as the mtime of synthesized directories.
     started: SystemTime,
@@ -491,7 +543,7 @@ impl FsCore {
             registries: Mutex::new(registries),
             stores: Mutex::new(HashMap::new()),
             handles: DashMap::new(),
-            inline: RwLock::new(HashMap::new()),
+            inline: RwLock::new(InlineFiles::default()),
             next_fh: AtomicU64::new(1),
             started,
             apply_lock: Mutex::new(()),
@@ -915,9 +967,11 @@ impl FsCore {
         planned: &[(Vec<String>, u32, &MountEntry)],
         files: &[InlineFile],
     ) {
-        if files.is_empty() {
+        let mut inline = self.inline.write().unwrap_or_else(PoisonError::into_inner);
+        if files.is_empty() && inline.live.is_empty() {
             return;
         }
+        let mut live = HashSet::with_capacity(files.len());
         // Paths that must stay directories (every proper prefix of a taken path) and paths
         // taken by a model root or a file: O(total segments).
         let mut dirs: HashSet<&[String]> = HashSet::new();
@@ -928,7 +982,6 @@ impl FsCore {
                 dirs.insert(&path[..depth]);
             }
         }
-        let mut inline = self.inline.write().unwrap_or_else(PoisonError::into_inner);
         for f in files {
             let path = f.path.as_slice();
             let clash = path.is_empty()
@@ -952,13 +1005,15 @@ impl FsCore {
                     ino,
                 });
             }
-            inline.entry(ino).or_insert_with(|| f.content.clone());
+            inline.files.entry(ino).or_insert_with(|| f.clone());
+            live.insert(ino);
             new.synth.get_mut(&parent).expect("parent synthesized").add(
                 ino,
                 path[path.len() - 1].clone(),
                 Kind::File,
             );
         }
+        inline.set_live(live, &mut reg.inline_ids);
     }
 
     /// Adds the empty directories `dirs` to `new`, skipping any that is empty, has an invalid
@@ -1019,7 +1074,7 @@ impl FsCore {
 
     fn inline_attr(&self, ino: u64) -> Option<Attr> {
         let inline = self.inline.read().unwrap_or_else(PoisonError::into_inner);
-        let content = inline.get(&ino)?;
+        let content = inline.content(ino)?;
         Some(Attr {
             ino,
             kind: Kind::File,
@@ -1434,7 +1489,7 @@ impl FsCore {
             .inline
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .get(&ino)
+            .content(ino)
             .cloned();
         let Some(content) = content else {
             return Err(if self.getattr(ino).is_ok() {

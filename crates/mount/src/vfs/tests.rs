@@ -677,6 +677,64 @@ fn blob_uses_share_the_slots_artifacts_and_build_one_stores_set_on_request() {
     assert_eq!(all[&f.store_a.id], uses.of(&f.store_a.id));
 }
 
+/// Inline files that left the mapping stay answerable (their own bytes) for a kernel that may
+/// still hold their inodes, but only up to `RETIRED_INLINE_BYTES` in all: the oldest go first,
+/// and the same file mapped again after that is a new inode. The mapping's own files are
+/// kept whatever their size; a file that comes back into the mapping is no longer retired.
+#[test]
+fn retired_inline_files_are_bounded_by_bytes() {
+    let f = fixture();
+    const K300: usize = 300 << 10;
+    let file = |n: u8, len: usize| InlineFile {
+        path: vec!["refs".into(), "main".into()],
+        content: Arc::from(vec![n; len]),
+    };
+    let read_all = |ino: u64| -> Vec<u8> {
+        let (fh, blob) = f.core.open(ino).unwrap();
+        let data = f.core.read(fh, 0, blob.size as u32).unwrap();
+        f.core.release(fh);
+        data
+    };
+    let mut inos = Vec::new();
+    for n in 0..8u8 {
+        f.core.apply_with_files(&[], &[file(n, K300)]).unwrap();
+        inos.push(resolve(&f.core, "refs/main").unwrap().ino);
+    }
+    // 7 is mapped; 6, 5 and 4 (900 KiB) are kept; a fourth (1.2 MiB) would be too many.
+    for (n, ino) in inos.iter().enumerate() {
+        assert_eq!(f.core.getattr(*ino).is_ok(), n >= 4, "file {n}");
+    }
+    assert_eq!(read_all(inos[4]), vec![4u8; K300]);
+    assert!(
+        f.core.open(inos[3]).is_err(),
+        "a forgotten inode opens nothing"
+    );
+
+    // The same content as a forgotten one is a new inode. 7 retires: 4, 5, 6, 7 would be
+    // 1.2 MiB, so 4 goes.
+    f.core.apply_with_files(&[], &[file(0, K300)]).unwrap();
+    let again = resolve(&f.core, "refs/main").unwrap().ino;
+    assert!(!inos.contains(&again), "a forgotten file gets a new inode");
+    assert!(f.core.getattr(inos[4]).is_err());
+    // The same content as a kept one is the same inode, which leaves the retired ones: 6, 7
+    // and the new one (900 KiB) are all kept.
+    f.core.apply_with_files(&[], &[file(5, K300)]).unwrap();
+    assert_eq!(resolve(&f.core, "refs/main").unwrap().ino, inos[5]);
+    for ino in [inos[6], inos[7], again, inos[5]] {
+        assert!(f.core.getattr(ino).is_ok());
+    }
+
+    // A mapped file bigger than the bound stays while mapped; retired, it is forgotten at
+    // once, and so is everything retired before it.
+    f.core.apply_with_files(&[], &[file(9, 2 << 20)]).unwrap();
+    let big = resolve(&f.core, "refs/main").unwrap().ino;
+    assert_eq!(read_all(big).len(), 2 << 20);
+    f.core.apply(&[]).unwrap();
+    for ino in [big, inos[5], inos[6], inos[7], again] {
+        assert!(f.core.getattr(ino).is_err(), "inode {ino}");
+    }
+}
+
 /// Empty directories sit beside models and inline files; one at or below a model root or an
 /// inline file, or with an invalid segment, is left out and the rest of the mapping applies.
 #[test]

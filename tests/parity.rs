@@ -7,7 +7,9 @@ mod common;
 
 use std::time::Duration;
 
+use common::hub::TestHub;
 use common::*;
+use modelfs_devhub::hf::files_from_dir;
 
 /// `vendor://` with OME's own documentation example (a path under `/opt/models`, here a
 /// directory outside the models root) and `local://` with its directory outside the root:
@@ -188,5 +190,31 @@ fn a_deleted_reserved_models_directory_stays_until_its_store_is_reused() {
         !kept.exists()
     });
     assert_eq!(env.stores_with_blobs().len(), 1, "one store, reused");
+    assert!(d.stop(), "clean shutdown");
+}
+
+/// OME's agent reads the hub endpoint from `ENDPOINT`: with `HF_ENDPOINT` empty and no flag,
+/// modelfs downloads from the hub `ENDPOINT` names.
+#[test]
+fn the_hub_endpoint_comes_from_omes_endpoint_variable() {
+    let hub = TestHub::start(50);
+    let env = TestEnv::new();
+    let repo = env.dir("repo");
+    make_model_dir(&repo, 5, 1 << 16);
+    hub.hub()
+        .add_commit("org/m", &["main"], files_from_dir(&repo, 64 << 10).unwrap());
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", "hf://org/m", "AlwaysDownload", None),
+    );
+    let url = hub.running.url();
+    let d = Daemon::start_with_env(
+        &env,
+        &["--hf-retry-base-ms", "20"],
+        &[("HF_ENDPOINT", ""), ("ENDPOINT", url.as_str())],
+    );
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(contents(&env.mount.join("m")), contents(&repo));
+    assert!(hub.hub().stats().bytes_served > 0);
     assert!(d.stop(), "clean shutdown");
 }

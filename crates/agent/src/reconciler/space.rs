@@ -455,7 +455,11 @@ impl Reconciler {
             if s.owner.is_some() || self.records.user_count(id) > 0 {
                 continue;
             }
-            let busy = busy_fetch.contains(id) || self.fs.store_in_use(id);
+            // A reserved store keeps its last owner's directory in the mapping (read-only, as
+            // OME keeps it) until it is released: under pressure it is released, its directory
+            // withdrawn first and the store removed by a later pass once nothing reads it.
+            let placed = s.reserved && s.reserved_at.is_some();
+            let busy = busy_fetch.contains(id) || (!placed && self.fs.store_in_use(id));
             let bytes = self.store_bytes.get(id).copied().unwrap_or(0);
             let (class, age_secs) = if s.reserved {
                 let age = self
@@ -514,11 +518,30 @@ impl Reconciler {
                 }
             }
         }
-        let chosen: Vec<StoreId> = order
+        let mut chosen: Vec<StoreId> = order
             .into_iter()
             .filter(|(_, what)| *what == ReclaimWhat::Store)
             .map(|(id, _)| id)
             .collect();
+        // Reserved stores still placed at their path: withdraw the directory now; the store
+        // goes at a later pass, when the mount no longer reads it (never while a file of it is
+        // open).
+        chosen.retain(|id| {
+            let placed = self
+                .records
+                .stores()
+                .get(id)
+                .is_some_and(|s| s.reserved_at.is_some());
+            if placed {
+                if let Some(mut s) = self.records.store_mut(id) {
+                    s.reserved_at = None;
+                }
+                self.remap_needed = true;
+                self.flush_pending = true;
+                tracing::info!(store = %id, "withdrew a reserved model's directory to reclaim its store under disk pressure");
+            }
+            !placed
+        });
         if chosen.is_empty() {
             return true;
         }

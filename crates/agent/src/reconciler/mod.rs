@@ -93,6 +93,7 @@ pub mod decide;
 pub mod gc;
 mod model_config;
 mod persist;
+mod progressive;
 pub mod records;
 mod status_doc;
 
@@ -174,6 +175,9 @@ pub struct ReconcilerConfig {
     /// agent, which reads a source only when the model object changes) never. See
     /// [`Reconciler::refresh_due`].
     pub resolve_interval: Option<Duration>,
+    /// Serve a model while it downloads: its listing at once, each file once it verified
+    /// ([`progressive`]). On in standalone mode; off by default.
+    pub serve_while_downloading: bool,
 }
 
 /// [`ReconcilerConfig::max_concurrent_fetches`] unless configured.
@@ -194,6 +198,7 @@ impl ReconcilerConfig {
             hf_cache_dir: None,
             hf_cache_linger: Duration::from_secs(300),
             resolve_interval: None,
+            serve_while_downloading: false,
         }
     }
 }
@@ -242,6 +247,8 @@ enum Event {
     /// What the mount server serves changed (it confirmed a mapping, or it is away past the
     /// grace period): the status is published again.
     MountServing,
+    /// A fetch served while it downloads verified or failed a file ([`progressive`]).
+    LiveChanged(ModelKey),
     Shutdown(tokio::sync::oneshot::Sender<()>),
     /// See [`ReconcilerHandle::inject_panic`].
     Panic(String),
@@ -626,6 +633,8 @@ pub struct Reconciler {
     /// A fetch waits for the next save (see `saves`).
     fetch_awaits_save: bool,
     flush_pacer: FlushPacer,
+    /// Fetches served while they download ([`progressive`]).
+    live: progressive::Live,
 }
 
 /// When the whole-state passes may run again. Each pass over the state costs time proportional
@@ -727,7 +736,9 @@ impl Reconciler {
             saves: tokio::sync::watch::Sender::new(0),
             fetch_awaits_save: false,
             flush_pacer: FlushPacer::new(),
+            live: progressive::Live::default(),
         };
+        r.fs.set_wanted_hook(r.live.hook());
         r.hf_cache = r
             .config
             .hf_cache_dir
@@ -996,6 +1007,10 @@ impl Reconciler {
                 self.on_mount_refused(entries)
             }
             Event::MountServing => true,
+            Event::LiveChanged(key) => {
+                self.remap_needed |= self.works.contains_key(&key);
+                false
+            }
             Event::Shutdown(_) | Event::Panic(_) | Event::Flush => unreachable!("handled in run"),
         };
         // A tick that changed nothing (the idle case) changed no claim either.
@@ -1552,6 +1567,7 @@ impl Reconciler {
         let spec = work.spec.clone();
         let artifact = manifest.id();
         let progress = Arc::new(Progress::for_manifest(&manifest));
+        let live = self.live_fetch(key, &manifest);
         self.set_stage(
             key,
             Stage::Fetching {
@@ -1608,6 +1624,7 @@ impl Reconciler {
                 cancel: flag,
                 metrics,
                 existing,
+                live,
             };
             // Boxed: the fetch's own state is kilobytes, and every model decided at once
             // waits here for a slot (10,000 waiting fetches held 66 MB of it unboxed).
@@ -2276,7 +2293,8 @@ impl Reconciler {
             entries.extend(snapshots);
             files = refs;
         }
-        match self.fs.apply_with_files(&entries, &files) {
+        let pending = self.pending_entries(&mut entries);
+        match self.fs.apply_with_pending(&entries, &files, &pending) {
             Ok(inv) => {
                 self.metrics.mapping_changes.inc();
                 match &self.mount {

@@ -50,6 +50,9 @@
 //!   parallel. After a whole-file answer the rest of the file is read from that one answer (and
 //!   on a failure, from one new whole-file answer), so such a server costs one download of the
 //!   file per attempt, never one per range (which is quadratic in the file size).
+//! * **Served while downloading** ([`crate::progressive`]): when the context carries a live
+//!   fetch, files go in the order loaders read them instead of largest first, a file an open
+//!   waits on is taken next, and each file is reported as it verifies or fails verification.
 //! * **Progress** counts bytes as they arrive and takes back the bytes of a failed attempt, so
 //!   it never counts twice; a log line every `progress_log_interval`.
 
@@ -636,6 +639,7 @@ pub async fn fetch<S: RangeSource>(
     progress.completed_files.store(0, Ordering::Relaxed);
 
     let mut blobs: Vec<Option<Sha256Digest>> = vec![None; entries.len()];
+    let live = ctx.live.clone();
     // Entries with the same digest (identical files under several names) are downloaded once:
     // two writers must never share one partial file.
     let mut todo: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -678,7 +682,20 @@ pub async fn fetch<S: RangeSource>(
             },
         }
     }
-    todo.sort_by_key(|(i, _)| (Reverse(manifest.entry(*i).size), *i));
+    if let Some(live) = &live {
+        let present: Vec<(usize, Sha256Digest)> = blobs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| Some((i, (*b)?)))
+            .collect();
+        live.verified_many(&present);
+        todo.sort_by_key(|(i, _)| {
+            let path = manifest.entry(*i).path;
+            (crate::progressive::loader_rank(path), path.to_string())
+        });
+    } else {
+        todo.sort_by_key(|(i, _)| (Reverse(manifest.entry(*i).size), *i));
+    }
     let label = source.label();
     tracing::info!(
         source = %label,
@@ -695,16 +712,49 @@ pub async fn fetch<S: RangeSource>(
     };
     let work = async {
         let mut blobs = blobs;
-        let mut downloads = stream::iter(todo)
+        // Pulled as a download slot frees: a file an open waits on goes first.
+        let mut queue: std::collections::VecDeque<(usize, Vec<usize>)> = todo.into();
+        let next = std::iter::from_fn(|| {
+            if let Some(live) = &live {
+                let mut at = None;
+                live.next_wanted(|w| {
+                    at = queue
+                        .iter()
+                        .position(|(i, same)| *i == w || same.contains(&w));
+                    at.is_some()
+                });
+                if let Some(at) = at {
+                    return queue.remove(at);
+                }
+            }
+            queue.pop_front()
+        });
+        let mut downloads = stream::iter(next)
             .map(|(i, same)| {
                 // Owned for the download's lifetime: one entry per download in flight.
                 let entry = manifest.entry(i).to_entry();
                 let file_fetch = &file_fetch;
-                async move { (i, same, file_fetch.download(&entry).await) }
+                let live = live.clone();
+                async move {
+                    let mut indices = vec![i];
+                    indices.extend(&same);
+                    let failed = || {
+                        if let Some(live) = &live {
+                            live.failed(&indices);
+                        }
+                    };
+                    let result = file_fetch.download(&entry, &failed).await;
+                    (i, same, result)
+                }
             })
             .buffer_unordered(tuning.max_files.max(1));
         while let Some((i, same, result)) = downloads.next().await {
             let sha = result?;
+            if let Some(live) = &live {
+                let mut indices = vec![i];
+                indices.extend(&same);
+                live.verified(&indices, sha);
+            }
             blobs[i] = Some(sha);
             for j in same {
                 blobs[j] = Some(sha);
@@ -853,7 +903,13 @@ struct FileFetch<'a, S> {
 }
 
 impl<S: RangeSource> FileFetch<'_, S> {
-    async fn download(&self, entry: &ManifestEntry) -> Result<Sha256Digest, TransferError> {
+    /// Downloads and verifies one file; `failed_verification` is told of each attempt whose
+    /// bytes did not verify.
+    async fn download(
+        &self,
+        entry: &ManifestEntry,
+        failed_verification: &(dyn Fn() + Sync),
+    ) -> Result<Sha256Digest, TransferError> {
         let tuning = self.transfers.tuning();
         let ctx = self.ctx;
         let mut last_mismatch = String::new();
@@ -936,6 +992,7 @@ impl<S: RangeSource> FileFetch<'_, S> {
                     // Size or digest mismatch: the writer removed the partial file.
                     tracing::warn!(path = %entry.path, error = %e, "downloaded bytes failed verification; downloading again");
                     last_mismatch = e.to_string();
+                    failed_verification();
                 }
             }
         }

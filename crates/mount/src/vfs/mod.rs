@@ -874,6 +874,14 @@ impl FsCore {
         *self.wanted.write().unwrap_or_else(PoisonError::into_inner) = Some(hook);
     }
 
+    /// Calls the hook of [`FsCore::set_wanted_hook`] (the agent's core, told by the mount
+    /// server that an open there waits on a file).
+    pub fn tell_wanted(&self, path: &[String], artifact: &ArtifactId, file: usize) {
+        if let Some(hook) = &*self.wanted.read().unwrap_or_else(PoisonError::into_inner) {
+            hook(path, artifact, file);
+        }
+    }
+
     fn swap_mapping(
         &self,
         entries: &[MountEntry],

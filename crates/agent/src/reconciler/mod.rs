@@ -1030,6 +1030,9 @@ impl Reconciler {
             self.settle_paths();
             self.wake_waiters();
         }
+        // A fetch served while it downloaded ended without recording anything (failed or
+        // cancelled): its pending entry leaves the mapping.
+        self.remap_needed |= self.live_ended();
         let remapped = std::mem::take(&mut self.remap_needed);
         if remapped {
             self.remap();

@@ -81,6 +81,21 @@ impl Reconciler {
         Some(live)
     }
 
+    /// Whether a live fetch is no longer running (the next mapping drops its entries).
+    pub(super) fn live_ended(&self) -> bool {
+        self.live
+            .fetches
+            .iter()
+            .any(|(key, live)| !self.still_fetching(key, live))
+    }
+
+    fn still_fetching(&self, key: &ModelKey, live: &LiveFetch) -> bool {
+        matches!(
+            self.works.get(key).map(|w| &w.stage),
+            Some(Stage::Fetching { artifact, .. }) if *artifact == live.listing().id
+        )
+    }
+
     /// Pending entries for the live fetches still running, at paths `entries` leaves free;
     /// appended to `entries`, their states returned by path.
     pub(super) fn pending_entries(
@@ -88,13 +103,16 @@ impl Reconciler {
         entries: &mut Vec<MountEntry>,
     ) -> HashMap<Vec<String>, Arc<PendingFiles>> {
         // Fetches that ended (completed, failed, cancelled) are no longer live.
-        let works = &self.works;
-        self.live.fetches.retain(|key, live| {
-            matches!(
-                works.get(key).map(|w| &w.stage),
-                Some(Stage::Fetching { artifact, .. }) if *artifact == live.listing().id
-            )
-        });
+        let ended: Vec<ModelKey> = self
+            .live
+            .fetches
+            .iter()
+            .filter(|(key, live)| !self.still_fetching(key, live))
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in ended {
+            self.live.fetches.remove(&key);
+        }
         let mut pending = HashMap::new();
         let mut by_path = HashMap::new();
         let fetches: Vec<(ModelKey, Arc<LiveFetch>)> = self

@@ -51,8 +51,9 @@
 //!   on a failure, from one new whole-file answer), so such a server costs one download of the
 //!   file per attempt, never one per range (which is quadratic in the file size).
 //! * **Served while downloading** ([`crate::progressive`]): when the context carries a live
-//!   fetch, files go in the order loaders read them instead of largest first, a file an open
-//!   waits on is taken next, and each file is reported as it verifies or fails verification.
+//!   fetch, files go in the order loaders read them instead of largest first, at most two at
+//!   once, a file an open waits on is taken next, and each file is reported as it verifies or
+//!   fails verification.
 //! * **Progress** counts bytes as they arrive and takes back the bytes of a failed attempt, so
 //!   it never counts twice; a log line every `progress_log_interval`.
 
@@ -712,6 +713,15 @@ pub async fn fetch<S: RangeSource>(
     };
     let work = async {
         let mut blobs = blobs;
+        // Served while downloading, few files share the link: a loader reads the shards one
+        // after another, so the first must complete first rather than all of them together at
+        // the end (one large file already fills the link with its parallel ranges). Two, so
+        // that the round trips of small files overlap.
+        let files_at_once = if live.is_some() {
+            tuning.max_files.clamp(1, 2)
+        } else {
+            tuning.max_files.max(1)
+        };
         // Pulled as a download slot frees: a file an open waits on goes first.
         let mut queue: std::collections::VecDeque<(usize, Vec<usize>)> = todo.into();
         let next = std::iter::from_fn(|| {
@@ -747,7 +757,7 @@ pub async fn fetch<S: RangeSource>(
                     (i, same, result)
                 }
             })
-            .buffer_unordered(tuning.max_files.max(1));
+            .buffer_unordered(files_at_once);
         while let Some((i, same, result)) = downloads.next().await {
             let sha = result?;
             if let Some(live) = &live {

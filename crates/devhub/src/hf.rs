@@ -1282,7 +1282,13 @@ mod tests {
         let url = format!("{}/org/m/resolve/main/w.bin", running.url());
         let started = std::time::Instant::now();
         let get = |url: String| async move {
-            reqwest::get(url).await.unwrap().bytes().await.unwrap().len()
+            reqwest::get(url)
+                .await
+                .unwrap()
+                .bytes()
+                .await
+                .unwrap()
+                .len()
         };
         let (a, b) = tokio::join!(get(url.clone()), get(url));
         let took = started.elapsed();

@@ -51,9 +51,9 @@
 //!   on a failure, from one new whole-file answer), so such a server costs one download of the
 //!   file per attempt, never one per range (which is quadratic in the file size).
 //! * **Served while downloading** ([`crate::progressive`]): when the context carries a live
-//!   fetch, files go in the order loaders read them instead of largest first, at most two at
-//!   once, a file an open waits on is taken next, and each file is reported as it verifies or
-//!   fails verification.
+//!   fetch, files go in the order loaders read them instead of largest first, weight files
+//!   one at a time, a file an open waits on is taken next, and each file is reported as it
+//!   verifies or fails verification.
 //! * **Progress** counts bytes as they arrive and takes back the bytes of a failed attempt, so
 //!   it never counts twice; a log line every `progress_log_interval`.
 
@@ -713,52 +713,68 @@ pub async fn fetch<S: RangeSource>(
     };
     let work = async {
         let mut blobs = blobs;
-        // Served while downloading, few files share the link: a loader reads the shards one
-        // after another, so the first must complete first rather than all of them together at
-        // the end (one large file already fills the link with its parallel ranges). Two, so
-        // that the round trips of small files overlap.
-        let files_at_once = if live.is_some() {
-            tuning.max_files.clamp(1, 2)
-        } else {
-            tuning.max_files.max(1)
-        };
-        // Pulled as a download slot frees: a file an open waits on goes first.
+        // Served while downloading, weight files go one at a time (small files still several
+        // at once): a loader reads the shards one after another, so the first must complete
+        // first rather than all of them together at the end, and one large file already fills
+        // the link with its parallel ranges.
+        let one_weight_at_a_time = live.is_some();
+        let is_weight = |i: usize| crate::progressive::loader_rank(manifest.entry(i).path) == 1;
         let mut queue: std::collections::VecDeque<(usize, Vec<usize>)> = todo.into();
-        let next = std::iter::from_fn(|| {
+        // The next file to start now, if any: a file an open waits on first, then queue order.
+        let mut next = |weights_in_flight: usize| {
+            let allowed =
+                |i: usize| !(one_weight_at_a_time && weights_in_flight > 0 && is_weight(i));
             if let Some(live) = &live {
                 let mut at = None;
                 live.next_wanted(|w| {
                     at = queue
                         .iter()
-                        .position(|(i, same)| *i == w || same.contains(&w));
+                        .position(|(i, same)| (*i == w || same.contains(&w)) && allowed(*i));
                     at.is_some()
                 });
                 if let Some(at) = at {
                     return queue.remove(at);
                 }
             }
-            queue.pop_front()
-        });
-        let mut downloads = stream::iter(next)
-            .map(|(i, same)| {
-                // Owned for the download's lifetime: one entry per download in flight.
-                let entry = manifest.entry(i).to_entry();
-                let file_fetch = &file_fetch;
-                let live = live.clone();
-                async move {
-                    let mut indices = vec![i];
-                    indices.extend(&same);
-                    let failed = || {
-                        if let Some(live) = &live {
-                            live.failed(&indices);
-                        }
-                    };
-                    let result = file_fetch.download(&entry, &failed).await;
-                    (i, same, result)
+            let at = queue.iter().position(|(i, _)| allowed(*i))?;
+            queue.remove(at)
+        };
+        let start = |(i, same): (usize, Vec<usize>)| {
+            // Owned for the download's lifetime: one entry per download in flight.
+            let entry = manifest.entry(i).to_entry();
+            let file_fetch = &file_fetch;
+            let live = live.clone();
+            async move {
+                let mut indices = vec![i];
+                indices.extend(&same);
+                let failed = || {
+                    if let Some(live) = &live {
+                        live.failed(&indices);
+                    }
+                };
+                let result = file_fetch.download(&entry, &failed).await;
+                (i, same, result)
+            }
+        };
+        let mut downloads = futures_util::stream::FuturesUnordered::new();
+        let mut weights_in_flight = 0;
+        loop {
+            // Started as slots free (so a file an open asks for meanwhile can still go first).
+            while downloads.len() < tuning.max_files.max(1) {
+                let Some(item) = next(weights_in_flight) else {
+                    break;
+                };
+                if is_weight(item.0) {
+                    weights_in_flight += 1;
                 }
-            })
-            .buffer_unordered(files_at_once);
-        while let Some((i, same, result)) = downloads.next().await {
+                downloads.push(start(item));
+            }
+            let Some((i, same, result)) = downloads.next().await else {
+                break;
+            };
+            if is_weight(i) {
+                weights_in_flight -= 1;
+            }
             let sha = result?;
             if let Some(live) = &live {
                 let mut indices = vec![i];

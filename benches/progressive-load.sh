@@ -109,13 +109,14 @@ URL=$(sed -n 's/^listening //p' "$WORK/hub.out")
 
 drop_caches() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 
-# start_daemon FLAGS...: a fresh daemon on empty state; sets PORT and D_PID.
+# start_daemon FLAGS...: a fresh daemon on empty state; sets PORT and D_PID. No keeper: the
+# mount ends with each daemon (a keeper would hold it for a successor on the old state).
 start_daemon() {
   rm -rf "$WORK/state" "$WORK/models" && mkdir -p "$WORK/models" "$WORK/mnt"
   umount -l "$WORK/mnt" 2>/dev/null || true
   PORT=$((20000 + RANDOM % 20000))
   "$BIN" serve --mount "$WORK/mnt" --state "$WORK/state" --models "$WORK/models" \
-    --listen "127.0.0.1:$PORT" --hf-endpoint "$URL" "$@" 2>"$WORK/modelfs.log" &
+    --listen "127.0.0.1:$PORT" --hf-endpoint "$URL" --no-keeper "$@" 2>"$WORK/modelfs.log" &
   D_PID=$!
   for _ in $(seq 1 100); do curl -sf "127.0.0.1:$PORT/healthz" >/dev/null && break; sleep 0.1; done
   drop_caches

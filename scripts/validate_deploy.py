@@ -178,6 +178,9 @@ def check_daemonset(objects, problems):
         s_path, a_path = s_host(s_dir)[1], a_host(a_dir)[1]
         if s_path is None or s_path != a_path or s_arg(what) != a_arg(what):
             problems.append(f"--{what} must be the same hostPath in both DaemonSets")
+    state_host = s_host(s_arg("state"))[1]
+    if models_host and state_host and state_host.rstrip("/").rsplit("/", 1)[0] != models_host.rstrip("/").rsplit("/", 1)[0]:
+        problems.append("the state directory must be a hostPath beside the models root (its disk; SPEC 12)")
     env = {e["name"]: e for e in agent.get("env", [])}
     if env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "spec.nodeName":
         problems.append("NODE_NAME must come from the downward API (spec.nodeName)")

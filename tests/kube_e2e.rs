@@ -341,10 +341,16 @@ async fn targeting_malformed_objects_and_api_restarts() {
             base_model("t", "s3", json!({"storageUri": "github://org/m"})),
             "github",
         ),
+        // A path outside the models root is no error for local:// (OME's agent reports such
+        // a model Ready, the pod binds the node directory): a path that climbs is.
         (
             "badpath",
-            base_model("t", "badpath", json!({"storageUri": uri, "path": "/etc/m"})),
-            "/etc/m",
+            base_model(
+                "t",
+                "badpath",
+                json!({"storageUri": uri, "path": "/etc/../m"}),
+            ),
+            "\"..\" is not allowed",
         ),
     ];
     for (_, object, _) in &malformed {

@@ -527,9 +527,12 @@ async fn schemes_tokens_and_ome_metrics() {
         let path = entry["path"].as_str().unwrap();
         assert_eq!(files_of(Path::new(path)), files_of(&repos[repo]), "{key}");
     }
-    // vendor://: Ready with no files, as OME.
+    // vendor://: Ready with no files, as OME; below the models root its path is an empty
+    // directory, so a pod binding it starts.
     let vendor = wait_status(&server, "clusterbasemodel.vendor", "Ready").await;
-    assert!(!mnt.join("vendor").exists(), "{vendor}");
+    let dir = mnt.join("vendor");
+    assert!(dir.is_dir(), "{vendor}");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "{vendor}");
     // A gated repository without a usable token fails with the hub's reason.
     for key in ["team.basemodel.missing-gated", "team.basemodel.wrong"] {
         let entry = wait_status(&server, key, "Failed").await;
@@ -619,7 +622,7 @@ async fn schemes_tokens_and_ome_metrics() {
         }
     }
 
-    // A downloaded model whose source becomes vendor:// leaves the mount and stays Ready.
+    // A downloaded model whose source becomes vendor:// stays Ready and serves no files.
     assert!(mnt.join("single").exists());
     server.merge(
         CBM,
@@ -635,8 +638,10 @@ async fn schemes_tokens_and_ome_metrics() {
             .then_some(())
     })
     .await;
-    wait_for("single's path gone", || {
-        (!mnt.join("single").exists()).then_some(())
+    // Its files leave; the path stays as an empty directory (vendor below the models root).
+    wait_for("single's files gone", || {
+        let dir = mnt.join("single");
+        (dir.is_dir() && std::fs::read_dir(&dir).ok()?.count() == 0).then_some(())
     })
     .await;
     drop(daemon);

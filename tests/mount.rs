@@ -689,3 +689,64 @@ fn python_opens_are_answered_without_a_log_line_per_request() {
         d.log_text()
     );
 }
+
+/// A ring thread that fails (once, forced by the debug-build hook `MODELFS_TEST_RING_FAIL`
+/// right after it registered its entry) drops its ring, starts again with a new one and
+/// registers a new entry on its CPU's queue: a reader pinned to that CPU is served. Without
+/// the restart the queue would be left without an entry and every request made on that CPU
+/// would wait forever (the reader is killed after a minute, which fails the test).
+#[test]
+fn a_failed_ring_thread_restarts_and_serves_its_cpu() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 9, 3 << 20);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
+    );
+    // The last CPU: its queue is the one whose thread fails.
+    let cpus = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap();
+    let cpu: usize = cpus
+        .trim()
+        .rsplit(['-', ','])
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let cpu_text = cpu.to_string();
+    let d = Daemon::start_with_env(
+        &env,
+        &["--fuse-transport", "uring", "--passthrough", "never"],
+        &[("MODELFS_TEST_RING_FAIL", cpu_text.as_str())],
+    );
+    d.wait_model("clusterbasemodel.m", "Ready");
+    let qid = format!("qid={cpu}");
+    let restarted = |log: &str| {
+        log.lines().any(|l| {
+            l.contains("a failed FUSE ring thread serves again with a new ring") && l.contains(&qid)
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !restarted(&d.log_text()) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = d.log_text();
+    assert!(
+        log.lines().any(
+            |l| l.contains("MODELFS_TEST_RING_FAIL: this FUSE ring thread fails once")
+                && l.contains(&qid)
+        ),
+        "the hook fired: {log}"
+    );
+    assert!(restarted(&log), "the thread restarted: {log}");
+    let want = sh(&format!(
+        "cd {} && find . -type f | sort | xargs sha256sum",
+        src.display()
+    ));
+    let got = sh(&format!(
+        "cd {} && find . -type f | sort | timeout -s KILL 60 taskset -c {cpu} xargs sha256sum",
+        env.mount.join("m").display()
+    ));
+    assert_eq!(got, want, "read on CPU {cpu} through the mount");
+    Transport::Uring.assert_served(&d);
+}

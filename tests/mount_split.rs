@@ -762,10 +762,12 @@ fn state_files_get_their_modes_whatever_the_umask() {
     assert_eq!(state & 0o022, 0, "the state directory is {state:o}");
 }
 
-/// Sends `hello` with a protocol version and returns the server's first line.
+/// Sends `hello` with a protocol version and returns the server's first line. The write may
+/// find the connection closed already (a server refusing a connection beyond its cap answers
+/// without reading): the answer is read all the same.
 fn hello(socket: &Path, version: u32) -> String {
     let mut s = UnixStream::connect(socket).unwrap();
-    writeln!(s, r#"{{"hello":{{"protocol":{version},"agent":"test"}}}}"#).unwrap();
+    let _ = writeln!(s, r#"{{"hello":{{"protocol":{version},"agent":"test"}}}}"#);
     let mut line = String::new();
     BufReader::new(s).read_line(&mut line).unwrap();
     line
@@ -1006,4 +1008,50 @@ fn serve_runs_the_agent_as_a_supervised_child() {
                 .unwrap_or(true)
         }
     );
+}
+
+/// The mount server serves at most `MAX_CONNECTIONS` agent connections at once (a thread
+/// each): one more is told why and closed at once. Once connections end, a new one is served
+/// again (its bad hello gets the protocol's reason, not the cap's). The agent's connection and
+/// the mount are untouched throughout.
+#[test]
+fn connections_beyond_the_cap_are_refused_with_a_reason() {
+    use modelfs_mount::server::MAX_CONNECTIONS;
+
+    let (split, files) = Split::serving_one_model("good", 5);
+    split.wait_ready("clusterbasemodel.good");
+    let check_good = || {
+        for (rel, sha) in &files {
+            let data = std::fs::read(split.env.mount.join("good").join(rel)).unwrap();
+            assert_eq!(hex::encode(Sha256::digest(&data)), *sha, "{rel}");
+        }
+    };
+    // Connections that say nothing hold their thread until the hello deadline; the agent's
+    // own connection may hold one more.
+    let idle: Vec<UnixStream> = (0..MAX_CONNECTIONS)
+        .map(|_| UnixStream::connect(&split.socket).unwrap())
+        .collect();
+    let answer = hello(&split.socket, 999);
+    assert!(
+        answer.contains("refused")
+            && answer.contains("too many connections")
+            && answer.contains(&format!("at most {MAX_CONNECTIONS}")),
+        "{answer}"
+    );
+    check_good();
+    drop(idle);
+    // The ended connections' threads see the end and free their places.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let answer = loop {
+        let answer = hello(&split.socket, 999);
+        if !answer.contains("too many connections") || Instant::now() > deadline {
+            break answer;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        answer.contains("refused") && answer.contains("protocol version 999"),
+        "served again: {answer}"
+    );
+    check_good();
 }

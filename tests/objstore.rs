@@ -856,43 +856,97 @@ fn azure_blob_uploaded_in_blocks_is_checked_by_its_content_md5() {
     });
 }
 
-/// An S3 multipart upload's ETag is no MD5 of the bytes and moto publishes no other checksum:
-/// the model is served, and its status says so (`integrity: size-only`, one file), as does
-/// the log; a model of single-part objects says nothing.
+/// S3 multipart objects are checked by what S3 publishes about them (a `HEAD` with
+/// `ChecksumMode`, and one `HEAD ?partNumber=N` per part for the part sizes): a CRC32 whose
+/// type moto does not say (full-object or composite), a composite SHA256, or without any
+/// checksum the multipart ETag (the MD5 of the parts' MD5s). One part's bytes are corrupted
+/// on the way once (a 1 MiB range inside part 2 of 3): each file is downloaded again and
+/// served with the source's bytes. Corrupted on every attempt, the model fails with the
+/// check's name. An SSE-KMS object without a checksum (its ETag is no MD5) is served and
+/// reported as checked by size only.
 #[test]
-fn s3_multipart_object_is_reported_as_checked_by_size_only() {
+fn s3_multipart_objects_with_a_corrupted_part_are_refetched_or_failed() {
     let server = ObjectServer::s3();
+    let proxy = Proxy::reverse(&server.endpoint());
     let env = TestEnv::new();
     server.create_bucket("models");
     let data = common::bytes(42, (11 << 20) + 3);
     let file = env.dir("src").join("w.bin");
     std::fs::write(&file, &data).unwrap();
-    server.client(&[
-        "--part-mib",
-        "5",
-        "put",
-        "models",
-        "mp/w.bin",
-        file.to_str().unwrap(),
-    ]);
-    server.put("models", "mp/config.json", b"{}");
-    server.put("models", "sp/config.json", b"{}");
-    let etag = &server.list("models", "mp/w.bin")[0].etag;
-    assert!(etag.contains('-'), "a multipart ETag: {etag}");
-    let d = start(&env, &server.daemon_env(), &[]);
-    env.write_models(
-        "m.yaml",
-        &format!(
-            "{}---\n{}",
-            model("mp", &server.uri("models", "mp"), "AlwaysDownload", &[]),
-            model("sp", &server.uri("models", "sp"), "AlwaysDownload", &[])
-        ),
+    let uploads: [(&str, &[&str]); 5] = [
+        ("crc", &["--checksum", "crc32"]),
+        ("sha", &["--checksum", "sha256"]),
+        ("etag", &["--checksum", "none"]),
+        ("bad", &["--checksum", "none"]),
+        ("kms", &["--checksum", "none", "--sse", "aws:kms"]),
+    ];
+    let mut yaml = String::new();
+    for (name, flags) in uploads {
+        let key = format!("{name}/w.bin");
+        let mut args = vec!["--part-mib", "5"];
+        args.extend_from_slice(flags);
+        args.extend(["put", "models", &key, file.to_str().unwrap()]);
+        server.client(&args);
+        server.put("models", &format!("{name}/config.json"), b"{}");
+        let etag = &server.list("models", &key)[0].etag;
+        assert!(etag.ends_with("-3"), "{name}: a 3-part ETag: {etag}");
+        yaml.push_str(&model(
+            name,
+            &server.uri("models", name),
+            "AlwaysDownload",
+            &[],
+        ));
+        yaml.push_str("---\n");
+        // Bytes 6 MiB + 1000 (part 2) of the range starting at 6 MiB.
+        let times = if name == "bad" { 1_000_000 } else { 1 };
+        proxy.add_fault(
+            Fault::new(FaultKind::Corrupt { at: 1000 })
+                .times(times)
+                .on_method(axum::http::Method::GET)
+                .on_path(&key)
+                .on_range_from(6 << 20),
+        );
+    }
+    let d = start(
+        &env,
+        &env_via(&server, &proxy.url()),
+        &["--hf-chunk-mib", "1", "--hf-retry-base-ms", "20"],
     );
-    let mp = d.wait_model("clusterbasemodel.mp", "Ready");
-    assert_eq!(std::fs::read(env.mount.join("mp/w.bin")).unwrap(), data);
-    assert_eq!(mp["integrity"], "size-only", "{mp}");
-    assert_eq!(mp["sizeOnlyFiles"], 1, "{mp}");
-    let sp = d.wait_model("clusterbasemodel.sp", "Ready");
-    assert!(sp.get("integrity").is_none(), "{sp}");
-    assert!(d.log_text().contains("checked by its size only"));
+    env.write_models("m.yaml", &yaml);
+    for name in ["crc", "sha", "etag"] {
+        let e = d.wait_model(&format!("clusterbasemodel.{name}"), "Ready");
+        assert!(e.get("integrity").is_none(), "{name}: {e}");
+        assert_eq!(
+            std::fs::read(env.mount.join(name).join("w.bin")).unwrap(),
+            data,
+            "{name}"
+        );
+        let corrupted = proxy
+            .requests()
+            .iter()
+            .filter(|r| r.path.contains(&format!("{name}/w.bin")) && r.fault.is_some())
+            .count();
+        assert_eq!(corrupted, 1, "{name}: one corrupted answer");
+    }
+    let kms = d.wait_model("clusterbasemodel.kms", "Ready");
+    assert_eq!(kms["integrity"], "size-only", "{kms}");
+    assert_eq!(kms["sizeOnlyFiles"], 1, "{kms}");
+    let bad = d.wait_model("clusterbasemodel.bad", "Failed");
+    let reason = bad["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("w.bin")
+            && reason.contains("failed verification")
+            && reason.contains("S3 multipart ETag md5:"),
+        "{reason}"
+    );
+    assert!(!env.mount.join("bad").exists(), "nothing of it is served");
+    let log = d.log_text();
+    for check in [
+        "S3 full-object checksum crc32:",
+        "S3 composite checksum sha256:",
+        "S3 multipart ETag md5:",
+    ] {
+        assert!(log.contains(check), "the log names {check}");
+    }
+    assert!(log.contains("checked by its size only"));
 }

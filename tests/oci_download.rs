@@ -10,13 +10,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
-use modelfs_agent::source::oci::sign::{rsa_public_key_from_pem, RequestToSign, SigningKey};
+use modelfs_agent::source::oci::sign::{RequestToSign, SigningKey};
 use modelfs_devhub::hf::{Fault, FaultKind, FaultTarget};
 use modelfs_devhub::oci::{DevObject, InstanceIdentity, OciDev, OciDevConfig, RunningOciDev};
+use oci_common::{ApiKey, TENANCY, USER};
 use sha2::{Digest, Sha256};
 
-const TENANCY: &str = "ocid1.tenancy.oc1..aaaadevtenancy";
-const USER: &str = "ocid1.user.oc1..aaaadevuser";
 const NS: &str = "devns";
 const BUCKET: &str = "models";
 
@@ -72,68 +71,6 @@ impl TestOci {
             path: path.map(str::to_string),
             target: FaultTarget::File,
         });
-    }
-}
-
-/// An API key: private PEM path, public PEM text, fingerprint.
-struct ApiKey {
-    private: PathBuf,
-    public_pem: String,
-    fingerprint: String,
-}
-
-impl ApiKey {
-    fn generate(dir: &Path, name: &str) -> Self {
-        std::fs::create_dir_all(dir).unwrap();
-        let private = dir.join(format!("{name}.pem"));
-        sh(&format!(
-            "openssl genrsa -out {} 2048 2>/dev/null",
-            private.display()
-        ));
-        let public_pem = sh(&format!(
-            "openssl rsa -in {} -pubout 2>/dev/null",
-            private.display()
-        ));
-        let fp = sh(&format!(
-            "openssl rsa -in {} -pubout -outform DER 2>/dev/null | openssl md5 -c",
-            private.display()
-        ));
-        Self {
-            private,
-            public_pem,
-            fingerprint: fp.trim().rsplit(' ').next().unwrap().to_string(),
-        }
-    }
-
-    fn key_id(&self) -> String {
-        format!("{TENANCY}/{USER}/{}", self.fingerprint)
-    }
-
-    fn private_pem(&self) -> String {
-        std::fs::read_to_string(&self.private).unwrap()
-    }
-
-    /// The look-alike accepts this key.
-    fn register(&self, oci: &TestOci) {
-        oci.server().add_key(
-            &self.key_id(),
-            rsa_public_key_from_pem(&self.public_pem).unwrap(),
-        );
-    }
-
-    /// An OCI config file (as an operator mounts it into the agent) naming this key.
-    fn config_file(&self, dir: &Path) -> PathBuf {
-        let path = dir.join("oci-config");
-        std::fs::write(
-            &path,
-            format!(
-                "[DEFAULT]\nuser={USER}\nfingerprint={}\ntenancy={TENANCY}\nregion=us-ashburn-1\nkey_file={}\n",
-                self.fingerprint,
-                self.private.display()
-            ),
-        )
-        .unwrap();
-        path
     }
 }
 
@@ -249,7 +186,7 @@ fn oci_model_is_ready_with_the_bucket_bytes_and_reuse_keeps_one_store() {
         .put_object(NS, BUCKET, "llm/v1/tokenizer/", DevObject::new(Vec::new()));
     let env = TestEnv::new();
     let key = ApiKey::generate(&env.dir("keys"), "agent");
-    key.register(&oci);
+    key.register(oci.server());
     let config = key.config_file(&env.dir("keys"));
     let d = start_daemon(&env, &oci, Some(&config));
 
@@ -347,6 +284,77 @@ fn oci_model_is_ready_with_the_bucket_bytes_and_reuse_keeps_one_store() {
     );
 }
 
+/// A model in one of OME's legacy URI forms.
+fn legacy_oci_model(name: &str, uri: &str, policy: &str) -> String {
+    format!(
+        "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: {name}\nspec:\n  storage:\n    storageUri: {uri}\n    downloadPolicy: {policy}\n    parameters:\n      auth: UserPrincipal\n"
+    )
+}
+
+/// OME's legacy forms: `oci://<bucket>/<prefix>` asks the service for the namespace
+/// (`GET /n/`), `oci://<ns>@<region>/<bucket>/<prefix>` names it; both name the same objects
+/// as `oci://n/<ns>/b/<bucket>/o/<prefix>`, so a `ReuseIfExists` model in another form maps
+/// onto the first copy and nothing is fetched twice.
+#[test]
+fn legacy_oci_forms_serve_the_same_objects_as_omes_form() {
+    let oci = TestOci::start(1000);
+    let files = model_files(21, 1 << 20);
+    oci.put_files("legacy/v1", &files);
+    let env = TestEnv::new();
+    let key = ApiKey::generate(&env.dir("keys"), "agent");
+    key.register(oci.server());
+    let config = key.config_file(&env.dir("keys"));
+    let d = start_daemon(&env, &oci, Some(&config));
+
+    env.write_models(
+        "a.yaml",
+        &legacy_oci_model(
+            "legacy-a",
+            &format!("oci://{BUCKET}/legacy/v1"),
+            "AlwaysDownload",
+        ),
+    );
+    let a = d.wait_model("clusterbasemodel.legacy-a", "Ready");
+    assert_tree(&env.mount.join("legacy-a"), &files);
+    assert_eq!(oci.server().stats().bytes_served, total(&files));
+
+    env.write_models(
+        "b.yaml",
+        &legacy_oci_model(
+            "legacy-b",
+            &format!("oci://{NS}@us-ashburn-1/{BUCKET}/legacy/v1"),
+            "ReuseIfExists",
+        ),
+    );
+    env.write_models(
+        "c.yaml",
+        &oci_model("legacy-c", "legacy/v1", "ReuseIfExists", ""),
+    );
+    for name in ["legacy-b", "legacy-c"] {
+        let m = d.wait_model(&format!("clusterbasemodel.{name}"), "Ready");
+        assert_tree(&env.mount.join(name), &files);
+        assert_eq!(
+            m["config"]["artifact"]["sha"], a["config"]["artifact"]["sha"],
+            "{name} names the same objects"
+        );
+    }
+    assert_eq!(
+        env.stores_with_blobs().len(),
+        1,
+        "one store for the three forms"
+    );
+    assert_eq!(oci.server().stats().bytes_served, total(&files));
+
+    // A bucket the tenancy does not have: the service's own reason.
+    env.write_models(
+        "d.yaml",
+        &legacy_oci_model("legacy-d", "oci://nosuchbucket/x", "AlwaysDownload"),
+    );
+    let failed = d.wait_model("clusterbasemodel.legacy-d", "Failed");
+    let reason = failed["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("nosuchbucket"), "{reason}");
+}
+
 #[test]
 fn wrong_md5_and_truncated_bodies_never_reach_the_mount() {
     let oci = TestOci::start(1000);
@@ -400,7 +408,7 @@ fn wrong_md5_and_truncated_bodies_never_reach_the_mount() {
     );
     let env = TestEnv::new();
     let key = ApiKey::generate(&env.dir("keys"), "agent");
-    key.register(&oci);
+    key.register(oci.server());
     let d = start_daemon(&env, &oci, Some(&key.config_file(&env.dir("keys"))));
     env.write_models(
         "flaky.yaml",
@@ -484,7 +492,7 @@ fn wrong_key_fails_with_the_servers_reason_and_no_secret_anywhere() {
     oci.put_files("m", &model_files(5, 1000));
     let env = TestEnv::new();
     let registered = ApiKey::generate(&env.dir("keys"), "registered");
-    registered.register(&oci);
+    registered.register(oci.server());
     // The model's Secret names the registered key id but holds another private key.
     let other = ApiKey::generate(&env.dir("keys"), "other");
     let secret = format!(
@@ -558,7 +566,7 @@ fn hostile_object_names_are_refused_and_nothing_is_written() {
     put("clash/a/b");
     let env = TestEnv::new();
     let key = ApiKey::generate(&env.dir("keys"), "agent");
-    key.register(&oci);
+    key.register(oci.server());
     let d = start_daemon(&env, &oci, Some(&key.config_file(&env.dir("keys"))));
     let cases = [
         ("dots", "dot segment"),
@@ -601,7 +609,7 @@ fn sigkill_mid_download_resumes_with_ranges() {
     );
     let env = TestEnv::new();
     let key = ApiKey::generate(&env.dir("keys"), "agent");
-    key.register(&oci);
+    key.register(oci.server());
     let config = key.config_file(&env.dir("keys"));
     let d = start_daemon(&env, &oci, Some(&config));
     env.write_models("m.yaml", &oci_model("big", "big", "AlwaysDownload", ""));
@@ -652,7 +660,7 @@ fn unsigned_stale_and_unknown_requests_are_refused_as_the_service_does() {
     oci.put_files("m", &model_files(7, 10));
     let env = TestEnv::new();
     let key = ApiKey::generate(&env.dir("keys"), "k");
-    key.register(&oci);
+    key.register(oci.server());
     let signer = SigningKey::from_pem(key.key_id(), &key.private_pem()).unwrap();
     let url = oci.running.url();
     let host = url.trim_start_matches("http://").to_string();
@@ -928,7 +936,7 @@ fn an_object_rewritten_mid_download_is_never_stitched() {
     );
     let env = TestEnv::new();
     let key = ApiKey::generate(&env.dir("keys"), "agent");
-    key.register(&oci);
+    key.register(oci.server());
     let d = start_daemon(&env, &oci, Some(&key.config_file(&env.dir("keys"))));
     env.write_models("m.yaml", &oci_model("rw", "rw", "AlwaysDownload", ""));
     d.wait_until(
@@ -992,7 +1000,7 @@ fn a_corrupted_partial_file_is_downloaded_again_not_served() {
     );
     let env = TestEnv::new();
     let key = ApiKey::generate(&env.dir("keys"), "agent");
-    key.register(&oci);
+    key.register(oci.server());
     let config = key.config_file(&env.dir("keys"));
     let d = start_daemon(&env, &oci, Some(&config));
     env.write_models("m.yaml", &oci_model("part", "part", "AlwaysDownload", ""));

@@ -408,7 +408,9 @@ fn reserve_label_keeps_the_store_for_a_later_reuse_model() {
         1,
         "a reserved store was collected"
     );
-    assert!(!env.mount.join("keep").exists());
+    // As OME keeps a reserved model's directory, it stays at its path until the store is
+    // reused.
+    assert_eq!(contents(&env.mount.join("keep")), contents(&src));
 
     env.write_models(
         "later.yaml",
@@ -427,4 +429,9 @@ fn reserve_label_keeps_the_store_for_a_later_reuse_model() {
     );
     assert_eq!(env.stores_with_blobs().len(), 1);
     assert_eq!(tree(&env.mount.join("ns/later")).len(), tree(&src).len());
+    wait_for(
+        "the reserved path gone once reused",
+        Duration::from_secs(30),
+        || !env.mount.join("keep").exists(),
+    );
 }

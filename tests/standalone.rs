@@ -384,8 +384,12 @@ fn a_full_disk_fails_the_model_with_a_reason_and_hurts_no_other() {
     );
     let e = d.wait_model("clusterbasemodel.big", "Failed");
     let reason = e["reason"].as_str().unwrap();
-    assert!(reason.contains("disk full"), "{reason}");
-    assert!(reason.contains("retry"), "a full disk is retried: {reason}");
+    // Refused before it starts (SPEC 12: it cannot fit), and it waits for space.
+    assert!(
+        reason.starts_with("InsufficientStorage: needs "),
+        "{reason}"
+    );
+    assert!(reason.ends_with("free under the budget"), "{reason}");
     assert!(!env.mount.join("big").exists());
     // The partial file was discarded: the space is free again for others.
     let partials = sh(&format!(

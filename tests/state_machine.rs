@@ -158,6 +158,8 @@ fn spec(i: usize, reuse: bool, rev_dir: &Path) -> ModelSpec {
         token_secret: None,
         parameters: BTreeMap::new(),
         labels: BTreeMap::new(),
+        node_dir: None,
+        shape: None,
     }
 }
 

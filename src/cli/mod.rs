@@ -71,9 +71,18 @@ pub struct ServeArgs {
     /// Where the read-only FUSE mount is created.
     #[arg(long)]
     mount: PathBuf,
-    /// Stores and durable records.
+    /// Stores and durable records. Default: `.modelfs-<name>` beside the mount directory
+    /// (`/raid/models` -> `/raid/.modelfs-models`): on the models root's filesystem, so the
+    /// blobs land on the large disk and adopting an old agent's files is a hard link. Never
+    /// below the mount.
     #[arg(long)]
-    state: PathBuf,
+    state: Option<PathBuf>,
+    /// What the stores may use: a size (`500G`, `2TiB`: decimal or binary units) in all, or a
+    /// percentage of the state directory's filesystem (`90%`; of used plus available bytes)
+    /// that it may be filled to, by anyone. A fetch that does not fit is not started: the model says
+    /// `InsufficientStorage` and starts by itself when space appears.
+    #[arg(long, default_value = "90%")]
+    disk_budget: modelfs_agent::disk::DiskBudget,
     /// Directory of YAML files with BaseModel / ClusterBaseModel objects. Required in
     /// standalone mode (without --kube).
     #[arg(long, required_unless_present = "kube", conflicts_with = "kube")]
@@ -166,6 +175,23 @@ pub struct ServeArgs {
     hf: HfArgs,
     #[command(flatten)]
     proxy: ProxyArgs,
+}
+
+impl ServeArgs {
+    /// `--state`, or its default beside the mount directory (absolute either way).
+    fn state_dir(&self) -> Result<PathBuf> {
+        if let Some(s) = &self.state {
+            return absolute(s);
+        }
+        let mount = absolute(&self.mount)?;
+        let mount = mount.components().collect::<PathBuf>();
+        modelfs_agent::disk::default_state_dir(&mount).with_context(|| {
+            format!(
+                "--mount {} has no parent directory to keep the state beside it: give --state",
+                mount.display()
+            )
+        })
+    }
 }
 
 /// Per-source proxies (see `source::proxy`): each replaces HTTP_PROXY / HTTPS_PROXY /
@@ -289,9 +315,10 @@ pub struct MountServerArgs {
 /// only, never from a flag, so it does not show in the process list.
 #[derive(clap::Args, Debug)]
 struct HfArgs {
-    /// Hugging Face endpoint.
-    #[arg(long, env = "HF_ENDPOINT", default_value = modelfs_agent::source::hf::DEFAULT_ENDPOINT)]
-    hf_endpoint: String,
+    /// Hugging Face endpoint [env: HF_ENDPOINT, else ENDPOINT (OME's agent's variable), else
+    /// https://huggingface.co].
+    #[arg(long, env = "HF_ENDPOINT")]
+    hf_endpoint: Option<String>,
     /// Files of one model downloaded at once.
     #[arg(long, default_value_t = DownloadTuning::default().max_files)]
     hf_max_files: usize,
@@ -339,11 +366,28 @@ struct HfArgs {
     hf_progress_log_secs: u64,
 }
 
+/// The hub endpoint: `--hf-endpoint`, else `HF_ENDPOINT` (both through clap), else `ENDPOINT`,
+/// the variable OME's model agent reads (its configuration binds the key `endpoint` to the
+/// environment), else the public hub. `HF_ENDPOINT` wins over `ENDPOINT` because it is the
+/// hub clients' own variable and more specific; empty values count as unset, as in OME.
+fn hub_endpoint(flag_or_hf_endpoint: Option<&str>, endpoint_env: Option<&str>) -> String {
+    [flag_or_hf_endpoint, endpoint_env]
+        .into_iter()
+        .flatten()
+        .map(str::trim)
+        .find(|value| !value.is_empty())
+        .unwrap_or(modelfs_agent::source::hf::DEFAULT_ENDPOINT)
+        .to_owned()
+}
+
 impl HfArgs {
     fn config(&self) -> HfConfig {
         let defaults = DownloadTuning::default();
         HfConfig {
-            endpoint: self.hf_endpoint.clone(),
+            endpoint: hub_endpoint(
+                self.hf_endpoint.as_deref(),
+                std::env::var("ENDPOINT").ok().as_deref(),
+            ),
             default_token: std::env::var("HF_TOKEN")
                 .ok()
                 .filter(|t| !t.trim().is_empty())
@@ -434,7 +478,8 @@ pub fn main() -> Result<()> {
                     args.listen
                 )
             })?;
-            let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
+            let state = args.state_dir()?;
+            let socket = socket_path(&state, args.mount_socket.as_deref())?;
             let mut agent_args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
             match agent_args.iter().position(|a| a == "serve") {
                 Some(i) => agent_args[i] = "agent".into(),
@@ -447,7 +492,7 @@ pub fn main() -> Result<()> {
             run_mount_server(
                 MountServerArgs {
                     mount: args.mount.clone(),
-                    state: args.state.clone(),
+                    state,
                     mount_socket: Some(socket),
                     passthrough: args.passthrough,
                     fuse_threads: args.fuse_threads,
@@ -652,19 +697,20 @@ async fn agent(args: ServeArgs) -> Result<()> {
             "per-source proxies (NO_PROXY applies)"
         );
     }
-    std::fs::create_dir_all(&args.state)
-        .with_context(|| format!("creating state directory {}", args.state.display()))?;
+    let state_dir = args.state_dir()?;
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating state directory {}", state_dir.display()))?;
     // A restarted agent may start while the previous one is still exiting.
     let lock_deadline = std::time::Instant::now() + STATE_LOCK_WAIT;
     let _lock = loop {
-        match lock_state(&args.state) {
+        match lock_state(&state_dir) {
             Ok(lock) => break lock,
             Err(e) if std::time::Instant::now() >= lock_deadline => return Err(e),
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     };
-    let state = StateDir::open(&args.state)
-        .with_context(|| format!("opening state directory {}", args.state.display()))?;
+    let state = StateDir::open(&state_dir)
+        .with_context(|| format!("opening state directory {}", state_dir.display()))?;
     let mount_dir = absolute(&args.mount)?;
     let models_root_dir = match &args.models_root_dir {
         Some(d) => absolute(d)?,
@@ -676,7 +722,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
     // of being hidden (see `adopt`).
     let metrics = Arc::new(Metrics::new());
     let core = Arc::new(FsCore::new());
-    let socket = socket_path(&args.state, args.mount_socket.as_deref())?;
+    let socket = socket_path(&state_dir, args.mount_socket.as_deref())?;
     let (connect_core, connect_metrics) = (core.clone(), metrics.clone());
     let grace = Duration::from_secs(args.mount_server_grace_secs);
     let (mount, welcome, mount_dev) = tokio::task::spawn_blocking(move || {
@@ -696,7 +742,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
     ));
     let mounted = Arc::new(AtomicBool::new(true));
     let health = Arc::new(modelfs_agent::http::HealthChecks {
-        state_dir: args.state.clone(),
+        state_dir: state_dir.clone(),
         mount_dir: mount_dir.clone(),
         mount_dev,
     });
@@ -720,6 +766,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
         // Standalone: a model is served while it downloads (SPEC section 13). In Kubernetes
         // mode `Ready` keeps OME's meaning.
         serve_while_downloading: !args.kube && !args.no_serve_while_downloading,
+        disk_budget: Some(args.disk_budget),
         ..ReconcilerConfig::new(sources)
     };
     let sink: Arc<dyn MountSink> = mount;
@@ -745,6 +792,7 @@ async fn agent(args: ServeArgs) -> Result<()> {
                     models_root_dir,
                     allow_local_sources: args.allow_local_sources,
                     progress_interval: Duration::from_secs(args.progress_interval_secs),
+                    written_file: Some(state_dir.join("kube-written.json")),
                 },
                 reconciler.clone(),
             ),
@@ -840,4 +888,30 @@ fn hf_cache_dir(arg: &str) -> Result<Option<modelfs_ome::MountPath>> {
     modelfs_ome::MountPath::from_relative(arg)
         .map(Some)
         .with_context(|| format!("--hf-cache-dir {arg:?} must be a relative path below the mount"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hub_endpoint;
+
+    /// `--hf-endpoint`/`HF_ENDPOINT` first, then OME's `ENDPOINT`, then the public hub; empty
+    /// values are skipped.
+    #[test]
+    fn hub_endpoint_order() {
+        let cases = [
+            (Some("http://a"), Some("http://b"), "http://a"),
+            (None, Some("http://b"), "http://b"),
+            (Some(""), Some("http://b"), "http://b"),
+            (Some("  "), Some(" http://b "), "http://b"),
+            (None, Some(""), modelfs_agent::source::hf::DEFAULT_ENDPOINT),
+            (None, None, modelfs_agent::source::hf::DEFAULT_ENDPOINT),
+        ];
+        for (hf_endpoint, endpoint, expected) in cases {
+            assert_eq!(
+                hub_endpoint(hf_endpoint, endpoint),
+                expected,
+                "HF_ENDPOINT {hf_endpoint:?}, ENDPOINT {endpoint:?}"
+            );
+        }
+    }
 }

@@ -27,19 +27,31 @@ pub fn run(args: StatusArgs) -> Result<()> {
                 std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
             serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))?
         }
-        None => fetch(&args.listen)?,
+        None => serde_json::from_slice(&fetch(&args.listen, "/v1/models")?)
+            .context("parsing the daemon's /v1/models")?,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print!("{}", table(&doc));
+        // The disk line needs the running daemon (an older one has no /v1/disk: no line).
+        if args.state.is_none() {
+            let disk = fetch(&args.listen, "/v1/disk").and_then(|b| {
+                Ok(serde_json::from_slice::<modelfs_agent::disk::DiskState>(
+                    &b,
+                )?)
+            });
+            if let Ok(disk) = disk {
+                println!("{}", disk.summary());
+            }
+        }
     }
     Ok(())
 }
 
-fn fetch(listen: &str) -> Result<StatusDoc> {
+fn fetch(listen: &str, what: &str) -> Result<Vec<u8>> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let url = format!("http://{listen}/v1/models");
+    let url = format!("http://{listen}{what}");
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -53,7 +65,7 @@ fn fetch(listen: &str) -> Result<StatusDoc> {
             .await
             .with_context(|| format!("asking the daemon at {url} (is it running? --state reads the last status from disk)"))?
             .error_for_status()?;
-        Ok(resp.json::<StatusDoc>().await?)
+        Ok(resp.bytes().await?.to_vec())
     })
 }
 
@@ -168,7 +180,17 @@ pub fn table(doc: &StatusDoc) -> String {
     out
 }
 
+/// The MODEL cell, with the TensorRT-LLM shape the files were chosen for, if any.
 fn model_column(e: &modelfs_ome::status::ModelStatus) -> String {
+    let model = described_model(e);
+    match &e.shape {
+        Some(shape) if model == "-" => format!("shape {shape}"),
+        Some(shape) => format!("{model} (shape {shape})"),
+        None => model,
+    }
+}
+
+fn described_model(e: &modelfs_ome::status::ModelStatus) -> String {
     let c = &e.config;
     if c.has_derived() {
         let arch = if c.model_architecture.is_empty() {
@@ -193,6 +215,48 @@ mod tests {
     use modelfs_ome::status::ModelStatus;
 
     use super::*;
+
+    /// A TensorRT-LLM model's shape is shown in the MODEL column, after what its config
+    /// describes (or alone when nothing is derived).
+    #[test]
+    fn the_shape_is_shown_beside_the_model() {
+        let mut doc = StatusDoc::new();
+        let mut described = ModelStatus {
+            status: "Ready".into(),
+            shape: Some("H100".into()),
+            ..Default::default()
+        };
+        described.config.model_architecture = "LlamaForCausalLM".into();
+        described.config.model_parameter_size = "8B".into();
+        described.config.model_format = Some(modelfs_ome::modelconfig::NameVersion {
+            name: "safetensors".into(),
+            version: None,
+        });
+        doc.insert("clusterbasemodel.described".into(), Arc::new(described));
+        doc.insert(
+            "clusterbasemodel.engines".into(),
+            Arc::new(ModelStatus {
+                status: "Ready".into(),
+                shape: Some("A100-80G".into()),
+                ..Default::default()
+            }),
+        );
+        let out = table(&doc);
+        let row = |key: &str| {
+            out.lines()
+                .find(|l| l.starts_with(key))
+                .unwrap_or_else(|| panic!("{out}"))
+                .to_owned()
+        };
+        assert!(
+            row("clusterbasemodel.described").contains("LlamaForCausalLM 8B (shape H100)"),
+            "{out}"
+        );
+        assert!(
+            row("clusterbasemodel.engines").contains("  shape A100-80G  "),
+            "{out}"
+        );
+    }
 
     #[test]
     fn a_long_reason_is_cut_in_the_table_and_printed_whole_below_it() {

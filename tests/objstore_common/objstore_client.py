@@ -53,7 +53,7 @@ def files_below(root):
 
 
 class S3:
-    def __init__(self, endpoint, part_mib=None):
+    def __init__(self, endpoint, part_mib=None, checksum=None, sse=None):
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -66,8 +66,20 @@ class S3:
             aws_access_key_id="test",
             aws_secret_access_key="test",
             region_name="us-east-1",
-            config=Config(proxies={}, retries={"max_attempts": 2}, read_timeout=1800),
+            config=Config(
+                proxies={},
+                retries={"max_attempts": 2},
+                read_timeout=1800,
+                # "none": no checksum at all (as boto3 before 1.36 and many other clients
+                # upload), so the object has its ETag only.
+                request_checksum_calculation="when_required" if checksum == "none" else None,
+            ),
         )
+        self.extra = {}
+        if checksum and checksum != "none":
+            self.extra["ChecksumAlgorithm"] = checksum.upper()
+        if sse:
+            self.extra["ServerSideEncryption"] = sse
         self.endpoint = endpoint
         self.upload_config = TransferConfig()
         if part_mib:
@@ -81,8 +93,12 @@ class S3:
     def put(self, bucket, key, path, acl=None):
         # The transfer manager: multipart above its threshold, as `aws s3 cp` would. A canned
         # ACL (public-read) lets tests read the object with plain, unsigned HTTP.
-        extra = {"ACL": acl} if acl else None
-        self.client.upload_file(path, bucket, key, ExtraArgs=extra, Config=self.upload_config)
+        extra = dict(self.extra)
+        if acl:
+            extra["ACL"] = acl
+        self.client.upload_file(
+            path, bucket, key, ExtraArgs=extra or None, Config=self.upload_config
+        )
 
     def get(self, bucket, key, out):
         self.client.download_file(bucket, key, out)
@@ -247,10 +263,16 @@ def main():
     p.add_argument("--workers", type=int, default=8, help="parallel uploads/downloads of *-dir")
     p.add_argument("--acl", help="S3 canned ACL for put and upload-dir (public-read)")
     p.add_argument("--part-mib", type=int, help="S3 multipart part size of uploads (boto3's default: 8)")
+    p.add_argument(
+        "--checksum",
+        help="S3 checksum algorithm of uploads (crc32, sha256, sha1), or none for no checksum "
+        "(the ETag only); boto3's default (CRC32) when not given",
+    )
+    p.add_argument("--sse", help="S3 server-side encryption of uploads (aws:kms, AES256)")
     p.add_argument("command")
     p.add_argument("args", nargs="*")
     a = p.parse_args()
-    store = S3(a.endpoint, a.part_mib) if a.kind == "s3" else KINDS[a.kind](a.endpoint)
+    store = S3(a.endpoint, a.part_mib, a.checksum, a.sse) if a.kind == "s3" else KINDS[a.kind](a.endpoint)
     cmd, args = a.command, a.args
 
     if cmd == "mkbucket":

@@ -84,6 +84,8 @@ pub struct Fault {
     pub count: u64,
     pub path_contains: Option<String>,
     pub method: Option<Method>,
+    /// Only requests whose `Range` starts at this byte (`bytes=<at>-...`).
+    pub range_from: Option<u64>,
 }
 
 impl Fault {
@@ -94,6 +96,7 @@ impl Fault {
             count: 1,
             path_contains: None,
             method: None,
+            range_from: None,
         }
     }
 
@@ -112,13 +115,21 @@ impl Fault {
         self
     }
 
-    fn matches(&self, method: &Method, path: &str) -> bool {
+    pub fn on_range_from(mut self, at: u64) -> Self {
+        self.range_from = Some(at);
+        self
+    }
+
+    fn matches(&self, method: &Method, path: &str, range: Option<&str>) -> bool {
         self.count > 0
             && self.method.as_ref().is_none_or(|m| m == method)
             && self
                 .path_contains
                 .as_deref()
                 .is_none_or(|s| path.contains(s))
+            && self.range_from.is_none_or(|at| {
+                range.is_some_and(|r| r.trim().starts_with(&format!("bytes={at}-")))
+            })
     }
 }
 
@@ -378,11 +389,15 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         }
     };
     let path = url.path().to_string();
+    let range_header = parts
+        .headers
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok());
     let fault = {
         let mut faults = shared.faults.lock().unwrap();
         faults
             .iter_mut()
-            .find(|f| f.matches(&parts.method, &path))
+            .find(|f| f.matches(&parts.method, &path, range_header))
             .map(|f| {
                 f.count -= 1;
                 f.kind.clone()

@@ -16,6 +16,11 @@ use base64::Engine as _;
 use modelfs_devhub::oci::{OciDev, RunningOciDev};
 
 use crate::common::sh;
+use modelfs_agent::source::oci::sign::rsa_public_key_from_pem;
+
+/// The tenancy and user of the API keys the look-alike accepts.
+pub const TENANCY: &str = "ocid1.tenancy.oc1..aaaadevtenancy";
+pub const USER: &str = "ocid1.user.oc1..aaaadevuser";
 
 /// The proxymux port the SDKs hard-code.
 pub const PROXYMUX_PORT: u16 = 12250;
@@ -107,4 +112,66 @@ pub fn service_account_token(name: &str, exp_in_secs: i64) -> String {
         b64(claims.to_string().as_bytes()),
         b64(signature.trim().as_bytes())
     )
+}
+
+/// An API key: private PEM path, public PEM text, fingerprint.
+pub struct ApiKey {
+    pub private: PathBuf,
+    pub public_pem: String,
+    pub fingerprint: String,
+}
+
+impl ApiKey {
+    pub fn generate(dir: &Path, name: &str) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let private = dir.join(format!("{name}.pem"));
+        sh(&format!(
+            "openssl genrsa -out {} 2048 2>/dev/null",
+            private.display()
+        ));
+        let public_pem = sh(&format!(
+            "openssl rsa -in {} -pubout 2>/dev/null",
+            private.display()
+        ));
+        let fp = sh(&format!(
+            "openssl rsa -in {} -pubout -outform DER 2>/dev/null | openssl md5 -c",
+            private.display()
+        ));
+        Self {
+            private,
+            public_pem,
+            fingerprint: fp.trim().rsplit(' ').next().unwrap().to_string(),
+        }
+    }
+
+    pub fn key_id(&self) -> String {
+        format!("{TENANCY}/{USER}/{}", self.fingerprint)
+    }
+
+    pub fn private_pem(&self) -> String {
+        std::fs::read_to_string(&self.private).unwrap()
+    }
+
+    /// The look-alike accepts this key.
+    pub fn register(&self, oci: &OciDev) {
+        oci.add_key(
+            &self.key_id(),
+            rsa_public_key_from_pem(&self.public_pem).unwrap(),
+        );
+    }
+
+    /// An OCI config file (as an operator mounts it into the agent) naming this key.
+    pub fn config_file(&self, dir: &Path) -> PathBuf {
+        let path = dir.join("oci-config");
+        std::fs::write(
+            &path,
+            format!(
+                "[DEFAULT]\nuser={USER}\nfingerprint={}\ntenancy={TENANCY}\nregion=us-ashburn-1\nkey_file={}\n",
+                self.fingerprint,
+                self.private.display()
+            ),
+        )
+        .unwrap();
+        path
+    }
 }

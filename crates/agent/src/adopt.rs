@@ -117,6 +117,23 @@ impl UnderMount {
         Self { dir, names }
     }
 
+    /// The descriptor of the covered directory (to measure its filesystem and mount).
+    pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.dir.as_fd()
+    }
+
+    /// The size of the regular file at `rel` when adoption would hard-link it (owned by root,
+    /// writable by neither group nor others; see the module docs); `None` otherwise. An
+    /// estimate for the disk budget: the bytes are verified only when it is imported.
+    pub fn linkable_size(&self, rel: &Path) -> Option<u64> {
+        let real = self.resolve(rel).ok()?;
+        let st = rustix::fs::statat(&self.dir, &real, AtFlags::SYMLINK_NOFOLLOW).ok()?;
+        let regular = FileType::from_raw_mode(st.st_mode) == FileType::RegularFile;
+        let only_root_writes = st.st_uid == 0 && st.st_mode & 0o022 == 0;
+        (regular && only_root_writes).then_some(st.st_size as u64)
+    }
+
     /// `/proc/self/fd/N/<rel>`: a path that reaches `rel` below the covered directory (for code
     /// that works with paths, such as the `local://` source).
     pub fn proc_path(&self, rel: &Path) -> PathBuf {

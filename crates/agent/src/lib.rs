@@ -26,6 +26,7 @@
 #![forbid(unsafe_code)]
 
 pub mod adopt;
+pub mod disk;
 pub mod http;
 pub mod kubernetes;
 pub mod metrics;

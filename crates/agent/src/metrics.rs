@@ -241,6 +241,10 @@ pub struct Metrics {
     /// at the end of the last one: together they say when collection has settled.
     pub gc_passes: Counter,
     pub gc_pending: Gauge,
+    /// The disk under the stores (see [`crate::disk`]): bytes free under the budget, used by
+    /// the stores, kept by the reserve label with nothing served, the budget itself, and
+    /// still lacking for fetches refused for space.
+    pub disk: DiskMetrics,
     /// Failed writes of the daemon's state files (`records.json`, `status.json`).
     pub state_write_failures: Family<FileLabel, Counter>,
 }
@@ -268,6 +272,7 @@ impl Metrics {
             manifest_rescans: Counter::default(),
             gc_passes: Counter::default(),
             gc_pending: Gauge::default(),
+            disk: DiskMetrics::default(),
             manifest_parses: Counter::default(),
             state_write_failures: Family::default(),
             registry: Registry::default(),
@@ -280,6 +285,7 @@ impl Metrics {
             m.mapping_changes.clone(),
         );
         registry.register("models", "Models by status", m.models.clone());
+        m.disk.register(&mut registry);
         registry.register(
             "store_bytes",
             "Bytes on disk per store",
@@ -406,5 +412,71 @@ mod tests {
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
+    }
+}
+
+/// Gauges of the disk under the stores, set at every measurement.
+#[derive(Default)]
+pub struct DiskMetrics {
+    pub free_bytes: Gauge,
+    pub used_bytes: Gauge,
+    pub reserved_bytes: Gauge,
+    pub budget_bytes: Gauge,
+    pub filesystem_available_bytes: Gauge,
+    pub shortfall_bytes: Gauge,
+    /// Stores removed before their grace period ended (or reserved ones) to make room.
+    pub reclaimed_stores: Counter,
+    /// Fetches refused for space, and fetches that hit a full disk anyway.
+    pub refused_fetches: Counter,
+    pub disk_full_fetches: Counter,
+}
+
+impl DiskMetrics {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "disk_free_bytes",
+            "Bytes the stores may still write under --disk-budget",
+            self.free_bytes.clone(),
+        );
+        registry.register(
+            "disk_used_bytes",
+            "Bytes on disk of all stores",
+            self.used_bytes.clone(),
+        );
+        registry.register(
+            "disk_reserved_bytes",
+            "Bytes of stores kept by the reserve label that serve no model",
+            self.reserved_bytes.clone(),
+        );
+        registry.register(
+            "disk_budget_bytes",
+            "--disk-budget in bytes",
+            self.budget_bytes.clone(),
+        );
+        registry.register(
+            "disk_filesystem_available_bytes",
+            "Bytes available on the filesystem of the state directory (statvfs f_bavail)",
+            self.filesystem_available_bytes.clone(),
+        );
+        registry.register(
+            "disk_shortfall_bytes",
+            "Bytes the largest fetch refused for space lacks (0: none waits)",
+            self.shortfall_bytes.clone(),
+        );
+        registry.register(
+            "disk_reclaimed_stores",
+            "Stores removed under disk pressure before their grace period ended, or reserved",
+            self.reclaimed_stores.clone(),
+        );
+        registry.register(
+            "disk_refused_fetches",
+            "Fetches not started because they did not fit under the disk budget",
+            self.refused_fetches.clone(),
+        );
+        registry.register(
+            "disk_full_fetches",
+            "Fetches that failed on a full disk (no space left on device)",
+            self.disk_full_fetches.clone(),
+        );
     }
 }

@@ -547,6 +547,7 @@ fn run_connection(
             mapping: WireMapping {
                 entries,
                 files: modelfs_mount::server::wire_files(&applied.files),
+                dirs: applied.dirs.clone(),
             },
         };
         if let Err(e) = write_streamed(&mut writer, &message) {
@@ -698,6 +699,7 @@ mod tests {
                 pending: None,
             }],
             files: Vec::new(),
+            dirs: Vec::new(),
         };
         let borrowed = serde_json::to_vec(&ApplyMessage::Apply {
             seq: 4,

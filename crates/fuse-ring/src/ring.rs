@@ -485,23 +485,36 @@ fn worker(
         }
     };
     let _ = registered.send(Ok(()));
-    let mut outcome = serve(&mut entry, fd, qid, &*handler, early);
+    // The test hook fails the thread only while its entry holds no request.
+    let mut outcome = if early.is_none() && fails_once_for_a_test(qid) {
+        tracing::warn!(
+            qid,
+            "MODELFS_TEST_RING_FAIL: this FUSE ring thread fails once"
+        );
+        Served::Failed
+    } else {
+        serve(&mut entry, fd, qid, &*handler, early)
+    };
     // A thread that ends for any other reason than the connection's end leaves its CPU's
     // queue with one entry fewer (a queue without entries holds that CPU's requests forever):
-    // it starts again with a new ring and buffers.
+    // it starts again with a new ring and buffers, and registers a new entry on the queue.
+    let mut entry = Some(entry);
     let mut restarts = 0;
     while outcome == Served::Failed && restarts < RESTARTS_MAX {
         restarts += 1;
+        // The failed ring goes first (and its buffers after it, in that order): closing it
+        // cancels the entry it had registered, so the kernel stops handing requests to a ring
+        // nobody waits on while this thread backs off.
+        drop(entry.take());
         std::thread::sleep(Duration::from_millis(20 << restarts.min(5)));
-        // The failed ring and its buffers go here, in order, as the new ones take their place.
-        entry = match Entry::new(&memory, index) {
+        let mut fresh = match Entry::new(&memory, index) {
             Ok(e) => e,
             Err(e) => {
                 tracing::error!(qid, error = %e, restarts, "a new ring for a failed FUSE ring thread cannot be made");
                 continue;
             }
         };
-        match entry.register(fd, qid) {
+        match fresh.register(fd, qid) {
             Ok(Some(result)) if result < 0 => {
                 let errno = -result;
                 if connection_ended(errno) {
@@ -515,7 +528,8 @@ fn worker(
                     restarts,
                     "a failed FUSE ring thread serves again with a new ring"
                 );
-                outcome = serve(&mut entry, fd, qid, &*handler, early);
+                outcome = serve(&mut fresh, fd, qid, &*handler, early);
+                entry = Some(fresh);
                 if outcome == Served::Failed {
                     continue;
                 }
@@ -532,6 +546,25 @@ fn worker(
             "a FUSE ring thread failed {RESTARTS_MAX} times in a row and ends"
         );
     }
+}
+
+/// Test hook, in debug builds only: `MODELFS_TEST_RING_FAIL=<qid>` makes the first ring
+/// thread of queue `qid` to start serving fail once, as a thread whose ring broke would, so
+/// tests can watch it restart and serve its CPU again.
+#[cfg(debug_assertions)]
+fn fails_once_for_a_test(qid: usize) -> bool {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static FIRED: AtomicBool = AtomicBool::new(false);
+    std::env::var("MODELFS_TEST_RING_FAIL")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        == Some(qid)
+        && !FIRED.swap(true, Ordering::SeqCst)
+}
+
+#[cfg(not(debug_assertions))]
+fn fails_once_for_a_test(_qid: usize) -> bool {
+    false
 }
 
 /// Why [`serve`] returned.

@@ -67,7 +67,11 @@
 //!   checked after a restart, and on every open (the check at apply is not trusted for later:
 //!   the agent may swap a blob afterwards);
 //! * a refusal names the blob and the rule it broke, never the size, owner or type of what a
-//!   planted entry would have led to.
+//!   planted entry would have led to;
+//! * the server's own files (`mount-server/`: lock, inode log, persisted mapping and
+//!   artifacts) are opened, replaced and removed beneath one descriptor of that directory the
+//!   same way ([`owndir`]); the directory must be the server's and is made 0700, so a link
+//!   planted there never makes the server truncate, read or replace a file elsewhere.
 //!
 //! Hard links. A link the agent makes to another file passes every path rule, so what protects
 //! the bytes is who can write the inode. fs-verity would seal a blob's bytes, but it needs a
@@ -146,6 +150,7 @@
 
 pub mod fuse;
 pub mod metrics;
+pub mod owndir;
 pub mod probe;
 pub mod protocol;
 pub mod server;

@@ -16,13 +16,15 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-/// The operations the FUSE adapter counts.
+/// The operations the FUSE adapter counts. `journal` is no request: its errors are failed
+/// records of open files for a successor (`fuse::journal`).
 pub const FUSE_OPS: &[&str] = &[
     "create",
     "fallocate",
     "flush",
     "getattr",
     "getxattr",
+    "journal",
     "link",
     "listxattr",
     "lookup",

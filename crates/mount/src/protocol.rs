@@ -141,6 +141,11 @@ pub enum ServerMessage {
 pub struct WireMapping {
     pub entries: Vec<WireEntry>,
     pub files: Vec<WireFile>,
+    /// Empty read-only directories (`vfs` module docs, "Empty directories"). Optional on the
+    /// wire: a server that predates it ignores the field, and an agent that predates it sends
+    /// none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dirs: Vec<Vec<String>>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

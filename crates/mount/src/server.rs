@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufReader, IoSlice};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,6 +20,7 @@ use super::protocol::{
 };
 use crate::fuse::{FuseConfig, MountHandle};
 use crate::metrics::FuseMetrics;
+use crate::owndir::OwnDir;
 use crate::vfs::{FsCore, InlineFile, MountEntry, PendingFile, PendingFiles};
 use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use modelfs_core::store::{BlobRefused, StateDir, Store, StoreId};
@@ -29,6 +30,10 @@ const USAGE_POLL: Duration = Duration::from_millis(100);
 
 /// Longest wait for an agent's `hello`.
 const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+/// Most agent connections served at once (one thread each). One agent holds one; the rest is
+/// room for an agent reconnecting before its old connection's end is seen, and for probes.
+/// A connection beyond it is told why and closed at once, without a thread.
+pub const MAX_CONNECTIONS: usize = 16;
 
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -70,7 +75,7 @@ struct Accepted {
 
 /// The server's own directory below the state directory.
 pub fn own_dir(state: &Path) -> PathBuf {
-    state.join("mount-server")
+    state.join(crate::owndir::NAME)
 }
 
 /// The default socket path for a state directory.
@@ -100,7 +105,9 @@ impl Peer {
 struct Shared {
     core: Arc<FsCore>,
     state: StateDir,
-    dir: PathBuf,
+    /// `<state>/mount-server` and its `artifacts/` ([`crate::owndir`]).
+    own: OwnDir,
+    artifacts_dir: OwnDir,
     under: OwnedFd,
     /// Model paths (and the artifact there) with a trap beneath the mount
     /// ([`crate::underlay`]).
@@ -180,11 +187,14 @@ impl MountServer {
         let state = StateDir::open(&config.state)
             .and_then(StateDir::anchored)
             .with_context(|| format!("opening state directory {}", config.state.display()))?;
-        let dir = own_dir(&config.state);
-        modelfs_core::store::fsutil::create_dirs(&dir.join("artifacts"))
-            .with_context(|| format!("creating {}", dir.display()))?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-        let lock = lock_file(&dir.join("lock"))?;
+        // The server's own files are reached beneath one descriptor, without following links
+        // ([`crate::owndir`]).
+        let own = OwnDir::open(&config.state)
+            .with_context(|| format!("opening {}", own_dir(&config.state).display()))?;
+        let artifacts_dir = own
+            .subdir("artifacts")
+            .with_context(|| format!("opening {}/artifacts", own.path().display()))?;
+        let lock = lock_file(&own)?;
 
         // A connection kept by the keeper is resumed; else a fresh mount.
         let taken = match &config.keeper {
@@ -213,13 +223,14 @@ impl MountServer {
         let core = Arc::new(FsCore::new());
         // The inode numbers the kernel may hold: a resumed connection gets the same numbers
         // for the same paths; a fresh one starts a new log.
-        let inodes = open_inode_log(&dir.join("inodes.log"), &core, taken.is_some())
-            .with_context(|| format!("opening {}", dir.join("inodes.log").display()))?;
+        let inodes = open_inode_log(&own, &core, taken.is_some())
+            .with_context(|| format!("opening {}/inodes.log", own.path().display()))?;
         core.set_inode_log(inodes);
         let shared = Arc::new(Shared {
             core: core.clone(),
             state,
-            dir,
+            own,
+            artifacts_dir,
             under,
             trapped: Mutex::new(HashMap::new()),
             mount: Mutex::new(None),
@@ -427,10 +438,11 @@ impl MountServer {
 /// Opens the inode log (see [`crate::vfs::InodeRecord`]): replayed into `core` when the
 /// connection is resumed, emptied for a fresh one. Records are JSON lines, one per apply that
 /// gave out numbers, appended before that mapping is swapped in.
-fn open_inode_log(path: &Path, core: &FsCore, resumed: bool) -> io::Result<crate::vfs::InodeLog> {
+fn open_inode_log(own: &OwnDir, core: &FsCore, resumed: bool) -> io::Result<crate::vfs::InodeLog> {
     use std::io::Write;
+    const NAME: &str = "inodes.log";
     if resumed {
-        match std::fs::read(path) {
+        match own.read(NAME) {
             Ok(bytes) => {
                 let mut count = 0usize;
                 for line in bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
@@ -455,12 +467,11 @@ fn open_inode_log(path: &Path, core: &FsCore, resumed: bool) -> io::Result<crate
             Err(e) => return Err(e),
         }
     }
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(path)?;
+    let file = own.open_file(
+        NAME,
+        rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::APPEND | rustix::fs::OFlags::CREATE,
+        0o600,
+    )?;
     if !resumed {
         file.set_len(0)?;
     }
@@ -618,19 +629,18 @@ pub fn running(state: &Path) -> bool {
     }
 }
 
-fn lock_file(path: &Path) -> anyhow::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .open(path)?;
+fn lock_file(own: &OwnDir) -> anyhow::Result<std::fs::File> {
+    let path = own.path().join("lock");
+    let file = own.open_file(
+        "lock",
+        rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CREATE,
+        0o600,
+    )?;
     rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
         |_| {
             anyhow::anyhow!(
                 "another mount server is using {} (lock {})",
-                path.parent().unwrap_or(path).display(),
+                own.path().display(),
                 path.display()
             )
         },
@@ -741,26 +751,58 @@ fn unique_suffix() -> u64 {
 }
 
 fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
+    let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for stream in listener.incoming() {
         if shared.stopping.load(Ordering::Relaxed) {
             return;
         }
         match stream {
-            Ok(stream) => {
+            Ok(mut stream) => {
+                if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+                    // Answered from this thread: the line fits the socket's buffer, and the
+                    // timeout bounds the write should it not.
+                    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+                    let _ = refuse(
+                        &mut stream,
+                        format!(
+                            "too many connections: this mount server serves at most \
+                             {MAX_CONNECTIONS} agent connections at once"
+                        ),
+                    );
+                    continue;
+                }
+                active.fetch_add(1, Ordering::AcqRel);
+                let slot = ConnectionSlot(active.clone());
                 let shared = shared.clone();
-                let _ = std::thread::Builder::new()
-                    .name("agent-conn".into())
-                    .spawn(move || {
-                        if let Err(e) = serve_peer(&shared, stream) {
-                            tracing::warn!(error = %e, "agent connection ended");
-                        }
-                    });
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("agent-conn".into())
+                        .spawn(move || {
+                            let _slot = slot;
+                            if let Err(e) = serve_peer(&shared, stream) {
+                                tracing::warn!(error = %e, "agent connection ended");
+                            }
+                        });
+                if let Err(e) = spawned {
+                    // The closure (and with it the slot) was dropped.
+                    tracing::warn!(error = %e, "no thread for an agent connection");
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accepting an agent connection");
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
+    }
+}
+
+/// One connection counted against [`MAX_CONNECTIONS`]; released when its thread ends, however
+/// it ends.
+struct ConnectionSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1128,7 +1170,13 @@ impl Shared {
             }
         }
         let checked = started.elapsed();
-        let inv = match self.core.apply_with_pending(&entries, &files, &pending) {
+        let dirs: Vec<Vec<String>> = mapping
+            .dirs
+            .iter()
+            .filter(|d| !d.is_empty() && d.iter().all(|s| valid_segment(s)))
+            .cloned()
+            .collect();
+        let inv = match self.core.apply_with_pending(&entries, &files, &dirs, &pending) {
             Ok(inv) => inv,
             Err(e) => return (refused, Some(e.to_string())),
         };
@@ -1146,6 +1194,7 @@ impl Shared {
         let persisted = WireMapping {
             entries: accepted,
             files: accepted_files,
+            dirs,
         };
         let served_at: HashMap<&[String], &MountEntry> =
             entries.iter().map(|e| (e.path.as_slice(), e)).collect();
@@ -1365,16 +1414,10 @@ impl Shared {
         }
     }
 
-    fn mapping_path(&self) -> PathBuf {
-        self.dir.join("mapping.json")
-    }
+    const MAPPING: &'static str = "mapping.json";
 
-    fn artifacts_dir(&self) -> PathBuf {
-        self.dir.join("artifacts")
-    }
-
-    fn artifact_path(&self, id: &ArtifactId) -> PathBuf {
-        self.artifacts_dir().join(format!("{id}.json"))
+    fn artifact_name(id: &ArtifactId) -> String {
+        format!("{id}.json")
     }
 
     /// Artifacts first (each written once: those `last` does not record as written, their
@@ -1398,18 +1441,18 @@ impl Shared {
             .filter(|(id, _)| !last.artifact_files.contains(*id))
             .collect();
         for batch in new.chunks(WRITE_BATCH) {
-            let files: Vec<(PathBuf, Vec<u8>)> = batch
+            let files: Vec<(String, Vec<u8>)> = batch
                 .iter()
                 .map(|(id, a)| {
                     serde_json::to_vec(&***a)
-                        .map(|bytes| (self.artifact_path(id), bytes))
+                        .map(|bytes| (Self::artifact_name(id), bytes))
                         .map_err(io::Error::other)
                 })
                 .collect::<io::Result<_>>()?;
-            modelfs_core::store::fsutil::replace_all_synced(&files)?;
+            self.artifacts_dir.replace_all(&files)?;
         }
         if !new.is_empty() {
-            modelfs_core::store::fsutil::sync_dir(&self.artifacts_dir())?;
+            self.artifacts_dir.sync()?;
             last.artifact_files
                 .extend(new.into_iter().map(|(id, _)| id.clone()));
         }
@@ -1419,7 +1462,7 @@ impl Shared {
                 mapping: last.mapping.clone(),
             };
             let bytes = serde_json::to_vec(&doc).map_err(io::Error::other)?;
-            modelfs_core::store::fsutil::atomic_write(&self.mapping_path(), &bytes)?;
+            self.own.atomic_write(Self::MAPPING, &bytes)?;
             last.mapping_written = true;
         }
         if last.artifact_files.len() > artifacts.len() {
@@ -1430,7 +1473,7 @@ impl Shared {
                 .cloned()
                 .collect();
             for id in dropped {
-                match std::fs::remove_file(self.artifact_path(&id)) {
+                match self.artifacts_dir.remove(&Self::artifact_name(&id)) {
                     Err(e) if e.kind() != io::ErrorKind::NotFound => {
                         tracing::warn!(artifact = %id, error = %e, "removing a persisted artifact no mapping names");
                     }
@@ -1457,10 +1500,9 @@ impl Shared {
             _ => &empty,
         };
         let names: HashSet<String> = kept.keys().map(|id| format!("{id}.json")).collect();
-        for entry in std::fs::read_dir(self.artifacts_dir())?.flatten() {
-            let name = entry.file_name();
-            if !name.to_str().is_some_and(|n| names.contains(n)) {
-                let _ = std::fs::remove_file(entry.path());
+        for name in self.artifacts_dir.names()? {
+            if !names.contains(&name) {
+                let _ = self.artifacts_dir.remove(&name);
             }
         }
         if let Ok(Some((artifacts, mapping))) = &loaded {
@@ -1476,7 +1518,7 @@ impl Shared {
     fn read_persisted(
         &self,
     ) -> io::Result<Option<(HashMap<ArtifactId, Arc<StoredArtifact>>, WireMapping)>> {
-        let bytes = match std::fs::read(self.mapping_path()) {
+        let bytes = match self.own.read(Self::MAPPING) {
             Ok(b) => b,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(e),
@@ -1488,7 +1530,9 @@ impl Shared {
             if artifacts.contains_key(&e.artifact) {
                 continue;
             }
-            let loaded = std::fs::read(self.artifact_path(&e.artifact))
+            let loaded = self
+                .artifacts_dir
+                .read(&Self::artifact_name(&e.artifact))
                 .map_err(|err| err.to_string())
                 .and_then(|b| {
                     serde_json::from_slice::<StoredArtifact>(&b).map_err(|err| err.to_string())

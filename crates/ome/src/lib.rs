@@ -62,6 +62,7 @@ pub mod modelconfig;
 pub mod objects;
 pub mod parse;
 pub mod path;
+pub mod shape;
 pub mod source;
 pub mod status;
 

@@ -43,6 +43,17 @@ pub struct ModelSpec {
     pub parameters: BTreeMap<String, String>,
     /// `metadata.labels`.
     pub labels: BTreeMap<String, String>,
+    /// An absolute `spec.storage.path` outside the models root, accepted (instead of
+    /// [`PathError::OutsideRoot`]) for the sources whose files are already on the node or in
+    /// the serving image: `vendor://` and `local://`. OME's agent reports such a model `Ready`
+    /// and the pod binds that directory of the node itself; modelfs serves nothing for it
+    /// (`path` is then the model's default path, used for nothing but the fingerprint).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_dir: Option<std::path::PathBuf>,
+    /// The TensorRT-LLM shape alias whose objects alone make the artifact
+    /// ([`crate::shape`]); set by the Kubernetes planner from the node, `None` elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<String>,
 }
 
 impl ModelSpec {
@@ -146,13 +157,21 @@ impl ModelObject {
                     misspelt_as: case_insensitive_match(&storage.extra, "storageUri").cloned(),
                 })?;
         let source = SourceUri::parse(storage_uri)?;
-        let path = resolve_model_path(
+        let files_on_node = source.is_vendor() || matches!(source, SourceUri::Local { .. });
+        let (path, node_dir) = match resolve_model_path(
             storage.path.as_deref(),
             self.kind,
             namespace.as_deref(),
             name,
             models_root_dir,
-        )?;
+        ) {
+            Ok(path) => (path, None),
+            Err(PathError::OutsideRoot { path, .. }) if files_on_node => (
+                resolve_model_path(None, self.kind, namespace.as_deref(), name, models_root_dir)?,
+                Some(std::path::PathBuf::from(path)),
+            ),
+            Err(error) => return Err(error.into()),
+        };
         let reserve_artifact = self
             .metadata
             .labels
@@ -176,6 +195,8 @@ impl ModelObject {
             token_secret: storage.key.clone().filter(|secret| !secret.is_empty()),
             parameters: storage.parameters.clone(),
             labels: self.metadata.labels.clone(),
+            node_dir,
+            shape: None,
         })
     }
 }

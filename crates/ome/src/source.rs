@@ -43,10 +43,17 @@ pub enum SourceUri {
     /// `local://<dir>`: a directory on the node's disk. Relative until the caller applies
     /// [`SourceUri::resolve_local_relative`].
     Local { path: PathBuf },
-    /// `oci://n/<namespace>/b/<bucket>/o/<prefix>`: the objects of an OCI Object Storage
-    /// bucket under `<prefix>/` (the whole bucket for an empty prefix), as OME's agent reads it.
+    /// `oci://n/<namespace>/b/<bucket>/o/<prefix>` (or OME's legacy
+    /// `oci://<namespace>@<region>/<bucket>/<prefix>` and `oci://<bucket>/<prefix>`): the
+    /// objects of an OCI Object Storage bucket under `<prefix>/` (the whole bucket for an empty
+    /// prefix), as OME's agent reads it.
     Oci {
-        namespace: String,
+        /// `None` when the URI names none (`oci://<bucket>/<prefix>`): the tenancy's
+        /// namespace is asked of the service, as OME's client does.
+        namespace: Option<String>,
+        /// The legacy form's `@<region>`: the endpoint's region when `parameters.region` names
+        /// none.
+        region: Option<String>,
         bucket: String,
         /// Without a trailing `/`; empty for the whole bucket.
         prefix: String,
@@ -97,7 +104,8 @@ pub enum SourceUriError {
     InvalidRevision { uri: String, reason: String },
     #[error(
         "storageUri {uri:?}: {reason}; an OCI Object Storage source is \
-         oci://n/<namespace>/b/<bucket>/o/<prefix>"
+         oci://n/<namespace>/b/<bucket>/o/<prefix> (or OME's legacy \
+         oci://<namespace>@<region>/<bucket>/<prefix> and oci://<bucket>/<prefix>)"
     )]
     InvalidOci { uri: String, reason: String },
     #[error("storageUri {uri:?}: invalid local directory: {reason}")]
@@ -370,36 +378,75 @@ fn validate_revision(revision: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// `n/<namespace>/b/<bucket>/o/<prefix>` (OME's form; its legacy `namespace@region/bucket`
-/// forms are not accepted: the region belongs in `parameters.region`). Namespace and bucket
-/// names are OCI's character set; the prefix may not climb (`..`) or hold empty segments,
-/// because it is spliced into request paths and stripped from object names.
+/// The forms OME's agent parses (`parseOCIObjectURI` in OME's `pkg/utils/storage`):
+/// * `n/<namespace>/b/<bucket>/o/<prefix>`, OME's documented form (also with `o/` or `/o`
+///   left out for the whole bucket);
+/// * `<namespace>@<region>/<bucket>[/<prefix>]`, legacy (an empty namespace before `@` is
+///   asked of the service, as for the next form);
+/// * `<bucket>[/<prefix>]`, legacy: the tenancy's namespace is asked of the service
+///   (`GET /n/`), as OME's client does when the namespace is empty.
+///
+/// As in OME, a URI starting with `n/` is always the first form, so a bucket named `n` cannot
+/// be written in the last. Namespace, bucket and region names are OCI's character set; the
+/// prefix may not climb (`..`) or hold empty segments, because it is spliced into request
+/// paths and stripped from object names.
 fn parse_oci(uri: &str, rest: &str) -> Result<SourceUri, SourceUriError> {
     let oci_error = |reason: String| SourceUriError::InvalidOci {
         uri: uri.to_owned(),
         reason,
     };
-    let mut parts = rest.splitn(6, '/');
-    let markers = [
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-        parts.next(),
-    ];
-    let prefix = parts.next().unwrap_or("");
-    let (namespace, bucket) = match markers {
-        [Some("n"), Some(ns), Some("b"), Some(bucket), Some("o") | None] => (ns, bucket),
-        _ => {
-            return Err(oci_error(
-                "expected n/<namespace>/b/<bucket>/o/<prefix>".into(),
-            ))
+    let (namespace, region, bucket, prefix) = if rest.starts_with("n/") {
+        let mut parts = rest.splitn(6, '/');
+        let markers = [
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+            parts.next(),
+        ];
+        let prefix = parts.next().unwrap_or("");
+        match markers {
+            [Some("n"), Some(ns), Some("b"), Some(bucket), Some("o") | None] => {
+                if ns.is_empty() {
+                    return Err(oci_error("the namespace is empty".into()));
+                }
+                (Some(ns), None, bucket, prefix)
+            }
+            _ => {
+                return Err(oci_error(
+                    "expected n/<namespace>/b/<bucket>/o/<prefix>".into(),
+                ))
+            }
         }
+    } else if let Some((ns, after)) = rest.split_once('@') {
+        let (region, bucket_and_prefix) = after.split_once('/').unwrap_or((after, ""));
+        let (bucket, prefix) = bucket_and_prefix
+            .split_once('/')
+            .unwrap_or((bucket_and_prefix, ""));
+        if region.is_empty()
+            || !region
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-')
+        {
+            return Err(oci_error(format!(
+                "the region {region:?} must be letters, digits and '-' \
+                 (<namespace>@<region>/<bucket>/<prefix>)"
+            )));
+        }
+        (
+            Some(ns).filter(|ns| !ns.is_empty()),
+            Some(region),
+            bucket,
+            prefix,
+        )
+    } else {
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        (None, None, bucket, prefix)
     };
-    for (what, name) in [("namespace", namespace), ("bucket", bucket)] {
-        if name.is_empty() {
-            return Err(oci_error(format!("the {what} is empty")));
-        }
+    if bucket.is_empty() {
+        return Err(oci_error("the bucket name is missing".into()));
+    }
+    for (what, name) in [("namespace", namespace.unwrap_or("-")), ("bucket", bucket)] {
         if let Some(bad) = name
             .chars()
             .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
@@ -425,7 +472,8 @@ fn parse_oci(uri: &str, rest: &str) -> Result<SourceUri, SourceUriError> {
         }
     }
     Ok(SourceUri::Oci {
-        namespace: namespace.to_owned(),
+        namespace: namespace.map(str::to_owned),
+        region: region.map(str::to_owned),
         bucket: bucket.to_owned(),
         prefix: prefix.to_owned(),
     })
@@ -459,9 +507,27 @@ impl fmt::Display for SourceUri {
             SourceUri::Local { path } => write!(formatter, "local://{}", path.display()),
             SourceUri::Oci {
                 namespace,
+                region,
                 bucket,
                 prefix,
-            } => write!(formatter, "oci://n/{namespace}/b/{bucket}/o/{prefix}"),
+            } => {
+                let slash_prefix = if prefix.is_empty() {
+                    String::new()
+                } else {
+                    format!("/{prefix}")
+                };
+                match (namespace, region) {
+                    (Some(namespace), None) => {
+                        write!(formatter, "oci://n/{namespace}/b/{bucket}/o/{prefix}")
+                    }
+                    (namespace, Some(region)) => write!(
+                        formatter,
+                        "oci://{}@{region}/{bucket}{slash_prefix}",
+                        namespace.as_deref().unwrap_or("")
+                    ),
+                    (None, None) => write!(formatter, "oci://{bucket}{slash_prefix}"),
+                }
+            }
             SourceUri::ObjectStore { uri, .. } => formatter.write_str(uri),
             SourceUri::Unsupported { uri, .. } => formatter.write_str(uri),
         }
@@ -497,7 +563,8 @@ mod tests {
     #[test]
     fn oci_uris_parse_as_ome_writes_them() {
         let oci = |ns: &str, b: &str, p: &str| SourceUri::Oci {
-            namespace: ns.into(),
+            namespace: Some(ns.into()),
+            region: None,
             bucket: b.into(),
             prefix: p.into(),
         };
@@ -519,7 +586,6 @@ mod tests {
             assert_eq!(SourceUri::parse(&parsed.to_string()).unwrap(), want);
         }
         for bad in [
-            "oci://ns@region/bucket/x",
             "oci://n//b/x/o/p",
             "oci://n/ns/b/../o/p",
             "oci://n/ns/x/b/o/p",
@@ -535,6 +601,80 @@ mod tests {
                 ),
                 "{bad}"
             );
+        }
+    }
+
+    /// OME's legacy forms, with the cases of OME's `TestNewObjectURI`: `<ns>@<region>/<bucket>`
+    /// and `<bucket>` alone, each with and without a prefix; what OME refuses stays refused.
+    #[test]
+    fn legacy_oci_forms_parse_as_ome_parses_them() {
+        let oci = |ns: Option<&str>, region: Option<&str>, b: &str, p: &str| SourceUri::Oci {
+            namespace: ns.map(Into::into),
+            region: region.map(Into::into),
+            bucket: b.into(),
+            prefix: p.into(),
+        };
+        for (uri, want) in [
+            (
+                "oci://myns@us-phoenix-1/mybucket/myprefix",
+                oci(Some("myns"), Some("us-phoenix-1"), "mybucket", "myprefix"),
+            ),
+            (
+                "oci://myns@us-phoenix-1/mybucket",
+                oci(Some("myns"), Some("us-phoenix-1"), "mybucket", ""),
+            ),
+            (
+                "oci://myns@us-phoenix-1/mybucket/a/b/",
+                oci(Some("myns"), Some("us-phoenix-1"), "mybucket", "a/b"),
+            ),
+            (
+                "oci://@us-ashburn-1/mybucket/p",
+                oci(None, Some("us-ashburn-1"), "mybucket", "p"),
+            ),
+            (
+                "oci://mybucket/myprefix",
+                oci(None, None, "mybucket", "myprefix"),
+            ),
+            ("oci://mybucket", oci(None, None, "mybucket", "")),
+            ("oci://mybucket/", oci(None, None, "mybucket", "")),
+            (
+                "oci://mybucket/dir1/dir2/file.txt",
+                oci(None, None, "mybucket", "dir1/dir2/file.txt"),
+            ),
+            ("oci://n", oci(None, None, "n", "")),
+            (
+                "oci://n/myns/b/mybucket/o/",
+                oci(Some("myns"), None, "mybucket", ""),
+            ),
+        ] {
+            let parsed = SourceUri::parse(uri).unwrap_or_else(|e| panic!("{uri}: {e}"));
+            assert_eq!(parsed, want, "{uri}");
+            let shown = parsed.to_string();
+            assert_eq!(
+                SourceUri::parse(&shown).unwrap(),
+                want,
+                "{uri} shown as {shown}"
+            );
+        }
+        for (bad, why) in [
+            ("oci://myns@us-phoenix-1", "the bucket name is missing"),
+            ("oci://myns@us-phoenix-1/", "the bucket name is missing"),
+            ("oci://", "the bucket name is missing"),
+            ("oci:///p", "the bucket name is missing"),
+            ("oci://n/myns/b/mybucket/x/extra", "expected n/"),
+            ("oci://myns@/bucket/p", "the region"),
+            ("oci://myns@us phoenix/bucket/p", "the region"),
+            ("oci://my ns@r1/bucket/p", "the namespace"),
+            ("oci://bucket/a/../b", "'..' segment"),
+            ("oci://bucket//a", "'..' segment"),
+            ("oci://../p", "the bucket is \"..\""),
+        ] {
+            match SourceUri::parse(bad) {
+                Err(e @ SourceUriError::InvalidOci { .. }) => {
+                    assert!(e.to_string().contains(why), "{bad}: {e}")
+                }
+                other => panic!("{bad}: expected InvalidOci, got {other:?}"),
+            }
         }
     }
 

@@ -177,6 +177,9 @@ pub struct ModelStatus {
     /// How many files `integrity: size-only` is about.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size_only_files: Option<u32>,
+    /// The TensorRT-LLM shape alias the model's objects were filtered by (`crate::shape`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<String>,
 }
 
 impl ModelStatus {

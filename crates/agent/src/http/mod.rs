@@ -107,6 +107,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
+        .route("/v1/disk", get(disk))
         .with_state(state)
 }
 
@@ -177,6 +178,11 @@ async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
 
 async fn models(State(s): State<HttpState>) -> impl IntoResponse {
     Json(s.reconciler.status().as_ref().clone())
+}
+
+/// The disk under the stores as last measured ([`crate::disk::DiskState`]).
+async fn disk(State(s): State<HttpState>) -> impl IntoResponse {
+    Json(s.reconciler.disk().as_ref().clone())
 }
 
 /// Serves until `shutdown` resolves.

@@ -13,6 +13,9 @@
 //! 3. For a targeted model, any other validation error (bad path, bad scheme) is `Failed`.
 //! 4. `local://` sources read files of the node: refused unless explicitly allowed, since in
 //!    a cluster any tenant that may create a BaseModel would otherwise read the node's disk.
+//! 5. A serving TensorRT-LLM model from OCI Object Storage gets the node's shape alias
+//!    ([`modelfs_ome::shape`]): only that shape's objects are fetched, as OME's agent does. An
+//!    unusable instance type map fails such models (and only them) with the reason.
 //!
 //! Before all of these, two kinds of objects are left out of the desired set entirely, as
 //! OME's agent leaves them out:
@@ -35,7 +38,7 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use serde_json::Value;
 
 use super::targeting::{targets, NodeFacts};
-use modelfs_ome::{deserialize_model_object, ModelKey, ModelKind, ModelSpec, SourceUri};
+use modelfs_ome::{deserialize_model_object, shape, ModelKey, ModelKind, ModelSpec, SourceUri};
 
 /// One model object as received from the API server.
 #[derive(Clone, Debug)]
@@ -202,6 +205,13 @@ fn plan_one(object: &RawObject, node: &NodeFacts, config: &PlanConfig, plan: &mu
             return;
         }
     }
+    match shape_alias(&parsed, &spec, node) {
+        Ok(alias) => spec.shape = alias,
+        Err(reason) => {
+            plan.models.insert(key, Err(reason));
+            return;
+        }
+    }
     if let Some(token) = spec
         .parameters
         .remove(crate::standalone::TOKEN_PARAMETER)
@@ -228,6 +238,28 @@ fn plan_one(object: &RawObject, node: &NodeFacts, config: &PlanConfig, plan: &mu
     plan.models.insert(key, Ok(spec));
 }
 
+/// The TensorRT-LLM shape alias `spec` is filtered by on `node`, if the filter applies (rule
+/// 5 of the module docs).
+fn shape_alias(
+    parsed: &modelfs_ome::ModelObject,
+    spec: &ModelSpec,
+    node: &NodeFacts,
+) -> Result<Option<String>, String> {
+    let format = parsed.spec.model_format.as_ref().map(|f| f.name.as_str());
+    if !matches!(spec.source, SourceUri::Oci { .. })
+        || !shape::applies(format, &parsed.spec.additional_metadata)
+    {
+        return Ok(None);
+    }
+    if let Some(error) = &node.instance_type_map_error {
+        return Err(error.clone());
+    }
+    Ok(Some(
+        node.instance_type_map
+            .alias(shape::node_instance_type(&node.labels)),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,6 +269,7 @@ mod tests {
         NodeFacts {
             name: "gpu-1".into(),
             labels: [("gpu".to_owned(), "h100".to_owned())].into(),
+            ..Default::default()
         }
     }
 
@@ -257,6 +290,70 @@ mod tests {
             kind,
             value: json!({"metadata": metadata, "spec": spec}),
         }
+    }
+
+    /// Rule 5: serving TensorRT-LLM models from OCI get the node's alias (the current label
+    /// first, through the map, the instance type itself when unmapped); other formats, other
+    /// types and other schemes get none; an unusable map fails only the filtered models.
+    #[test]
+    fn serving_tensorrt_llm_oci_models_get_the_nodes_shape() {
+        let trt = |name: &str, uri: &str, metadata: Value| {
+            object(
+                ModelKind::ClusterBaseModel,
+                None,
+                name,
+                json!({"modelFormat": {"name": "tensorrtllm"}, "additionalMetadata": metadata,
+                    "storage": {"storageUri": uri}}),
+            )
+        };
+        let oci = "oci://n/ns/b/engines/o/llama";
+        let objects = vec![
+            trt("serving", oci, json!({})),
+            trt("explicit", oci, json!({"type": "Serving"})),
+            trt("custom", oci, json!({"type": "CustomType"})),
+            trt("hub", "hf://a/b", json!({})),
+            object(
+                ModelKind::ClusterBaseModel,
+                None,
+                "onnx",
+                json!({"modelFormat": {"name": "onnx"}, "storage": {"storageUri": oci}}),
+            ),
+        ];
+        let shape_of = |plan: &Plan, name: &str| -> Result<Option<String>, String> {
+            plan.models[&ModelKey::new(ModelKind::ClusterBaseModel, None, name).unwrap()]
+                .clone()
+                .map(|spec| spec.shape)
+        };
+        let mut node = node();
+        node.labels.insert(
+            shape::DEPRECATED_INSTANCE_TYPE_LABEL.into(),
+            "BM.GPU.A10.4".into(),
+        );
+        node.labels
+            .insert(shape::INSTANCE_TYPE_LABEL.into(), "BM.GPU.H100.8".into());
+        let plan_h100 = plan(&objects, &node, &config(false));
+        assert_eq!(shape_of(&plan_h100, "serving"), Ok(Some("H100".into())));
+        assert_eq!(shape_of(&plan_h100, "explicit"), Ok(Some("H100".into())));
+        for name in ["custom", "hub", "onnx"] {
+            assert_eq!(shape_of(&plan_h100, name), Ok(None), "{name}");
+        }
+
+        node.labels.remove(shape::INSTANCE_TYPE_LABEL);
+        let plan_beta = plan(&objects, &node, &config(false));
+        assert_eq!(shape_of(&plan_beta, "serving"), Ok(Some("A10".into())));
+
+        node.instance_type_map =
+            shape::InstanceTypeMap::from_config_value(Some(r#"{"other": "X"}"#)).unwrap();
+        let plan_unmapped = plan(&objects, &node, &config(false));
+        assert_eq!(
+            shape_of(&plan_unmapped, "serving"),
+            Ok(Some("BM.GPU.A10.4".into()))
+        );
+
+        node.instance_type_map_error = Some("map unusable".into());
+        let plan_error = plan(&objects, &node, &config(false));
+        assert_eq!(shape_of(&plan_error, "serving"), Err("map unusable".into()));
+        assert_eq!(shape_of(&plan_error, "onnx"), Ok(None));
     }
 
     #[test]

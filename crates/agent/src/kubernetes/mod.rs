@@ -22,6 +22,7 @@ pub mod producer;
 pub mod spec_backfill;
 pub mod status_sink;
 pub mod targeting;
+pub mod written;
 
 use std::path::PathBuf;
 
@@ -40,6 +41,9 @@ pub struct KubeConfig {
     pub allow_local_sources: bool,
     /// Shortest time between two ConfigMap writes that change only download progress.
     pub progress_interval: std::time::Duration,
+    /// Where the node ConfigMap keys and labels this daemon wrote are kept
+    /// ([`written`]; `<state>/kube-written.json`).
+    pub written_file: Option<PathBuf>,
 }
 
 /// The running Kubernetes tasks; dropping this stops them.
@@ -68,6 +72,7 @@ pub fn start(client: kube::Client, config: KubeConfig, reconciler: ReconcilerHan
     );
     let mut sink_config = status_sink::StatusSinkConfig::new(config.node_name, config.namespace);
     sink_config.progress_interval = config.progress_interval;
+    sink_config.written_file = config.written_file;
     KubeTasks {
         tasks: vec![
             producer::spawn(

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Node, ObjectReference, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, ObjectReference, Secret};
 use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -42,6 +42,7 @@ use super::desired::{plan, PlanConfig, RawObject, SecretRef};
 use super::targeting::NodeFacts;
 use crate::reconciler::{DesiredState, ReconcilerHandle};
 use crate::source::Token;
+use modelfs_ome::shape::{self, InstanceTypeMap};
 use modelfs_ome::{ModelKey, ModelKind};
 
 /// Model object references by key, shared with the status writer (for Events).
@@ -179,6 +180,7 @@ async fn run(
     let mut reported: BTreeMap<ModelKey, String> = BTreeMap::new();
     let mut last_sent: Option<String> = None;
     let mut tokens: BTreeMap<ModelKey, Token> = BTreeMap::new();
+    let mut instance_types = InstanceTypes::new(client.clone(), config.plan.namespace.clone());
     loop {
         match node_store.state().first() {
             None => tracing::warn!(
@@ -186,6 +188,7 @@ async fn run(
                 "this node's Node object does not exist; keeping the current models"
             ),
             Some(node) => {
+                let (instance_type_map, instance_type_map_error) = instance_types.read().await;
                 let facts = NodeFacts {
                     name: config.node_name.clone(),
                     labels: node
@@ -195,6 +198,8 @@ async fn run(
                         .unwrap_or_default()
                         .into_iter()
                         .collect(),
+                    instance_type_map,
+                    instance_type_map_error,
                 };
                 let mut objects: Vec<RawObject> = Vec::new();
                 for (kind, store) in [
@@ -274,6 +279,63 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+/// Reads OME's instance type map (`modelfs_ome::shape`) from the ConfigMap OME's chart installs
+/// in the daemon's namespace, on every planning pass (so an edit applies within the resync
+/// period, where OME's agent needs a restart). A missing ConfigMap or entry means OME's
+/// built-in map, as in OME. An API error keeps the map read before, so a flaky API server does
+/// not change which files a model has; with none read yet, the models that need it wait as
+/// `Failed` with the error and are planned again on the next pass.
+struct InstanceTypes {
+    api: Api<ConfigMap>,
+    namespace: String,
+    last: Option<(InstanceTypeMap, Option<String>)>,
+}
+
+impl InstanceTypes {
+    fn new(client: Client, namespace: String) -> Self {
+        Self {
+            api: Api::namespaced(client, &namespace),
+            namespace,
+            last: None,
+        }
+    }
+
+    async fn read(&mut self) -> (InstanceTypeMap, Option<String>) {
+        match self.api.get_opt(shape::CONFIG_MAP_NAME).await {
+            Ok(config_map) => {
+                let value = config_map
+                    .as_ref()
+                    .and_then(|c| c.data.as_ref())
+                    .and_then(|d| d.get(shape::INSTANCE_TYPE_MAP_KEY))
+                    .map(String::as_str);
+                let read = match InstanceTypeMap::from_config_value(value) {
+                    Ok(map) => (map, None),
+                    Err(error) => (
+                        InstanceTypeMap::built_in(),
+                        Some(format!("{error} (namespace {})", self.namespace)),
+                    ),
+                };
+                self.last = Some(read.clone());
+                read
+            }
+            Err(error) => {
+                tracing::warn!(configmap = shape::CONFIG_MAP_NAME, %error, "reading the instance type map failed; keeping the one read before");
+                self.last.clone().unwrap_or_else(|| {
+                    (
+                        InstanceTypeMap::built_in(),
+                        Some(format!(
+                            "reading ConfigMap {}/{} (the TensorRT-LLM shape filter's instance \
+                             type map) failed: {error}",
+                            self.namespace,
+                            shape::CONFIG_MAP_NAME
+                        )),
+                    )
+                })
+            }
+        }
     }
 }
 

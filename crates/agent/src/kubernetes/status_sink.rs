@@ -10,10 +10,15 @@
 //! a status or heartbeat update of the Node is never overwritten by a stale copy).
 //!
 //! Owned entries are the ones shaped like model keys (`clusterbasemodel.*`,
-//! `*.basemodel.*` data keys; `models.ome.io/<model key>` labels): the node's model agent is
-//! their only writer in OME, so an owned entry for a model that is no longer on this node (a
-//! deletion while the daemon was down, a model that stopped targeting the node) is removed.
-//! Everything else is left exactly as read.
+//! `*.basemodel.*` data keys; `models.ome.io/<model key>` labels) that this daemon wrote
+//! ([`super::written`]; a key OME's agent wrote for a model modelfs serves becomes one when
+//! modelfs writes its status), and those of model objects the producer hands over (a model
+//! being deleted: OME's controller keeps its finalizer until no node ConfigMap has the key, so
+//! the node's agent must remove it whoever wrote it). An owned entry for a model that is no
+//! longer on this node (a deletion while the daemon was down, a model that stopped targeting
+//! the node) is removed.
+//! Everything else, model-shaped keys and labels added by hand or by another writer included,
+//! is left exactly as read, as OME's agent leaves keys it does not handle.
 //!
 //! # Rate limit
 //! A change of a model's state (status, parent, children, reason, ...) is written at once.
@@ -59,6 +64,7 @@ use super::names::{
     NODE_CONFIGMAP_LABEL, NODE_NAME_ANNOTATION, STATUS_CONFIGMAP_LABEL,
 };
 use super::producer::References;
+use super::written::{Object, Written};
 use crate::reconciler::ReconcilerHandle;
 use modelfs_ome::status::{ModelStatus, StatusDoc};
 
@@ -81,6 +87,9 @@ pub struct StatusSinkConfig {
     /// Largest ConfigMap data (keys and values of `data` and `binaryData`, this daemon's
     /// entries and everyone else's): the API server's validation limit, 1 MiB.
     pub max_data_bytes: usize,
+    /// Where the keys and labels this daemon wrote are kept ([`super::written`]); `None`:
+    /// in memory only.
+    pub written_file: Option<std::path::PathBuf>,
 }
 
 impl StatusSinkConfig {
@@ -93,6 +102,7 @@ impl StatusSinkConfig {
             retry_base: Duration::from_millis(200),
             retry_max: Duration::from_secs(30),
             max_data_bytes: 1024 * 1024,
+            written_file: None,
         }
     }
 }
@@ -109,6 +119,8 @@ pub enum StatusSinkError {
     TooManyConflicts(u32),
     #[error("encoding a status entry: {0}")]
     Encode(#[from] serde_json::Error),
+    #[error("recording the keys written: {0}")]
+    Record(#[from] std::io::Error),
 }
 
 /// Conflicts tolerated in one write before backing off: each retry re-reads, so only a
@@ -264,10 +276,16 @@ async fn run(
             _ = tokio::time::sleep(Duration::from_millis(100)) => {}
         }
     }
+    let written = Written::load(config.written_file.clone()).unwrap_or_else(|error| {
+        tracing::error!(%error, "cannot read which status keys this daemon wrote; no model-shaped key or label written before is removed");
+        Written::empty(config.written_file.clone())
+    });
     let writer = Writer {
         configmaps: Api::namespaced(client.clone(), &config.namespace),
         nodes: Api::all(client.clone()),
         config: config.clone(),
+        written: std::sync::Mutex::new(written),
+        references: references.clone(),
     };
     let events = EventPublisher {
         recorder: Recorder::new(
@@ -335,6 +353,10 @@ struct Writer {
     configmaps: Api<ConfigMap>,
     nodes: Api<Node>,
     config: StatusSinkConfig,
+    /// Never held across an await.
+    written: std::sync::Mutex<Written>,
+    /// The model objects the producer planned (targeted or being deleted).
+    references: References,
 }
 
 fn is_conflict(error: &kube::Error) -> bool {
@@ -342,6 +364,25 @@ fn is_conflict(error: &kube::Error) -> bool {
 }
 
 impl Writer {
+    fn lock_written(&self) -> std::sync::MutexGuard<'_, Written> {
+        self.written.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The ConfigMap keys and node labels of the model objects the producer planned.
+    fn planned_keys(&self) -> (BTreeSet<String>, BTreeSet<String>) {
+        let references = self.references.lock().unwrap_or_else(|e| e.into_inner());
+        references
+            .keys()
+            .map(|key| {
+                let (kind, namespace, name) = key.parts();
+                (
+                    configmap_key(kind, namespace, name),
+                    node_label_key(kind, namespace, name),
+                )
+            })
+            .unzip()
+    }
+
     /// Writes both objects; the labels (what OME schedules on) also when the ConfigMap write
     /// fails. Returns how the ConfigMap entries were fitted.
     async fn sync(&self, doc: &StatusDoc) -> Result<Fitted, StatusSinkError> {
@@ -366,6 +407,8 @@ impl Writer {
                 .saturating_sub(current.as_ref().map_or(0, foreign_bytes));
             let fitted = fit(entries, budget);
             let data = &fitted.data;
+            self.lock_written().record(Object::ConfigMap, data.keys())?;
+            let mut removed = Vec::new();
             let result = match current {
                 None => {
                     let mut configmap = ConfigMap::default();
@@ -404,15 +447,25 @@ impl Writer {
                         }
                     }
                     let current = configmap.data.get_or_insert_with(BTreeMap::new);
-                    let stale: Vec<String> = current
-                        .keys()
-                        .filter(|key| is_model_key_shape(key) && !data.contains_key(*key))
-                        .cloned()
-                        .collect();
-                    for key in stale {
-                        current.remove(&key);
+                    let (planned, _) = self.planned_keys();
+                    let stale: Vec<String> = {
+                        let written = self.lock_written();
+                        current
+                            .keys()
+                            .filter(|key| {
+                                is_model_key_shape(key)
+                                    && !data.contains_key(*key)
+                                    && (written.contains(Object::ConfigMap, key)
+                                        || planned.contains(*key))
+                            })
+                            .cloned()
+                            .collect()
+                    };
+                    for key in &stale {
+                        current.remove(key);
                         changed = true;
                     }
+                    removed = stale;
                     for (key, value) in data {
                         if current.get(key) != Some(value) {
                             current.insert(key.clone(), value.clone());
@@ -429,7 +482,10 @@ impl Writer {
                 }
             };
             match result {
-                Ok(()) => return Ok(fitted),
+                Ok(()) => {
+                    self.lock_written().forget(Object::ConfigMap, &removed)?;
+                    return Ok(fitted);
+                }
                 // 409 is both "modified since read" and "created meanwhile": re-read.
                 Err(error) if is_conflict(&error) => {
                     tracing::debug!("node ConfigMap changed concurrently; retrying");
@@ -450,9 +506,18 @@ impl Writer {
             let current = node.metadata.labels.clone().unwrap_or_default();
             let mut patch = serde_json::Map::new();
             let ours: BTreeSet<&String> = labels.keys().collect();
-            for key in current.keys() {
-                if is_model_label(key) && !ours.contains(key) {
-                    patch.insert(key.clone(), serde_json::Value::Null);
+            let mut removed = Vec::new();
+            let (_, planned) = self.planned_keys();
+            {
+                let written = self.lock_written();
+                for key in current.keys() {
+                    if is_model_label(key)
+                        && !ours.contains(key)
+                        && (written.contains(Object::NodeLabels, key) || planned.contains(key))
+                    {
+                        patch.insert(key.clone(), serde_json::Value::Null);
+                        removed.push(key.clone());
+                    }
                 }
             }
             for (key, value) in labels {
@@ -463,6 +528,8 @@ impl Writer {
             if patch.is_empty() {
                 return Ok(());
             }
+            self.lock_written()
+                .record(Object::NodeLabels, labels.keys())?;
             let body = json!({"metadata": {
                 "resourceVersion": node.metadata.resource_version,
                 "labels": patch,
@@ -472,7 +539,10 @@ impl Writer {
                 .patch(name, &PatchParams::default(), &Patch::Merge(&body))
                 .await
             {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    self.lock_written().forget(Object::NodeLabels, &removed)?;
+                    return Ok(());
+                }
                 Err(error) if is_conflict(&error) => {
                     tracing::debug!("Node changed concurrently; retrying");
                 }
@@ -524,14 +594,18 @@ fn transition_event(before: Option<&ModelStatus>, after: &ModelStatus) -> Option
         "Failed"
             if was != Some("Failed") || before.and_then(|b| b.reason.clone()) != after.reason =>
         {
-            Some(event(
-                EventType::Warning,
-                "Failed",
-                after
-                    .reason
-                    .clone()
-                    .unwrap_or_else(|| "unknown reason".to_owned()),
-            ))
+            let note = after
+                .reason
+                .clone()
+                .unwrap_or_else(|| "unknown reason".to_owned());
+            // A fetch refused for space (SPEC 12) says so in the Event's reason, so that
+            // `kubectl get events --field-selector reason=InsufficientStorage` finds them.
+            let reason = if note.starts_with("InsufficientStorage:") {
+                "InsufficientStorage"
+            } else {
+                "Failed"
+            };
+            Some(event(EventType::Warning, reason, note))
         }
         _ => None,
     }
@@ -750,6 +824,13 @@ mod tests {
         assert_eq!(event.note.as_deref(), Some("no access"));
         assert!(transition_event(Some(&failed), &failed).is_none());
         assert!(transition_event(Some(&ready), &updating).is_none());
+        let mut full = entry("Failed", "", "AlwaysDownload");
+        full.reason =
+            Some("InsufficientStorage: needs 412 GiB, 120 GiB free under the budget".into());
+        let event = transition_event(Some(&updating), &full).unwrap();
+        assert_eq!(event.reason, "InsufficientStorage");
+        assert_eq!(event.type_, EventType::Warning);
+        assert!(event.note.unwrap().contains("needs 412 GiB"));
     }
 
     #[test]

@@ -25,6 +25,10 @@ use modelfs_ome::objects::{NodeAffinity, NodeSelectorRequirement, NodeSelectorTe
 pub struct NodeFacts {
     pub name: String,
     pub labels: BTreeMap<String, String>,
+    /// OME's instance type map (`modelfs_ome::shape`), for the TensorRT-LLM shape filter.
+    pub instance_type_map: modelfs_ome::shape::InstanceTypeMap,
+    /// Why the map could not be read (then the models that need it fail with this reason).
+    pub instance_type_map_error: Option<String>,
 }
 
 /// Why a model's node targeting cannot be evaluated.
@@ -182,6 +186,7 @@ mod tests {
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
+            ..Default::default()
         }
     }
 

@@ -230,9 +230,76 @@ impl Candidates {
     pub(super) fn is_empty(&self) -> bool {
         self.first_seen.is_empty()
     }
+
+    /// When `tag` (`store:<id>`, ...) was first seen as garbage, if it is waiting.
+    pub(super) fn first_seen(&self, tag: &str) -> Option<Instant> {
+        self.first_seen.get(tag).copied()
+    }
+}
+
+/// The retired blobs of one store that stays (see [`Reconciler::retired_blobs`]).
+pub(super) struct RetiredBlobs {
+    pub(super) names: Vec<String>,
+    pub(super) bytes: u64,
+    /// When the oldest of them was first seen as garbage (`None`: not yet by any pass).
+    pub(super) since: Option<Instant>,
 }
 
 impl Reconciler {
+    /// The blobs of stores that stay which nothing references any more (retired revisions),
+    /// by store, with their bytes: what the next passes would sweep after the grace period,
+    /// for the disk budget to take earlier. Blobs an open file may read, and stores a fetch
+    /// writes into, are left out (as [`plan`] does).
+    pub(super) fn retired_blobs(&self) -> BTreeMap<StoreId, RetiredBlobs> {
+        let usage = DaemonUsage {
+            reconciler: self,
+            blob_uses: self.fs.blob_uses(),
+            fetching: self
+                .works
+                .values()
+                .filter_map(|w| match &w.stage {
+                    Stage::Fetching { store, .. } => Some(store.clone()),
+                    _ => None,
+                })
+                .collect(),
+        };
+        let found = plan(&self.records, &self.state, &usage, Duration::MAX);
+        let mut out: BTreeMap<StoreId, RetiredBlobs> = BTreeMap::new();
+        for (id, name) in found.blobs {
+            let bytes = self
+                .state
+                .existing_store(&id)
+                .map_or(0, |s| file_bytes(&s.blob_path_by_name(&name)));
+            let seen = self
+                .gc_candidates
+                .first_seen
+                .get(&format!("blob:{id}/{name}"))
+                .copied();
+            let entry = out.entry(id).or_insert(RetiredBlobs {
+                names: Vec::new(),
+                bytes: 0,
+                since: None,
+            });
+            entry.bytes += bytes;
+            entry.names.push(name);
+            entry.since = match (entry.since, seen) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        out
+    }
+
+    /// Removes retired blobs of `store` (found by [`Self::retired_blobs`]).
+    pub(super) fn remove_retired_blobs(&mut self, store: &StoreId, names: &[String]) {
+        for name in names {
+            if let Err(e) = self.state.remove_blob(store, name) {
+                tracing::warn!(%store, blob = name, error = %e, "could not remove a retired blob");
+            }
+        }
+        self.update_store_bytes(store);
+    }
+
     /// One pass; returns whether it removed anything.
     pub(super) fn gc(&mut self) -> bool {
         let removed = self.gc_pass();

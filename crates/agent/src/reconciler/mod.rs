@@ -95,6 +95,7 @@ mod model_config;
 mod persist;
 mod progressive;
 pub mod records;
+mod space;
 mod status_doc;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -178,6 +179,9 @@ pub struct ReconcilerConfig {
     /// Serve a model while it downloads: its listing at once, each file once it verified
     /// ([`progressive`]). On in standalone mode; off by default.
     pub serve_while_downloading: bool,
+    /// `--disk-budget`: fetches that do not fit are not started (`None`: no admission; see
+    /// [`crate::disk`]).
+    pub disk_budget: Option<crate::disk::DiskBudget>,
 }
 
 /// [`ReconcilerConfig::max_concurrent_fetches`] unless configured.
@@ -199,6 +203,7 @@ impl ReconcilerConfig {
             hf_cache_linger: Duration::from_secs(300),
             resolve_interval: None,
             serve_while_downloading: false,
+            disk_budget: Some(crate::disk::DiskBudget::default()),
         }
     }
 }
@@ -443,9 +448,15 @@ pub struct ReconcilerHandle {
     ready: Arc<AtomicBool>,
     alive: Arc<std::sync::atomic::AtomicU64>,
     status_changes: Arc<tokio::sync::watch::Sender<Arc<StatusDoc>>>,
+    disk: Arc<ArcSwap<crate::disk::DiskState>>,
 }
 
 impl ReconcilerHandle {
+    /// The disk as last measured (`/v1/disk`, `modelfs status`).
+    pub fn disk(&self) -> Arc<crate::disk::DiskState> {
+        self.disk.load_full()
+    }
+
     /// A receiver that is notified whenever the status document changes (its value is the
     /// latest document).
     pub fn subscribe_status(&self) -> tokio::sync::watch::Receiver<Arc<StatusDoc>> {
@@ -527,6 +538,16 @@ pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> St
         h.update(b"parameters\0");
         h.update(p.as_bytes());
     }
+    // Only when filtered, so other models keep their fingerprints; a relabelled node (another
+    // alias) selects other objects and needs a new resolve.
+    if let Some(shape) = &spec.shape {
+        h.update(b"shape\0");
+        h.update(shape.as_bytes());
+    }
+    if let Some(dir) = &spec.node_dir {
+        h.update(b"node_dir\0");
+        h.update(dir.as_os_str().as_encoded_bytes());
+    }
     hex::encode(&h.finalize()[..16])
 }
 
@@ -553,6 +574,31 @@ pub fn parameters_digest(parameters: &BTreeMap<String, String>) -> Option<String
         h.update(v.as_bytes());
         h.update([0]);
     }
+    Some(hex::encode(&h.finalize()[..16]))
+}
+
+/// The record's `path`: the model's path relative to the mount, or for a model whose
+/// directory lies outside the models root ([`ModelSpec::node_dir`]) that absolute directory
+/// (never a mount path: the path index skips it, and the status shows it as it is).
+fn recorded_path(spec: &ModelSpec) -> String {
+    match &spec.node_dir {
+        Some(dir) => dir.display().to_string(),
+        None => spec.path.to_string(),
+    }
+}
+
+/// What the records keep of everything besides the URI that selects a model's files: the
+/// parameters' digest and, for a TensorRT-LLM model, the shape alias its objects are filtered
+/// by, so that an artifact is reused only for the same selection (a relabelled node resolves
+/// again). Without a shape it is [`parameters_digest`], so existing records keep matching.
+fn selection_digest(spec: &ModelSpec) -> Option<String> {
+    let Some(shape) = &spec.shape else {
+        return parameters_digest(&spec.parameters);
+    };
+    let mut h = Sha256::new();
+    h.update(parameters_digest(&spec.parameters).unwrap_or_default());
+    h.update(b"\0shape\0");
+    h.update(shape.as_bytes());
     Some(hex::encode(&h.finalize()[..16]))
 }
 
@@ -635,6 +681,8 @@ pub struct Reconciler {
     flush_pacer: FlushPacer,
     /// Fetches served while they download ([`progressive`]).
     live: progressive::Live,
+    /// The disk budget's bookkeeping (see [`space`]).
+    disk: space::Disk,
 }
 
 /// When the whole-state passes may run again. Each pass over the state costs time proportional
@@ -690,6 +738,7 @@ impl Reconciler {
         let ready = Arc::new(AtomicBool::new(false));
         let status_changes = Arc::new(tokio::sync::watch::Sender::new(Arc::new(StatusDoc::new())));
         let alive = Arc::new(std::sync::atomic::AtomicU64::new(now_secs()));
+        let config_budget = config.disk_budget;
         let mut r = Reconciler {
             fetch_slots: Arc::new(Semaphore::new(config.max_concurrent_fetches.max(1))),
             config,
@@ -737,6 +786,7 @@ impl Reconciler {
             fetch_awaits_save: false,
             flush_pacer: FlushPacer::new(),
             live: progressive::Live::default(),
+            disk: space::Disk::new(config_budget),
         };
         r.fs.set_wanted_hook(r.live.hook());
         r.hf_cache = r
@@ -772,6 +822,9 @@ impl Reconciler {
         r.settle_paths();
         r.remap();
         r.refresh_store_bytes();
+        r.report_placement();
+        r.measure_disk(true);
+        let disk = r.disk.shared.clone();
         r.save();
         r.publish();
         let tick = r.config.tick;
@@ -813,6 +866,7 @@ impl Reconciler {
             ready,
             alive,
             status_changes,
+            disk,
         })
     }
 
@@ -950,7 +1004,8 @@ impl Reconciler {
                 true
             }
             Event::Tick => {
-                let mut changed = self.retry_due();
+                let mut changed = self.space_tick();
+                changed |= self.retry_due();
                 self.refresh_due();
                 // Waiters whose model's work ended without a wake-up (a safety net: every
                 // end of work wakes its waiters).
@@ -1218,14 +1273,13 @@ impl Reconciler {
         {
             return;
         }
-        let source =
-            match Source::for_uri(&spec.source, &self.config.sources, token, &spec.parameters) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(model = %key, error = %e, "re-resolve skipped");
-                    return;
-                }
-            };
+        let source = match Source::for_uri(&spec.source, &self.config.sources, token, spec) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(model = %key, error = %e, "re-resolve skipped");
+                return;
+            }
+        };
         tracing::info!(model = %key, source = %spec.source, "resolving again (periodic)");
         let cancel = self.begin_resolving(key, &fp, spec, &source, true);
         self.spawn_resolve(key, fp, source, &cancel);
@@ -1391,7 +1445,7 @@ impl Reconciler {
                 rec.fingerprint = fp.clone();
                 rec.source = spec.source.to_string();
                 rec.policy = spec.policy;
-                rec.path = spec.path.to_string();
+                rec.path = recorded_path(spec);
                 rec.reserve = spec.reserve_artifact;
                 rec.name = spec.name.clone();
                 rec.namespace = spec.namespace.clone();
@@ -1412,13 +1466,24 @@ impl Reconciler {
             rec.fingerprint = fp.clone();
             rec.source = spec.source.to_string();
             rec.policy = spec.policy;
-            rec.path = spec.path.to_string();
+            rec.path = recorded_path(spec);
             rec.reserve = spec.reserve_artifact;
             self.records.insert_model(key.clone(), rec);
             tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
         }
         self.index_paths(key);
-        if spec.source.is_vendor() {
+        if spec.source.is_vendor() || spec.node_dir.is_some() {
+            if let (Some(dir), SourceUri::Local { .. }) = (&spec.node_dir, &spec.source) {
+                // As OME's agent: the directory must exist; a missing one is retried as any
+                // source is.
+                if std::fs::metadata(dir).is_err() {
+                    let error = crate::source::SourceError::LocalMissing {
+                        path: dir.display().to_string(),
+                    };
+                    self.fail(key, &fp, &error);
+                    return true;
+                }
+            }
             self.serve_without_files(key, spec);
             return true;
         }
@@ -1435,23 +1500,22 @@ impl Reconciler {
             self.fail_conflict(key, &fp, reason, None);
             return true;
         }
-        let source =
-            match Source::for_uri(&spec.source, &self.config.sources, token, &spec.parameters) {
-                Ok(s) => {
-                    let (metrics, labels) = (self.metrics.clone(), ome_labels(key));
-                    s.observe_throttling(crate::source::ThrottleObserver::new(move |waited| {
-                        metrics
-                            .ome
-                            .rate_limit_wait
-                            .get_or_create(&labels)
-                            .observe(waited.as_secs_f64())
-                    }))
-                }
-                Err(e) => {
-                    self.fail(key, &fp, &e);
-                    return true;
-                }
-            };
+        let source = match Source::for_uri(&spec.source, &self.config.sources, token, spec) {
+            Ok(s) => {
+                let (metrics, labels) = (self.metrics.clone(), ome_labels(key));
+                s.observe_throttling(crate::source::ThrottleObserver::new(move |waited| {
+                    metrics
+                        .ome
+                        .rate_limit_wait
+                        .get_or_create(&labels)
+                        .observe(waited.as_secs_f64())
+                }))
+            }
+            Err(e) => {
+                self.fail(key, &fp, &e);
+                return true;
+            }
+        };
         self.records.model_mut(key).expect("record").phase = ModelPhase::Updating;
         let rec = &self.records.models()[key];
         // Same source (and parameters) as the served artifact: only policy, path or label
@@ -1459,7 +1523,7 @@ impl Reconciler {
         let known = match (rec.artifact.clone(), rec.served_source.clone()) {
             (Some(a), Some(src))
                 if src == spec.source.to_string()
-                    && rec.served_parameters == parameters_digest(&spec.parameters) =>
+                    && rec.served_parameters == selection_digest(spec) =>
             {
                 self.artifact(&a)
             }
@@ -1526,13 +1590,16 @@ impl Reconciler {
         };
         let spec = work.spec.clone();
         let want = Self::want(&spec, &manifest);
+        let space = self.space_for(key, &spec, &manifest);
         let event = decide::Event::ArtifactKnown {
             key: key.clone(),
             claims: self.related_claims(&want.path),
             in_flight: self.in_flight(&spec.source, &want.artifact),
             want,
+            space,
         };
         self.apply_event(&event, Some(&manifest));
+        self.admitted(key, space);
     }
 
     /// What `spec` asks to serve, `manifest` being its artifact.
@@ -1543,7 +1610,7 @@ impl Reconciler {
             sha: manifest.revision.clone(),
             path: spec.path.clone(),
             source: spec.source.to_string(),
-            parameters: parameters_digest(&spec.parameters),
+            parameters: selection_digest(spec),
         }
     }
 
@@ -1854,6 +1921,16 @@ impl Reconciler {
                     self.index_paths(&key);
                 }
                 Effect::Remap => self.remap_needed = true,
+                Effect::Fail {
+                    key,
+                    reason,
+                    retry: decide::RetryKind::Space { needed },
+                } => {
+                    let fp = self.fingerprint_of(&key);
+                    self.index_paths(&key);
+                    self.refuse_for_space(&key, &fp, reason, needed);
+                    self.work_changed(&key);
+                }
                 Effect::Fail { key, reason, retry } => {
                     let fp = self.fingerprint_of(&key);
                     if retry == decide::RetryKind::MountRefused {
@@ -1918,9 +1995,10 @@ impl Reconciler {
             .map_err(|e| e.to_string())
     }
 
-    /// A `vendor://` model: its files come with the serving runtime, so, as OME's agent does,
-    /// nothing is fetched or mounted and the model is `Ready` at once. A copy it owned before
-    /// (its source changed to vendor) is handed to its children or released.
+    /// A `vendor://` model (its files come with the serving runtime), or a `local://` one whose
+    /// directory lies outside the models root (the pod binds it from the node): as OME's agent
+    /// does, nothing is fetched or mounted and the model is `Ready` at once. A copy it owned
+    /// before (its source changed) is handed to its children or released.
     fn serve_without_files(&mut self, key: &ModelKey, spec: &ModelSpec) {
         self.cancel_work(key);
         self.retries.remove(key);
@@ -1929,7 +2007,7 @@ impl Reconciler {
             source: spec.source.to_string(),
         };
         self.apply_event(&event, None);
-        tracing::info!(model = %key, source = %spec.source, "vendor model: Ready with no files");
+        tracing::info!(model = %key, source = %spec.source, node_dir = ?spec.node_dir, "files on the node or in the runtime: Ready with nothing served");
         self.wake_waiters();
     }
 
@@ -1982,6 +2060,9 @@ impl Reconciler {
         }
         if let Some(outcome) = err.ome_outcome() {
             self.metrics.ome.record(ome_labels(key), outcome);
+        }
+        if self.fail_disk_full(key, fp, err) {
+            return;
         }
         self.fail_with(key, fp, err.to_string(), err.is_transient());
     }
@@ -2289,6 +2370,40 @@ impl Reconciler {
                 store: handle,
             });
         }
+        // A reserved store keeps its last owner's directory (read-only) until it is reused or
+        // released, as OME keeps a reserved model's directory. A served model's path wins, and
+        // a path nested in or around a served one is left out (the fs layer refuses nesting).
+        let reserved: Vec<(StoreId, records::ReservedPlacement)> = self
+            .records
+            .stores()
+            .iter()
+            .filter(|(_, s)| s.owner.is_none() && s.reserved)
+            .filter_map(|(id, s)| Some((id.clone(), s.reserved_at.clone()?)))
+            .collect();
+        for (id, placement) in reserved {
+            let Ok(path) = MountPath::from_relative(&placement.path) else {
+                continue;
+            };
+            let segments = path.segments();
+            if entries
+                .iter()
+                .any(|e| e.path.starts_with(segments) || segments.starts_with(&e.path))
+                || self.hf_cache_conflict(&path).is_some()
+            {
+                continue;
+            }
+            let Some(stored) = self.artifact(&placement.artifact) else {
+                continue;
+            };
+            match self.state.store(&id) {
+                Ok(h) => entries.push(MountEntry {
+                    path: segments.to_vec(),
+                    artifact: stored,
+                    store: self.fs.store_handle(&id, h),
+                }),
+                Err(e) => tracing::error!(store = %id, error = %e, "reserved store unusable"),
+            }
+        }
         // The cache view joins the same snapshot: its refs and snapshots flip with the paths.
         let mut files = Vec::new();
         if let Some(view) = &mut self.hf_cache {
@@ -2296,8 +2411,30 @@ impl Reconciler {
             entries.extend(snapshots);
             files = refs;
         }
+        // `vendor://` models below the models root: an empty read-only directory at their
+        // path, so a pod binding it (or creating it, as runtimes do) finds it, as on OME's
+        // writable disk. Outside the root (`node_dir`) their record's path is absolute and
+        // skipped here.
+        let mut dirs: Vec<Vec<String>> = Vec::new();
+        for rec in self.records.models().values() {
+            if rec.phase != ModelPhase::Ready || rec.served_path.is_some() {
+                continue;
+            }
+            let vendor = rec
+                .served_source
+                .as_deref()
+                .and_then(|s| SourceUri::parse(s).ok())
+                .is_some_and(|s| s.is_vendor());
+            if let (true, Ok(path)) = (vendor, MountPath::from_relative(&rec.path)) {
+                if self.hf_cache_conflict(&path).is_none() {
+                    dirs.push(path.segments().to_vec());
+                }
+            }
+        }
+        dirs.sort();
+        dirs.dedup();
         let pending = self.pending_entries(&mut entries);
-        match self.fs.apply_with_pending(&entries, &files, &pending) {
+        match self.fs.apply_with_pending(&entries, &files, &dirs, &pending) {
             Ok(inv) => {
                 self.metrics.mapping_changes.inc();
                 match &self.mount {

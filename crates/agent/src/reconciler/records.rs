@@ -118,6 +118,18 @@ pub struct StoreRecord {
     /// reserved store that has no owner.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_owner_namespace: Option<String>,
+    /// Where a reserved store's last owner was served, and what: the directory stays at that
+    /// path (read-only) until the store is reused or released, as OME keeps a reserved
+    /// model's directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_at: Option<ReservedPlacement>,
+}
+
+/// The path (relative to the mount) and artifact a reserved store keeps serving.
+#[derive(Clone, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub struct ReservedPlacement {
+    pub path: String,
+    pub artifact: ArtifactId,
 }
 
 /// The records, with indexes kept in step with every change (see [`RecordsIndex`]): the fields

@@ -136,6 +136,12 @@ impl Reconciler {
                     Stage::Waiting { .. } => {}
                 }
             }
+            e.shape = self
+                .desired
+                .as_ref()
+                .and_then(|d| d.models.get(key))
+                .and_then(|spec| spec.as_ref().ok())
+                .and_then(|spec| spec.shape.clone());
             self.fill_model_config(key, &mut e);
             if rec.phase == ModelPhase::Ready {
                 // Ready only while the mount server serves it (`mount_client` module docs).

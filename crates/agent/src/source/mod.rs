@@ -457,15 +457,17 @@ static LOCAL_RESOLVES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_ne
 
 impl Source {
     /// Builds the source for a validated URI with the model's own token (if any; the source's
-    /// default applies otherwise) and `spec.storage.parameters`. Schemes without an
+    /// default applies otherwise), `spec.storage.parameters` and the TensorRT-LLM shape filter
+    /// (`oci://` only, as in OME; the planner sets no shape elsewhere). Schemes without an
     /// implementation are an error here, so such models fail at once with a reason instead of
     /// waiting.
     pub fn for_uri(
         uri: &SourceUri,
         config: &SourceConfig,
         token: Option<Token>,
-        parameters: &std::collections::BTreeMap<String, String>,
+        spec: &modelfs_ome::ModelSpec,
     ) -> Result<Self, SourceError> {
+        let parameters = &spec.parameters;
         match uri {
             SourceUri::Local { path } => Ok(Source::Local(local::LocalSource::new(
                 config.local_root(path)?,
@@ -478,17 +480,22 @@ impl Source {
             ))),
             SourceUri::Oci {
                 namespace,
+                region,
                 bucket,
                 prefix,
-            } => Ok(Source::Oci(oci::OciSource::new(
-                namespace.clone(),
-                bucket.clone(),
-                prefix.clone(),
-                parameters,
-                token,
-                config.hf.clone(),
-                config.oci.clone(),
-            )?)),
+            } => Ok(Source::Oci(
+                oci::OciSource::new(
+                    namespace.clone(),
+                    region.clone(),
+                    bucket.clone(),
+                    prefix.clone(),
+                    parameters,
+                    token,
+                    config.hf.clone(),
+                    config.oci.clone(),
+                )?
+                .with_shape(spec.shape.clone()),
+            )),
             SourceUri::ObjectStore {
                 scheme,
                 bucket,

@@ -25,11 +25,18 @@
 //! ([`TransferError::Changed`]) and the model is listed again. The size is checked and the
 //! sha256 computed while writing, as for every source, and so is what the store publishes
 //! about the bytes ([`RangeSource::content_check`]): GCS's `md5Hash` (in the manifest) or,
-//! for a composed object, its `crc32c`; Azure's `Content-MD5`; S3's ETag when it is the MD5
-//! of the bytes (a single-part upload without SSE-KMS or SSE-C; a multipart ETag is an MD5 of
-//! the parts' MD5s, which would need each part's size). Azure and S3 take one HEAD of the
-//! listed version per file for that. A file with none of these is checked by its size only,
-//! and the model's status says so.
+//! for a composed object, its `crc32c`; Azure's `Content-MD5`; for S3, from one `HEAD` of the
+//! listed version with `x-amz-checksum-mode: ENABLED`, best first: a full-object checksum
+//! (CRC32, CRC32C, CRC64NVME, SHA1, SHA256), a composite checksum (`<value>-<N>`, the
+//! checksum of the parts' checksums), the ETag when it is the MD5 of the bytes (a single-part
+//! upload without SSE-KMS or SSE-C) or of the parts' MD5s (`<md5>-<N>`, a multipart upload
+//! without SSE-KMS or SSE-C). Composite values need each part's size: one
+//! `HEAD ?partNumber=N` per part gives its `Content-Length` (remembered per object version;
+//! sizes that do not add up to the object's, as from a store that ignores `partNumber`,
+//! leave the value unused). Azure takes one HEAD per file. A file with none of these (an
+//! SSE-KMS multipart object without a checksum, a store that answers no part HEAD) is checked
+//! by its size only, the reason logged, and the model's status says so
+//! (`integrity: size-only`).
 //!
 //! # Credentials and settings
 //! The usual environment of each cloud (`object_store`'s `from_env`: `AWS_*`, `GOOGLE_*`,
@@ -57,7 +64,10 @@ use futures_util::StreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{GetOptions, GetRange, ObjectStore, RetryConfig};
 
-use super::checks::{md5_from_base64, s3_etag_md5, Crc32cCheck, Md5Check};
+use super::checks::{
+    md5_from_base64, s3_checksum, s3_etag_md5, s3_multipart_etag, Algorithm, AnyOf, ChecksumKind,
+    Crc32cCheck, Md5Check, PartsCheck, S3Checksum, WholeCheck,
+};
 use super::gcs::GcsJsonApi;
 use super::pipeline::{
     self, manifest_from_listing, ListedObject, Published, RangeBody, RangeSource, TransferError,
@@ -85,6 +95,8 @@ pub struct ObjectSource {
     /// What the last resolve listed of each key: the version every range must match, and the
     /// checksum the listing published.
     etags: Arc<Mutex<HashMap<String, Pinned>>>,
+    /// `s3://`: the HEADs `object_store` cannot send (see [`S3Heads`]).
+    s3: Option<Arc<S3Heads>>,
     throttle: crate::source::ThrottleObserver,
 }
 
@@ -174,6 +186,7 @@ impl ObjectSource {
         }
         let connector = RecordingConnector;
         let mut gcs = None;
+        let mut s3 = None;
         let bad = |e: object_store::Error| config_error(&what, scrub(&e.to_string(), &token));
         let store: Arc<dyn ObjectStore> = match target.scheme {
             ObjectScheme::S3 => {
@@ -200,9 +213,38 @@ impl ObjectSource {
                         })?;
                     b = b.with_access_key_id(id).with_secret_access_key(t.expose());
                 }
-                if anonymous {
+                // Anonymous requests carry no signature: the URL of a HEAD is made by signing
+                // with a placeholder key and dropping the signature.
+                let signer = if anonymous {
                     b = b.with_skip_signature(true);
-                }
+                    b.clone()
+                        .with_skip_signature(false)
+                        .with_access_key_id("anonymous")
+                        .with_secret_access_key("anonymous")
+                } else {
+                    b.clone()
+                };
+                let signer = signer
+                    .with_client_options(options.clone())
+                    .build()
+                    .map_err(bad)?;
+                let _ = rustls::crypto::ring::default_provider().install_default();
+                let builder = reqwest::Client::builder()
+                    .user_agent(concat!("modelfs/", env!("CARGO_PKG_VERSION")))
+                    .connect_timeout(tuning.connect_timeout);
+                let http = super::proxy::configure(config.proxies.for_scheme("s3"), builder)
+                    .and_then(|b| b.build())
+                    .map_err(|e| config_error(&what, e.to_string()))?;
+                let region = b
+                    .get_config_value(&object_store::aws::AmazonS3ConfigKey::Region)
+                    .unwrap_or_else(|| "us-east-1".to_string());
+                s3 = Some(Arc::new(S3Heads {
+                    signer,
+                    region,
+                    anonymous,
+                    http,
+                    parts: Mutex::default(),
+                }));
                 Arc::new(b.with_client_options(options).build().map_err(bad)?)
             }
             ObjectScheme::Gs => {
@@ -275,6 +317,7 @@ impl ObjectSource {
             gcs,
             transfers: config.transfers.clone(),
             etags: Arc::default(),
+            s3,
             throttle: Default::default(),
         })
     }
@@ -450,10 +493,9 @@ impl RangeSource for ObjectSource {
         &self.throttle
     }
 
-    /// GCS: the listed CRC32C (a composed object has no MD5). S3 and Azure: one HEAD of the
-    /// listed version; Azure's `Content-MD5`, or S3's ETag when it is the MD5 of the bytes (a
-    /// single-part upload without SSE-KMS or SSE-C). An object whose MD5 the manifest already
-    /// carries needs nothing more.
+    /// GCS: the listed CRC32C (a composed object has no MD5). Azure: one HEAD of the listed
+    /// version for its `Content-MD5`. S3: see [`ObjectSource::s3_check`]. An object whose MD5
+    /// the manifest already carries needs nothing more.
     async fn content_check(
         &self,
         what: &str,
@@ -470,47 +512,18 @@ impl RangeSource for ObjectSource {
                 check: Box::new(Crc32cCheck::new(NAME, c)),
             }));
         }
-        let path = object_path(what, &self.key_of(entry))?;
-        let head = GetOptions {
-            head: true,
-            if_match: Some(pinned.version),
-            ..GetOptions::default()
-        };
-        let ((result, answer), headers) = with_success_headers(with_error_answer(
-            self.transfers
-                .within_stall(what, async { Ok(self.store.get_opts(&path, head).await) }),
-        ))
-        .await;
-        match result? {
-            Ok(_) => {}
-            Err(object_store::Error::Precondition { .. }) => {
-                self.etags.lock().expect("etag map").clear();
-                return Err(changed(what));
-            }
-            Err(e) => return Err(transfer_error(what, &e, answer)),
+        if self.scheme == ObjectScheme::S3 {
+            return self.s3_check(what, entry, pinned.version).await;
         }
-        let headers = headers.unwrap_or_default();
+        let headers = self.head_headers(what, entry, pinned.version).await?;
         let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
-        let (name, md5) = match self.scheme {
-            ObjectScheme::S3 => (
-                "S3 ETag",
-                header("etag").and_then(|etag| {
-                    s3_etag_md5(
-                        etag,
-                        header("x-amz-server-side-encryption"),
-                        header("x-amz-server-side-encryption-customer-algorithm").is_some(),
-                    )
-                }),
-            ),
-            _ => (
-                "Content-MD5",
-                header("content-md5").and_then(md5_from_base64),
-            ),
-        };
-        Ok(md5.map(|m| Published {
-            name,
-            check: Box::new(Md5Check::new(name, m)),
-        }))
+        const NAME: &str = "Content-MD5";
+        Ok(header("content-md5")
+            .and_then(md5_from_base64)
+            .map(|m| Published {
+                name: NAME,
+                check: Box::new(Md5Check::new(NAME, m)),
+            }))
     }
 
     async fn open_range(
@@ -583,7 +596,376 @@ impl RangeSource for ObjectSource {
     }
 }
 
+/// The S3 HEADs `object_store` cannot send: with `x-amz-checksum-mode: ENABLED` (the
+/// object's checksum) and `?partNumber=N` (one part's size), both of which must be signed.
+/// The URL comes from `object_store`'s signer (the same endpoint and addressing as every other
+/// request of the source, its signature dropped); the request is signed in its headers
+/// (SigV4 `Authorization`, as every other request of the source, not a presigned query: some
+/// S3-compatible servers answer presigned requests only for GET) and goes out through a
+/// client with the source's proxy.
+#[derive(Debug)]
+struct S3Heads {
+    signer: object_store::aws::AmazonS3,
+    /// The region requests are signed for.
+    region: String,
+    anonymous: bool,
+    http: reqwest::Client,
+    /// The part sizes of each multipart object version (key, ETag), once known; `None`: the
+    /// store would not tell them.
+    parts: Mutex<HashMap<ObjectVersion, Option<Vec<u64>>>>,
+}
+
+/// An object version: its key and ETag.
+type ObjectVersion = (String, String);
+
+/// Most parts an S3 multipart upload has.
+const MAX_S3_PARTS: u32 = 10_000;
+/// Part HEADs in flight at once for one object.
+const PART_HEADS_IN_FLIGHT: usize = 8;
+
+/// What a HEAD of [`S3Heads`] got.
+enum HeadAnswer {
+    Headers(reqwest::header::HeaderMap),
+    /// A client error other than a failed precondition: the store does not offer this HEAD
+    /// (a partNumber it ignores, a checksum mode a compatible store refuses, SSE-C headers
+    /// the presigned request lacks, ...).
+    Refused(u16),
+}
+
+impl S3Heads {
+    /// One HEAD of `key` (of part `part`), `if_match` pinning the version.
+    async fn head(
+        &self,
+        what: &str,
+        transfers: &Transfers,
+        key: &str,
+        part: Option<u32>,
+        if_match: Option<&str>,
+    ) -> Result<HeadAnswer, TransferError> {
+        use object_store::signer::{SignedUrlOptions, Signer as _};
+        let mode = (
+            reqwest::header::HeaderName::from_static("x-amz-checksum-mode"),
+            reqwest::header::HeaderValue::from_static("ENABLED"),
+        );
+        let mut options =
+            SignedUrlOptions::default().with_signed_header(mode.0.clone(), mode.1.clone());
+        if let Some(n) = part {
+            options = options.with_query([("partNumber", n.to_string())]);
+        }
+        let path = object_path(what, key)?;
+        let mut url = self
+            .signer
+            .signed_url_opts(
+                reqwest::Method::HEAD,
+                &path,
+                Duration::from_secs(15 * 60),
+                &options,
+            )
+            .await
+            .map_err(|e| TransferError::Config {
+                what: what.into(),
+                detail: format!("signing a HEAD request: {e}"),
+            })?;
+        // Only the object's address and `partNumber` are kept from the presigned URL.
+        let kept: Vec<(String, String)> = url
+            .query_pairs()
+            .filter(|(k, _)| !k.to_ascii_lowercase().starts_with("x-amz-"))
+            .map(|(k, v)| (k.into_owned(), v.into_owned()))
+            .collect();
+        url.query_pairs_mut().clear().extend_pairs(kept);
+        if url.query() == Some("") {
+            url.set_query(None);
+        }
+        let mut request = self.http.head(url.as_str());
+        if self.anonymous {
+            request = request.header(mode.0, mode.1);
+        } else {
+            let signing_error = |detail: String| TransferError::Config {
+                what: what.into(),
+                detail: format!("signing a HEAD request: {detail}"),
+            };
+            let credential = self
+                .signer
+                .credentials()
+                .get_credential()
+                .await
+                .map_err(|e| signing_error(e.to_string()))?;
+            let mut signed = http::Request::builder()
+                .method(http::Method::HEAD)
+                .uri(url.as_str())
+                .header(mode.0, mode.1)
+                .body(object_store::client::HttpRequestBody::empty())
+                .map_err(|e| signing_error(e.to_string()))?;
+            object_store::aws::AwsAuthorizer::new(&credential, "s3", &self.region)
+                .try_authorize(&mut signed, None)
+                .map_err(|e| signing_error(e.to_string()))?;
+            for (name, value) in signed.headers() {
+                request = request.header(name, value);
+            }
+        }
+        if let Some(v) = if_match {
+            request = request.header(reqwest::header::IF_MATCH, v);
+        }
+        let resp = transfers
+            .within_stall(what, async {
+                request.send().await.map_err(|e| TransferError::Network {
+                    what: what.into(),
+                    detail: e.to_string(),
+                })
+            })
+            .await?;
+        let status = resp.status().as_u16();
+        if resp.status().is_success() {
+            return Ok(HeadAnswer::Headers(resp.headers().clone()));
+        }
+        if status == 412 {
+            return Err(changed(what));
+        }
+        if status == 429 || status == 408 || status >= 500 {
+            let retry_after = resp
+                .headers()
+                .get(reqwest::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(pipeline::parse_retry_after);
+            return Err(TransferError::Status {
+                what: what.into(),
+                status,
+                code: None,
+                message: resp
+                    .status()
+                    .canonical_reason()
+                    .unwrap_or("server error")
+                    .into(),
+                retry_after,
+            });
+        }
+        Ok(HeadAnswer::Refused(status))
+    }
+
+    /// The size of each of the `count` parts of `key` at `version` (`HEAD ?partNumber=N`), or
+    /// why they cannot be known. Remembered per version.
+    async fn part_sizes(
+        &self,
+        what: &str,
+        transfers: &Transfers,
+        key: &str,
+        version: &str,
+        count: u32,
+        size: u64,
+    ) -> Result<Result<Vec<u64>, String>, TransferError> {
+        let id = (key.to_string(), version.to_string());
+        if let Some(known) = self.parts.lock().expect("part sizes").get(&id) {
+            return Ok(known.clone().ok_or_else(|| "not published".to_string()));
+        }
+        if count > MAX_S3_PARTS {
+            return Ok(Err(format!("{count} parts is more than S3 allows")));
+        }
+        let heads = futures_util::stream::iter(1..=count)
+            .map(|n| async move { (n, self.head(what, transfers, key, Some(n), None).await) })
+            .buffered(PART_HEADS_IN_FLIGHT)
+            .collect::<Vec<_>>()
+            .await;
+        let mut sizes = Vec::with_capacity(count as usize);
+        let mut why = None;
+        for (n, answer) in heads {
+            let headers = match answer? {
+                HeadAnswer::Headers(h) => h,
+                HeadAnswer::Refused(status) => {
+                    why.get_or_insert(format!("HEAD of part {n} answered HTTP {status}"));
+                    continue;
+                }
+            };
+            let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+            let told = header("x-amz-mp-parts-count").and_then(|c| c.trim().parse::<u32>().ok());
+            if told.is_some_and(|c| c != count) {
+                why.get_or_insert(format!(
+                    "the store counts {} parts, the ETag {count}",
+                    told.unwrap_or_default()
+                ));
+            }
+            match header("content-length").and_then(|l| l.trim().parse::<u64>().ok()) {
+                Some(len) => sizes.push(len),
+                None => {
+                    why.get_or_insert(format!("HEAD of part {n} gave no Content-Length"));
+                }
+            }
+        }
+        let total: u64 = sizes.iter().sum();
+        if why.is_none() && total != size {
+            // A store that ignores `partNumber` answers with the whole object each time.
+            why = Some(format!(
+                "the parts' sizes add up to {total} bytes, not the object's {size}"
+            ));
+        }
+        let known = match why {
+            None => Ok(sizes),
+            Some(w) => Err(w),
+        };
+        self.parts
+            .lock()
+            .expect("part sizes")
+            .insert(id, known.clone().ok());
+        Ok(known)
+    }
+}
+
 impl ObjectSource {
+    /// The headers of a HEAD of the listed version through `object_store`.
+    async fn head_headers(
+        &self,
+        what: &str,
+        entry: &ManifestEntry,
+        version: String,
+    ) -> Result<reqwest::header::HeaderMap, TransferError> {
+        let path = object_path(what, &self.key_of(entry))?;
+        let head = GetOptions {
+            head: true,
+            if_match: Some(version),
+            ..GetOptions::default()
+        };
+        let ((result, answer), headers) = with_success_headers(with_error_answer(
+            self.transfers
+                .within_stall(what, async { Ok(self.store.get_opts(&path, head).await) }),
+        ))
+        .await;
+        match result? {
+            Ok(_) => Ok(headers.unwrap_or_default()),
+            Err(object_store::Error::Precondition { .. }) => {
+                self.etags.lock().expect("etag map").clear();
+                Err(changed(what))
+            }
+            Err(e) => Err(transfer_error(what, &e, answer)),
+        }
+    }
+
+    /// What S3 publishes about the listed version, from one HEAD with `ChecksumMode` (and,
+    /// for a multipart object, one `HEAD ?partNumber=N` per part, for the part sizes), best
+    /// first:
+    /// 1. a full-object checksum (CRC32, CRC32C, CRC64NVME, SHA1, SHA256 of the bytes);
+    /// 2. a composite checksum (`<value>-<N>`: the checksum of the parts' checksums);
+    /// 3. the ETag: the MD5 of a single-part upload, or of a multipart upload's part MD5s
+    ///    (`<md5>-<N>`), unless SSE-KMS or SSE-C made it no MD5 of the bytes;
+    ///
+    /// else nothing (size only; the reason is logged). A store that refuses the checksum
+    /// HEAD is asked through `object_store` for the ETag alone.
+    async fn s3_check(
+        &self,
+        what: &str,
+        entry: &ManifestEntry,
+        version: String,
+    ) -> Result<Option<Published>, TransferError> {
+        let heads = self
+            .s3
+            .as_ref()
+            .expect("an s3:// source has its HEAD client");
+        let key = self.key_of(entry);
+        let headers = match heads
+            .head(what, &self.transfers, &key, None, Some(&version))
+            .await
+        {
+            Ok(HeadAnswer::Headers(h)) => h,
+            Ok(HeadAnswer::Refused(status)) => {
+                tracing::info!(source = %self.label, path = %entry.path, status, "the store refused a HEAD with ChecksumMode; checking the ETag only");
+                self.head_headers(what, entry, version.clone()).await?
+            }
+            Err(e @ TransferError::Changed { .. }) => {
+                self.etags.lock().expect("etag map").clear();
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
+        let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok());
+        let etag = header("etag").unwrap_or(&version).to_string();
+        let multipart = s3_multipart_etag(&etag);
+        let encryption = header("x-amz-server-side-encryption");
+        let customer_key = header("x-amz-server-side-encryption-customer-algorithm").is_some();
+        // SSE-KMS and SSE-C ETags are no MD5 of the bytes, multipart or not.
+        let etag_is_md5 =
+            !(customer_key || encryption.is_some_and(|e| e.trim().starts_with("aws:kms")));
+        let mut why_not = Vec::new();
+        if let Some((checksum, suffix_parts)) = s3_checksum(header, multipart.is_some()) {
+            let S3Checksum {
+                algorithm,
+                value,
+                kind,
+            } = checksum;
+            const FULL: &str = "S3 full-object checksum";
+            const COMPOSITE: &str = "S3 composite checksum";
+            const EITHER: &str = "S3 checksum";
+            let whole = || Box::new(WholeCheck::new(FULL, algorithm, value.clone()));
+            if kind == ChecksumKind::Full {
+                return Ok(Some(Published {
+                    name: FULL,
+                    check: whole(),
+                }));
+            }
+            let count = suffix_parts.or(multipart.map(|m| m.1)).unwrap_or(1);
+            match heads
+                .part_sizes(what, &self.transfers, &key, &version, count, entry.size)
+                .await?
+            {
+                Ok(sizes) => {
+                    let parts =
+                        Box::new(PartsCheck::new(COMPOSITE, algorithm, value.clone(), sizes));
+                    return Ok(Some(if kind == ChecksumKind::Composite {
+                        Published {
+                            name: COMPOSITE,
+                            check: parts,
+                        }
+                    } else {
+                        Published {
+                            name: EITHER,
+                            check: Box::new(AnyOf(vec![whole(), parts])),
+                        }
+                    }));
+                }
+                Err(why) => why_not.push(format!(
+                    "a composite {} whose part sizes are unknown ({why})",
+                    algorithm.name()
+                )),
+            }
+        }
+        if let Some(md5) =
+            s3_etag_md5(&etag, encryption, customer_key).filter(|_| multipart.is_none())
+        {
+            const NAME: &str = "S3 ETag";
+            return Ok(Some(Published {
+                name: NAME,
+                check: Box::new(Md5Check::new(NAME, md5)),
+            }));
+        }
+        match multipart {
+            Some((md5, count)) if etag_is_md5 => {
+                match heads
+                    .part_sizes(what, &self.transfers, &key, &version, count, entry.size)
+                    .await?
+                {
+                    Ok(sizes) => {
+                        const NAME: &str = "S3 multipart ETag";
+                        return Ok(Some(Published {
+                            name: NAME,
+                            check: Box::new(PartsCheck::new(
+                                NAME,
+                                Algorithm::Md5,
+                                md5.to_vec(),
+                                sizes,
+                            )),
+                        }));
+                    }
+                    Err(why) => why_not.push(format!(
+                        "a multipart ETag whose part sizes are unknown ({why})"
+                    )),
+                }
+            }
+            Some(_) => {
+                why_not.push("a multipart ETag of an SSE-KMS or SSE-C object (no MD5)".into())
+            }
+            None => why_not.push("an ETag of an SSE-KMS or SSE-C object (no MD5)".into()),
+        }
+        tracing::info!(source = %self.label, path = %entry.path, published = %why_not.join("; "), "no usable checksum published for this object");
+        Ok(None)
+    }
+
     /// The whole object at `version`, as a [`RangeBody::WholeFile`] (see `open_range`).
     async fn whole_object(
         &self,

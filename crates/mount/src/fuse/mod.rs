@@ -408,6 +408,30 @@ impl LogLimit {
     }
 }
 
+/// A journal write failed: the successor of this process would not know of one handle or
+/// backing id. Serving goes on; the failure is counted (`modelfs_fuse_errors_total{op="journal"}`)
+/// and logged at most once per [`LogLimit::INTERVAL`] with the repeats left out (it needs
+/// memory to be short, which fails every open alike). Returns whether a line was written.
+fn journal_outcome(
+    metrics: &FuseMetrics,
+    limit: &LogLimit,
+    result: io::Result<()>,
+    now: std::time::Instant,
+) -> bool {
+    let Err(e) = result else {
+        return false;
+    };
+    metrics.error("journal");
+    let text = e.to_string();
+    match limit.admit(&format!("journal: {text}"), now) {
+        Some(left_out) => {
+            tracing::error!(error = %text, left_out, "recording an open file for a successor failed");
+            true
+        }
+        None => false,
+    }
+}
+
 /// How an open is answered.
 enum Opened {
     Passthrough { fh: u64, id: Arc<BackingId> },
@@ -524,12 +548,14 @@ impl ModelFs {
 }
 
 impl ModelFs {
-    /// A journal write failed: the successor of this process would not know of one handle or
-    /// backing id. Serving goes on; the failure is logged (it needs memory to be short).
+    /// See [`journal_outcome`].
     fn journaled(&self, result: io::Result<()>) {
-        if let Err(e) = result {
-            tracing::error!(error = %e, "recording an open file for a successor failed");
-        }
+        journal_outcome(
+            &self.metrics,
+            &self.io_errors,
+            result,
+            std::time::Instant::now(),
+        );
     }
 
     /// Closes evicted backing ids, recording that first.
@@ -1269,6 +1295,35 @@ mod tests {
         assert_eq!(limit.admit("b", t0), Some(0), "another error still shows");
         assert_eq!(limit.admit("a", t0 + LogLimit::INTERVAL), Some(999));
         assert_eq!(limit.admit("a", t0 + LogLimit::INTERVAL), None);
+    }
+
+    #[test]
+    fn journal_write_failures_are_counted_and_logged_once_per_interval() {
+        // A journal whose memory file refuses writes (sealed): every record fails.
+        let file =
+            rustix::fs::memfd_create("journal", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+        rustix::fs::fcntl_add_seals(&file, rustix::fs::SealFlags::WRITE).unwrap();
+        let (journal, _) = Journal::adopt(file).unwrap();
+        let metrics = FuseMetrics::new();
+        let limit = LogLimit::default();
+        let t0 = std::time::Instant::now();
+        let logged = (0..1000u64)
+            .filter(|fh| {
+                let at = t0 + Duration::from_millis(*fh);
+                journal_outcome(&metrics, &limit, journal.handle_opened(*fh, 1), at)
+            })
+            .count();
+        assert_eq!(metrics.snapshot().get("fuse_errors/journal"), Some(&1000));
+        assert_eq!(logged, 1, "one line for 1,000 failures within the interval");
+        let later = t0 + LogLimit::INTERVAL + Duration::from_secs(1);
+        assert!(journal_outcome(
+            &metrics,
+            &limit,
+            journal.handle_released(0),
+            later
+        ));
+        assert!(!journal_outcome(&metrics, &limit, Ok(()), later));
+        assert_eq!(metrics.snapshot().get("fuse_errors/journal"), Some(&1001));
     }
 
     #[test]

@@ -50,7 +50,11 @@
 //! [`hf_cache`]). They sit in synthesized directories and are numbered like them (slot 0), one
 //! inode per (path, content) pair: new content is a new inode, so the kernel can never show new
 //! bytes under an old inode or old bytes under a new one, and an inode whose file left the
-//! mapping stays answerable (its old content) for a kernel that still holds it. Opening one
+//! mapping stays answerable (its old content) for a kernel that still holds it, as long as the
+//! retired files (those no longer in the mapping) hold at most [`RETIRED_INLINE_BYTES`] in all:
+//! beyond that the oldest retired ones are forgotten, so a mapping whose files keep changing
+//! cannot grow the process without bound (the kernel is never told when it drops an inline
+//! inode; a forgotten one answers `ENOENT`, as a file that is gone). Opening one
 //! gives a sealed memfd holding the content, so the FUSE adapter treats it as any other file
 //! (passthrough or read-through).
 //!
@@ -58,6 +62,12 @@
 //! An entry applied with [`PendingFiles`] ([`FsCore::apply_with_pending`]) shows its complete
 //! listing while its files verify one by one; an open of a file not yet verified waits for it
 //! (see [`pending`]).
+//!
+//! # Empty directories
+//! A mapping can also name directories that exist with nothing in them (read-only, as every
+//! synthesized directory): the paths of models whose files the serving runtime brings
+//! (`vendor://`), so that a pod binding such a path finds a directory. One that clashes with a
+//! model root, an inline file or a path below either is left out.
 
 pub mod hf_cache;
 pub mod pending;
@@ -66,7 +76,7 @@ pub mod tree;
 // Locks here are taken poison-tolerant: a panic in one request handler (answered EIO by the
 // transport) must not turn every later request into an error. Every holder leaves the guarded
 // state consistent at each point it could panic (no multi-step update spans one).
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
@@ -424,6 +434,54 @@ struct Registries {
     next_slot: u32,
 }
 
+/// Most bytes the inline files that left the mapping keep (see the module docs).
+pub const RETIRED_INLINE_BYTES: usize = 1 << 20;
+
+/// Inline files by inode: those of the current mapping, and retired ones, oldest first.
+#[derive(Default)]
+struct InlineFiles {
+    files: HashMap<u64, InlineFile>,
+    live: HashSet<u64>,
+    retired: VecDeque<u64>,
+    retired_bytes: usize,
+}
+
+impl InlineFiles {
+    fn content(&self, ino: u64) -> Option<&Arc<[u8]>> {
+        self.files.get(&ino).map(|f| &f.content)
+    }
+
+    fn len_of(&self, ino: u64) -> usize {
+        self.files.get(&ino).map_or(0, |f| f.content.len())
+    }
+
+    /// Makes `live` the mapping's files: the others retire, and the oldest retired ones are
+    /// forgotten (with their number in `ids`, so the same file mapped again gets a new inode)
+    /// while the retired ones hold more than [`RETIRED_INLINE_BYTES`].
+    fn set_live(&mut self, live: HashSet<u64>, ids: &mut HashMap<(Vec<String>, Arc<[u8]>), u64>) {
+        if self.retired.iter().any(|i| live.contains(i)) {
+            self.retired.retain(|i| !live.contains(i));
+            self.retired_bytes = self.retired.iter().map(|i| self.len_of(*i)).sum();
+        }
+        let mut leaving: Vec<u64> = self.live.difference(&live).copied().collect();
+        leaving.sort_unstable();
+        for ino in leaving {
+            self.retired_bytes += self.len_of(ino);
+            self.retired.push_back(ino);
+        }
+        self.live = live;
+        while self.retired_bytes > RETIRED_INLINE_BYTES {
+            let Some(ino) = self.retired.pop_front() else {
+                break;
+            };
+            if let Some(f) = self.files.remove(&ino) {
+                self.retired_bytes -= f.content.len();
+                ids.remove(&(f.path, f.content));
+            }
+        }
+    }
+}
+
 pub struct FsCore {
     inode_log: Mutex<Option<InodeLog>>,
     mapping: ArcSwap<Mapping>,
@@ -432,8 +490,8 @@ pub struct FsCore {
     registries: Mutex<Registries>,
     stores: Mutex<HashMap<StoreId, Weak<StoreHandle>>>,
     handles: DashMap<u64, Arc<OpenBlob>>,
-    /// Every inline file ever mapped, by inode (a few bytes each; see the module docs).
-    inline: RwLock<HashMap<u64, Arc<[u8]>>>,
+    /// The inline files of the mapping and the retired ones still kept (see the module docs).
+    inline: RwLock<InlineFiles>,
     next_fh: AtomicU64,
     /// Shown as the mtime of synthesized directories.
     started: SystemTime,
@@ -468,6 +526,8 @@ pub struct AppliedMapping {
     pub files: Vec<InlineFile>,
     /// The pending files of entries served while downloading, by model path.
     pub pending: HashMap<Vec<String>, Arc<PendingFiles>>,
+    /// Empty directories (module docs), as given.
+    pub dirs: Vec<Vec<String>>,
 }
 
 /// What the mount may still read ([`FsCore::blob_uses`]): the artifacts of its slots by
@@ -552,7 +612,7 @@ impl FsCore {
             registries: Mutex::new(registries),
             stores: Mutex::new(HashMap::new()),
             handles: DashMap::new(),
-            inline: RwLock::new(HashMap::new()),
+            inline: RwLock::new(InlineFiles::default()),
             next_fh: AtomicU64::new(1),
             started,
             apply_lock: Mutex::new(()),
@@ -828,10 +888,20 @@ impl FsCore {
         entries: &[MountEntry],
         files: &[InlineFile],
     ) -> Result<Vec<Invalidation>, FsError> {
-        self.apply_with_pending(entries, files, &HashMap::new())
+        self.apply_mapping(entries, files, &[])
     }
 
-    /// [`FsCore::apply_with_files`] where the entries at the paths of `pending` are served
+    /// [`FsCore::apply_with_files`] with empty directories (module docs).
+    pub fn apply_mapping(
+        &self,
+        entries: &[MountEntry],
+        files: &[InlineFile],
+        dirs: &[Vec<String>],
+    ) -> Result<Vec<Invalidation>, FsError> {
+        self.apply_with_pending(entries, files, dirs, &HashMap::new())
+    }
+
+    /// [`FsCore::apply_mapping`] where the entries at the paths of `pending` are served
     /// while downloading: their listing is complete, their files readable as they verify
     /// ([`pending`]). Pending files whose count differs from the entry's manifest refuse the
     /// whole mapping.
@@ -839,9 +909,10 @@ impl FsCore {
         &self,
         entries: &[MountEntry],
         files: &[InlineFile],
+        dirs: &[Vec<String>],
         pending: &HashMap<Vec<String>, Arc<PendingFiles>>,
     ) -> Result<Vec<Invalidation>, FsError> {
-        let inv = self.swap_mapping(entries, files, pending)?;
+        let inv = self.swap_mapping(entries, files, dirs, pending)?;
         *self
             .last_applied
             .lock()
@@ -853,6 +924,7 @@ impl FsCore {
                 .iter()
                 .filter_map(|e| Some((e.path.clone(), pending.get(&e.path)?.clone())))
                 .collect(),
+            dirs: dirs.to_vec(),
         });
         // Opens waiting on a pending file decide again against the new mapping.
         self.changes.bump();
@@ -886,6 +958,7 @@ impl FsCore {
         &self,
         entries: &[MountEntry],
         files: &[InlineFile],
+        dirs: &[Vec<String>],
         pending: &HashMap<Vec<String>, Arc<PendingFiles>>,
     ) -> Result<Vec<Invalidation>, FsError> {
         check_paths(entries)?;
@@ -1002,6 +1075,7 @@ impl FsCore {
             }
         }
         self.place_inline_files(&mut reg, &mut new, &planned, files);
+        Self::place_empty_dirs(&mut reg, &mut new, &planned, files, dirs);
         if !reg.fresh.is_empty() {
             if let Some(log) = &*self.inode_log.lock().unwrap_or_else(|p| p.into_inner()) {
                 // Kept for the next apply if the write fails: this one is refused, so none of
@@ -1033,9 +1107,11 @@ impl FsCore {
         planned: &[(Vec<String>, u32, &MountEntry)],
         files: &[InlineFile],
     ) {
-        if files.is_empty() {
+        let mut inline = self.inline.write().unwrap_or_else(PoisonError::into_inner);
+        if files.is_empty() && inline.live.is_empty() {
             return;
         }
+        let mut live = HashSet::with_capacity(files.len());
         // Paths that must stay directories (every proper prefix of a taken path) and paths
         // taken by a model root or a file: O(total segments).
         let mut dirs: HashSet<&[String]> = HashSet::new();
@@ -1046,7 +1122,6 @@ impl FsCore {
                 dirs.insert(&path[..depth]);
             }
         }
-        let mut inline = self.inline.write().unwrap_or_else(PoisonError::into_inner);
         for f in files {
             let path = f.path.as_slice();
             let clash = path.is_empty()
@@ -1070,12 +1145,47 @@ impl FsCore {
                     ino,
                 });
             }
-            inline.entry(ino).or_insert_with(|| f.content.clone());
+            inline.files.entry(ino).or_insert_with(|| f.clone());
+            live.insert(ino);
             new.synth.get_mut(&parent).expect("parent synthesized").add(
                 ino,
                 path[path.len() - 1].clone(),
                 Kind::File,
             );
+        }
+        inline.set_live(live, &mut reg.inline_ids);
+    }
+
+    /// Adds the empty directories `dirs` to `new`, skipping any that is empty, has an invalid
+    /// segment, or lies at or below a model root or an inline file.
+    fn place_empty_dirs(
+        reg: &mut Registries,
+        new: &mut Mapping,
+        planned: &[(Vec<String>, u32, &MountEntry)],
+        files: &[InlineFile],
+        dirs: &[Vec<String>],
+    ) {
+        if dirs.is_empty() {
+            return;
+        }
+        let leaves: HashSet<&[String]> = planned
+            .iter()
+            .map(|(path, _, _)| path.as_slice())
+            .chain(files.iter().map(|f| f.path.as_slice()))
+            .collect();
+        for dir in dirs {
+            let clash = dir.is_empty()
+                || dir
+                    .iter()
+                    .any(|s| s.is_empty() || s == "." || s == ".." || s.contains(['/', '\0']))
+                || (1..=dir.len()).any(|depth| leaves.contains(&dir[..depth]));
+            if clash {
+                continue;
+            }
+            // Every proper prefix of `dir` plus one more segment: `dir` itself included.
+            let mut with_child = dir.clone();
+            with_child.push(String::new());
+            Self::synthesize_parents(reg, new, &with_child);
         }
     }
 
@@ -1104,7 +1214,7 @@ impl FsCore {
 
     fn inline_attr(&self, ino: u64) -> Option<Attr> {
         let inline = self.inline.read().unwrap_or_else(PoisonError::into_inner);
-        let content = inline.get(&ino)?;
+        let content = inline.content(ino)?;
         Some(Attr {
             ino,
             kind: Kind::File,
@@ -1582,7 +1692,7 @@ impl FsCore {
             .inline
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .get(&ino)
+            .content(ino)
             .cloned();
         let Some(content) = content else {
             return Err(if self.getattr(ino).is_ok() {

@@ -727,6 +727,7 @@ impl Progressive {
             .apply_with_pending(
                 &[entry("m", &self.artifact, &self.f.store_a)],
                 &[],
+                &[],
                 &pending,
             )
             .unwrap();
@@ -875,7 +876,7 @@ fn pending_file_states_must_match_the_manifest() {
     )]);
     let err =
         p.f.core
-            .apply_with_pending(&[entry("m", &p.artifact, &p.f.store_a)], &[], &pending)
+            .apply_with_pending(&[entry("m", &p.artifact, &p.f.store_a)], &[], &[], &pending)
             .unwrap_err();
     assert!(matches!(err, FsError::Conflict(_)), "{err}");
 }
@@ -980,4 +981,113 @@ proptest! {
             }
         });
     }
+
+/// Inline files that left the mapping stay answerable (their own bytes) for a kernel that may
+/// still hold their inodes, but only up to `RETIRED_INLINE_BYTES` in all: the oldest go first,
+/// and the same file mapped again after that is a new inode. The mapping's own files are
+/// kept whatever their size; a file that comes back into the mapping is no longer retired.
+#[test]
+fn retired_inline_files_are_bounded_by_bytes() {
+    let f = fixture();
+    const K300: usize = 300 << 10;
+    let file = |n: u8, len: usize| InlineFile {
+        path: vec!["refs".into(), "main".into()],
+        content: Arc::from(vec![n; len]),
+    };
+    let read_all = |ino: u64| -> Vec<u8> {
+        let (fh, blob) = f.core.open(ino).unwrap();
+        let data = f.core.read(fh, 0, blob.size as u32).unwrap();
+        f.core.release(fh);
+        data
+    };
+    let mut inos = Vec::new();
+    for n in 0..8u8 {
+        f.core.apply_with_files(&[], &[file(n, K300)]).unwrap();
+        inos.push(resolve(&f.core, "refs/main").unwrap().ino);
+    }
+    // 7 is mapped; 6, 5 and 4 (900 KiB) are kept; a fourth (1.2 MiB) would be too many.
+    for (n, ino) in inos.iter().enumerate() {
+        assert_eq!(f.core.getattr(*ino).is_ok(), n >= 4, "file {n}");
+    }
+    assert_eq!(read_all(inos[4]), vec![4u8; K300]);
+    assert!(
+        f.core.open(inos[3]).is_err(),
+        "a forgotten inode opens nothing"
+    );
+
+    // The same content as a forgotten one is a new inode. 7 retires: 4, 5, 6, 7 would be
+    // 1.2 MiB, so 4 goes.
+    f.core.apply_with_files(&[], &[file(0, K300)]).unwrap();
+    let again = resolve(&f.core, "refs/main").unwrap().ino;
+    assert!(!inos.contains(&again), "a forgotten file gets a new inode");
+    assert!(f.core.getattr(inos[4]).is_err());
+    // The same content as a kept one is the same inode, which leaves the retired ones: 6, 7
+    // and the new one (900 KiB) are all kept.
+    f.core.apply_with_files(&[], &[file(5, K300)]).unwrap();
+    assert_eq!(resolve(&f.core, "refs/main").unwrap().ino, inos[5]);
+    for ino in [inos[6], inos[7], again, inos[5]] {
+        assert!(f.core.getattr(ino).is_ok());
+    }
+
+    // A mapped file bigger than the bound stays while mapped; retired, it is forgotten at
+    // once, and so is everything retired before it.
+    f.core.apply_with_files(&[], &[file(9, 2 << 20)]).unwrap();
+    let big = resolve(&f.core, "refs/main").unwrap().ino;
+    assert_eq!(read_all(big).len(), 2 << 20);
+    f.core.apply(&[]).unwrap();
+    for ino in [big, inos[5], inos[6], inos[7], again] {
+        assert!(f.core.getattr(ino).is_err(), "inode {ino}");
+    }
+}
+
+/// Empty directories sit beside models and inline files; one at or below a model root or an
+/// inline file, or with an invalid segment, is left out and the rest of the mapping applies.
+#[test]
+fn empty_directories_beside_models_and_clashing_ones_left_out() {
+    let f = fixture();
+    let store = Store::open(f._dir.path().join("a")).unwrap();
+    let a = artifact(&store, &[("config.json", b"{}")]);
+    let files = [InlineFile {
+        path: vec!["refs".into(), "main".into()],
+        content: Arc::from(&b"abc"[..]),
+    }];
+    let seg = |p: &str| -> Vec<String> { p.split('/').map(str::to_string).collect() };
+    let dirs = [
+        seg("vendors/llama"),
+        seg("vendors/empty/deep"),
+        seg("team/m"),
+        seg("team/m/inside"),
+        seg("refs/main"),
+        seg("refs/main/x"),
+        seg("bad/.."),
+        Vec::new(),
+    ];
+    f.core
+        .apply_mapping(&[entry("team/m", &a, &f.store_a)], &files, &dirs)
+        .unwrap();
+    let llama = resolve(&f.core, "vendors/llama").unwrap();
+    assert_eq!(llama.kind, Kind::Dir);
+    assert_eq!(llama.perm, 0o555);
+    assert!(list(&f.core, llama.ino)
+        .iter()
+        .all(|(name, _)| name == "." || name == ".."));
+    assert_eq!(
+        resolve(&f.core, "vendors/empty/deep").unwrap().kind,
+        Kind::Dir
+    );
+    // The model and the inline file are what they were; nothing was put inside them.
+    assert_eq!(
+        resolve(&f.core, "team/m/config.json").unwrap().kind,
+        Kind::File
+    );
+    assert!(resolve(&f.core, "team/m/inside").is_err());
+    assert_eq!(resolve(&f.core, "refs/main").unwrap().kind, Kind::File);
+    assert!(resolve(&f.core, "bad").is_err());
+    assert_eq!(f.core.last_applied().dirs.len(), dirs.len());
+
+    // Without them in the next mapping, they go.
+    f.core
+        .apply_mapping(&[entry("team/m", &a, &f.store_a)], &files, &[])
+        .unwrap();
+    assert!(resolve(&f.core, "vendors").is_err());
 }

@@ -16,6 +16,7 @@
 
 pub mod paths;
 pub mod placement;
+pub mod space;
 #[cfg(test)]
 mod tests;
 
@@ -29,6 +30,7 @@ use modelfs_ome::{DownloadPolicy, ModelKey, MountPath};
 
 pub use paths::{path_verdicts, ClaimArtifact, ClaimKind, PathClaim, PathVerdict};
 pub use placement::{in_scope, place, reuse_candidates, InFlight, Placement};
+pub use space::Space;
 
 /// What the actor does for a decision, in the order given, before the next event, so a
 /// decision can rely on them (and on the records saved before them).
@@ -101,6 +103,8 @@ pub enum Event {
         in_flight: InFlight,
         /// Claims of the models whose paths nest with `want.path` (see [`claims`]).
         claims: Vec<PathClaim>,
+        /// The disk as a fetch would find it (`None`: no budget is checked); see [`space`].
+        space: Option<Space>,
     },
     /// A fetch into `store` completed with `artifact` verified. `want`: what the model's
     /// spec asks, when the fetch is still its work (a stale fetch is recorded as data, never
@@ -178,6 +182,7 @@ pub fn decide(records: &mut Records, event: &Event) -> Decision {
             want,
             in_flight,
             claims,
+            space,
         } => {
             if let Some(stop) = path_rule(records, key, want, claims) {
                 d.push(stop);
@@ -191,6 +196,18 @@ pub fn decide(records: &mut Records, event: &Event) -> Decision {
                     reason: WaitReason::SameArtifact,
                 }),
                 Placement::Fetch => {
+                    // Admission (SPEC 12): a fetch that cannot fit is not started, and no
+                    // store is allocated for it.
+                    if let Some(space) = space.filter(|s| !s.fits()) {
+                        d.push(Effect::Fail {
+                            key: key.clone(),
+                            reason: space::insufficient_reason(&space),
+                            retry: RetryKind::Space {
+                                needed: space.needed,
+                            },
+                        });
+                        return d;
+                    }
                     let target = fetch_target(records, key, &want.artifact);
                     d.effects.extend(target.effects);
                     d.push(Effect::Fetch {
@@ -457,6 +474,9 @@ pub enum RetryKind {
     /// Transient, counting the refusals of the mount server (serving the model in between
     /// does not reset the backoff).
     MountRefused,
+    /// The fetch, which writes `needed` bytes, does not fit under the disk budget: what
+    /// nothing serves is reclaimed, and it is retried as soon as it fits (see [`space`]).
+    Space { needed: u64 },
 }
 
 /// Users of one store that move to a store of their own (see [`hand_over_or_release`]).
@@ -531,6 +551,7 @@ pub fn serve(records: &mut Records, key: &ModelKey, serve: Serve) -> (bool, Vec<
         if s.owner.is_none() {
             s.owner = Some(key.clone());
             s.reserved = false;
+            s.reserved_at = None;
         }
     }
     let mut effects = Vec::new();
@@ -582,9 +603,17 @@ pub fn hand_over_or_release(
         .or_else(|| users.first())
         .cloned();
     let Some(next) = next else {
+        // Where the leaving owner was served from this store: a reserved store keeps it.
+        let placement = records.models().get(key).and_then(|m| {
+            let path = m.served_path.clone()?;
+            let artifact = m.artifact.clone()?;
+            (m.store.as_ref() == Some(store))
+                .then_some(crate::reconciler::records::ReservedPlacement { path, artifact })
+        });
         if let Some(mut s) = records.store_mut(store) {
             s.owner = None;
             s.reserved = reserve;
+            s.reserved_at = placement.filter(|_| reserve);
             s.last_owner_namespace = leaving_ns;
             tracing::info!(%store, reserved = reserve, "store released");
         }

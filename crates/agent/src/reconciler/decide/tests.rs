@@ -156,6 +156,7 @@ fn apply(r: &mut Records, name: &str, policy: DownloadPolicy, a: u8) -> String {
         want: want(name, policy, a),
         in_flight: InFlight::default(),
         claims: Vec::new(),
+        space: None,
     };
     let effects = decide(r, &event).effects;
     let placed = effects.iter().find_map(|e| match e {
@@ -763,10 +764,61 @@ fn decide_effects_table() {
                 want: want("m", Always, 1),
                 in_flight: InFlight::default(),
                 claims: Vec::new(),
+                space: None,
             }),
             effects: vec!["save", "fetch m into s00000001"],
             // Served by nothing until the fetch completes; the new store is its own.
             records: vec!["m <- -", "s00000001: m"],
+        },
+        Row {
+            what: "12 admission: a fetch that fits under the budget is started as without one",
+            setup: vec![New("m")],
+            tweak: none,
+            event: Box::new(move |_| Event::ArtifactKnown {
+                key: key("m"),
+                want: want("m", Always, 1),
+                in_flight: InFlight::default(),
+                claims: Vec::new(),
+                space: Some(Space {
+                    free: 10 << 30,
+                    needed: 10 << 30,
+                }),
+            }),
+            effects: vec!["save", "fetch m into s00000001"],
+            records: vec!["m <- -", "s00000001: m"],
+        },
+        Row {
+            what: "12 admission: a fetch that cannot fit is not started and no store is made",
+            setup: vec![New("m")],
+            tweak: none,
+            event: Box::new(move |_| Event::ArtifactKnown {
+                key: key("m"),
+                want: want("m", Always, 1),
+                in_flight: InFlight::default(),
+                claims: Vec::new(),
+                space: Some(Space {
+                    free: 120 << 30,
+                    needed: 412 << 30,
+                }),
+            }),
+            effects: vec![
+                "m fails (Space { needed: 442381631488 }): InsufficientStorage: needs 412 GiB, 120 GiB free under the budget",
+            ],
+            records: vec!["m <- -"],
+        },
+        Row {
+            what: "12 admission: a Ready holder serves a ReuseIfExists model even with no space",
+            setup: vec![Holder("p", 1), New("m")],
+            tweak: none,
+            event: Box::new(|_| Event::ArtifactKnown {
+                key: key("m"),
+                want: want("m", Reuse, 1),
+                in_flight: InFlight::default(),
+                claims: Vec::new(),
+                space: Some(Space { free: 0, needed: 1 }),
+            }),
+            effects: vec!["m served from s00000001", "remap"],
+            records: vec!["m <- p", "p <- p", "s00000001: p"],
         },
         Row {
             what: "3.1 ReuseIfExists with a Ready holder: served at once, mapping rebuilt",
@@ -777,6 +829,7 @@ fn decide_effects_table() {
                 want: want("m", Reuse, 1),
                 in_flight: InFlight::default(),
                 claims: Vec::new(),
+                space: None,
             }),
             effects: vec!["m served from s00000001", "remap"],
             records: vec!["m <- p", "p <- p", "s00000001: p"],
@@ -793,6 +846,7 @@ fn decide_effects_table() {
                     ..Default::default()
                 },
                 claims: Vec::new(),
+                space: None,
             }),
             effects: vec!["m waits for p (SameArtifact)"],
             records: vec!["m <- -", "p <- -"],
@@ -806,6 +860,7 @@ fn decide_effects_table() {
                 want: ready_at("m", "p/inner", 2),
                 in_flight: InFlight::default(),
                 claims: all_claims(r),
+                space: None,
             }),
             effects: vec!["m loses the path: path p/inner nests with path p of clusterbasemodel.p"],
             records: vec!["m <- -", "p <- p", "s00000001: p"],
@@ -822,6 +877,7 @@ fn decide_effects_table() {
                 },
                 in_flight: InFlight::default(),
                 claims: all_claims(r),
+                space: None,
             }),
             effects: vec!["m served from s00000001", "remap"],
             records: vec!["m <- p", "p <- p", "s00000001: p"],
@@ -851,6 +907,7 @@ fn decide_effects_table() {
                 want: want("m", Reuse, 1),
                 in_flight: InFlight::default(),
                 claims: Vec::new(),
+                space: None,
             }),
             effects: vec!["m served from s00000001", "remap"],
             records: vec![
@@ -869,6 +926,7 @@ fn decide_effects_table() {
                 want: want("p", Always, 1),
                 in_flight: InFlight::default(),
                 claims: Vec::new(),
+                space: None,
             }),
             effects: vec!["p served from s00000001 (unchanged)", "remap"],
             records: vec!["c <- p", "p <- p", "s00000001: p"],
@@ -882,6 +940,7 @@ fn decide_effects_table() {
                 want: want("p", Reuse, 1),
                 in_flight: InFlight::default(),
                 claims: Vec::new(),
+                space: None,
             }),
             effects: vec!["p served from s00000001", "remap"],
             records: vec![
@@ -901,6 +960,7 @@ fn decide_effects_table() {
                 want: want("p", Always, 2),
                 in_flight: InFlight::default(),
                 claims: Vec::new(),
+                space: None,
             }),
             effects: vec!["save", "fetch p into s00000002 seeded from s00000001"],
             records: vec!["c <- c", "p <- c", "s00000001: c", "s00000002: p"],

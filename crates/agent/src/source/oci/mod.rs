@@ -6,8 +6,12 @@
 //!   names ending in `/` are the console's folder markers and are skipped. The listing goes
 //!   through [`Manifest::new`], so hostile names (`..`, absolute, empty segments, a name that
 //!   is both a file and a prefix) fail the model with a reason and nothing is written.
+//! * OME's legacy URI forms (`<namespace>@<region>/<bucket>/<prefix>`, `<bucket>/<prefix>`)
+//!   name the same objects; without a namespace each session asks the service for the
+//!   tenancy's (`GET /n/`), and object identities always carry the namespace used, so a
+//!   model in one form reuses a copy made in another.
 //! * `parameters.region` picks the endpoint `https://objectstorage.<region>.oraclecloud.com`
-//!   (else the credentials' region); env `MODELFS_OCI_ENDPOINT` overrides the endpoint (private
+//!   (else the legacy form's region, else the credentials' region); env `MODELFS_OCI_ENDPOINT` overrides the endpoint (private
 //!   endpoints, tests). `parameters.auth` picks the credentials ([`auth`]).
 //! * Integrity as OME checks it: the object's MD5 (the listing's `md5`, which is
 //!   `Content-MD5`/`opc-content-md5`); for a multipart upload (`opc-multipart-md5`,
@@ -88,12 +92,19 @@ impl OciConfig {
 /// One `oci://` source as a model sees it.
 #[derive(Clone, Debug)]
 pub struct OciSource {
-    pub namespace: String,
+    /// `None` for OME's legacy `oci://<bucket>/<prefix>` form: each session asks the service
+    /// for the tenancy's namespace (`GET /n/`), as OME's client does.
+    pub namespace: Option<String>,
     pub bucket: String,
     /// Without a trailing `/`; empty for the whole bucket.
     pub prefix: String,
     auth: AuthMode,
     region: Option<String>,
+    /// The source as its URI shows it (log lines and reasons).
+    shown: String,
+    /// The TensorRT-LLM shape alias: only objects whose name contains `/<alias>/` are kept
+    /// (`modelfs_ome::shape`).
+    shape: Option<String>,
     /// The model's Secret entry (user principal profile and key), if any.
     secret: Option<Token>,
     client: Arc<HubClient>,
@@ -135,11 +146,18 @@ fn decode_md5(value: &str) -> Option<[u8; 16]> {
 struct Signed {
     creds: Credentials,
     endpoint: String,
+    /// The URI's namespace, or the one the service named.
+    namespace: String,
 }
 
 impl OciSource {
+    /// `uri_region` is the region of OME's legacy `<namespace>@<region>` form: used when
+    /// `parameters.region` names none (OME's agent reads only the parameter; the URI's region
+    /// is what its writer meant, and without it the credentials' region applies anyway).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
-        namespace: String,
+        namespace: Option<String>,
+        uri_region: Option<String>,
         bucket: String,
         prefix: String,
         parameters: &BTreeMap<String, String>,
@@ -148,6 +166,13 @@ impl OciSource {
         config: Arc<OciConfig>,
     ) -> Result<Self, TransferError> {
         let auth = AuthMode::from_parameter(parameters.get("auth").map(String::as_str))?;
+        let shown = modelfs_ome::source::SourceUri::Oci {
+            namespace: namespace.clone(),
+            region: uri_region.clone(),
+            bucket: bucket.clone(),
+            prefix: prefix.clone(),
+        }
+        .to_string();
         Ok(Self {
             namespace,
             bucket,
@@ -156,13 +181,24 @@ impl OciSource {
             region: parameters
                 .get("region")
                 .filter(|r| !r.trim().is_empty())
-                .cloned(),
+                .cloned()
+                .or(uri_region),
+            shown,
+            shape: None,
             secret,
             client,
             config,
             throttle: Default::default(),
             etags: Arc::default(),
         })
+    }
+
+    /// Keeps only the objects of the TensorRT-LLM shape `alias` (`None`: every object).
+    pub fn with_shape(self, alias: Option<String>) -> Self {
+        Self {
+            shape: alias,
+            ..self
+        }
     }
 
     /// Reports every wait this source spends on HTTP 429 to `observer`.
@@ -174,10 +210,7 @@ impl OciSource {
     }
 
     fn label(&self) -> String {
-        format!(
-            "oci://n/{}/b/{}/o/{}",
-            self.namespace, self.bucket, self.prefix
-        )
+        self.shown.clone()
     }
 
     fn transfers(&self) -> &Transfers {
@@ -226,13 +259,61 @@ impl OciSource {
                 format!("https://objectstorage.{region}.oraclecloud.com")
             }
         };
-        Ok(Signed { creds, endpoint })
+        let mut session = Signed {
+            creds,
+            endpoint,
+            namespace: self.namespace.clone().unwrap_or_default(),
+        };
+        if self.namespace.is_none() {
+            session.namespace = self.tenancy_namespace(&session).await?;
+        }
+        Ok(session)
     }
 
-    fn object_path(&self, name: &str) -> String {
+    /// `GET /n/`: the namespace of the credentials' tenancy, for a URI that names none. The
+    /// answer is a JSON string; it is checked as a URI's namespace would be, since it is
+    /// spliced into every request path and object identity.
+    async fn tenancy_namespace(&self, session: &Signed) -> Result<String, TransferError> {
+        let what = format!("the namespace of {}", self.label());
+        let deadline = self.tuning().request_timeout;
+        let attempt = async {
+            let resp = self
+                .send(session, &what, Method::GET, "/n/", None, None)
+                .await?;
+            let body = resp.bytes().await.map_err(|e| network(&what, e))?;
+            serde_json::from_slice::<String>(&body).map_err(|e| TransferError::Protocol {
+                what: what.clone(),
+                detail: format!("malformed answer: {e}"),
+            })
+        };
+        let namespace = tokio::time::timeout(deadline, attempt)
+            .await
+            .map_err(|_| TransferError::TimedOut {
+                what: what.clone(),
+                secs: deadline.as_secs(),
+            })??;
+        if namespace.is_empty()
+            || namespace.len() > 128
+            || !namespace
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+            || namespace.chars().all(|c| c == '.')
+        {
+            return Err(TransferError::Protocol {
+                what,
+                detail: format!(
+                    "the service named an invalid namespace {:?}",
+                    namespace.chars().take(60).collect::<String>()
+                ),
+            });
+        }
+        Ok(namespace)
+    }
+
+    fn object_path(&self, session: &Signed, name: &str) -> String {
         format!(
             "/n/{}/b/{}/o/{}",
-            encode(&self.namespace),
+            encode(&session.namespace),
             encode(&self.bucket),
             encode(name)
         )
@@ -390,7 +471,7 @@ impl OciSource {
             }
             let mut query = format!(
                 "/n/{}/b/{}/o?prefix={}&fields=name%2Csize%2Cmd5%2Cetag",
-                encode(&self.namespace),
+                encode(&session.namespace),
                 encode(&self.bucket),
                 encode(&list_prefix)
             );
@@ -478,21 +559,38 @@ impl OciSource {
                 what: self.label(),
                 detail: format!(
                     "no objects found under namespace {}, bucket {}, object prefix {:?}",
-                    self.namespace, self.bucket, list_prefix
+                    session.namespace, self.bucket, list_prefix
                 ),
             }
             .into());
         }
-        let manifest = pipeline::manifest_from_listing(&self.location(), &self.prefix, objects)?;
+        if let Some(alias) = &self.shape {
+            // OME's gopher filters the listing by the full object name (prefix included).
+            objects.retain(|o| modelfs_ome::shape::keeps(&o.key, alias));
+            if !objects
+                .iter()
+                .any(|o| !(o.size == 0 && o.key.ends_with('/')))
+            {
+                return Err(TransferError::Config {
+                    what: self.label(),
+                    detail: modelfs_ome::shape::nothing_kept_reason(alias),
+                }
+                .into());
+            }
+            tracing::info!(source = %self.label(), shape = %alias, objects = objects.len(), "TensorRT-LLM serving model: kept the objects of the node's shape");
+        }
+        let manifest =
+            pipeline::manifest_from_listing(&self.location(&session), &self.prefix, objects)?;
         let mut pinned = self.etags.lock().expect("etag map");
         pinned.clear();
         pinned.extend(etags);
         Ok(manifest)
     }
 
-    /// `oci://n/<namespace>/b/<bucket>`: the location part of every object's identity.
-    fn location(&self) -> String {
-        format!("oci://n/{}/b/{}", self.namespace, self.bucket)
+    /// `oci://n/<namespace>/b/<bucket>`: the location part of every object's identity (the
+    /// namespace the session uses, so the legacy forms name the same objects as OME's form).
+    fn location(&self, session: &Signed) -> String {
+        format!("oci://n/{}/b/{}", session.namespace, self.bucket)
     }
 
     /// The ETag `entry` was listed with: from the last listing, or (a fetch after a restart,
@@ -513,7 +611,7 @@ impl OciSource {
                 session,
                 what,
                 Method::HEAD,
-                &self.object_path(&name),
+                &self.object_path(session, &name),
                 None,
                 None,
             )
@@ -532,8 +630,13 @@ impl OciSource {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         let version = etag.clone().or(md5).unwrap_or_default();
-        let identity = size
-            .map(|size| object_identity(&format!("{}/{name}", self.location()), size, &version));
+        let identity = size.map(|size| {
+            object_identity(
+                &format!("{}/{name}", self.location(session)),
+                size,
+                &version,
+            )
+        });
         match entry.digest {
             FileDigest::Object { identity: want, .. } if Some(want) == identity => {
                 if let Some(etag) = &etag {
@@ -568,7 +671,7 @@ impl OciSource {
             return decode_md5(md5).map(Some).ok_or_else(|| bad_md5(md5));
         }
         let what = format!("HEAD {}", object.name);
-        let path = self.object_path(&object.name);
+        let path = self.object_path(session, &object.name);
         let headers = self
             .transfers()
             .retrying(&what, cancel, &self.throttle, || async {
@@ -642,7 +745,9 @@ impl RangeSource for OciObjects<'_> {
         end: Option<u64>,
     ) -> Result<RangeBody, TransferError> {
         let etag = self.src.pinned_etag(&self.session, what, entry).await?;
-        let path = self.src.object_path(&self.src.full_name(&entry.path));
+        let path = self
+            .src
+            .object_path(&self.session, &self.src.full_name(&entry.path));
         let range = ranged::range_header(at, end);
         let sent = self
             .src

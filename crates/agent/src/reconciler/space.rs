@@ -1,0 +1,553 @@
+//! The actor's side of the disk budget (SPEC section 12; the decisions are in
+//! [`super::decide::space`], the measurements in [`crate::disk`]).
+//!
+//! * Before each placement the disk is measured (one `statvfs`) and the event carries
+//!   [`decide::Space`]: free bytes under the budget net of what admitted fetches will still
+//!   write, and what this fetch needs: the artifact's size minus the blobs its own store
+//!   already holds, minus the old files adoption will hard-link (only when the store and the
+//!   models root are one mount: a link costs no bytes).
+//! * A model refused for space is `Failed` with the `InsufficientStorage` reason and kept in
+//!   `refused` with what it needs. Every tick the disk is measured again: the refused models
+//!   that fit now are retried at once (a release, a collection pass, another writer deleting
+//!   files all show up there), the others are checked again at the next tick, and re-resolved
+//!   only every [`SPACE_BACKSTOP`] (their source may have changed).
+//! * While some model is refused, [`Reconciler::reclaim`] removes what nothing serves (stores
+//!   released or reserved, and the blobs of retired revisions in stores that stay), in the
+//!   order of [`decide::space::reclaim_order`], never a store the mount uses or a fetch writes,
+//!   nor a blob an open file may read.
+//! * The passes over every store run at every tick only while a fetch is admitted or a model
+//!   refused; otherwise every [`FULL_MEASURE_IDLE`], so an idle tick costs one `statvfs`, and
+//!   a placement costs one `statvfs` plus a `stat` per file adoption may link.
+//! * A fetch that hits a full disk anyway (another writer filled it) fails with the same
+//!   reason and waits the same way; the mount and every served model are untouched (the
+//!   records and status writes have their own retry, `persist::FileWrites`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use arc_swap::ArcSwap;
+
+use super::decide::space::{ReclaimCandidate, ReclaimClass, ReclaimWhat};
+use super::decide::{self, Space};
+use super::{Reconciler, Retry, Stage};
+use crate::disk::{DiskBudget, DiskState, FsSpace, Placement};
+use crate::source::SourceError;
+use modelfs_core::artifact::Manifest;
+use modelfs_core::store::{StoreError, StoreId};
+use modelfs_ome::{ModelKey, ModelSpec};
+
+/// A model refused for space is resolved again at most this often (it is retried at once
+/// when space appears).
+pub(super) const SPACE_BACKSTOP: Duration = Duration::from_secs(60);
+
+/// With nothing refused and nothing admitted, the passes over every store (the bytes of all
+/// stores, of reserved and releasable ones) run this often; otherwise at every tick. An idle
+/// tick costs one `statvfs`.
+const FULL_MEASURE_IDLE: Duration = Duration::from_secs(30);
+
+/// The actor's disk bookkeeping.
+pub(super) struct Disk {
+    pub(super) budget: Option<DiskBudget>,
+    /// The store and the models root are one mount: adoption links.
+    pub(super) links: bool,
+    pub(super) shared: Arc<ArcSwap<DiskState>>,
+    /// Bytes each fetch in progress was admitted with, and their sum.
+    admitted: HashMap<ModelKey, u64>,
+    admitted_total: u64,
+    /// Of `admitted_total`, what the fetches had written at the last full measurement.
+    written_seen: u64,
+    /// When the passes over every store last ran.
+    last_full: Option<Instant>,
+    /// Models refused for space, with the bytes their fetch needs.
+    pub(super) refused: BTreeMap<ModelKey, u64>,
+}
+
+impl Disk {
+    pub(super) fn new(budget: Option<DiskBudget>) -> Self {
+        Self {
+            budget,
+            links: false,
+            shared: Arc::new(ArcSwap::from_pointee(DiskState::default())),
+            admitted: HashMap::new(),
+            admitted_total: 0,
+            written_seen: 0,
+            last_full: None,
+            refused: BTreeMap::new(),
+        }
+    }
+}
+
+/// Whether `err` is a full disk (`ENOSPC`, `EDQUOT`) rather than another failure.
+pub fn is_disk_full(err: &SourceError) -> bool {
+    let io_full =
+        |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT));
+    match err {
+        SourceError::Store { source, .. } => match source {
+            StoreError::DiskFull { .. } => true,
+            StoreError::Io { source, .. } => io_full(source),
+            _ => false,
+        },
+        SourceError::LocalIo { source, .. } => io_full(source),
+        _ => {
+            let mut next: Option<&(dyn std::error::Error + 'static)> =
+                std::error::Error::source(err);
+            while let Some(e) = next {
+                if let Some(s) = e.downcast_ref::<StoreError>() {
+                    if matches!(s, StoreError::DiskFull { .. }) {
+                        return true;
+                    }
+                }
+                if e.downcast_ref::<std::io::Error>().is_some_and(io_full) {
+                    return true;
+                }
+                next = e.source();
+            }
+            false
+        }
+    }
+}
+
+fn gauge(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl Reconciler {
+    /// At start: which filesystem and mount hold the store and the models root, how much is
+    /// free, and what adoption costs when they differ.
+    pub(super) fn report_placement(&mut self) {
+        let Some(under) = self.config.sources.under_mount.clone() else {
+            return;
+        };
+        let state = self.state.root().to_path_buf();
+        let placement = match Placement::measure(&state, under.as_fd()) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot tell where the state directory and the models root are");
+                return;
+            }
+        };
+        self.disk.links = placement.links();
+        let human = decide::space::human_bytes;
+        if placement.links() {
+            tracing::info!(
+                state = %state.display(),
+                models_root = %self.config.models_root_dir.display(),
+                mount_id = placement.state_mount_id,
+                free = %human(placement.state_free),
+                "the store and the models root are on one filesystem and one mount: adoption of old files is a hard link (no copy)"
+            );
+            return;
+        }
+        // The old tree's size is what adopting it costs now.
+        let old =
+            modelfs_core::store::fsutil::disk_usage(&under.proc_path(std::path::Path::new("")));
+        tracing::warn!(
+            state = %state.display(),
+            state_mount_id = placement.state_mount_id,
+            state_free = %human(placement.state_free),
+            models_root = %self.config.models_root_dir.display(),
+            models_root_mount_id = placement.models_root_mount_id,
+            models_root_free = %human(placement.models_root_free),
+            same_filesystem = placement.same_filesystem(),
+            adoption_copies = %human(old),
+            "the store and the models root are not one mount: adopting the files under the models root copies them (up to the size shown, read and written once) instead of linking them; put --state beside the models root (the default) to adopt without a copy"
+        );
+    }
+
+    /// Measures the disk, publishes it and sets the gauges: one `statvfs`, and (`full`) the
+    /// passes over every store and every admitted fetch; without `full` their last results
+    /// are reused.
+    pub(super) fn measure_disk(&mut self, full: bool) -> Arc<DiskState> {
+        let fs = FsSpace::of(self.state.root()).unwrap_or_default();
+        let last = self.disk.shared.load_full();
+        if !full && self.disk.last_full.is_some() {
+            let free = self
+                .disk
+                .budget
+                .map(|b| b.free(&fs, last.stores_bytes))
+                .unwrap_or(fs.available);
+            let state = Arc::new(DiskState {
+                filesystem: fs,
+                free_bytes: free,
+                budget_bytes: self.disk.budget.map(|b| b.limit(&fs)).unwrap_or(fs.size),
+                ..(*last).clone()
+            });
+            self.publish_disk(&state);
+            return state;
+        }
+        self.disk.last_full = Some(Instant::now());
+        let stores_bytes: u64 = self.store_bytes.values().sum();
+        let mut reserved = 0;
+        let mut releasable = 0;
+        for (id, s) in self.records.stores() {
+            if s.owner.is_some() || self.records.user_count(id) > 0 {
+                continue;
+            }
+            let bytes = self.store_bytes.get(id).copied().unwrap_or(0);
+            if s.reserved {
+                reserved += bytes;
+            } else {
+                releasable += bytes;
+            }
+        }
+        // What admitted fetches will still write: admitted minus written so far. Fetches that
+        // ended leave the sums.
+        let mut committed = 0u64;
+        let mut total = 0u64;
+        let works = &self.works;
+        self.disk.admitted.retain(|k, admitted| {
+            let Some(Stage::Fetching { progress, .. }) = works.get(k).map(|w| &w.stage) else {
+                return false;
+            };
+            total = total.saturating_add(*admitted);
+            committed = committed.saturating_add(
+                admitted.saturating_sub(progress.fetched_bytes.load(Ordering::Relaxed)),
+            );
+            true
+        });
+        self.disk.admitted_total = total;
+        self.disk.written_seen = total - committed;
+        let budget = self.disk.budget;
+        let state = DiskState {
+            state_dir: self.state.root().display().to_string(),
+            budget: budget
+                .map(|b| b.to_string())
+                .unwrap_or_else(|| "none".into()),
+            budget_bytes: budget.map(|b| b.limit(&fs)).unwrap_or(fs.size),
+            filesystem: fs,
+            stores_bytes,
+            reserved_bytes: reserved,
+            releasable_bytes: releasable,
+            committed_bytes: committed,
+            free_bytes: budget
+                .map(|b| b.free(&fs, stores_bytes))
+                .unwrap_or(fs.available),
+            shortfall_bytes: 0,
+        };
+        let free_now = state.free_for_new_fetch();
+        let shortfall = self
+            .disk
+            .refused
+            .values()
+            .map(|needed| needed.saturating_sub(free_now))
+            .max()
+            .unwrap_or(0);
+        let state = Arc::new(DiskState {
+            shortfall_bytes: shortfall,
+            ..state
+        });
+        self.publish_disk(&state);
+        state
+    }
+
+    fn publish_disk(&self, state: &Arc<DiskState>) {
+        let m = &self.metrics.disk;
+        m.free_bytes.set(gauge(state.free_bytes));
+        m.used_bytes.set(gauge(state.stores_bytes));
+        m.reserved_bytes.set(gauge(state.reserved_bytes));
+        m.budget_bytes.set(gauge(state.budget_bytes));
+        m.filesystem_available_bytes
+            .set(gauge(state.filesystem.available));
+        m.shortfall_bytes.set(gauge(state.shortfall_bytes));
+        self.disk.shared.store(state.clone());
+    }
+
+    /// Free bytes for a new fetch now: a fresh `statvfs`, the stores' bytes from the last full
+    /// measurement, and what admitted fetches will still write (admitted since then counted
+    /// whole). Costs no pass over the stores: it runs at every placement.
+    fn free_now(&self) -> u64 {
+        let fs = FsSpace::of(self.state.root()).unwrap_or_default();
+        let last = self.disk.shared.load();
+        let free = self
+            .disk
+            .budget
+            .map(|b| b.free(&fs, last.stores_bytes))
+            .unwrap_or(fs.available);
+        let committed = self
+            .disk
+            .admitted_total
+            .saturating_sub(self.disk.written_seen);
+        free.saturating_sub(committed)
+    }
+
+    /// What admission needs to know for a fetch of `manifest` by `key` (`None`: no budget).
+    pub(super) fn space_for(
+        &mut self,
+        key: &ModelKey,
+        spec: &ModelSpec,
+        manifest: &Manifest,
+    ) -> Option<Space> {
+        self.disk.budget?;
+        let own = self.records.owned_store(key).cloned();
+        let held = self.known_blobs(&[own], None).known;
+        let adopt = if self.disk.links {
+            self.adopt_from(spec)
+        } else {
+            None
+        };
+        let mut needed = 0u64;
+        for e in manifest.entries() {
+            if held.contains_key(&e.digest) {
+                continue;
+            }
+            // An old file of the right size that adoption will link costs no bytes (if its
+            // digest turns out wrong, the fetch writes it and a full disk fails it then).
+            let linkable = adopt.as_ref().is_some_and(|a| {
+                a.under
+                    .linkable_size(&a.dir.join(e.path))
+                    .is_some_and(|size| size == e.size)
+            });
+            if !linkable {
+                needed = needed.saturating_add(e.size);
+            }
+        }
+        Some(Space {
+            free: self.free_now(),
+            needed,
+        })
+    }
+
+    /// After a placement of `key` with `space`: a fetch it started counts against the budget
+    /// until it ends.
+    pub(super) fn admitted(&mut self, key: &ModelKey, space: Option<Space>) {
+        let Some(space) = space else {
+            return;
+        };
+        if matches!(
+            self.works.get(key).map(|w| &w.stage),
+            Some(Stage::Fetching { .. })
+        ) {
+            let before = self.disk.admitted.insert(key.clone(), space.needed);
+            self.disk.admitted_total = self
+                .disk
+                .admitted_total
+                .saturating_sub(before.unwrap_or(0))
+                .saturating_add(space.needed);
+            self.disk.refused.remove(key);
+        }
+    }
+
+    /// `key` was refused for space (or its fetch hit a full disk): `Failed` with `reason`,
+    /// checked again at every tick and resolved again after [`SPACE_BACKSTOP`].
+    pub(super) fn refuse_for_space(
+        &mut self,
+        key: &ModelKey,
+        fp: &str,
+        reason: String,
+        needed: u64,
+    ) {
+        self.metrics.disk.refused_fetches.inc();
+        tracing::warn!(model = %key, reason, "fetch not started: it does not fit under the disk budget");
+        self.wait_for_space(key, fp, reason, needed);
+    }
+
+    /// `key` is `Failed` with `reason` until `needed` bytes fit.
+    fn wait_for_space(&mut self, key: &ModelKey, fp: &str, reason: String, needed: u64) {
+        self.cancel_work(key);
+        if let Some(n) = self.disk.admitted.remove(key) {
+            self.disk.admitted_total = self.disk.admitted_total.saturating_sub(n);
+        }
+        self.disk.refused.insert(key.clone(), needed);
+        self.retries.insert(
+            key.clone(),
+            Retry {
+                fingerprint: fp.to_string(),
+                attempts: 0,
+                at: Instant::now() + SPACE_BACKSTOP,
+            },
+        );
+        if let Some(mut rec) = self.records.model_mut(key) {
+            rec.phase = super::records::ModelPhase::Failed;
+            rec.reason = Some(reason);
+        }
+    }
+
+    /// A fetch failed on a full disk: the same reason and the same wait as a refusal.
+    /// Returns whether `err` was one.
+    pub(super) fn fail_disk_full(&mut self, key: &ModelKey, fp: &str, err: &SourceError) -> bool {
+        if !is_disk_full(err) {
+            return false;
+        }
+        let needed = self.disk.admitted.get(key).copied().unwrap_or(0);
+        let disk = self.measure_disk(true);
+        self.metrics.disk.disk_full_fetches.inc();
+        tracing::warn!(model = %key, error = %err, "the disk filled during the fetch");
+        let reason = decide::space::disk_full_reason(disk.free_for_new_fetch());
+        // At least one byte more than is free now: it waits until the disk has room again.
+        let needed = needed.max(disk.free_for_new_fetch().saturating_add(1));
+        self.wait_for_space(key, fp, reason, needed);
+        true
+    }
+
+    /// Every tick: measure, make room for refused models, and retry those that fit now.
+    pub(super) fn space_tick(&mut self) -> bool {
+        if self.disk.budget.is_none() {
+            return false;
+        }
+        // Forget refusals the model moved on from (served, deleted, changed, failing
+        // otherwise).
+        let refused: Vec<ModelKey> = self.disk.refused.keys().cloned().collect();
+        for k in refused {
+            let still = self.records.models().get(&k).is_some_and(|r| {
+                r.phase == super::records::ModelPhase::Failed
+                    && r.reason
+                        .as_deref()
+                        .is_some_and(|x| x.starts_with("InsufficientStorage"))
+            });
+            if !still && !self.works.contains_key(&k) {
+                self.disk.refused.remove(&k);
+            }
+        }
+        let busy = !self.disk.refused.is_empty() || !self.disk.admitted.is_empty();
+        let full = busy
+            || self
+                .disk
+                .last_full
+                .is_none_or(|t| t.elapsed() >= FULL_MEASURE_IDLE);
+        let mut disk = self.measure_disk(full);
+        if self.disk.refused.is_empty() {
+            return false;
+        }
+        let mut changed = false;
+        if disk.shortfall_bytes > 0 && self.reclaim(disk.shortfall_bytes) {
+            disk = self.measure_disk(true);
+            changed = true;
+        }
+        // The refused models that fit now, smallest first, each counted against the rest.
+        let mut free = disk.free_for_new_fetch();
+        let mut fits: Vec<(u64, ModelKey)> = self
+            .disk
+            .refused
+            .iter()
+            .map(|(k, n)| (*n, k.clone()))
+            .collect();
+        fits.sort();
+        let now = Instant::now();
+        for (needed, key) in fits {
+            if needed > free {
+                break;
+            }
+            free -= needed;
+            if let Some(r) = self.retries.get_mut(&key) {
+                r.at = now;
+            }
+        }
+        changed
+    }
+
+    /// Removes what nothing serves until `shortfall` bytes are free (or nothing is left to
+    /// remove), in the order of [`decide::space::reclaim_order`]. Returns whether anything went.
+    pub(super) fn reclaim(&mut self, shortfall: u64) -> bool {
+        let busy_fetch: std::collections::HashSet<StoreId> = self
+            .works
+            .values()
+            .filter_map(|w| match &w.stage {
+                Stage::Fetching { store, .. } => Some(store.clone()),
+                _ => None,
+            })
+            .collect();
+        let now = Instant::now();
+        let grace = self.config.gc_grace;
+        let mut candidates = Vec::new();
+        for (id, s) in self.records.stores() {
+            if s.owner.is_some() || self.records.user_count(id) > 0 {
+                continue;
+            }
+            let busy = busy_fetch.contains(id) || self.fs.store_in_use(id);
+            let bytes = self.store_bytes.get(id).copied().unwrap_or(0);
+            let (class, age_secs) = if s.reserved {
+                let age = self
+                    .state
+                    .existing_store(id)
+                    .and_then(|st| std::fs::metadata(st.root()).ok())
+                    .and_then(|m| m.modified().ok())
+                    .and_then(|t| SystemTime::now().duration_since(t).ok())
+                    .map_or(0, |d| d.as_secs());
+                (ReclaimClass::Reserved, age)
+            } else {
+                let seen = self.gc_candidates.first_seen(&format!("store:{id}"));
+                let age = seen.map_or(Duration::ZERO, |t| now.duration_since(t));
+                let class = if age >= grace {
+                    ReclaimClass::Expired
+                } else {
+                    ReclaimClass::InGrace
+                };
+                (class, age.as_secs())
+            };
+            candidates.push(ReclaimCandidate {
+                store: id.clone(),
+                what: ReclaimWhat::Store,
+                class,
+                age_secs,
+                bytes,
+                busy,
+            });
+        }
+        // Retired revisions in stores that stay: their unreferenced blobs, in grace.
+        let mut retired = self.retired_blobs();
+        for (id, r) in &retired {
+            let age = r.since.map_or(Duration::ZERO, |t| now.duration_since(t));
+            candidates.push(ReclaimCandidate {
+                store: id.clone(),
+                what: ReclaimWhat::RetiredBlobs,
+                class: if age >= grace {
+                    ReclaimClass::Expired
+                } else {
+                    ReclaimClass::InGrace
+                },
+                age_secs: age.as_secs(),
+                bytes: r.bytes,
+                busy: false,
+            });
+        }
+        let order = decide::space::reclaim_order(&candidates, shortfall);
+        if order.is_empty() {
+            return false;
+        }
+        for (id, what) in &order {
+            if *what == ReclaimWhat::RetiredBlobs {
+                if let Some(r) = retired.remove(id) {
+                    self.remove_retired_blobs(id, &r.names);
+                    tracing::info!(store = %id, blobs = r.names.len(), bytes = r.bytes, "reclaimed the blobs of retired revisions under disk pressure");
+                }
+            }
+        }
+        let chosen: Vec<StoreId> = order
+            .into_iter()
+            .filter(|(_, what)| *what == ReclaimWhat::Store)
+            .map(|(id, _)| id)
+            .collect();
+        if chosen.is_empty() {
+            return true;
+        }
+        for id in &chosen {
+            self.records.remove_store(id);
+            self.store_bytes.remove(id);
+            self.metrics
+                .store_bytes
+                .remove(&crate::metrics::StoreLabel {
+                    store: id.to_string(),
+                });
+        }
+        // Records first (as garbage collection does): a directory goes only once no saved
+        // record names it. A failed save removes nothing; the next tick tries again.
+        if !self.save() {
+            return false;
+        }
+        for id in &chosen {
+            let c = candidates.iter().find(|c| &c.store == id);
+            match self.state.remove_store(id) {
+                Ok(()) => {
+                    self.metrics.disk.reclaimed_stores.inc();
+                    tracing::info!(store = %id, class = ?c.map(|c| c.class), bytes = c.map_or(0, |c| c.bytes), "reclaimed under disk pressure");
+                }
+                Err(e) => {
+                    tracing::warn!(store = %id, error = %e, "could not remove a store under disk pressure")
+                }
+            }
+        }
+        true
+    }
+}

@@ -8,10 +8,11 @@ mod objstore_common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{sh, Daemon, TestEnv};
+use common::{files_of, sh, Daemon, TestEnv};
 use objstore_common::proxy::{Fault, FaultKind, Proxy};
 use objstore_common::{Kind, ObjectServer};
 use serde_json::Value;
+use sha2::Digest;
 
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -268,7 +269,14 @@ fn truncated_bodies_never_reach_the_mount() {
     let d = start(
         &env,
         &env_via(&server, &proxy.url()),
-        &["--hf-retry-base-ms", "20", "--hf-max-attempts", "3"],
+        &[
+            "--hf-retry-base-ms",
+            "20",
+            "--hf-max-attempts",
+            "3",
+            "--pending-open-timeout-secs",
+            "1",
+        ],
     );
     env.write_models(
         "c.yaml",
@@ -283,10 +291,26 @@ fn truncated_bodies_never_reach_the_mount() {
     d.wait_until("the cutting server's model retried", WAIT, |_| {
         proxy.faults_injected() >= 3 + 6
     });
-    assert!(
-        !env.mount.join("lies").exists(),
-        "no partial model is ever visible"
-    );
+    // Served while downloading (SPEC section 13) the listing may show while the fetch
+    // retries, never an unverified byte: a file cut on every answer never opens (its open
+    // waits past the 1 s deadline, or the model is gone), a small file the cut never reaches
+    // may verify and then reads exactly its bytes.
+    let lies = env.mount.join("lies");
+    for (path, sha) in files_of(&src) {
+        match std::fs::read(lies.join(&path)) {
+            Ok(bytes) => {
+                assert!(
+                    bytes.len() <= 1000,
+                    "{path}: a file cut on every answer was served"
+                );
+                assert_eq!(hex::encode(sha2::Sha256::digest(&bytes)), sha, "{path}");
+            }
+            Err(e) => assert!(
+                matches!(e.raw_os_error(), Some(libc::ETIMEDOUT | libc::ENOENT)),
+                "{path}: {e}"
+            ),
+        }
+    }
     let s = d.status();
     assert_ne!(s["clusterbasemodel.lies"]["status"], "Ready", "{s}");
 }

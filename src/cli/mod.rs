@@ -133,9 +133,17 @@ pub struct ServeArgs {
     /// 0 (the default, as OME's agent): a source is read only when the model object changes.
     #[arg(long, default_value_t = 0)]
     resolve_interval_secs: u64,
+    /// Standalone mode: show a model only once every file verified, instead of its listing at
+    /// once with each file readable as it verifies.
+    #[arg(long)]
+    no_serve_while_downloading: bool,
     /// FUSE worker threads (with io_uring: the ring threads, spread over one queue per CPU).
     #[arg(long, default_value_t = FuseConfig::default().threads)]
     fuse_threads: usize,
+    /// How long an open of a file that has not verified yet (a model served while it
+    /// downloads) waits before it fails with ETIMEDOUT.
+    #[arg(long, default_value_t = FuseConfig::default().pending_wait.as_secs())]
+    pending_open_timeout_secs: u64,
     /// How FUSE requests reach the daemon: io_uring per-CPU queues when the kernel offers them
     /// (`auto`: Linux >= 6.14 with the fuse module parameter enable_uring=1), or /dev/fuse.
     #[arg(long, value_enum, default_value = "auto")]
@@ -283,6 +291,10 @@ pub struct MountServerArgs {
     /// FUSE worker threads (with io_uring: the ring threads, spread over one queue per CPU).
     #[arg(long, default_value_t = FuseConfig::default().threads)]
     fuse_threads: usize,
+    /// How long an open of a file that has not verified yet (a model served while it
+    /// downloads) waits before it fails with ETIMEDOUT.
+    #[arg(long, default_value_t = FuseConfig::default().pending_wait.as_secs())]
+    pending_open_timeout_secs: u64,
     /// How FUSE requests reach the daemon: io_uring per-CPU queues when the kernel offers them
     /// (`auto`: Linux >= 6.14 with the fuse module parameter enable_uring=1), or /dev/fuse.
     #[arg(long, value_enum, default_value = "auto")]
@@ -484,6 +496,7 @@ pub fn main() -> Result<()> {
                     mount_socket: Some(socket),
                     passthrough: args.passthrough,
                     fuse_threads: args.fuse_threads,
+                    pending_open_timeout_secs: args.pending_open_timeout_secs,
                     fuse_transport: args.fuse_transport,
                     keeper_socket: args.keeper_socket.clone(),
                     no_keeper: args.no_keeper,
@@ -623,6 +636,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
             threads: args.fuse_threads,
             transport,
             ring_takeover,
+            pending_wait: Duration::from_secs(args.pending_open_timeout_secs),
             ..FuseConfig::default()
         },
     };
@@ -749,6 +763,9 @@ async fn agent(args: ServeArgs) -> Result<()> {
         hf_cache_linger: Duration::from_secs(args.hf_cache_linger_secs),
         resolve_interval: (args.resolve_interval_secs > 0)
             .then(|| Duration::from_secs(args.resolve_interval_secs)),
+        // Standalone: a model is served while it downloads (SPEC section 13). In Kubernetes
+        // mode `Ready` keeps OME's meaning.
+        serve_while_downloading: !args.kube && !args.no_serve_while_downloading,
         disk_budget: Some(args.disk_budget),
         ..ReconcilerConfig::new(sources)
     };

@@ -31,6 +31,7 @@ pub mod http;
 pub mod kubernetes;
 pub mod metrics;
 pub mod mount_client;
+pub mod progressive;
 pub mod reconciler;
 pub mod retry;
 pub mod source;

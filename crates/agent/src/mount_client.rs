@@ -75,6 +75,8 @@ pub struct Welcome {
     /// Artifacts the server already holds: not sent on this connection unless they leave
     /// the mapping and come back (protocol module docs).
     pub held: HashSet<ArtifactId>,
+    /// The protocol version the server chose.
+    pub protocol: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +168,7 @@ pub fn handshake(
                     ConnectError::Protocol("welcome without the models root descriptor".into())
                 })?,
                 held: artifacts.into_iter().collect(),
+                protocol,
             }
         }
         ServerMessage::Refused { reason } => return Err(ConnectError::Refused(reason)),
@@ -397,7 +400,7 @@ impl RemoteMount {
             grace,
         });
         let thread_shared = shared.clone();
-        let held = std::mem::take(&mut welcome.held);
+        let held = (std::mem::take(&mut welcome.held), welcome.protocol);
         std::thread::Builder::new()
             .name("mount-client".into())
             .spawn(move || connection_loop(thread_shared, stream, rest, held))
@@ -413,7 +416,7 @@ fn connection_loop(
     shared: Arc<Shared>,
     mut stream: UnixStream,
     mut rest: Vec<u8>,
-    mut held: HashSet<ArtifactId>,
+    mut held: (HashSet<ArtifactId>, u32),
 ) {
     loop {
         let connection = run_connection(
@@ -441,7 +444,7 @@ fn connection_loop(
                     shared.mount_dev.store(welcome.mount_dev, Ordering::Relaxed);
                     stream = s;
                     rest = r;
-                    held = welcome.held;
+                    held = (welcome.held, welcome.protocol);
                     break;
                 }
                 Err(e) => {
@@ -468,12 +471,12 @@ fn connection_loop(
 }
 
 /// One connection: a reader thread for the server's messages, this thread sends mappings.
-/// `held`: the artifacts the server's welcome said it holds.
+/// `held`: the artifacts the server's welcome said it holds, and the protocol version it chose.
 fn run_connection(
     shared: &Arc<Shared>,
     stream: &UnixStream,
     rest: Vec<u8>,
-    held: HashSet<ArtifactId>,
+    (held, protocol): (HashSet<ArtifactId>, u32),
 ) -> io::Result<()> {
     let reader_stream = stream.try_clone()?;
     let reader_shared = shared.clone();
@@ -487,8 +490,12 @@ fn run_connection(
             reader_shared.wake.notify_all();
             result
         })?;
-    // Artifacts the server knows on this connection (protocol module docs).
-    let mut sent_artifacts = held;
+    // Artifacts the server knows on this connection (protocol module docs), and whether the
+    // copy it has is the listing of a pending entry (replaced by the complete artifact when
+    // the entry completes). A server older than pending entries is sent none of them.
+    let mut sent_artifacts: HashMap<ArtifactId, bool> =
+        held.into_iter().map(|id| (id, false)).collect();
+    let pending_ok = protocol >= protocol::PROTOCOL_PENDING;
     let mut writer = stream.try_clone()?;
     let result = loop {
         let (seq, applied) = {
@@ -516,18 +523,24 @@ fn run_connection(
         let mut artifacts = Vec::new();
         let mut entries = Vec::with_capacity(applied.entries.len());
         for e in &applied.entries {
-            if sent_artifacts.insert(e.artifact.id.clone()) {
+            let pending = applied.pending.get(&e.path);
+            if pending.is_some() && !pending_ok {
+                continue;
+            }
+            let listing = pending.is_some();
+            if sent_artifacts.insert(e.artifact.id.clone(), listing) != Some(listing) {
                 artifacts.push(&*e.artifact);
             }
             entries.push(WireEntry {
                 path: e.path.clone(),
                 artifact: e.artifact.id.clone(),
                 store: e.store.id.clone(),
+                pending: pending.map(|p| (**p).clone()),
             });
         }
         // The server forgets the artifacts this mapping does not name; so does this side.
         let named: HashSet<&ArtifactId> = entries.iter().map(|e| &e.artifact).collect();
-        sent_artifacts.retain(|id| named.contains(id));
+        sent_artifacts.retain(|id, _| named.contains(id));
         let message = ApplyMessage::Apply {
             seq,
             artifacts,
@@ -633,6 +646,11 @@ fn read_loop<R: BufRead>(shared: &Shared, r: &mut R) -> io::Result<()> {
                 shared.metrics.fuse.add_snapshot(&last.1, &counters);
                 last.1 = counters;
             }
+            ServerMessage::Wanted {
+                path,
+                artifact,
+                file,
+            } => shared.core.tell_wanted(&path, &artifact, file as usize),
             ServerMessage::Welcome { .. } | ServerMessage::Refused { .. } => {
                 return Err(io::Error::other("unexpected handshake message"));
             }
@@ -678,6 +696,7 @@ mod tests {
                 path: vec!["org".into(), "m".into()],
                 artifact: artifact.id.clone(),
                 store: StoreId::from_seq(1),
+                pending: None,
             }],
             files: Vec::new(),
             dirs: Vec::new(),

@@ -270,6 +270,9 @@ pub struct HubConfig {
     pub page_size: usize,
     /// Body chunk size when streaming from memory or disk.
     pub chunk: usize,
+    /// All file bodies together are sent at most this fast (bytes per second; 0: no limit),
+    /// as through one link of a fixed bandwidth: a benchmark's throttled hub.
+    pub rate_bytes_per_sec: u64,
 }
 
 impl Default for HubConfig {
@@ -277,6 +280,7 @@ impl Default for HubConfig {
         Self {
             page_size: 1000,
             chunk: 256 << 10,
+            rate_bytes_per_sec: 0,
         }
     }
 }
@@ -305,6 +309,8 @@ pub struct Hub {
     cdn: Mutex<Option<String>>,
     /// Answer every file request with the whole file, whatever its `Range`.
     ignore_range: std::sync::atomic::AtomicBool,
+    /// When the shared link is free again (see [`HubConfig::rate_bytes_per_sec`]).
+    link_free_at: Mutex<Option<tokio::time::Instant>>,
 }
 
 /// A running hub.
@@ -351,7 +357,26 @@ impl Hub {
             counters: Counters::default(),
             cdn: Mutex::default(),
             ignore_range: Default::default(),
+            link_free_at: Mutex::default(),
         })
+    }
+
+    /// Waits until `n` body bytes have crossed the shared link (no wait without a rate): each
+    /// chunk books the link after the ones before it, so all bodies together keep to the rate.
+    async fn through_link(&self, n: u64) {
+        let rate = self.config.rate_bytes_per_sec;
+        if rate == 0 {
+            return;
+        }
+        let done = {
+            let mut free = self.link_free_at.lock().unwrap();
+            let now = tokio::time::Instant::now();
+            let start = free.filter(|t| *t > now).unwrap_or(now);
+            let done = start + Duration::from_secs_f64(n as f64 / rate as f64);
+            *free = Some(done);
+            done
+        };
+        tokio::time::sleep_until(done).await;
     }
 
     /// Hostile mode: ignore `Range` headers (answer `200` with the whole file), as some
@@ -1171,6 +1196,7 @@ fn body_stream(
                 Bytes::from(buf)
             }
         };
+        st.hub.through_link(n).await;
         let chunk = if st.sent == 0 && st.fault == Some(FaultKind::Corrupt) {
             let mut v = chunk.to_vec();
             v[0] ^= 0xff;
@@ -1233,6 +1259,43 @@ pub fn files_from_dir(dir: &Path, lfs_threshold: u64) -> Result<Vec<(String, Hub
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two downloads at once share the rate: 4 MiB at 8 MiB/s take half a second however
+    /// many requests carry them.
+    #[tokio::test]
+    async fn the_rate_bounds_all_bodies_together() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let hub = Hub::new(HubConfig {
+            rate_bytes_per_sec: 8 << 20,
+            ..HubConfig::default()
+        });
+        let content = Bytes::from(vec![7u8; 2 << 20]);
+        hub.add_commit(
+            "org/m",
+            &["main"],
+            vec![("w.bin".into(), HubFile::memory(content, false))],
+        );
+        let running = hub
+            .serve("127.0.0.1:0".parse().unwrap(), None)
+            .await
+            .unwrap();
+        let url = format!("{}/org/m/resolve/main/w.bin", running.url());
+        let started = std::time::Instant::now();
+        let get = |url: String| async move {
+            reqwest::get(url)
+                .await
+                .unwrap()
+                .bytes()
+                .await
+                .unwrap()
+                .len()
+        };
+        let (a, b) = tokio::join!(get(url.clone()), get(url));
+        let took = started.elapsed();
+        assert_eq!((a, b), (2 << 20, 2 << 20));
+        assert!(took >= Duration::from_millis(450), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
 
     #[test]
     fn ranges() {

@@ -20,6 +20,13 @@
 //! over a long-lived connection.
 //! 3. The server sends `usage` whenever a use of a store may have ended or begun (open files,
 //!    retired slots): what garbage collection must not remove.
+//! 4. (Version 2.) An entry may carry `pending`: the model is served while its artifact is
+//!    fetched, each file readable once it verified ([`crate::vfs::pending`]). The artifact
+//!    sent for a pending entry lists the files; its blobs count only where `pending` says a
+//!    file verified. When the fetch completes, the agent sends the complete artifact again
+//!    under the same id and the entry without `pending`. The server neither persists pending
+//!    entries nor lists their artifacts as held in `welcome`. When an open starts waiting on a
+//!    file, the server sends `wanted`, and the agent fetches that file next.
 //!
 //! Version changes: a new field with a default keeps the version; anything an older peer would
 //! misread bumps [`PROTOCOL_VERSION`]. Each side speaks a range of versions,
@@ -38,7 +45,11 @@ use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use modelfs_core::store::StoreId;
 
 /// The newest protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The first version with pending entries and `wanted` (an older server would take a pending
+/// entry for a complete one; an older agent cannot read `wanted`).
+pub const PROTOCOL_PENDING: u32 = 2;
 
 /// The oldest protocol version this build still speaks.
 pub const PROTOCOL_MIN: u32 = 1;
@@ -116,6 +127,13 @@ pub enum ServerMessage {
         instance: u64,
         counters: BTreeMap<String, u64>,
     },
+    /// An open waits on a file of a pending entry (version 2): fetch it next.
+    Wanted {
+        path: Vec<String>,
+        artifact: ArtifactId,
+        /// The file's index in the artifact's manifest.
+        file: u32,
+    },
 }
 
 /// The mapping, by ids.
@@ -135,6 +153,9 @@ pub struct WireEntry {
     pub path: Vec<String>,
     pub artifact: ArtifactId,
     pub store: StoreId,
+    /// Served while downloading: per file, verified or not yet (version 2, module docs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending: Option<crate::vfs::PendingFiles>,
 }
 
 /// An inline file (Hugging Face cache view refs).

@@ -21,8 +21,8 @@ use super::protocol::{
 use crate::fuse::{FuseConfig, MountHandle};
 use crate::metrics::FuseMetrics;
 use crate::owndir::OwnDir;
-use crate::vfs::{FsCore, InlineFile, MountEntry};
-use modelfs_core::artifact::{ArtifactId, StoredArtifact};
+use crate::vfs::{FsCore, InlineFile, MountEntry, PendingFile, PendingFiles};
+use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use modelfs_core::store::{BlobRefused, StateDir, Store, StoreId};
 
 /// How often the usage of stores is compared with what the agent was last told.
@@ -86,6 +86,8 @@ pub fn default_socket(state: &Path) -> PathBuf {
 /// An agent connection the server talks to.
 struct Peer {
     id: u64,
+    /// The protocol version negotiated with it.
+    protocol: u32,
     writer: Mutex<UnixStream>,
     /// (usage epoch, generation) last reported to it.
     reported: Mutex<Option<(u64, u64)>>,
@@ -134,6 +136,9 @@ struct Shared {
     fuse: FuseConfig,
     keeper: Option<PathBuf>,
     holder: Mutex<Option<crate::takeover::Holder>>,
+    /// Verified blobs of pending entries found in their stores (so that each apply checks
+    /// only the files that verified since the last one).
+    pending_checked: Mutex<HashSet<(StoreId, Sha256Digest)>>,
 }
 
 /// A running mount server. [`MountServer::shutdown`] unmounts.
@@ -249,7 +254,27 @@ impl MountServer {
             fuse: config.fuse.clone(),
             keeper: config.keeper.clone(),
             holder: Mutex::new(None),
+            pending_checked: Mutex::new(HashSet::new()),
         });
+        core.set_pending_wait(config.fuse.pending_wait);
+        // An open waiting on a file not yet verified: the agent fetches it next.
+        let weak = Arc::downgrade(&shared);
+        core.set_wanted_hook(Box::new(move |path, artifact, file| {
+            let Some(shared) = weak.upgrade() else {
+                return;
+            };
+            let peer = shared.peer.lock().expect("peer").clone();
+            if let Some(peer) = peer.filter(|p| p.protocol >= protocol::PROTOCOL_PENDING) {
+                let wanted = ServerMessage::Wanted {
+                    path: path.to_vec(),
+                    artifact: artifact.clone(),
+                    file: file as u32,
+                };
+                if let Err(e) = peer.send(&wanted) {
+                    tracing::debug!(error = %e, "telling the agent which file an open waits on");
+                }
+            }
+        }));
         let started = Instant::now();
         let mut trusted = Vec::new();
         match shared.load_persisted() {
@@ -838,6 +863,7 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
     }
     let peer = Arc::new(Peer {
         id: shared.next_peer.fetch_add(1, Ordering::Relaxed),
+        protocol: version,
         writer: Mutex::new(stream.try_clone()?),
         reported: Mutex::new(None),
         stats: Mutex::new(BTreeMap::new()),
@@ -1094,7 +1120,26 @@ impl Shared {
         let mut served = self.served_artifacts.lock().expect("served");
         let mut verified = self.verified.lock().expect("verified");
         let mut now_verified = HashSet::new();
+        let mut pending = HashMap::new();
+        let mut pending_checked = self.pending_checked.lock().expect("pending checked");
+        let mut now_checked = HashSet::new();
         for e in &mapping.entries {
+            if let Some(p) = &e.pending {
+                match self.pending_entry(e, p, artifacts, &served, &pending_checked) {
+                    Ok((entry, checked)) => {
+                        // Neither persisted nor listed as held: a restarted server serves
+                        // complete models only, and the agent sends the listing again.
+                        pending.insert(e.path.clone(), Arc::new(p.clone()));
+                        now_checked.extend(checked);
+                        entries.push(entry);
+                    }
+                    Err(reason) => refused.push(RefusedEntry {
+                        path: e.path.clone(),
+                        reason,
+                    }),
+                }
+                continue;
+            }
             match self.entry(e, artifacts, &served, &verified) {
                 Ok(entry) => {
                     now_verified.insert((e.store.clone(), e.artifact.clone()));
@@ -1131,10 +1176,12 @@ impl Shared {
             .filter(|d| !d.is_empty() && d.iter().all(|s| valid_segment(s)))
             .cloned()
             .collect();
-        let inv = match self.core.apply_mapping(&entries, &files, &dirs) {
+        let inv = match self.core.apply_with_pending(&entries, &files, &dirs, &pending) {
             Ok(inv) => inv,
             Err(e) => return (refused, Some(e.to_string())),
         };
+        *pending_checked = now_checked;
+        drop(pending_checked);
         let swapped = started.elapsed();
         match &*self.mount.lock().expect("mount slot") {
             Some(m) => m.invalidate(inv),
@@ -1218,6 +1265,66 @@ impl Shared {
             artifact,
             store: self.core.store_handle(&e.store, store),
         })
+    }
+
+    /// A pending entry: its artifact (which lists the files) and store, with every file it
+    /// names verified present in the store (those in `checked` were found by an earlier
+    /// apply). Returns the blobs found.
+    fn pending_entry(
+        &self,
+        e: &WireEntry,
+        pending: &PendingFiles,
+        artifacts: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+        served: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+        checked: &HashSet<(StoreId, Sha256Digest)>,
+    ) -> Result<(MountEntry, Vec<(StoreId, Sha256Digest)>), String> {
+        if e.path.is_empty() || !e.path.iter().all(|s| valid_segment(s)) {
+            return Err("invalid path".into());
+        }
+        if !valid_store_id(&e.store) {
+            return Err(format!("invalid store id {:?}", e.store.as_str()));
+        }
+        let artifact = artifacts
+            .get(&e.artifact)
+            .or_else(|| served.get(&e.artifact))
+            .cloned()
+            .ok_or_else(|| format!("artifact {} was never sent", e.artifact))?;
+        if pending.len() != artifact.manifest.len() {
+            return Err(format!(
+                "{} file states for an artifact of {} files",
+                pending.len(),
+                artifact.manifest.len()
+            ));
+        }
+        let store = self
+            .state
+            .existing_store(&e.store)
+            .ok_or_else(|| format!("store {} does not exist", e.store))?;
+        let mut found = Vec::new();
+        for (i, state) in pending.iter().enumerate() {
+            let PendingFile::Verified(blob) = state else {
+                continue;
+            };
+            let key = (e.store.clone(), blob);
+            if !checked.contains(&key) {
+                let entry = artifact.manifest.entry(i);
+                store.check_blob(&blob, entry.size).map_err(|refused| {
+                    format!(
+                        "blob {blob} of verified file {} in store {} is {refused}",
+                        entry.path, e.store
+                    )
+                })?;
+            }
+            found.push(key);
+        }
+        Ok((
+            MountEntry {
+                path: e.path.clone(),
+                artifact,
+                store: self.core.store_handle(&e.store, store),
+            },
+            found,
+        ))
     }
 
     /// The store, if it exists and holds every blob of the artifact with its size.

@@ -93,6 +93,7 @@ pub mod decide;
 pub mod gc;
 mod model_config;
 mod persist;
+mod progressive;
 pub mod records;
 mod space;
 mod status_doc;
@@ -175,6 +176,9 @@ pub struct ReconcilerConfig {
     /// agent, which reads a source only when the model object changes) never. See
     /// [`Reconciler::refresh_due`].
     pub resolve_interval: Option<Duration>,
+    /// Serve a model while it downloads: its listing at once, each file once it verified
+    /// ([`progressive`]). On in standalone mode; off by default.
+    pub serve_while_downloading: bool,
     /// `--disk-budget`: fetches that do not fit are not started (`None`: no admission; see
     /// [`crate::disk`]).
     pub disk_budget: Option<crate::disk::DiskBudget>,
@@ -198,6 +202,7 @@ impl ReconcilerConfig {
             hf_cache_dir: None,
             hf_cache_linger: Duration::from_secs(300),
             resolve_interval: None,
+            serve_while_downloading: false,
             disk_budget: Some(crate::disk::DiskBudget::default()),
         }
     }
@@ -247,6 +252,8 @@ enum Event {
     /// What the mount server serves changed (it confirmed a mapping, or it is away past the
     /// grace period): the status is published again.
     MountServing,
+    /// A fetch served while it downloads verified or failed a file ([`progressive`]).
+    LiveChanged(ModelKey),
     Shutdown(tokio::sync::oneshot::Sender<()>),
     /// See [`ReconcilerHandle::inject_panic`].
     Panic(String),
@@ -672,6 +679,8 @@ pub struct Reconciler {
     /// A fetch waits for the next save (see `saves`).
     fetch_awaits_save: bool,
     flush_pacer: FlushPacer,
+    /// Fetches served while they download ([`progressive`]).
+    live: progressive::Live,
     /// The disk budget's bookkeeping (see [`space`]).
     disk: space::Disk,
 }
@@ -776,8 +785,10 @@ impl Reconciler {
             saves: tokio::sync::watch::Sender::new(0),
             fetch_awaits_save: false,
             flush_pacer: FlushPacer::new(),
+            live: progressive::Live::default(),
             disk: space::Disk::new(config_budget),
         };
+        r.fs.set_wanted_hook(r.live.hook());
         r.hf_cache = r
             .config
             .hf_cache_dir
@@ -1051,6 +1062,10 @@ impl Reconciler {
                 self.on_mount_refused(entries)
             }
             Event::MountServing => true,
+            Event::LiveChanged(key) => {
+                self.remap_needed |= self.works.contains_key(&key);
+                false
+            }
             Event::Shutdown(_) | Event::Panic(_) | Event::Flush => unreachable!("handled in run"),
         };
         // A tick that changed nothing (the idle case) changed no claim either.
@@ -1070,6 +1085,9 @@ impl Reconciler {
             self.settle_paths();
             self.wake_waiters();
         }
+        // A fetch served while it downloaded ended without recording anything (failed or
+        // cancelled): its pending entry leaves the mapping.
+        self.remap_needed |= self.live_ended();
         let remapped = std::mem::take(&mut self.remap_needed);
         if remapped {
             self.remap();
@@ -1619,6 +1637,7 @@ impl Reconciler {
         let spec = work.spec.clone();
         let artifact = manifest.id();
         let progress = Arc::new(Progress::for_manifest(&manifest));
+        let live = self.live_fetch(key, &manifest);
         self.set_stage(
             key,
             Stage::Fetching {
@@ -1675,6 +1694,7 @@ impl Reconciler {
                 cancel: flag,
                 metrics,
                 existing,
+                live,
             };
             // Boxed: the fetch's own state is kilobytes, and every model decided at once
             // waits here for a slot (10,000 waiting fetches held 66 MB of it unboxed).
@@ -2413,7 +2433,8 @@ impl Reconciler {
         }
         dirs.sort();
         dirs.dedup();
-        match self.fs.apply_mapping(&entries, &files, &dirs) {
+        let pending = self.pending_entries(&mut entries);
+        match self.fs.apply_with_pending(&entries, &files, &dirs, &pending) {
             Ok(inv) => {
                 self.metrics.mapping_changes.inc();
                 match &self.mount {

@@ -955,6 +955,7 @@ mod tests {
             cancel: Arc::new(AtomicBool::new(false)),
             metrics: Arc::new(crate::metrics::Metrics::new()),
             existing: Arc::new(KnownBlobs::default()),
+            live: None,
         };
         let source = LocalSource::new(src.clone());
         let fifo = src.join("b.bin");
@@ -1110,6 +1111,7 @@ mod tests {
             cancel: Arc::new(AtomicBool::new(false)),
             metrics: Arc::new(crate::metrics::Metrics::new()),
             existing: Arc::new(KnownBlobs::default()),
+            live: None,
         }
     }
 

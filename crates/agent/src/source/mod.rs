@@ -273,6 +273,8 @@ pub struct FetchContext {
     pub cancel: Arc<AtomicBool>,
     pub metrics: Arc<Metrics>,
     pub existing: Arc<KnownBlobs>,
+    /// Set when the model is served while it downloads ([`crate::progressive`]).
+    pub live: Option<Arc<crate::progressive::LiveFetch>>,
 }
 
 impl FetchContext {

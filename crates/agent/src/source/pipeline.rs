@@ -50,6 +50,10 @@
 //!   parallel. After a whole-file answer the rest of the file is read from that one answer (and
 //!   on a failure, from one new whole-file answer), so such a server costs one download of the
 //!   file per attempt, never one per range (which is quadratic in the file size).
+//! * **Served while downloading** ([`crate::progressive`]): when the context carries a live
+//!   fetch, files go in the order loaders read them instead of largest first, weight files
+//!   one at a time, a file an open waits on is taken next, and each file is reported as it
+//!   verifies or fails verification.
 //! * **Progress** counts bytes as they arrive and takes back the bytes of a failed attempt, so
 //!   it never counts twice; a log line every `progress_log_interval`.
 
@@ -636,6 +640,7 @@ pub async fn fetch<S: RangeSource>(
     progress.completed_files.store(0, Ordering::Relaxed);
 
     let mut blobs: Vec<Option<Sha256Digest>> = vec![None; entries.len()];
+    let live = ctx.live.clone();
     // Entries with the same digest (identical files under several names) are downloaded once:
     // two writers must never share one partial file.
     let mut todo: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -678,7 +683,20 @@ pub async fn fetch<S: RangeSource>(
             },
         }
     }
-    todo.sort_by_key(|(i, _)| (Reverse(manifest.entry(*i).size), *i));
+    if let Some(live) = &live {
+        let present: Vec<(usize, Sha256Digest)> = blobs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| Some((i, (*b)?)))
+            .collect();
+        live.verified_many(&present);
+        todo.sort_by_key(|(i, _)| {
+            let path = manifest.entry(*i).path;
+            (crate::progressive::loader_rank(path), path.to_string())
+        });
+    } else {
+        todo.sort_by_key(|(i, _)| (Reverse(manifest.entry(*i).size), *i));
+    }
     let label = source.label();
     tracing::info!(
         source = %label,
@@ -695,16 +713,74 @@ pub async fn fetch<S: RangeSource>(
     };
     let work = async {
         let mut blobs = blobs;
-        let mut downloads = stream::iter(todo)
-            .map(|(i, same)| {
-                // Owned for the download's lifetime: one entry per download in flight.
-                let entry = manifest.entry(i).to_entry();
-                let file_fetch = &file_fetch;
-                async move { (i, same, file_fetch.download(&entry).await) }
-            })
-            .buffer_unordered(tuning.max_files.max(1));
-        while let Some((i, same, result)) = downloads.next().await {
+        // Served while downloading, weight files go one at a time (small files still several
+        // at once): a loader reads the shards one after another, so the first must complete
+        // first rather than all of them together at the end, and one large file already fills
+        // the link with its parallel ranges.
+        let one_weight_at_a_time = live.is_some();
+        let is_weight = |i: usize| crate::progressive::loader_rank(manifest.entry(i).path) == 1;
+        let mut queue: std::collections::VecDeque<(usize, Vec<usize>)> = todo.into();
+        // The next file to start now, if any: a file an open waits on first, then queue order.
+        let mut next = |weights_in_flight: usize| {
+            let allowed =
+                |i: usize| !(one_weight_at_a_time && weights_in_flight > 0 && is_weight(i));
+            if let Some(live) = &live {
+                let mut at = None;
+                live.next_wanted(|w| {
+                    at = queue
+                        .iter()
+                        .position(|(i, same)| (*i == w || same.contains(&w)) && allowed(*i));
+                    at.is_some()
+                });
+                if let Some(at) = at {
+                    return queue.remove(at);
+                }
+            }
+            let at = queue.iter().position(|(i, _)| allowed(*i))?;
+            queue.remove(at)
+        };
+        let start = |(i, same): (usize, Vec<usize>)| {
+            // Owned for the download's lifetime: one entry per download in flight.
+            let entry = manifest.entry(i).to_entry();
+            let file_fetch = &file_fetch;
+            let live = live.clone();
+            async move {
+                let mut indices = vec![i];
+                indices.extend(&same);
+                let failed = || {
+                    if let Some(live) = &live {
+                        live.failed(&indices);
+                    }
+                };
+                let result = file_fetch.download(&entry, &failed).await;
+                (i, same, result)
+            }
+        };
+        let mut downloads = futures_util::stream::FuturesUnordered::new();
+        let mut weights_in_flight = 0;
+        loop {
+            // Started as slots free (so a file an open asks for meanwhile can still go first).
+            while downloads.len() < tuning.max_files.max(1) {
+                let Some(item) = next(weights_in_flight) else {
+                    break;
+                };
+                if is_weight(item.0) {
+                    weights_in_flight += 1;
+                }
+                downloads.push(start(item));
+            }
+            let Some((i, same, result)) = downloads.next().await else {
+                break;
+            };
+            if is_weight(i) {
+                weights_in_flight -= 1;
+            }
             let sha = result?;
+            if let Some(live) = &live {
+                let mut indices = vec![i];
+                indices.extend(&same);
+                live.verified(&indices, sha);
+            }
             blobs[i] = Some(sha);
             for j in same {
                 blobs[j] = Some(sha);
@@ -853,7 +929,13 @@ struct FileFetch<'a, S> {
 }
 
 impl<S: RangeSource> FileFetch<'_, S> {
-    async fn download(&self, entry: &ManifestEntry) -> Result<Sha256Digest, TransferError> {
+    /// Downloads and verifies one file; `failed_verification` is told of each attempt whose
+    /// bytes did not verify.
+    async fn download(
+        &self,
+        entry: &ManifestEntry,
+        failed_verification: &(dyn Fn() + Sync),
+    ) -> Result<Sha256Digest, TransferError> {
         let tuning = self.transfers.tuning();
         let ctx = self.ctx;
         let mut last_mismatch = String::new();
@@ -936,6 +1018,7 @@ impl<S: RangeSource> FileFetch<'_, S> {
                     // Size or digest mismatch: the writer removed the partial file.
                     tracing::warn!(path = %entry.path, error = %e, "downloaded bytes failed verification; downloading again");
                     last_mismatch = e.to_string();
+                    failed_verification();
                 }
             }
         }

@@ -4,6 +4,7 @@
 //! ```text
 //! modelfs-hub --repo org/name[@ref1,ref2]=DIR [--repo ...] [--gated org/name] [--page-size N]
 //!             [--cdn 127.0.0.2:0] [--listen 127.0.0.1:0] [--fault JSON ...] [--ignore-range]
+//!             [--rate-bytes-per-sec N]
 //! ```
 //! Prints `listening http://ADDR` on stdout once it serves. The token of a gated repository is
 //! read from env `MODELFS_HUB_TOKEN`.
@@ -59,6 +60,10 @@ struct Args {
     /// Ignore `Range` headers: every file request gets the whole file (hostile mode).
     #[arg(long)]
     ignore_range: bool,
+    /// Send all file bodies together at most this fast, in bytes per second (0: no limit):
+    /// a link of fixed bandwidth, for benchmarks.
+    #[arg(long, default_value_t = 0)]
+    rate_bytes_per_sec: u64,
 }
 
 fn main() -> Result<()> {
@@ -68,6 +73,7 @@ fn main() -> Result<()> {
     }
     let hub = Hub::new(HubConfig {
         page_size: args.page_size,
+        rate_bytes_per_sec: args.rate_bytes_per_sec,
         ..HubConfig::default()
     });
     for spec in &args.repos {

@@ -143,6 +143,9 @@ pub struct FuseConfig {
     /// a successor can map them again and answer what this process had received and not
     /// answered (with a keeper).
     pub ring_takeover: bool,
+    /// How long an open of a file not yet verified waits before it fails with `ETIMEDOUT`
+    /// (serving while downloading, see [`crate::vfs::pending`]).
+    pub pending_wait: Duration,
 }
 
 impl Default for FuseConfig {
@@ -156,6 +159,7 @@ impl Default for FuseConfig {
             read_ahead_kb: 1024,
             max_stack_depth: 1,
             ring_takeover: false,
+            pending_wait: crate::vfs::DEFAULT_PENDING_WAIT,
         }
     }
 }

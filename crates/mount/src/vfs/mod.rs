@@ -58,6 +58,11 @@
 //! gives a sealed memfd holding the content, so the FUSE adapter treats it as any other file
 //! (passthrough or read-through).
 //!
+//! # Serving while downloading
+//! An entry applied with [`PendingFiles`] ([`FsCore::apply_with_pending`]) shows its complete
+//! listing while its files verify one by one; an open of a file not yet verified waits for it
+//! (see [`pending`]).
+//!
 //! # Empty directories
 //! A mapping can also name directories that exist with nothing in them (read-only, as every
 //! synthesized directory): the paths of models whose files the serving runtime brings
@@ -65,6 +70,7 @@
 //! model root, an inline file or a path below either is left out.
 
 pub mod hf_cache;
+pub mod pending;
 pub mod tree;
 
 // Locks here are taken poison-tolerant: a panic in one request handler (answered EIO by the
@@ -77,7 +83,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -85,6 +91,7 @@ use dashmap::DashMap;
 use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use modelfs_core::store::{Store, StoreId};
 
+pub use pending::{PendingFile, PendingFiles, DEFAULT_PENDING_WAIT};
 pub use tree::{ModelTree, NodeKind};
 
 /// What a plain `readdir` passes where `readdirplus` passes attributes (never sent).
@@ -130,6 +137,17 @@ pub enum FsError {
     Stale,
     #[error("too many models mounted over the daemon's lifetime")]
     OutOfInodes,
+    /// A download of a file an open was waiting for failed verification (the agent fetches
+    /// it again; a later open waits for that attempt).
+    #[error("{file} of model {model} failed verification while the open waited")]
+    VerifyFailed { model: String, file: String },
+    /// A file that did not verify within the open deadline ([`FsCore::set_pending_wait`]).
+    #[error("{file} of model {model} was not verified within {waited:?}")]
+    NotVerifiedInTime {
+        model: String,
+        file: String,
+        waited: Duration,
+    },
     /// A mapping with an empty, duplicate or nesting path: the reconciler's path rule
     /// guarantees none, so this is a bug upstream; the mapping is left unchanged.
     #[error("mapping refused: {0}")]
@@ -153,6 +171,8 @@ impl FsError {
             FsError::BadHandle => libc::EBADF,
             FsError::Stale => libc::ESTALE,
             FsError::OutOfInodes => libc::ENOSPC,
+            FsError::VerifyFailed { .. } => libc::EIO,
+            FsError::NotVerifiedInTime { .. } => libc::ETIMEDOUT,
             FsError::Conflict(_) => libc::EINVAL,
             FsError::Io { .. } => libc::EIO,
         }
@@ -271,8 +291,8 @@ enum SlotState {
     /// In the current mapping (its store is the mapping's).
     Live,
     /// Left the mapping; the kernel has not been told yet, so a path walk may still reach its
-    /// inodes through cached entries: opens keep working on the store it was served from.
-    Retired(Arc<StoreHandle>),
+    /// inodes through cached entries: opens keep working on what it was served from last.
+    Retired(Served),
     /// The kernel was told its entries are gone. It pins no store (open files hold their own):
     /// lookups and opens of its inodes fail with `ESTALE`, so nothing can read a blob that
     /// garbage collection may remove. Metadata (`getattr`) still answers for open files.
@@ -290,6 +310,10 @@ impl Slot {
     }
 
     fn retired_store(&self) -> Option<Arc<StoreHandle>> {
+        self.retired().map(|s| s.store)
+    }
+
+    fn retired(&self) -> Option<Served> {
         match &*self.state.lock().unwrap_or_else(PoisonError::into_inner) {
             SlotState::Retired(s) => Some(s.clone()),
             _ => None,
@@ -330,6 +354,39 @@ struct MountedModel {
     slot: Arc<Slot>,
     store: Arc<StoreHandle>,
     path: Vec<String>,
+    /// The entry's artifact and pending files as this mapping has them (the slot keeps the
+    /// artifact it was created with, which serves names and sizes only: see [`pending`]).
+    artifact: Arc<StoredArtifact>,
+    pending: Option<Arc<PendingFiles>>,
+}
+
+/// Where a slot's bytes come from: the store, the artifact whose blobs hold them and, while
+/// the artifact is fetched, which of its files verified.
+#[derive(Clone, Debug)]
+struct Served {
+    store: Arc<StoreHandle>,
+    artifact: Arc<StoredArtifact>,
+    pending: Option<Arc<PendingFiles>>,
+}
+
+impl Served {
+    /// The blobs the slot may read through this.
+    fn blobs(&self) -> Vec<Sha256Digest> {
+        match &self.pending {
+            Some(p) => p.verified_blobs().collect(),
+            None => self.artifact.blobs().collect(),
+        }
+    }
+}
+
+impl MountedModel {
+    fn served(&self) -> Served {
+        Served {
+            store: self.store.clone(),
+            artifact: self.artifact.clone(),
+            pending: self.pending.clone(),
+        }
+    }
 }
 
 /// An immutable snapshot of what is mounted.
@@ -449,7 +506,17 @@ pub struct FsCore {
     /// Uses of stores that another process serving this mapping reports (the mount server's
     /// open files and retired slots, seen from the agent).
     remote: RwLock<RemoteUsage>,
+    /// Mapping swaps, for opens waiting on a file not yet verified ([`pending`]).
+    changes: pending::Changes,
+    /// How long such an open waits.
+    pending_wait: Mutex<Duration>,
+    /// Told (model path, manifest entry) when an open starts waiting on a file, so that the
+    /// fetch takes it next.
+    wanted: RwLock<Option<WantedHook>>,
 }
+
+/// See [`FsCore::set_wanted_hook`].
+pub type WantedHook = Box<dyn Fn(&[String], &ArtifactId, usize) + Send + Sync>;
 
 /// What a mapping was built from (see [`FsCore::last_applied`]).
 #[derive(Debug, Default)]
@@ -457,6 +524,8 @@ pub struct AppliedMapping {
     pub generation: u64,
     pub entries: Vec<MountEntry>,
     pub files: Vec<InlineFile>,
+    /// The pending files of entries served while downloading, by model path.
+    pub pending: HashMap<Vec<String>, Arc<PendingFiles>>,
     /// Empty directories (module docs), as given.
     pub dirs: Vec<Vec<String>>,
 }
@@ -549,6 +618,9 @@ impl FsCore {
             apply_lock: Mutex::new(()),
             usage_epoch: AtomicU64::new(0),
             last_applied: Mutex::new(Arc::new(AppliedMapping::default())),
+            changes: pending::Changes::default(),
+            pending_wait: Mutex::new(DEFAULT_PENDING_WAIT),
+            wanted: RwLock::new(None),
             remote: RwLock::new(RemoteUsage::default()),
             inode_log: Mutex::new(None),
         }
@@ -650,14 +722,14 @@ impl FsCore {
                 if mapping.models.contains_key(&slot.id) {
                     continue;
                 }
-                let Some(store) = slot.retired_store() else {
+                let Some(served) = slot.retired() else {
                     continue;
                 };
-                out.stores.insert(store.id.clone());
+                out.stores.insert(served.store.id.clone());
                 out.blobs
-                    .entry(store.id.clone())
+                    .entry(served.store.id.clone())
                     .or_default()
-                    .extend(slot.artifact.blobs());
+                    .extend(served.blobs());
             }
         }
         for h in self.handles.iter() {
@@ -744,17 +816,27 @@ impl FsCore {
         let mapping = self.mapping.load();
         let slots = self.slots.read().unwrap_or_else(PoisonError::into_inner);
         for slot in slots.values() {
-            let store = match mapping.models.get(&slot.id) {
-                Some(m) => m.store.id.clone(),
-                None => match slot.retired_store() {
-                    Some(s) => s.id.clone(),
+            let served = match mapping.models.get(&slot.id) {
+                Some(m) => m.served(),
+                None => match slot.retired() {
+                    Some(s) => s,
                     None => continue,
                 },
             };
-            out.artifacts
-                .entry(store)
-                .or_default()
-                .push(slot.artifact.clone());
+            // A pending entry's artifact lists files whose blobs are not all known yet: only
+            // its verified blobs are uses (see [`pending`]).
+            match &served.pending {
+                Some(p) => out
+                    .blobs
+                    .entry(served.store.id.clone())
+                    .or_default()
+                    .extend(p.verified_blobs()),
+                None => out
+                    .artifacts
+                    .entry(served.store.id.clone())
+                    .or_default()
+                    .push(served.artifact.clone()),
+            }
         }
         for h in self.handles.iter() {
             if let Some(store) = &h.store {
@@ -816,7 +898,21 @@ impl FsCore {
         files: &[InlineFile],
         dirs: &[Vec<String>],
     ) -> Result<Vec<Invalidation>, FsError> {
-        let inv = self.swap_mapping(entries, files, dirs)?;
+        self.apply_with_pending(entries, files, dirs, &HashMap::new())
+    }
+
+    /// [`FsCore::apply_mapping`] where the entries at the paths of `pending` are served
+    /// while downloading: their listing is complete, their files readable as they verify
+    /// ([`pending`]). Pending files whose count differs from the entry's manifest refuse the
+    /// whole mapping.
+    pub fn apply_with_pending(
+        &self,
+        entries: &[MountEntry],
+        files: &[InlineFile],
+        dirs: &[Vec<String>],
+        pending: &HashMap<Vec<String>, Arc<PendingFiles>>,
+    ) -> Result<Vec<Invalidation>, FsError> {
+        let inv = self.swap_mapping(entries, files, dirs, pending)?;
         *self
             .last_applied
             .lock()
@@ -824,9 +920,38 @@ impl FsCore {
             generation: self.generation(),
             entries: entries.to_vec(),
             files: files.to_vec(),
+            pending: entries
+                .iter()
+                .filter_map(|e| Some((e.path.clone(), pending.get(&e.path)?.clone())))
+                .collect(),
             dirs: dirs.to_vec(),
         });
+        // Opens waiting on a pending file decide again against the new mapping.
+        self.changes.bump();
         Ok(inv)
+    }
+
+    /// How long an open of a file not yet verified waits ([`pending`]).
+    pub fn set_pending_wait(&self, wait: Duration) {
+        *self
+            .pending_wait
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = wait;
+    }
+
+    /// Sets what is told when an open starts waiting on a file not yet verified: the model's
+    /// path, its artifact and the file's manifest index (the mount server tells the agent,
+    /// whose fetch takes that file next).
+    pub fn set_wanted_hook(&self, hook: WantedHook) {
+        *self.wanted.write().unwrap_or_else(PoisonError::into_inner) = Some(hook);
+    }
+
+    /// Calls the hook of [`FsCore::set_wanted_hook`] (the agent's core, told by the mount
+    /// server that an open there waits on a file).
+    pub fn tell_wanted(&self, path: &[String], artifact: &ArtifactId, file: usize) {
+        if let Some(hook) = &*self.wanted.read().unwrap_or_else(PoisonError::into_inner) {
+            hook(path, artifact, file);
+        }
     }
 
     fn swap_mapping(
@@ -834,8 +959,21 @@ impl FsCore {
         entries: &[MountEntry],
         files: &[InlineFile],
         dirs: &[Vec<String>],
+        pending: &HashMap<Vec<String>, Arc<PendingFiles>>,
     ) -> Result<Vec<Invalidation>, FsError> {
         check_paths(entries)?;
+        for e in entries {
+            if let Some(p) = pending.get(&e.path) {
+                if p.len() != e.artifact.manifest.len() {
+                    return Err(FsError::Conflict(format!(
+                        "{}: {} pending file states for a manifest of {} files",
+                        e.path.join("/"),
+                        p.len(),
+                        e.artifact.manifest.len()
+                    )));
+                }
+            }
+        }
         let _serial = self
             .apply_lock
             .lock()
@@ -908,6 +1046,8 @@ impl FsCore {
                         slot,
                         store: entry.store.clone(),
                         path: path.clone(),
+                        artifact: entry.artifact.clone(),
+                        pending: pending.get(path).cloned(),
                     },
                 );
             }
@@ -918,7 +1058,7 @@ impl FsCore {
             for (id, m) in &old.models {
                 if !new.models.contains_key(id) {
                     *m.slot.state.lock().unwrap_or_else(PoisonError::into_inner) =
-                        SlotState::Retired(m.store.clone());
+                        SlotState::Retired(m.served());
                     reg.slot_ids
                         .remove(&(m.path.clone(), m.slot.artifact.id.clone()));
                     if m.slot.kernel_refs.load(Ordering::Acquire) == 0 {
@@ -1434,47 +1574,110 @@ impl FsCore {
     }
 
     /// Opens a file for reading: the blob of the store the model is served from *now*. The
-    /// returned handle keeps reading that blob whatever happens to the mapping later.
+    /// returned handle keeps reading that blob whatever happens to the mapping later. A file of
+    /// a model served while downloading that has not verified yet is waited for (see
+    /// [`pending`]): nothing is opened before it verified.
     pub fn open(&self, ino: u64) -> Result<(u64, Arc<OpenBlob>), FsError> {
         let (slot_id, node) = split_ino(ino);
         if slot_id == 0 {
             return self.open_inline(ino);
         }
-        let (slot, store) = {
-            let mapping = self.mapping.load();
-            match mapping.models.get(&slot_id) {
-                Some(m) => (m.slot.clone(), m.store.clone()),
-                None => {
-                    // A retired slot the kernel can still reach through cached entries: its
-                    // store until the kernel has been told, then nothing.
-                    let slot = self.slot(slot_id).ok_or(FsError::Stale)?;
-                    let store = slot.retired_store().ok_or(FsError::Stale)?;
-                    (slot, store)
+        let wait = *self
+            .pending_wait
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let deadline = Instant::now() + wait;
+        // The file's failure count when this open began waiting on it.
+        let mut waiting_since: Option<u32> = None;
+        loop {
+            // Read before the mapping: a swap after this read ends the wait below at once.
+            let seen = self.changes.now();
+            let (slot, served, path) = {
+                let mapping = self.mapping.load();
+                match mapping.models.get(&slot_id) {
+                    Some(m) => (m.slot.clone(), m.served(), Some(m.path.clone())),
+                    None => {
+                        // A retired slot the kernel can still reach through cached entries:
+                        // what it was served from until the kernel has been told, then
+                        // nothing. A wait ends here at once: its model left the mapping.
+                        let gone = || {
+                            if waiting_since.is_some() {
+                                FsError::NotFound
+                            } else {
+                                FsError::Stale
+                            }
+                        };
+                        let slot = self.slot(slot_id).ok_or_else(gone)?;
+                        let served = slot.retired().ok_or_else(gone)?;
+                        (slot, served, None)
+                    }
                 }
-            }
-        };
-        let n = slot.tree().node(node).ok_or(FsError::NotFound)?;
-        let (size, blob) = match &n.kind {
-            NodeKind::File { size, blob } => (*size, *blob),
-            NodeKind::Dir { .. } => return Err(FsError::IsDir),
-        };
-        // Beneath the store's descriptor, without following links, a regular file of the
-        // entry's size that only root can write (`Store::open_blob`): the agent writes the
-        // stores, and nothing it plants there may make this process serve another file.
-        let file = store
-            .store
-            .open_blob(&blob, size)
-            .map_err(|refused| FsError::Io {
-                context: format!("blob {blob} of store {}", store.id),
-                source: io::Error::other(refused),
-            })?;
-        Ok(self.register(OpenBlob {
-            file,
-            size,
-            ino,
-            blob,
-            store: Some(store),
-        }))
+            };
+            let tree = slot.tree();
+            let n = tree.node(node).ok_or(FsError::NotFound)?;
+            let size = match n.kind {
+                NodeKind::File { size, .. } => size,
+                NodeKind::Dir { .. } => return Err(FsError::IsDir),
+            };
+            let index = tree.entry_index(node).ok_or(FsError::NotFound)?;
+            let blob = match served.pending.as_ref().and_then(|p| p.get(index)) {
+                None => served.artifact.blob(index),
+                Some(PendingFile::Verified(blob)) => blob,
+                Some(PendingFile::Waiting { failures }) => {
+                    let file = || served.artifact.manifest.entry(index).path.to_string();
+                    let Some(path) = path else {
+                        // Retired while its file was not verified: never readable through it.
+                        return Err(FsError::NotFound);
+                    };
+                    match waiting_since {
+                        None => {
+                            waiting_since = Some(failures);
+                            if let Some(hook) =
+                                &*self.wanted.read().unwrap_or_else(PoisonError::into_inner)
+                            {
+                                hook(&path, &served.artifact.id, index);
+                            }
+                        }
+                        Some(before) if failures > before => {
+                            return Err(FsError::VerifyFailed {
+                                model: path.join("/"),
+                                file: file(),
+                            })
+                        }
+                        Some(_) => {}
+                    }
+                    if Instant::now() >= deadline {
+                        let (model, file) = (path.join("/"), file());
+                        tracing::warn!(%model, %file, waited_secs = wait.as_secs_f64(), "an open gave up waiting for a file to verify");
+                        return Err(FsError::NotVerifiedInTime {
+                            model,
+                            file,
+                            waited: wait,
+                        });
+                    }
+                    self.changes.wait(seen, deadline);
+                    continue;
+                }
+            };
+            // Beneath the store's descriptor, without following links, a regular file of the
+            // entry's size that only root can write (`Store::open_blob`): the agent writes the
+            // stores, and nothing it plants there may make this process serve another file.
+            let store = served.store;
+            let file = store
+                .store
+                .open_blob(&blob, size)
+                .map_err(|refused| FsError::Io {
+                    context: format!("blob {blob} of store {}", store.id),
+                    source: io::Error::other(refused),
+                })?;
+            return Ok(self.register(OpenBlob {
+                file,
+                size,
+                ino,
+                blob,
+                store: Some(store),
+            }));
+        }
     }
 
     fn register(&self, blob: OpenBlob) -> (u64, Arc<OpenBlob>) {

@@ -677,6 +677,311 @@ fn blob_uses_share_the_slots_artifacts_and_build_one_stores_set_on_request() {
     assert_eq!(all[&f.store_a.id], uses.of(&f.store_a.id));
 }
 
+/// A model served while downloading: `files` listed, every blob already in store a (as for a
+/// file whose bytes landed but were not announced verified: nothing may read them yet).
+struct Progressive {
+    f: Fixture,
+    artifact: Arc<StoredArtifact>,
+    states: Mutex<Vec<PendingFile>>,
+    contents: Vec<Vec<u8>>,
+}
+
+impl Progressive {
+    fn new(files: &[(&str, &[u8])]) -> Self {
+        let f = fixture();
+        let artifact = artifact(&f.store_a.store, files);
+        let contents = artifact
+            .manifest
+            .entries()
+            .map(|e| files.iter().find(|(p, _)| *p == e.path).unwrap().1.to_vec())
+            .collect();
+        let states = Mutex::new(vec![
+            PendingFile::Waiting { failures: 0 };
+            artifact.manifest.len()
+        ]);
+        let p = Self {
+            f,
+            artifact,
+            states,
+            contents,
+        };
+        p.publish();
+        p
+    }
+
+    fn index(&self, path: &str) -> usize {
+        self.artifact
+            .manifest
+            .entries()
+            .position(|e| e.path == path)
+            .unwrap()
+    }
+
+    fn publish(&self) {
+        let pending = HashMap::from([(
+            vec!["m".to_string()],
+            Arc::new(PendingFiles::new(self.states.lock().unwrap().clone())),
+        )]);
+        self.f
+            .core
+            .apply_with_pending(
+                &[entry("m", &self.artifact, &self.f.store_a)],
+                &[],
+                &[],
+                &pending,
+            )
+            .unwrap();
+    }
+
+    fn verify(&self, i: usize) {
+        self.states.lock().unwrap()[i] = PendingFile::Verified(self.artifact.blob(i));
+        self.publish();
+    }
+
+    fn fail(&self, i: usize) {
+        if let PendingFile::Waiting { failures } = &mut self.states.lock().unwrap()[i] {
+            *failures += 1;
+        }
+        self.publish();
+    }
+
+    /// Opens and reads a whole file.
+    fn read(core: &FsCore, ino: u64) -> Result<Vec<u8>, FsError> {
+        let (fh, _) = core.open(ino)?;
+        let data = core.read(fh, 0, 1 << 20);
+        core.release(fh);
+        data
+    }
+}
+
+/// Reports each (model path, manifest index) an open starts waiting on.
+fn watch_wanted(core: &FsCore) -> std::sync::mpsc::Receiver<(Vec<String>, usize)> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = Mutex::new(tx);
+    core.set_wanted_hook(Box::new(move |path, _, i| {
+        let _ = tx.lock().unwrap().send((path.to_vec(), i));
+    }));
+    rx
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+#[test]
+fn a_pending_model_lists_everything_and_opens_a_file_once_it_verified() {
+    let p = Progressive::new(&[("config.json", b"{}"), ("model-2.bin", b"second")]);
+    // The complete listing with exact sizes before anything verified.
+    let dir = resolve(&p.f.core, "m").unwrap();
+    let names: Vec<String> = list(&p.f.core, dir.ino).into_iter().map(|e| e.0).collect();
+    assert_eq!(names, [".", "..", "config.json", "model-2.bin"]);
+    let shard = resolve(&p.f.core, "m/model-2.bin").unwrap();
+    assert_eq!(shard.size, 6);
+
+    let wanted = watch_wanted(&p.f.core);
+    std::thread::scope(|s| {
+        let core = &p.f.core;
+        let reader = s.spawn(move || Progressive::read(core, shard.ino));
+        let (path, i) = wanted.recv_timeout(LONG).unwrap();
+        assert_eq!(path, ["m"]);
+        let last = p.index("model-2.bin");
+        assert_eq!(i, last);
+        // Another file verifying does not end the wait.
+        p.verify(p.index("config.json"));
+        assert!(!reader.is_finished());
+        p.verify(last);
+        assert_eq!(reader.join().unwrap().unwrap(), b"second");
+    });
+    // Verified files open at once, without waiting.
+    let cfg = resolve(&p.f.core, "m/config.json").unwrap();
+    assert_eq!(Progressive::read(&p.f.core, cfg.ino).unwrap(), b"{}");
+    assert!(wanted.try_recv().is_err());
+}
+
+#[test]
+fn a_waiting_open_fails_with_eio_when_the_download_fails_verification_then_reads_after_the_retry() {
+    let p = Progressive::new(&[("a.bin", b"bytes")]);
+    let ino = resolve(&p.f.core, "m/a.bin").unwrap().ino;
+    let wanted = watch_wanted(&p.f.core);
+    std::thread::scope(|s| {
+        let core = &p.f.core;
+        let reader = s.spawn(move || Progressive::read(core, ino));
+        wanted.recv_timeout(LONG).unwrap();
+        p.fail(0);
+        let err = reader.join().unwrap().unwrap_err();
+        assert_eq!(err.errno(), libc::EIO, "{err}");
+        assert!(err.to_string().contains("a.bin"), "{err}");
+    });
+    // The next open waits for the next attempt (its failure count is where the wait began).
+    std::thread::scope(|s| {
+        let core = &p.f.core;
+        let reader = s.spawn(move || Progressive::read(core, ino));
+        wanted.recv_timeout(LONG).unwrap();
+        p.verify(0);
+        assert_eq!(reader.join().unwrap().unwrap(), b"bytes");
+    });
+}
+
+#[test]
+fn an_open_that_waits_past_the_deadline_fails_with_etimedout() {
+    let p = Progressive::new(&[("a.bin", b"bytes")]);
+    p.f.core.set_pending_wait(Duration::from_millis(200));
+    let ino = resolve(&p.f.core, "m/a.bin").unwrap().ino;
+    let started = Instant::now();
+    let err = Progressive::read(&p.f.core, ino).unwrap_err();
+    assert_eq!(err.errno(), libc::ETIMEDOUT, "{err}");
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    let text = err.to_string();
+    assert!(text.contains("a.bin") && text.contains("model m"), "{text}");
+}
+
+#[test]
+fn removing_a_model_fails_its_waiting_opens_at_once() {
+    let p = Progressive::new(&[("a.bin", b"bytes")]);
+    let ino = resolve(&p.f.core, "m/a.bin").unwrap().ino;
+    let wanted = watch_wanted(&p.f.core);
+    std::thread::scope(|s| {
+        let core = &p.f.core;
+        let reader = s.spawn(move || Progressive::read(core, ino));
+        wanted.recv_timeout(LONG).unwrap();
+        let started = Instant::now();
+        p.f.core.apply(&[]).unwrap();
+        let err = reader.join().unwrap().unwrap_err();
+        assert_eq!(err.errno(), libc::ENOENT, "{err}");
+        // Well inside the default deadline of ten minutes.
+        assert!(started.elapsed() < LONG);
+    });
+}
+
+#[test]
+fn a_completed_model_keeps_its_inodes_and_reads_from_the_final_artifact() {
+    let p = Progressive::new(&[("a.bin", b"bytes"), ("b.bin", b"more")]);
+    let before = resolve(&p.f.core, "m/b.bin").unwrap();
+    p.verify(0);
+    // Complete: the plain entry replaces the pending one under the same artifact id.
+    let inv =
+        p.f.core
+            .apply(&[entry("m", &p.artifact, &p.f.store_a)])
+            .unwrap();
+    assert!(inv.is_empty(), "{inv:?}");
+    let after = resolve(&p.f.core, "m/b.bin").unwrap();
+    assert_eq!(before, after);
+    assert_eq!(Progressive::read(&p.f.core, after.ino).unwrap(), b"more");
+}
+
+#[test]
+fn pending_file_states_must_match_the_manifest() {
+    let p = Progressive::new(&[("a.bin", b"bytes")]);
+    let pending = HashMap::from([(
+        vec!["m".to_string()],
+        Arc::new(PendingFiles::all_waiting(2)),
+    )]);
+    let err =
+        p.f.core
+            .apply_with_pending(&[entry("m", &p.artifact, &p.f.store_a)], &[], &[], &pending)
+            .unwrap_err();
+    assert!(matches!(err, FsError::Conflict(_)), "{err}");
+}
+
+#[test]
+fn only_verified_blobs_of_a_pending_model_are_in_use() {
+    let p = Progressive::new(&[("a.bin", b"bytes"), ("b.bin", b"more")]);
+    let store = p.f.store_a.id.clone();
+    assert!(p
+        .f
+        .core
+        .blobs_in_use()
+        .get(&store)
+        .is_none_or(|b| b.is_empty()));
+    p.verify(1);
+    let uses = p.f.core.blobs_in_use();
+    assert_eq!(uses[&store], HashSet::from([p.artifact.blob(1)]));
+}
+
+/// One step of a fetch seen by the mount.
+#[derive(Clone, Debug)]
+enum FetchStep {
+    Verify(usize),
+    Fail(usize),
+    /// A reader starts opening file `i` (it waits if the file is not verified).
+    Open(usize),
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Over any interleaving of verifications, failed verifications and opens (each reader
+    /// waiting on its own thread), every open that succeeds reads exactly the file's bytes and
+    /// only after the file was announced verified; a failed open is EIO after a failed
+    /// verification of its file, or ENOENT once the model left. The store holds every blob
+    /// from the start, so serving a file early would read bytes and be caught.
+    #[test]
+    fn no_byte_is_served_before_its_file_verified(steps in prop::collection::vec(
+        prop_oneof![
+            (0usize..4).prop_map(FetchStep::Verify),
+            (0usize..4).prop_map(FetchStep::Fail),
+            (0usize..4).prop_map(FetchStep::Open),
+        ], 1..16)) {
+        let p = Progressive::new(&[
+            ("config.json", b"{\"a\":1}"),
+            ("tokenizer.json", b"tok"),
+            ("model-00001-of-00002.safetensors", b"shard one"),
+            ("model-00002-of-00002.safetensors", b"shard two!"),
+        ]);
+        let inos: Vec<u64> = p
+            .artifact
+            .manifest
+            .entries()
+            .map(|e| resolve(&p.f.core, &format!("m/{}", e.path)).unwrap().ino)
+            .collect();
+        let wanted = watch_wanted(&p.f.core);
+        // When each file was first announced verified, as a step number.
+        let verified_at: Vec<Mutex<Option<usize>>> = (0..4).map(|_| Mutex::new(None)).collect();
+        let failed_after: Vec<Mutex<Vec<usize>>> = (0..4).map(|_| Mutex::new(Vec::new())).collect();
+        let step_now = AtomicU64::new(0);
+        std::thread::scope(|s| {
+            let mut readers = Vec::new();
+            for (n, step) in steps.iter().enumerate() {
+                step_now.store(n as u64, Ordering::SeqCst);
+                match *step {
+                    FetchStep::Verify(i) => {
+                        if !matches!(p.states.lock().unwrap()[i], PendingFile::Verified(_)) {
+                            *verified_at[i].lock().unwrap() = Some(n);
+                            p.verify(i);
+                        }
+                    }
+                    FetchStep::Fail(i) => {
+                        failed_after[i].lock().unwrap().push(n);
+                        p.fail(i);
+                    }
+                    FetchStep::Open(i) => {
+                        let waits = !matches!(p.states.lock().unwrap()[i], PendingFile::Verified(_));
+                        let core = &p.f.core;
+                        let ino = inos[i];
+                        let started = n;
+                        readers.push((i, started, s.spawn(move || Progressive::read(core, ino))));
+                        if waits {
+                            // The reader is waiting before the next step runs.
+                            wanted.recv_timeout(LONG).unwrap();
+                        }
+                    }
+                }
+            }
+            // The fetch ends without the rest: the model leaves and frees every waiter.
+            step_now.store(steps.len() as u64, Ordering::SeqCst);
+            p.f.core.apply(&[]).unwrap();
+            for (i, started, reader) in readers {
+                match reader.join().unwrap() {
+                    Ok(data) => {
+                        assert_eq!(data, p.contents[i]);
+                        assert!(verified_at[i].lock().unwrap().is_some(), "file {i} served unverified");
+                    }
+                    Err(e) if e.errno() == libc::EIO => {
+                        assert!(failed_after[i].lock().unwrap().iter().any(|&f| f >= started), "{e}");
+                    }
+                    Err(e) => assert_eq!(e.errno(), libc::ENOENT, "{e}"),
+                }
+            }
+        });
+    }
+
 /// Inline files that left the mapping stay answerable (their own bytes) for a kernel that may
 /// still hold their inodes, but only up to `RETIRED_INLINE_BYTES` in all: the oldest go first,
 /// and the same file mapped again after that is a new inode. The mapping's own files are

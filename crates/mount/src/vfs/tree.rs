@@ -175,6 +175,12 @@ impl ModelTree {
         })
     }
 
+    /// The manifest index of a file node (`None` for a directory or past the end).
+    pub fn entry_index(&self, idx: u32) -> Option<usize> {
+        let n = self.nodes.get(idx as usize)?;
+        (n.index & DIR_BIT == 0).then_some(n.index as usize)
+    }
+
     pub fn len(&self) -> usize {
         self.nodes.len()
     }

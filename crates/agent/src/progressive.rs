@@ -1,0 +1,242 @@
+//! Serving while downloading, the agent's side (SPEC section 13; the mount's side is
+//! `modelfs_mount::vfs::pending`).
+//!
+//! A fetch of a model that is served while it downloads carries a [`LiveFetch`]: which files
+//! of its manifest verified (and into which blob), how often each failed verification, and
+//! which files opens are waiting on. The fetch pipeline reports each file as it verifies or
+//! fails and asks it which file to fetch next; the reconciler turns its state into a pending
+//! mapping entry ([`LiveFetch::pending`]) at the model's path whenever it changed.
+//!
+//! # Order
+//! Loaders read configs, the tokenizer and the weight index first, then the weight files in
+//! name order, so that is the order files are fetched in ([`loader_rank`]); a file an open
+//! waits on jumps the queue ([`LiveFetch::want`]).
+//!
+//! # The listing artifact
+//! The mount needs the listing (names, sizes) before any blob is known, and a file checked by
+//! git sha1 or an object identity has no sha256 until it is downloaded. So the entry carries
+//! an artifact of the same id whose blobs are the manifest's sha256 where there is one and
+//! zero otherwise ([`LiveFetch::listing`]); the mount reads no blob of it while the entry is
+//! pending, only the verified blobs the pending states name.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use modelfs_core::artifact::{FileDigest, Manifest, Sha256Digest, StoredArtifact};
+use modelfs_mount::vfs::{PendingFile, PendingFiles};
+
+/// Extensions of weight files: fetched after everything else, in name order.
+const WEIGHT_EXTENSIONS: &[&str] = &[
+    "safetensors",
+    "bin",
+    "pt",
+    "pth",
+    "ckpt",
+    "gguf",
+    "ggml",
+    "onnx",
+    "msgpack",
+    "h5",
+    "npz",
+    "tflite",
+    "mlmodel",
+    "ot",
+];
+
+/// Where a file comes in the order loaders read a model: 0 for configs, tokenizer files, index
+/// files and anything else small a loader reads first; 1 for weight files. Ties go by path.
+pub fn loader_rank(path: &str) -> u8 {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    let ext = name.rsplit_once('.').map(|(_, e)| e).unwrap_or("");
+    u8::from(WEIGHT_EXTENSIONS.contains(&ext.to_ascii_lowercase().as_str()))
+}
+
+/// Told when a live fetch's state changed (called on the fetch's task: must not block).
+pub type Changed = Box<dyn Fn() + Send + Sync>;
+
+/// The state of one fetch served while it downloads (module docs).
+pub struct LiveFetch {
+    listing: Arc<StoredArtifact>,
+    state: Mutex<State>,
+    changed: Changed,
+}
+
+struct State {
+    files: Vec<PendingFile>,
+    /// Files opens wait on, oldest first.
+    wanted: VecDeque<usize>,
+}
+
+impl LiveFetch {
+    pub fn new(manifest: Arc<Manifest>, changed: Changed) -> Arc<Self> {
+        let blobs = manifest
+            .entries()
+            .map(|e| match e.digest {
+                FileDigest::Sha256(d) => Sha256Digest(d),
+                _ => Sha256Digest([0; 32]),
+            })
+            .collect();
+        let len = manifest.len();
+        let listing =
+            StoredArtifact::new(manifest, blobs, now_secs()).expect("one blob per manifest entry");
+        Arc::new(Self {
+            listing: Arc::new(listing),
+            state: Mutex::new(State {
+                files: vec![PendingFile::Waiting { failures: 0 }; len],
+                wanted: VecDeque::new(),
+            }),
+            changed,
+        })
+    }
+
+    /// The artifact the pending entry lists the files with (module docs).
+    pub fn listing(&self) -> Arc<StoredArtifact> {
+        self.listing.clone()
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Files `indices` verified into `blob`.
+    pub fn verified(&self, indices: &[usize], blob: Sha256Digest) {
+        let pairs: Vec<(usize, Sha256Digest)> = indices.iter().map(|&i| (i, blob)).collect();
+        self.verified_many(&pairs);
+    }
+
+    /// Each (file, blob) verified; one change (also when `files` is empty: the fetch started
+    /// and its listing can be shown).
+    pub fn verified_many(&self, files: &[(usize, Sha256Digest)]) {
+        {
+            let mut s = self.state();
+            for &(i, blob) in files {
+                if let Some(f) = s.files.get_mut(i) {
+                    *f = PendingFile::Verified(blob);
+                }
+            }
+            s.wanted.retain(|i| !files.iter().any(|(j, _)| j == i));
+        }
+        (self.changed)();
+    }
+
+    /// A download of files `indices` failed verification (it is fetched again).
+    pub fn failed(&self, indices: &[usize]) {
+        {
+            let mut s = self.state();
+            for &i in indices {
+                if let Some(PendingFile::Waiting { failures }) = s.files.get_mut(i) {
+                    *failures += 1;
+                }
+            }
+        }
+        (self.changed)();
+    }
+
+    /// An open waits on file `i`: it is fetched next.
+    pub fn want(&self, i: usize) {
+        let mut s = self.state();
+        if matches!(s.files.get(i), Some(PendingFile::Waiting { .. })) && !s.wanted.contains(&i) {
+            s.wanted.push_back(i);
+        }
+    }
+
+    /// The oldest wanted file for which `take` answers true (it took it from its queue).
+    pub fn next_wanted(&self, mut take: impl FnMut(usize) -> bool) -> Option<usize> {
+        let mut s = self.state();
+        let pos = s.wanted.iter().position(|&i| take(i))?;
+        s.wanted.remove(pos)
+    }
+
+    /// The per-file states for the mount.
+    pub fn pending(&self) -> PendingFiles {
+        PendingFiles::new(self.state().files.clone())
+    }
+
+    /// How many files verified, of how many.
+    pub fn counts(&self) -> (usize, usize) {
+        let s = self.state();
+        let verified = s
+            .files
+            .iter()
+            .filter(|f| matches!(f, PendingFile::Verified(_)))
+            .count();
+        (verified, s.files.len())
+    }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use modelfs_core::artifact::ManifestEntry;
+
+    #[test]
+    fn configs_tokenizer_and_index_before_weights() {
+        let mut paths = vec![
+            "model-00002-of-00002.safetensors",
+            "config.json",
+            "model-00001-of-00002.safetensors",
+            "model.safetensors.index.json",
+            "tokenizer.json",
+            "sub/pytorch_model.BIN",
+        ];
+        paths.sort_by_key(|p| (loader_rank(p), *p));
+        assert_eq!(
+            paths,
+            [
+                "config.json",
+                "model.safetensors.index.json",
+                "tokenizer.json",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "sub/pytorch_model.BIN",
+            ]
+        );
+    }
+
+    #[test]
+    fn wanted_files_come_out_oldest_first_once_and_never_after_they_verified() {
+        let manifest = Arc::new(
+            Manifest::new(
+                "r".into(),
+                (0..4)
+                    .map(|i| ManifestEntry {
+                        path: format!("f{i}"),
+                        size: 1,
+                        digest: FileDigest::GitSha1([i; 20]),
+                    })
+                    .collect(),
+            )
+            .unwrap(),
+        );
+        let changes = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let seen = changes.clone();
+        let live = LiveFetch::new(
+            manifest.clone(),
+            Box::new(move || {
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }),
+        );
+        assert_eq!(live.listing().id, manifest.id());
+        live.want(3);
+        live.want(1);
+        live.want(3);
+        live.verified(&[1], Sha256Digest([1; 32]));
+        live.want(1);
+        assert_eq!(live.next_wanted(|_| true), Some(3));
+        assert_eq!(live.next_wanted(|_| true), None);
+        live.failed(&[2]);
+        assert_eq!(
+            live.pending().get(2),
+            Some(PendingFile::Waiting { failures: 1 })
+        );
+        assert_eq!(live.counts(), (1, 4));
+        assert_eq!(changes.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+}

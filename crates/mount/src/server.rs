@@ -1176,7 +1176,10 @@ impl Shared {
             .filter(|d| !d.is_empty() && d.iter().all(|s| valid_segment(s)))
             .cloned()
             .collect();
-        let inv = match self.core.apply_with_pending(&entries, &files, &dirs, &pending) {
+        let inv = match self
+            .core
+            .apply_with_pending(&entries, &files, &dirs, &pending)
+        {
             Ok(inv) => inv,
             Err(e) => return (refused, Some(e.to_string())),
         };

@@ -2434,7 +2434,10 @@ impl Reconciler {
         dirs.sort();
         dirs.dedup();
         let pending = self.pending_entries(&mut entries);
-        match self.fs.apply_with_pending(&entries, &files, &dirs, &pending) {
+        match self
+            .fs
+            .apply_with_pending(&entries, &files, &dirs, &pending)
+        {
             Ok(inv) => {
                 self.metrics.mapping_changes.inc();
                 match &self.mount {

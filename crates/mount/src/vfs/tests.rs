@@ -981,6 +981,7 @@ proptest! {
             }
         });
     }
+}
 
 /// Inline files that left the mapping stay answerable (their own bytes) for a kernel that may
 /// still hold their inodes, but only up to `RETIRED_INLINE_BYTES` in all: the oldest go first,

@@ -154,6 +154,36 @@ fn a_fetch_that_cannot_fit_is_refused_with_the_reason_and_starts_when_space_is_f
         "{text}"
     );
 
+    // While refused, every tick checks the disk again, and only the disk: the model stays
+    // `Failed` with its reason (never `Updating` in between), its source is not resolved and
+    // refused again, so nothing is written or reported again.
+    let refusals = d.metric("modelfs_disk_refused_fetches_total");
+    let checks = d.metric("modelfs_disk_space_checks_total");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut polls = 0;
+    while d.metric("modelfs_disk_space_checks_total") < checks + 5.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the refused model was not checked again; log:\n{}",
+            d.log_text()
+        );
+        let (code, body) = d.get("/v1/models");
+        assert_eq!(code, 200, "{body}");
+        let doc: Value = serde_json::from_str(&body).unwrap();
+        let m = &doc["clusterbasemodel.big"];
+        assert_eq!(m["status"], "Failed", "left Failed while refused: {doc:#}");
+        assert_eq!(m["reason"].as_str(), Some(reason), "{doc:#}");
+        polls += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(polls > 0);
+    assert_eq!(
+        d.metric("modelfs_disk_refused_fetches_total"),
+        refusals,
+        "re-checks refused the model again (its source resolved again)"
+    );
+    assert!(!env.mount.join("big").exists());
+
     // Space appears: the model starts by itself (no change to its manifest).
     std::fs::remove_file(&filler).unwrap();
     d.wait_model("clusterbasemodel.big", "Ready");

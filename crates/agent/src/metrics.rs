@@ -429,6 +429,8 @@ pub struct DiskMetrics {
     /// Fetches refused for space, and fetches that hit a full disk anyway.
     pub refused_fetches: Counter,
     pub disk_full_fetches: Counter,
+    /// Ticks that checked the models refused for space against the disk again.
+    pub space_checks: Counter,
 }
 
 impl DiskMetrics {
@@ -477,6 +479,11 @@ impl DiskMetrics {
             "disk_full_fetches",
             "Fetches that failed on a full disk (no space left on device)",
             self.disk_full_fetches.clone(),
+        );
+        registry.register(
+            "disk_space_checks",
+            "Ticks that checked the models refused for space against the disk again",
+            self.space_checks.clone(),
         );
     }
 }

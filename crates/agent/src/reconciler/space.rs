@@ -8,9 +8,12 @@
 //!   models root are one mount: a link costs no bytes).
 //! * A model refused for space is `Failed` with the `InsufficientStorage` reason and kept in
 //!   `refused` with what it needs. Every tick the disk is measured again: the refused models
-//!   that fit now are retried at once (a release, a collection pass, another writer deleting
-//!   files all show up there), the others are checked again at the next tick, and re-resolved
-//!   only every [`SPACE_BACKSTOP`] (their source may have changed).
+//!   that fit now ([`decide::space::start_refused`]) are retried at once (a release, a
+//!   collection pass, another writer deleting files all show up there), the others stay
+//!   `Failed` and are checked again at the next tick. Their pending retry is parked, not
+//!   timed: a re-check never resolves the source again, so a refused model does not flap
+//!   through `Updating` (each flap a status write and a Kubernetes Event). A change of its
+//!   spec still starts over at once, as for any failed model.
 //! * While some model is refused, [`Reconciler::reclaim`] removes what nothing serves (stores
 //!   released or reserved, and the blobs of retired revisions in stores that stay), in the
 //!   order of [`decide::space::reclaim_order`], never a store the mount uses or a fetch writes,
@@ -38,14 +41,26 @@ use modelfs_core::artifact::Manifest;
 use modelfs_core::store::{StoreError, StoreId};
 use modelfs_ome::{ModelKey, ModelSpec};
 
-/// A model refused for space is resolved again at most this often (it is retried at once
-/// when space appears).
-pub(super) const SPACE_BACKSTOP: Duration = Duration::from_secs(60);
+/// How far ahead the retry of a model refused for space is parked: never, in practice; the
+/// tick moves it to now once the model fits (see [`Reconciler::space_tick`]).
+const SPACE_PARKED: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// With nothing refused and nothing admitted, the passes over every store (the bytes of all
 /// stores, of reserved and releasable ones) run this often; otherwise at every tick. An idle
 /// tick costs one `statvfs`.
 const FULL_MEASURE_IDLE: Duration = Duration::from_secs(30);
+
+/// The time a parked retry is due at: [`SPACE_PARKED`] after `now`, or as far as the clock
+/// goes.
+fn parked(now: Instant) -> Instant {
+    let mut ahead = SPACE_PARKED;
+    loop {
+        if let Some(at) = now.checked_add(ahead) {
+            return at;
+        }
+        ahead /= 2;
+    }
+}
 
 /// The actor's disk bookkeeping.
 pub(super) struct Disk {
@@ -330,7 +345,7 @@ impl Reconciler {
     }
 
     /// `key` was refused for space (or its fetch hit a full disk): `Failed` with `reason`,
-    /// checked again at every tick and resolved again after [`SPACE_BACKSTOP`].
+    /// checked again at every tick and retried once it fits.
     pub(super) fn refuse_for_space(
         &mut self,
         key: &ModelKey,
@@ -355,7 +370,7 @@ impl Reconciler {
             Retry {
                 fingerprint: fp.to_string(),
                 attempts: 0,
-                at: Instant::now() + SPACE_BACKSTOP,
+                at: parked(Instant::now()),
             },
         );
         if let Some(mut rec) = self.records.model_mut(key) {
@@ -415,25 +430,19 @@ impl Reconciler {
             disk = self.measure_disk(true);
             changed = true;
         }
-        // The refused models that fit now, smallest first, each counted against the rest.
-        let mut free = disk.free_for_new_fetch();
-        let mut fits: Vec<(u64, ModelKey)> = self
+        let refused: Vec<(ModelKey, u64)> = self
             .disk
             .refused
             .iter()
-            .map(|(k, n)| (*n, k.clone()))
+            .map(|(k, n)| (k.clone(), *n))
             .collect();
-        fits.sort();
         let now = Instant::now();
-        for (needed, key) in fits {
-            if needed > free {
-                break;
-            }
-            free -= needed;
+        for key in decide::space::start_refused(&refused, disk.free_for_new_fetch()) {
             if let Some(r) = self.retries.get_mut(&key) {
                 r.at = now;
             }
         }
+        self.metrics.disk.space_checks.inc();
         changed
     }
 

@@ -4,10 +4,14 @@
 //! disk budget leaves free ([`Space`], measured by the actor just before the decision: free
 //! bytes under the budget, minus what fetches already admitted will still write). A fetch that
 //! does not fit is not started: the model is `Failed` with an `InsufficientStorage` reason that
-//! states both numbers, and is retried on a short timer and after every pass that freed bytes,
-//! so it starts by itself when space appears. Refusing up front is the point: a fetch of
-//! hundreds of GB that fails at 95% wastes the bandwidth and leaves the disk full for every
-//! other writer of the node.
+//! states both numbers. It then stays `Failed` with that reason, without a retry timer: at
+//! every tick the disk is measured again and [`start_refused`] picks the refused models that
+//! fit now, which start then (resolved again at that point, as any retry is). Re-checking
+//! costs a `statvfs`, never a resolve of the source: a refused model re-resolved on a timer
+//! would show `Updating` between two refusals, and each flap costs a status write and a
+//! Kubernetes Event per model, for nothing, as long as the disk stays full. Refusing up front
+//! is the point: a fetch of hundreds of GB that fails at 95% wastes the bandwidth and leaves
+//! the disk full for every other writer of the node.
 //!
 //! *Reclaim*: under pressure (a refused fetch), what nothing serves goes before its grace
 //! period ends. The order is fixed here ([`reclaim_order`]): garbage whose grace period is over
@@ -76,6 +80,26 @@ pub fn human_bytes(n: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[unit])
     }
+}
+
+/// Of the models refused for space (each with the bytes its fetch needs), those to start now
+/// that `free` bytes are free under the budget: smallest first, each counted against the
+/// ones before it, so two refused models never start on the same free bytes; ties by key.
+/// A model that does not fit stays refused, however long it has waited (no timer: only the
+/// disk decides).
+pub fn start_refused<K: Ord + Clone>(refused: &[(K, u64)], free: u64) -> Vec<K> {
+    let mut order: Vec<&(K, u64)> = refused.iter().collect();
+    order.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(&b.0)));
+    let mut left = free;
+    let mut out = Vec::new();
+    for (key, needed) in order {
+        if *needed > left {
+            break;
+        }
+        left -= needed;
+        out.push(key.clone());
+    }
+    out
 }
 
 /// Why a store may be reclaimed, in the order classes go.
@@ -166,6 +190,32 @@ mod tests {
             assert_eq!(s.fits(), fits, "{s:?}");
             assert_eq!(s.shortfall(), shortfall, "{s:?}");
         }
+    }
+
+    #[test]
+    fn start_refused_table() {
+        let refused = [("a", 5 * GIB), ("b", 2 * GIB), ("c", 2 * GIB), ("d", 0)];
+        // (free, models started, in order)
+        let cases: [(u64, Vec<&str>); 7] = [
+            // Nothing free: only a fetch that writes nothing (all its blobs held).
+            (0, vec!["d"]),
+            (GIB, vec!["d"]),
+            // Smallest first, ties by key; each counted against the ones before it.
+            (2 * GIB, vec!["d", "b"]),
+            (4 * GIB - 1, vec!["d", "b"]),
+            (4 * GIB, vec!["d", "b", "c"]),
+            // The first that does not fit ends the check.
+            (8 * GIB, vec!["d", "b", "c"]),
+            (9 * GIB, vec!["d", "b", "c", "a"]),
+        ];
+        for (free, want) in cases {
+            assert_eq!(start_refused(&refused, free), want, "free {free}");
+        }
+        assert!(start_refused::<&str>(&[], u64::MAX).is_empty());
+        // Order of the input does not matter.
+        let mut reversed = refused;
+        reversed.reverse();
+        assert_eq!(start_refused(&reversed, 4 * GIB), vec!["d", "b", "c"]);
     }
 
     #[test]

@@ -153,6 +153,21 @@ fn a_fetch_that_cannot_fit_is_refused_with_the_reason_and_starts_when_space_is_f
             .any(|l| l.starts_with("disk: ") && l.contains("free under the budget (100%")),
         "{text}"
     );
+    // Offline (`--state`), the same line from the state the daemon saved, the refusal in it.
+    let out = std::process::Command::new(BIN)
+        .args(["status", "--state"])
+        .arg(&env.state)
+        .output()
+        .unwrap();
+    let offline = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{offline}");
+    assert!(offline.contains("InsufficientStorage"), "{offline}");
+    assert!(
+        offline.lines().any(|l| l.starts_with("disk: ")
+            && l.contains("free under the budget (100%")
+            && l.contains("; a refused fetch lacks ")),
+        "{offline}"
+    );
 
     // While refused, every tick checks the disk again, and only the disk: the model stays
     // `Failed` with its reason (never `Updating` in between), its source is not resolved and

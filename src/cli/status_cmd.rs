@@ -1,6 +1,6 @@
 //! `modelfs status`: the models of a running daemon as a table or JSON.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 
@@ -34,19 +34,38 @@ pub fn run(args: StatusArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print!("{}", table(&doc));
-        // The disk line needs the running daemon (an older one has no /v1/disk: no line).
-        if args.state.is_none() {
-            let disk = fetch(&args.listen, "/v1/disk").and_then(|b| {
-                Ok(serde_json::from_slice::<modelfs_agent::disk::DiskState>(
-                    &b,
-                )?)
-            });
-            if let Ok(disk) = disk {
-                println!("{}", disk.summary());
-            }
+        // The disk line: from the running daemon, or offline from the state it last saved
+        // (an older daemon has neither: no line).
+        let line = match &args.state {
+            Some(state) => offline_disk_line(state),
+            None => fetch(&args.listen, "/v1/disk")
+                .and_then(|b| {
+                    Ok(serde_json::from_slice::<modelfs_agent::disk::DiskState>(
+                        &b,
+                    )?)
+                })
+                .ok()
+                .map(|disk| disk.summary()),
+        };
+        if let Some(line) = line {
+            println!("{line}");
         }
     }
     Ok(())
+}
+
+/// The `disk:` line from the state directory alone: the disk state the daemon last saved
+/// there, with the filesystem measured now (its free bytes move without the daemon). `None`
+/// when nothing was saved (no budget, an older daemon) or it cannot be read.
+fn offline_disk_line(state: &Path) -> Option<String> {
+    use modelfs_agent::disk::{DiskState, FsSpace, DISK_FILE};
+    let bytes = std::fs::read(state.join(DISK_FILE)).ok()?;
+    let saved: DiskState = serde_json::from_slice(&bytes).ok()?;
+    let disk = match FsSpace::of(state) {
+        Ok(fs) => saved.with_filesystem(fs),
+        Err(_) => saved,
+    };
+    Some(disk.summary())
 }
 
 fn fetch(listen: &str, what: &str) -> Result<Vec<u8>> {
@@ -215,6 +234,81 @@ mod tests {
     use modelfs_ome::status::ModelStatus;
 
     use super::*;
+
+    /// Offline, the disk line is the one the daemon prints, from the state it saved, with the
+    /// filesystem's numbers measured now instead of the saved ones.
+    #[test]
+    fn the_offline_disk_line_is_the_saved_state_with_the_filesystem_now() {
+        use modelfs_agent::disk::{DiskState, FsSpace, DISK_FILE};
+        const MIB: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        // Nothing saved (no budget, an older daemon): no line.
+        assert_eq!(offline_disk_line(dir.path()), None);
+        std::fs::write(dir.path().join(DISK_FILE), b"{not json").unwrap();
+        assert_eq!(offline_disk_line(dir.path()), None);
+
+        let saved = DiskState {
+            state_dir: dir.path().display().to_string(),
+            budget: "1073741824".into(),
+            budget_bytes: 1024 * MIB,
+            // A filesystem that is not this one: the line must not show it.
+            filesystem: FsSpace {
+                size: 7 << 40,
+                available: 3 << 40,
+                used: 4 << 40,
+            },
+            stores_bytes: 256 * MIB,
+            reserved_bytes: 64 * MIB,
+            releasable_bytes: 32 * MIB,
+            committed_bytes: 0,
+            free_bytes: 768 * MIB,
+            shortfall_bytes: 5 * MIB,
+        };
+        std::fs::write(
+            dir.path().join(DISK_FILE),
+            serde_json::to_vec_pretty(&saved).unwrap(),
+        )
+        .unwrap();
+        let line = offline_disk_line(dir.path()).unwrap();
+        let fs = FsSpace::of(dir.path()).unwrap();
+        let h = modelfs_agent::reconciler::decide::space::human_bytes;
+        // A byte budget leaves what it leaves, as long as the filesystem has it.
+        let free = (768 * MIB).min(fs.available);
+        assert_eq!(
+            line,
+            format!(
+                "disk: {} free under the budget (1073741824 = 1 GiB); stores use 256 MiB, 64 MiB of it reserved, 32 MiB releasable; filesystem {} available of {}; a refused fetch lacks 5 MiB",
+                h(free),
+                h(fs.available),
+                h(fs.size)
+            )
+        );
+        assert!(!line.contains("7 TiB"), "{line}");
+        // The same line a running daemon gives for the same state.
+        let live = DiskState {
+            filesystem: fs,
+            free_bytes: free,
+            ..saved.clone()
+        };
+        assert_eq!(line, live.summary());
+
+        // A share of the filesystem: the budget in bytes follows the filesystem now.
+        let share = DiskState {
+            budget: "100%".into(),
+            ..saved
+        };
+        std::fs::write(
+            dir.path().join(DISK_FILE),
+            serde_json::to_vec_pretty(&share).unwrap(),
+        )
+        .unwrap();
+        let line = offline_disk_line(dir.path()).unwrap();
+        let fs = FsSpace::of(dir.path()).unwrap();
+        assert!(
+            line.contains(&format!("(100% = {})", h(fs.usable()))),
+            "{line}"
+        );
+    }
 
     /// A TensorRT-LLM model's shape is shown in the MODEL column, after what its config
     /// describes (or alone when nothing is derived).

@@ -195,7 +195,40 @@ pub struct DiskState {
     pub shortfall_bytes: u64,
 }
 
+/// The file in the state directory that keeps the last measured [`DiskState`], so that
+/// `modelfs status --state` prints the disk line while the daemon is down.
+pub const DISK_FILE: &str = "disk.json";
+
 impl DiskState {
+    /// This state with the filesystem measured again (`fs`), as `modelfs status --state`
+    /// shows the saved one: the stores' bytes are as the daemon last counted them (a pass over
+    /// the stores is its work), the budget in bytes and what is free under it follow the
+    /// filesystem now, computed as the daemon computes them.
+    pub fn with_filesystem(&self, fs: FsSpace) -> Self {
+        let budget = self.budget.parse::<DiskBudget>().ok();
+        Self {
+            budget_bytes: budget.map(|b| b.limit(&fs)).unwrap_or(fs.size),
+            free_bytes: budget
+                .map(|b| b.free(&fs, self.stores_bytes))
+                .unwrap_or(fs.available),
+            filesystem: fs,
+            ..self.clone()
+        }
+    }
+
+    /// What of this state is worth saving again to [`DISK_FILE`] when it changes: not the
+    /// filesystem's free bytes (they move with every write of anyone; the reader measures
+    /// them), nor what admitted fetches still write (it moves with every tick of a fetch).
+    pub fn saved_part(&self) -> (String, u64, u64, u64, u64) {
+        (
+            self.budget.clone(),
+            self.stores_bytes,
+            self.reserved_bytes,
+            self.releasable_bytes,
+            self.shortfall_bytes,
+        )
+    }
+
     /// One line for `modelfs status`.
     pub fn summary(&self) -> String {
         let h = crate::reconciler::decide::space::human_bytes;

@@ -77,6 +77,8 @@ pub(super) struct Disk {
     last_full: Option<Instant>,
     /// Models refused for space, with the bytes their fetch needs.
     pub(super) refused: BTreeMap<ModelKey, u64>,
+    /// What was last saved to [`crate::disk::DISK_FILE`] (see [`DiskState::saved_part`]).
+    saved: Option<(String, u64, u64, u64, u64)>,
 }
 
 impl Disk {
@@ -90,6 +92,7 @@ impl Disk {
             written_seen: 0,
             last_full: None,
             refused: BTreeMap::new(),
+            saved: None,
         }
     }
 }
@@ -257,7 +260,7 @@ impl Reconciler {
         state
     }
 
-    fn publish_disk(&self, state: &Arc<DiskState>) {
+    fn publish_disk(&mut self, state: &Arc<DiskState>) {
         let m = &self.metrics.disk;
         m.free_bytes.set(gauge(state.free_bytes));
         m.used_bytes.set(gauge(state.stores_bytes));
@@ -267,6 +270,28 @@ impl Reconciler {
             .set(gauge(state.filesystem.available));
         m.shortfall_bytes.set(gauge(state.shortfall_bytes));
         self.disk.shared.store(state.clone());
+        self.save_disk(state);
+    }
+
+    /// Saves `state` to [`crate::disk::DISK_FILE`] when what is saved of it changed (for
+    /// `modelfs status --state`). Best effort: a failed write (a full disk) is tried again at
+    /// the next measurement and never holds anything up.
+    fn save_disk(&mut self, state: &DiskState) {
+        if self.disk.budget.is_none() {
+            return;
+        }
+        let part = state.saved_part();
+        if self.disk.saved.as_ref() == Some(&part) {
+            return;
+        }
+        let bytes = serde_json::to_vec_pretty(state).unwrap_or_default();
+        let path = self.state.root().join(crate::disk::DISK_FILE);
+        match modelfs_core::store::fsutil::atomic_write(&path, &bytes) {
+            Ok(()) => self.disk.saved = Some(part),
+            Err(e) => {
+                tracing::debug!(path = %path.display(), error = %e, "could not save the disk state")
+            }
+        }
     }
 
     /// Free bytes for a new fetch now: a fresh `statvfs`, the stores' bytes from the last full

@@ -1245,17 +1245,7 @@ impl Shared {
         served: &HashMap<ArtifactId, Arc<StoredArtifact>>,
         verified: &HashSet<(StoreId, ArtifactId)>,
     ) -> Result<MountEntry, String> {
-        if e.path.is_empty() || !e.path.iter().all(|s| valid_segment(s)) {
-            return Err("invalid path".into());
-        }
-        if !valid_store_id(&e.store) {
-            return Err(format!("invalid store id {:?}", e.store.as_str()));
-        }
-        let artifact = artifacts
-            .get(&e.artifact)
-            .or_else(|| served.get(&e.artifact))
-            .cloned()
-            .ok_or_else(|| format!("artifact {} was never sent", e.artifact))?;
+        let artifact = wire_entry_artifact(e, artifacts, served)?;
         // A pair already checked costs no system call: its store's handle is the served one
         // (or, at start, a path: `check_persisted` looks at the disk once mounted).
         let store = if verified.contains(&(e.store.clone(), e.artifact.clone())) {
@@ -1281,17 +1271,7 @@ impl Shared {
         served: &HashMap<ArtifactId, Arc<StoredArtifact>>,
         checked: &HashSet<(StoreId, Sha256Digest)>,
     ) -> Result<(MountEntry, Vec<(StoreId, Sha256Digest)>), String> {
-        if e.path.is_empty() || !e.path.iter().all(|s| valid_segment(s)) {
-            return Err("invalid path".into());
-        }
-        if !valid_store_id(&e.store) {
-            return Err(format!("invalid store id {:?}", e.store.as_str()));
-        }
-        let artifact = artifacts
-            .get(&e.artifact)
-            .or_else(|| served.get(&e.artifact))
-            .cloned()
-            .ok_or_else(|| format!("artifact {} was never sent", e.artifact))?;
+        let artifact = wire_entry_artifact(e, artifacts, served)?;
         if pending.len() != artifact.manifest.len() {
             return Err(format!(
                 "{} file states for an artifact of {} files",
@@ -1566,6 +1546,26 @@ pub fn wire_files(files: &[InlineFile]) -> Vec<WireFile> {
             content: f.content.to_vec(),
         })
         .collect()
+}
+
+/// A mapping entry's path and store id checked, and its artifact: one sent with this mapping
+/// or one already served.
+fn wire_entry_artifact(
+    e: &WireEntry,
+    artifacts: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+    served: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+) -> Result<Arc<StoredArtifact>, String> {
+    if e.path.is_empty() || !e.path.iter().all(|s| valid_segment(s)) {
+        return Err("invalid path".into());
+    }
+    if !valid_store_id(&e.store) {
+        return Err(format!("invalid store id {:?}", e.store.as_str()));
+    }
+    artifacts
+        .get(&e.artifact)
+        .or_else(|| served.get(&e.artifact))
+        .cloned()
+        .ok_or_else(|| format!("artifact {} was never sent", e.artifact))
 }
 
 #[cfg(test)]

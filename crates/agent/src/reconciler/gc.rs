@@ -254,14 +254,7 @@ impl Reconciler {
         let usage = DaemonUsage {
             reconciler: self,
             blob_uses: self.fs.blob_uses(),
-            fetching: self
-                .works
-                .values()
-                .filter_map(|w| match &w.stage {
-                    Stage::Fetching { store, .. } => Some(store.clone()),
-                    _ => None,
-                })
-                .collect(),
+            fetching: self.fetching_stores(),
         };
         let found = plan(&self.records, &self.state, &usage, Duration::MAX);
         let mut out: BTreeMap<StoreId, RetiredBlobs> = BTreeMap::new();
@@ -290,6 +283,29 @@ impl Reconciler {
         out
     }
 
+    /// The stores a fetch writes into: never removed, nor their blobs.
+    pub(super) fn fetching_stores(&self) -> HashSet<StoreId> {
+        self.works
+            .values()
+            .filter_map(|w| match &w.stage {
+                Stage::Fetching { store, .. } => Some(store.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Drops a store's record, its byte count and its metric (before its directory goes:
+    /// records are saved first, see the callers).
+    pub(super) fn forget_store(&mut self, id: &StoreId) {
+        self.records.remove_store(id);
+        self.store_bytes.remove(id);
+        self.metrics
+            .store_bytes
+            .remove(&crate::metrics::StoreLabel {
+                store: id.to_string(),
+            });
+    }
+
     /// Removes retired blobs of `store` (found by [`Self::retired_blobs`]).
     pub(super) fn remove_retired_blobs(&mut self, store: &StoreId, names: &[String]) {
         for name in names {
@@ -316,14 +332,7 @@ impl Reconciler {
         let usage = DaemonUsage {
             reconciler: self,
             blob_uses: self.fs.blob_uses(),
-            fetching: self
-                .works
-                .values()
-                .filter_map(|w| match &w.stage {
-                    Stage::Fetching { store, .. } => Some(store.clone()),
-                    _ => None,
-                })
-                .collect(),
+            fetching: self.fetching_stores(),
         };
         let found = plan(&self.records, &self.state, &usage, partial_max_age);
         // Only what has been garbage for the whole grace period goes.
@@ -367,13 +376,7 @@ impl Reconciler {
             return false;
         }
         for id in &ripe.stores {
-            self.records.remove_store(id);
-            self.store_bytes.remove(id);
-            self.metrics
-                .store_bytes
-                .remove(&crate::metrics::StoreLabel {
-                    store: id.to_string(),
-                });
+            self.forget_store(id);
         }
         // Records first: a store directory is removed only after no record names it. If they
         // cannot be saved (a full disk), nothing is removed: the next pass tries again.

@@ -474,14 +474,7 @@ impl Reconciler {
     /// Removes what nothing serves until `shortfall` bytes are free (or nothing is left to
     /// remove), in the order of [`decide::space::reclaim_order`]. Returns whether anything went.
     pub(super) fn reclaim(&mut self, shortfall: u64) -> bool {
-        let busy_fetch: std::collections::HashSet<StoreId> = self
-            .works
-            .values()
-            .filter_map(|w| match &w.stage {
-                Stage::Fetching { store, .. } => Some(store.clone()),
-                _ => None,
-            })
-            .collect();
+        let busy_fetch = self.fetching_stores();
         let now = Instant::now();
         let grace = self.config.gc_grace;
         let mut candidates = Vec::new();
@@ -580,13 +573,7 @@ impl Reconciler {
             return true;
         }
         for id in &chosen {
-            self.records.remove_store(id);
-            self.store_bytes.remove(id);
-            self.metrics
-                .store_bytes
-                .remove(&crate::metrics::StoreLabel {
-                    store: id.to_string(),
-                });
+            self.forget_store(id);
         }
         // Records first (as garbage collection does): a directory goes only once no saved
         // record names it. A failed save removes nothing; the next tick tries again.

@@ -114,8 +114,10 @@ EOF
   start=$(date +%s.%N)
   local agent=""
   if [[ $name == split ]]; then
+    # Both append to one log (O_APPEND: neither overwrites the other's lines).
+    : >"$base/daemon.log"
     "$BIN" mount-server --mount "$models" --state "$state_dir" --no-keeper \
-      --mount-socket "$base/agent.sock" >"$base/daemon.log" 2>&1 &
+      --mount-socket "$base/agent.sock" >>"$base/daemon.log" 2>&1 &
     D_PID=$!
     for _ in $(seq 1 300); do grep -q 'waiting for the agent' "$base/daemon.log" && break; sleep 0.1; done
     # The agent's pod: the models root (with the FUSE mount on it) and the state directory are
@@ -167,6 +169,8 @@ EOF
   printf '       Ready after %.1f s\n' "$(echo "$end - $start" | bc -l)"
   grep -o 'the store and the models root [^"]*' "$base/daemon.log" | head -1 | sed 's/^/       log: /' || true
   grep -o 'adoption_copies=[^ ]*' "$base/daemon.log" | head -1 | sed 's/^/       /' || true
+  # Kept beside the work directory: the filesystem holding $base is unmounted on exit.
+  cp "$base/daemon.log" "$WORK/$name.log"
 }
 
 echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"

@@ -324,7 +324,7 @@ impl FsCore {
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 
-    /// Opens `ino` for reading as a new handle (see [`FsCore::open_blob`] for what is opened)
+    /// Opens `ino` for reading as a new handle (the blob the mapping serves now, see `open_blob`)
     /// in the inode's mode (module docs). `register` is asked for a registration of the blob
     /// when the inode has none; its flag says whether one may be made (false while the inode
     /// has read-through handles open: a registration returned then is dropped). It runs under

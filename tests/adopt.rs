@@ -530,11 +530,12 @@ impl SplitLayout {
 
     fn start(env: &TestEnv, raid: PathBuf, hub: &TestHub) -> Self {
         let socket = env.dir("run").join("agent.sock");
+        let listen_file = env.root.path().join("agent.addr");
         let mut layout = SplitLayout {
             models_root: raid.join("models"),
             state: raid.join(".modelfs-models"),
             raid,
-            listen: format!("127.0.0.1:{}", free_port()),
+            listen: String::new(),
             log: env.root.path().join("split.log"),
             server: None,
             agent: None,
@@ -581,12 +582,17 @@ impl SplitLayout {
             .arg("--models")
             .arg(&env.models)
             .arg("--listen")
-            .arg(&layout.listen)
+            .arg(ANY_PORT)
+            .arg("--listen-addr-file")
+            .arg(&listen_file)
             .arg("--mount-socket")
             .arg(&socket)
             .args(hf_flags(hub));
         common(&mut agent, layout.log_file());
         layout.agent = Some(agent.spawn().unwrap());
+        layout.listen = listen_addr(&listen_file, std::time::Duration::from_secs(30), || {
+            layout.log_text()
+        });
         wait_for("the agent", std::time::Duration::from_secs(30), || {
             matches!(http_get(&layout.listen, "/readyz"), Some((200, _)))
         });

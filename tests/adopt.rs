@@ -626,21 +626,24 @@ impl SplitLayout {
 
 impl Drop for SplitLayout {
     fn drop(&mut self) {
-        for child in [self.agent.take(), self.server.take()]
+        // A test that failed before `stop` leaves the processes and the mount.
+        let running: Vec<_> = [self.agent.take(), self.server.take()]
             .into_iter()
             .flatten()
-        {
-            let mut child = child;
-            let _ = child.kill();
-            let _ = child.wait();
+            .collect();
+        if !running.is_empty() {
+            for mut child in running {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            let _ = std::process::Command::new(BIN)
+                .arg("unmount")
+                .arg("--mount")
+                .arg(&self.models_root)
+                .arg("--state")
+                .arg(&self.state)
+                .status();
         }
-        let _ = std::process::Command::new(BIN)
-            .arg("unmount")
-            .arg("--mount")
-            .arg(&self.models_root)
-            .arg("--state")
-            .arg(&self.state)
-            .status();
         let _ = std::process::Command::new("umount")
             .arg("-l")
             .arg(&self.raid)

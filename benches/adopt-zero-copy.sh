@@ -9,10 +9,14 @@
 # of their own (a loop device), so `df` sees nothing but the daemon. Then, for each placement:
 #   same:  --mount $FS/s/models, no --state (default: $FS/s/.modelfs-models);
 #   other: --mount $FS/o/models, --state on a tmpfs (another filesystem);
-# starts `modelfs serve`, waits for the model to be Ready, and reports: `df` of the models
-# root's filesystem and of the state's before and after, bytes the agent read from storage
-# (/proc/<agent>/io read_bytes, page cache dropped before), bytes the hub served (0: nothing
-# downloaded), and the start-up placement line.
+#   split: the shipped Kubernetes layout (deploy/base): `modelfs mount-server` and `modelfs
+#          agent` as separate processes, the server seeing --mount and --state through one
+#          mount (their parent), the agent in a mount namespace of its own where they are two
+#          bind mounts (two hostPath volumes of one disk);
+# starts `modelfs serve` (or the two processes), waits for the model to be Ready, and reports:
+# `df` of the models root's filesystem and of the state's before and after, bytes the agent
+# read from storage (/proc/<agent>/io read_bytes, page cache dropped before), bytes the hub
+# served (0: nothing downloaded), and the start-up placement line.
 #
 # Usage: benches/adopt-zero-copy.sh
 # Env:   SIZE_MIB (default 2048), WORK (default a new temp dir), PROFILE (release|debug,
@@ -25,7 +29,6 @@ SIZE_MIB=${SIZE_MIB:-2048}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 PROFILE=${PROFILE:-release}
-# Short paths: the agent socket lives below the state directory (sun_path is 108 bytes).
 WORK=${WORK:-$(mktemp -d /tmp/mfs-adopt.XXXXXX)}
 
 if [[ -n ${NO_BUILD:-} ]]; then
@@ -39,9 +42,10 @@ BIN=$TARGET/$PROFILE/modelfs
 HUB=$TARGET/$PROFILE/modelfs-hub
 
 cleanup() {
+  [[ -n ${A_PID:-} ]] && kill -TERM "$A_PID" 2>/dev/null && wait "$A_PID" 2>/dev/null || true
   [[ -n ${D_PID:-} ]] && kill -INT "$D_PID" 2>/dev/null && wait "$D_PID" 2>/dev/null || true
   [[ -n ${HUB_PID:-} ]] && kill "$HUB_PID" 2>/dev/null || true
-  for m in "$FS/s/models" "$FS/o/models" "$WORK/other-state" "$FS"; do
+  for m in "$FS/s/models" "$FS/o/models" "$FS/k/models" "$WORK/other-state" "$FS"; do
     umount -l "$m" 2>/dev/null || true
   done
 }
@@ -67,11 +71,11 @@ URL=$(sed -n 's/^listening //p' "$WORK/hub.out")
 [[ -n $URL ]] || { echo "hub did not start"; cat "$WORK/hub.err"; exit 1; }
 hub_bytes() { curl -s "$URL/_hub/stats" | jq -r .bytes_served; }
 
-# The filesystem of the models roots: ext4 on a loop device, room for two old trees.
+# The filesystem of the models roots: ext4 on a loop device, room for three old trees.
 FS=$WORK/f
 mkdir -p "$FS"
 rm -f "$WORK/fs.img"
-truncate -s $((3 * SIZE_MIB + 1024))M "$WORK/fs.img"
+truncate -s $((4 * SIZE_MIB + 1024))M "$WORK/fs.img"
 mkfs.ext4 -q -F "$WORK/fs.img"
 mount -o loop "$WORK/fs.img" "$FS"
 
@@ -80,7 +84,9 @@ used_kib() { df --output=used -k "$1" | tail -1 | tr -d ' '; }
 
 run() {
   local name=$1 state_flag=$2 state_dir=$3
-  local base=$FS/${name:0:1} models=$FS/${name:0:1}/models
+  local short=${name:0:1}
+  [[ $name == split ]] && short=k
+  local base=$FS/$short models=$FS/$short/models
   rm -rf "$base" && mkdir -p "$models/llama"
   # The old agent's download: a copy of the files at the model's path.
   cp "$SRC"/* "$models/llama/"
@@ -106,11 +112,29 @@ EOF
   local port=$((20000 + RANDOM % 20000))
   local start end
   start=$(date +%s.%N)
-  # shellcheck disable=SC2086
-  "$BIN" serve --mount "$models" $state_flag --models "$base/manifests" \
-    --listen "127.0.0.1:$port" --hf-endpoint "$URL" --no-keeper >"$base/daemon.log" 2>&1 &
-  D_PID=$!
   local agent=""
+  if [[ $name == split ]]; then
+    # Both append to one log (O_APPEND: neither overwrites the other's lines).
+    : >"$base/daemon.log"
+    "$BIN" mount-server --mount "$models" --state "$state_dir" --no-keeper \
+      --mount-socket "$base/agent.sock" >>"$base/daemon.log" 2>&1 &
+    D_PID=$!
+    for _ in $(seq 1 300); do grep -q 'waiting for the agent' "$base/daemon.log" && break; sleep 0.1; done
+    # The agent's pod: the models root (with the FUSE mount on it) and the state directory are
+    # two volumes, each a bind mount of its own.
+    unshare --mount --propagation private sh -c \
+      'mount --rbind "$1" "$1" && mount --bind "$2" "$2" && shift 2 && exec "$@"' sh \
+      "$models" "$state_dir" "$BIN" agent --mount "$models" --state "$state_dir" \
+      --models "$base/manifests" --listen "127.0.0.1:$port" --hf-endpoint "$URL" \
+      --mount-socket "$base/agent.sock" >>"$base/daemon.log" 2>&1 &
+    A_PID=$!
+    agent=$A_PID
+  else
+    # shellcheck disable=SC2086
+    "$BIN" serve --mount "$models" $state_flag --models "$base/manifests" \
+      --listen "127.0.0.1:$port" --hf-endpoint "$URL" --no-keeper >"$base/daemon.log" 2>&1 &
+    D_PID=$!
+  fi
   for _ in $(seq 1 6000); do
     [[ -z $agent ]] && agent=$(pgrep -P "$D_PID" -f ' agent ' | head -1 || true)
     if curl -s "127.0.0.1:$port/v1/models" | jq -e '.["clusterbasemodel.llama"].status == "Ready"' >/dev/null 2>&1; then
@@ -126,6 +150,8 @@ EOF
   models_after=$(used_kib "$base")
   state_after=$(used_kib "$state_dir")
   hub_after=$(hub_bytes)
+  if [[ -n ${A_PID:-} ]]; then kill -TERM "$A_PID"; wait "$A_PID" 2>/dev/null || true; fi
+  A_PID=""
   kill -INT "$D_PID"; wait "$D_PID" 2>/dev/null || true
   D_PID=""
   local same_fs
@@ -143,12 +169,15 @@ EOF
   printf '       Ready after %.1f s\n' "$(echo "$end - $start" | bc -l)"
   grep -o 'the store and the models root [^"]*' "$base/daemon.log" | head -1 | sed 's/^/       log: /' || true
   grep -o 'adoption_copies=[^ ]*' "$base/daemon.log" | head -1 | sed 's/^/       /' || true
+  # Kept beside the work directory: the filesystem holding $base is unmounted on exit.
+  cp "$base/daemon.log" "$WORK/$name.log"
 }
 
 echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB RAM, kernel $(uname -r)"
-echo "models roots on: $(df --output=fstype "$FS" | tail -1 | tr -d ' ') (loop device, $((3 * SIZE_MIB + 1024)) MiB)"
+echo "models roots on: $(df --output=fstype "$FS" | tail -1 | tr -d ' ') (loop device, $((4 * SIZE_MIB + 1024)) MiB)"
 echo "adopting $((TOTAL >> 20)) MiB (5 files) left by an old agent"
 run same "" "$FS/s/.modelfs-models"
 mkdir -p "$WORK/other-state"
 mount -t tmpfs -o size=$((SIZE_MIB + 512))m modelfs-bench-state "$WORK/other-state"
 run other "--state $WORK/other-state" "$WORK/other-state"
+run split "" "$FS/k/.modelfs-models"

@@ -131,10 +131,19 @@ def check_daemonset(objects, problems):
             return next((a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")), None)
 
         def host_path(directory):
-            found = [m for m in mounts.values() if m["mountPath"] == directory]
+            """The volume mount that holds `directory` (the deepest whose mountPath is it or a
+            parent of it) and the host path it reaches there, or (None, None)."""
+            if not directory:
+                return None, None
+            inside = lambda m: directory == m["mountPath"] or directory.startswith(m["mountPath"].rstrip("/") + "/")
+            found = sorted((m for m in mounts.values() if inside(m)), key=lambda m: len(m["mountPath"]))
             if not found:
                 return None, None
-            return found[0], volumes.get(found[0]["name"], {}).get("hostPath", {}).get("path")
+            mount = found[-1]
+            host = volumes.get(mount["name"], {}).get("hostPath", {}).get("path")
+            if host is not None:
+                host = host.rstrip("/") + directory[len(mount["mountPath"].rstrip("/")):]
+            return mount, host
 
         return container, mounts, args, arg, host_path
 
@@ -178,9 +187,14 @@ def check_daemonset(objects, problems):
         s_path, a_path = s_host(s_dir)[1], a_host(a_dir)[1]
         if s_path is None or s_path != a_path or s_arg(what) != a_arg(what):
             problems.append(f"--{what} must be the same hostPath in both DaemonSets")
-    state_host = s_host(s_arg("state"))[1]
+    state_volume, state_host = s_host(s_arg("state"))
     if models_host and state_host and state_host.rstrip("/").rsplit("/", 1)[0] != models_host.rstrip("/").rsplit("/", 1)[0]:
         problems.append("the state directory must be a hostPath beside the models root (its disk; SPEC 12)")
+    # A hard link needs one mount: adoption links the old files into the stores only when the
+    # mount server reaches the models root and the state directory through one volume.
+    if models and state_volume and models["name"] != state_volume["name"]:
+        problems.append("the mount server must reach the models root and the state directory through one "
+                        "volume (their common parent), or adopting old files copies them")
     env = {e["name"]: e for e in agent.get("env", [])}
     if env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "spec.nodeName":
         problems.append("NODE_NAME must come from the downward API (spec.nodeName)")

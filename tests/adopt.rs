@@ -500,3 +500,253 @@ fn a_models_root_that_is_a_bind_mount_is_mounted_over_and_adopted() {
     assert_eq!(inodes.len(), 1, "adopted into one store");
     assert_ne!(inodes[0], std::fs::metadata(&file).unwrap().ino(), "copied");
 }
+
+/// The agent and the mount server of the shipped Kubernetes layout (deploy/base), as separate
+/// processes: the mount server sees the models root and the state directory through one mount
+/// (their common parent, one hostPath volume), the agent through two (one volume each, bind
+/// mounts in a private mount namespace), so no path of the agent's can hard-link between them.
+struct SplitLayout {
+    raid: PathBuf,
+    models_root: PathBuf,
+    state: PathBuf,
+    listen: String,
+    log: PathBuf,
+    server: Option<std::process::Child>,
+    agent: Option<std::process::Child>,
+}
+
+impl SplitLayout {
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn log_file(&self) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap()
+    }
+
+    fn start(env: &TestEnv, raid: PathBuf, hub: &TestHub) -> Self {
+        let socket = env.dir("run").join("agent.sock");
+        let listen_file = env.root.path().join("agent.addr");
+        let mut layout = SplitLayout {
+            models_root: raid.join("models"),
+            state: raid.join(".modelfs-models"),
+            raid,
+            listen: String::new(),
+            log: env.root.path().join("split.log"),
+            server: None,
+            agent: None,
+        };
+        let common = |cmd: &mut std::process::Command, log: std::fs::File| {
+            cmd.env("RUST_LOG", "info,modelfs=debug")
+                .stdin(std::process::Stdio::null())
+                .stdout(log.try_clone().unwrap())
+                .stderr(log);
+        };
+        let mut server = std::process::Command::new(BIN);
+        server
+            .arg("mount-server")
+            .arg("--mount")
+            .arg(&layout.models_root)
+            .arg("--state")
+            .arg(&layout.state)
+            .arg("--mount-socket")
+            .arg(&socket)
+            .args(["--fuse-transport", "dev"]);
+        common(&mut server, layout.log_file());
+        layout.server = Some(server.spawn().unwrap());
+        wait_for(
+            "the mount server",
+            std::time::Duration::from_secs(30),
+            || layout.log_text().contains("waiting for the agent"),
+        );
+
+        // The agent's pod: the models root (with the FUSE mount on it) and the state directory
+        // are two volumes, each a bind mount of its own.
+        let mut agent = std::process::Command::new("unshare");
+        agent
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(r#"mount --rbind "$1" "$1" && mount --bind "$2" "$2" && shift 2 && exec "$@""#)
+            .arg("sh")
+            .arg(&layout.models_root)
+            .arg(&layout.state)
+            .arg(BIN)
+            .arg("agent")
+            .arg("--mount")
+            .arg(&layout.models_root)
+            .arg("--state")
+            .arg(&layout.state)
+            .arg("--models")
+            .arg(&env.models)
+            .arg("--listen")
+            .arg(ANY_PORT)
+            .arg("--listen-addr-file")
+            .arg(&listen_file)
+            .arg("--mount-socket")
+            .arg(&socket)
+            .args(hf_flags(hub));
+        common(&mut agent, layout.log_file());
+        layout.agent = Some(agent.spawn().unwrap());
+        layout.listen = listen_addr(&listen_file, std::time::Duration::from_secs(30), || {
+            layout.log_text()
+        });
+        wait_for("the agent", std::time::Duration::from_secs(30), || {
+            matches!(http_get(&layout.listen, "/readyz"), Some((200, _)))
+        });
+        layout
+    }
+
+    fn wait_ready(&self, key: &str) {
+        wait_for(
+            &format!("{key} Ready"),
+            std::time::Duration::from_secs(60),
+            || {
+                http_get(&self.listen, "/v1/models")
+                    .and_then(|(_, body)| serde_json::from_str::<serde_json::Value>(&body).ok())
+                    .is_some_and(|doc| doc[key]["status"] == "Ready")
+            },
+        );
+    }
+
+    /// Stops the agent (SIGTERM, as a rollout does) and ends the mount (SIGINT).
+    fn stop(&mut self) {
+        if let Some(mut agent) = self.agent.take() {
+            terminate(agent.id());
+            agent.wait().unwrap();
+        }
+        if let Some(mut server) = self.server.take() {
+            interrupt(server.id());
+            server.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for SplitLayout {
+    fn drop(&mut self) {
+        // A test that failed before `stop` leaves the processes and the mount.
+        let running: Vec<_> = [self.agent.take(), self.server.take()]
+            .into_iter()
+            .flatten()
+            .collect();
+        if !running.is_empty() {
+            for mut child in running {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            let _ = std::process::Command::new(BIN)
+                .arg("unmount")
+                .arg("--mount")
+                .arg(&self.models_root)
+                .arg("--state")
+                .arg(&self.state)
+                .status();
+        }
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.raid)
+            .status();
+    }
+}
+
+/// Bytes free on the filesystem holding `dir`.
+fn free_bytes(dir: &Path) -> u64 {
+    let st = rustix::fs::statvfs(dir).unwrap();
+    st.f_bavail * st.f_frsize
+}
+
+#[test]
+fn adoption_in_the_shipped_kubernetes_layout_links_without_a_copy() {
+    let hub = TestHub::start(50);
+    let env = TestEnv::new();
+    let dir_m = env.dir("repo");
+    make_model_dir(&dir_m, 51, 24 << 20);
+    hub.hub().add_commit(
+        "org/m",
+        &["main"],
+        files_from_dir(&dir_m, 64 << 10).unwrap(),
+    );
+    let size: u64 = tree(&dir_m).values().map(|v| v.1).sum();
+
+    // The node's large disk: a filesystem of its own, so `df` sees only this test.
+    let raid = env.dir("raid");
+    sh(&format!(
+        "mount -t tmpfs -o size=256m modelfs-raid '{}'",
+        raid.display()
+    ));
+    let old = raid.join("models/shared/m");
+    prefill(&dir_m, &old);
+    let before = snapshot(&raid.join("models"));
+    let old_ino = std::fs::metadata(old.join(BIG)).unwrap().ino();
+    env.write_models(
+        "m.yaml",
+        &cluster_model(
+            "m",
+            "hf://org/m",
+            "AlwaysDownload",
+            Some(&old.display().to_string()),
+        ),
+    );
+    let free_before = free_bytes(&raid);
+
+    let mut layout = SplitLayout::start(&env, raid.clone(), &hub);
+    layout.wait_ready("clusterbasemodel.m");
+    assert_eq!(contents(&old), contents(&dir_m), "served through the mount");
+    assert_eq!(
+        hub.hub().stats().bytes_served,
+        0,
+        "log:\n{}",
+        layout.log_text()
+    );
+
+    // Every old file is the store's blob: one inode with two names, and the disk holds the
+    // bytes once (the state's own files are a few KiB).
+    let used = free_before.saturating_sub(free_bytes(&raid));
+    assert!(
+        used < size / 8,
+        "adoption used {used} bytes of the disk for {size} bytes of old files"
+    );
+    let log = layout.log_text();
+    assert!(
+        log.contains("adoption of old files links through the mount that holds both"),
+        "log:\n{log}"
+    );
+    layout.stop();
+    // Linked files are the store's: the old directory stays where it is (no trap there).
+    let after = snapshot(&raid.join("models"));
+    let trapped = traps(&after);
+    assert!(
+        !trapped.iter().any(|t| t.starts_with("shared/")),
+        "{trapped:?}"
+    );
+    for (rel, _) in files_of(&dir_m) {
+        let file = old.join(&rel);
+        let meta = std::fs::metadata(&file).unwrap();
+        if meta.len() == 0 {
+            continue;
+        }
+        let sha = hex::encode(Sha256::digest(std::fs::read(&file).unwrap()));
+        let blobs: Vec<std::fs::Metadata> = env_stores(&layout.state)
+            .iter()
+            .filter_map(|s| std::fs::metadata(s.join("blobs").join(&sha)).ok())
+            .collect();
+        assert_eq!(blobs.len(), 1, "{rel} adopted into one store");
+        assert_eq!(blobs[0].ino(), meta.ino(), "{rel} linked, not copied");
+        assert_eq!(meta.nlink(), 2, "{rel}: the old name and the blob");
+    }
+    assert_eq!(std::fs::metadata(old.join(BIG)).unwrap().ino(), old_ino);
+    assert_eq!(
+        without_traps(after, &before),
+        before,
+        "the old tree was modified"
+    );
+}
+
+/// The store directories under `state`.
+fn env_stores(state: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(state.join("stores"))
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default()
+}

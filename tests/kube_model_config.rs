@@ -64,7 +64,14 @@ fn model(
     if let Some(ns) = namespace {
         metadata["namespace"] = json!(ns);
     }
-    let mut object = json!({"metadata": metadata, "spec": {"storage": {"storageUri": uri}}});
+    // Served at the default path: without one, a local:// model is at its own directory
+    // (outside the models root here: nothing served), as OME's agent takes it.
+    let path = match namespace {
+        Some(ns) => format!("{ns}/{name}"),
+        None => name.to_owned(),
+    };
+    let mut object =
+        json!({"metadata": metadata, "spec": {"storage": {"storageUri": uri, "path": path}}});
     json_patch::merge(&mut object, &extra);
     (kind_path.to_string(), object)
 }
@@ -182,7 +189,7 @@ async fn configmap_entry_and_spec_backfill_with_skip_and_broken_configs() {
     let skipped = server.get(BM, "team", "skipped").unwrap();
     assert_eq!(
         skipped["spec"],
-        json!({"storage": {"storageUri": uri}}),
+        json!({"storage": {"storageUri": uri, "path": "team/skipped"}}),
         "the skipped model's spec is untouched"
     );
     let skipped_path = "PATCH /apis/ome.io/v1beta1/namespaces/team/basemodels/skipped";
@@ -222,7 +229,7 @@ async fn configmap_entry_and_spec_backfill_with_skip_and_broken_configs() {
     assert_eq!(labels["models.ome.io/clusterbasemodel.broken"], "Ready");
     assert_eq!(
         server.get(CBM, "", "broken").unwrap()["spec"],
-        json!({"storage": {"storageUri": broken_uri}})
+        json!({"storage": {"storageUri": broken_uri, "path": "broken"}})
     );
     assert_eq!(
         std::fs::read(daemon.mount.join("broken/weights.bin")).unwrap(),

@@ -743,3 +743,105 @@ async fn progress_is_written_with_omes_phases_at_the_configured_interval() {
     assert!(ready.get("progress").is_none(), "{ready}");
     drop(daemon);
 }
+
+/// `local://` as OME's agent sees it, through the mount: a model without `storage.path` is at
+/// its directory. Outside the models root it is `Ready` with OME's entry and nothing is served
+/// (the pod binds the node's directory); below the models root the files are taken into a
+/// store by hard link (no copy) and served at that very directory, read-only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_models_without_a_path_are_at_their_directory() {
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let outside = data.path().join("outside");
+    make_model_dir(&outside, 91, 2 << 20);
+    let expected = files_of(&outside);
+    server.put(NODES, node());
+    let mut inside = PathBuf::new();
+    let daemon = start_daemon_over(&server, &["--allow-local-sources"], &[], |root| {
+        // Files an operator put below the models root, root's and read-only for others.
+        inside = root.join("local/in");
+        for (rel, _) in files_of(&outside) {
+            let to = inside.join(&rel);
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(outside.join(&rel), &to).unwrap();
+        }
+    });
+    let uri = |dir: &Path| format!("local://{}", dir.display());
+    server.put(
+        CBM,
+        cluster_model("out", without_path(json!({"storageUri": uri(&outside)}))),
+    );
+    server.put(
+        BM,
+        base_model(
+            "team",
+            "in",
+            without_path(json!({"storageUri": uri(&inside)})),
+        ),
+    );
+
+    let out = wait_status(&server, "clusterbasemodel.out", "Ready").await;
+    let served = wait_status(&server, "team.basemodel.in", "Ready").await;
+    let (_, body) = daemon.get("/v1/models");
+    let status: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        status["clusterbasemodel.out"]["path"],
+        outside.display().to_string(),
+        "{out}"
+    );
+    assert_eq!(
+        status["team.basemodel.in"]["path"],
+        inside.display().to_string(),
+        "{served}"
+    );
+    // The labels are written after the ConfigMap entries.
+    wait_for("both node labels Ready", || {
+        let labels = node_labels(&server);
+        ["clusterbasemodel.out", "team.basemodel.in"]
+            .iter()
+            .all(|key| {
+                labels
+                    .get(&format!("models.ome.io/{key}"))
+                    .map(String::as_str)
+                    == Some("Ready")
+            })
+            .then_some(())
+    })
+    .await;
+    // Nothing at a default path: the model outside the root is not served, the one inside is
+    // served at its directory only.
+    let mnt = daemon.mount.clone();
+    let top: Vec<String> = std::fs::read_dir(&mnt)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    assert_eq!(top, ["local"], "{}", daemon.log_text());
+    assert_eq!(files_of(&inside), expected, "served through the mount");
+    assert!(
+        std::fs::write(inside.join("config.json"), b"{}").is_err(),
+        "read-only"
+    );
+    // Each file's blob is the file the operator left: one inode, two names.
+    let stores = mnt.parent().unwrap().join("state/stores");
+    for (rel, sha) in &expected {
+        if std::fs::metadata(outside.join(rel)).unwrap().len() == 0 {
+            continue;
+        }
+        let blobs: Vec<u64> = std::fs::read_dir(&stores)
+            .unwrap()
+            .flatten()
+            .filter_map(|s| std::fs::metadata(s.path().join("blobs").join(sha)).ok())
+            .map(|m| std::os::unix::fs::MetadataExt::nlink(&m))
+            .collect();
+        assert_eq!(
+            blobs,
+            [2],
+            "{rel}: linked from the directory below the root"
+        );
+    }
+    // The outside directory is untouched and read by nothing but the existence check.
+    assert_eq!(files_of(&outside), expected);
+    drop(daemon);
+}

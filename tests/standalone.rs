@@ -706,3 +706,58 @@ fn a_taken_listen_address_fails_serve_before_mounting() {
     );
     drop(taken);
 }
+
+/// The agent's and the keeper's sockets live below `--state` by default; a state directory
+/// deeper than a socket address holds (108 bytes) still serves, and a restart still takes the
+/// mount over from the keeper through its socket there.
+#[test]
+fn a_state_directory_deeper_than_a_socket_address_serves_and_restarts() {
+    let mut env = TestEnv::new();
+    let mut state = env.root.path().join("state");
+    while state.as_os_str().len() < 150 {
+        state.push("a-rather-long-directory-name");
+    }
+    env.state = state;
+    let own_dir = modelfs_mount::server::own_dir(&env.state);
+    assert!(
+        modelfs_mount::server::default_socket(&env.state)
+            .as_os_str()
+            .len()
+            > 150
+    );
+    let src = env.dir("src");
+    make_model_dir(&src, 9, 1 << 20);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("a", &uri(&src), "AlwaysDownload", None),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.a", "Ready");
+    assert_eq!(contents(&env.mount.join("a")), contents(&src));
+    for socket in ["agent.sock", "keeper.sock"] {
+        let meta = std::fs::symlink_metadata(own_dir.join(socket)).unwrap();
+        assert!(
+            std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()),
+            "{socket}"
+        );
+    }
+    // The FUSE connection's device: a fresh mount would get another one.
+    let id = |m: &std::fs::Metadata| {
+        use std::os::unix::fs::MetadataExt;
+        (m.dev(), m.ino())
+    };
+    let before = id(&std::fs::metadata(env.mount.join("a")).unwrap());
+    d.kill9();
+
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.a", "Ready");
+    let after = id(&std::fs::metadata(env.mount.join("a")).unwrap());
+    assert_eq!(
+        after,
+        before,
+        "the same connection, taken over from the keeper; log:\n{}",
+        d.log_text()
+    );
+    assert_eq!(contents(&env.mount.join("a")), contents(&src));
+    assert!(d.stop(), "clean shutdown");
+}

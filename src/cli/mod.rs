@@ -748,6 +748,16 @@ async fn agent(args: ServeArgs) -> Result<()> {
         &mount_dir,
         &models_root_dir,
     ));
+    // Kubernetes mounts the state directory and the models root as two volumes of one disk:
+    // adoption links through the mount server's mount of both (see `UnderMount::link_root_for`).
+    let state = match under_mount.link_root_for(&state_dir) {
+        Ok(Some(dir)) => state.with_link_root(dir),
+        Ok(None) => state,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot tell whether the state directory is reachable through the models root's mount");
+            state
+        }
+    };
     let mounted = Arc::new(AtomicBool::new(true));
     let health = Arc::new(modelfs_agent::http::HealthChecks {
         state_dir: state_dir.clone(),

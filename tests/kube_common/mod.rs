@@ -95,11 +95,23 @@ impl Daemon {
 /// Starts the daemon in Kubernetes mode against `server`, with `extra` flags and `env`
 /// variables (`HF_TOKEN` is removed from the inherited environment).
 pub fn start_daemon(server: &FakeApiServer, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+    start_daemon_over(server, extra, env, |_| {})
+}
+
+/// [`start_daemon`], with `prepare` given the models root before the daemon mounts over it
+/// (what an old agent or an operator left there).
+pub fn start_daemon_over(
+    server: &FakeApiServer,
+    extra: &[&str],
+    env: &[(&str, &str)],
+    prepare: impl FnOnce(&Path),
+) -> Daemon {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
     let mount = dir.path().join("mnt");
     std::fs::create_dir_all(&mount).unwrap();
+    prepare(&mount);
     let listen_file = dir.path().join("daemon.addr");
     let log = dir.path().join("daemon.log");
     let mut command = Command::new(env!("CARGO_BIN_EXE_modelfs"));
@@ -132,13 +144,41 @@ pub fn start_daemon(server: &FakeApiServer, extra: &[&str], env: &[(&str, &str)]
 }
 
 pub fn cluster_model(name: &str, storage: Value) -> Value {
+    let storage = served_at(storage, name);
     json!({"metadata": {"name": name}, "spec": {"modelFormat": {"name": "safetensors"},
         "storage": storage}})
 }
 
 pub fn base_model(namespace: &str, name: &str, storage: Value) -> Value {
+    let storage = served_at(storage, &format!("{namespace}/{name}"));
     json!({"metadata": {"name": name, "namespace": namespace},
         "spec": {"modelFormat": {"name": "safetensors"}, "storage": storage}})
+}
+
+/// The tests' `local://` sources are directories outside the models root that the daemon is
+/// to serve in the mount: they get the model's default path (`<name>`, `<namespace>/<name>`)
+/// unless they give one, since without a path a `local://` model is at its own directory, as
+/// OME's agent takes it (outside the root: `Ready`, nothing served). `Value::Null` for "no
+/// path at all" is [`without_path`]'s.
+fn served_at(mut storage: Value, default_path: &str) -> Value {
+    let local = storage["storageUri"]
+        .as_str()
+        .is_some_and(|uri| uri.starts_with("local://"));
+    if let Some(map) = storage.as_object_mut() {
+        if local && !map.contains_key("path") {
+            map.insert("path".into(), Value::from(default_path));
+        }
+        if map.get("path").is_some_and(Value::is_null) {
+            map.remove("path");
+        }
+    }
+    storage
+}
+
+/// `storage` that keeps no path, even for a `local://` source (see [`served_at`]).
+pub fn without_path(mut storage: Value) -> Value {
+    storage["path"] = Value::Null;
+    storage
 }
 
 /// The node ConfigMap's entries, parsed.

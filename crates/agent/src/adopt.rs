@@ -54,6 +54,17 @@
 //! it) and reject the file; a rejected file gets its mode back. A store on another filesystem
 //! than the models root gets independent copies, with no shared inode at all. The same rules
 //! apply to a `local://` source below the models root, which is imported this way.
+//!
+//! # One filesystem, two mounts
+//! `link(2)` needs both ends reached through one mount. The descriptor of the covered
+//! directory comes from the mount server and is on its mount of the models root; the agent's
+//! own path of the state directory is on another mount whenever the two are separate volumes
+//! (Kubernetes), even of one disk. [`UnderMount::link_root_for`] finds the state directory
+//! through the covered directory's mount (the mount server's volume is their common parent),
+//! and the stores link through it (`modelfs_core::store::StateDir::with_link_root`): the link
+//! made there is the same directory entry the agent then verifies and renames by its own
+//! paths. The agent does the linking, with descriptors the mount server hands it anyway: the
+//! privileged server gains no operation.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
@@ -121,6 +132,50 @@ impl UnderMount {
     pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;
         self.dir.as_fd()
+    }
+
+    /// The state directory `state` reached through the mount of the covered directory, when
+    /// that is another mount of the state's filesystem than the one `state` names: the
+    /// directory that adoption links into ([`modelfs_core::store::StateDir::with_link_root`]).
+    /// `Ok(None)` when no link needs it (the state is on the covered directory's mount, or on
+    /// another filesystem) or when it cannot be reached that way.
+    ///
+    /// Kubernetes gives each hostPath volume a mount of its own, so the agent's state
+    /// directory and the mount server's models root are two mounts of one disk even when the
+    /// state sits beside the models root, and `link(2)` refuses (`EXDEV`) what one filesystem
+    /// could link. The mount server mounts their common parent as one volume: walking from
+    /// the covered directory by the lexical path from the models root to the state directory
+    /// (`../.modelfs-models`) then stays on that one mount. What is reached is used only if it
+    /// is the state directory itself (same device and inode) and on the covered directory's
+    /// mount; no symlink is followed on the way.
+    pub fn link_root_for(&self, state: &Path) -> io::Result<Option<OwnedFd>> {
+        use rustix::fs::StatxFlags;
+        let flags = StatxFlags::MNT_ID | StatxFlags::BASIC_STATS;
+        let here = rustix::fs::statx(&self.dir, "", AtFlags::EMPTY_PATH, flags)?;
+        let there = rustix::fs::statx(rustix::fs::CWD, state, AtFlags::empty(), flags)?;
+        let dev = |s: &rustix::fs::Statx| (s.stx_dev_major, s.stx_dev_minor);
+        if here.stx_mnt_id == there.stx_mnt_id || dev(&here) != dev(&there) {
+            return Ok(None);
+        }
+        let Some(rel) = lexical_path_between(&self.names[0], state) else {
+            return Ok(None);
+        };
+        let dir = match rustix::fs::openat2(
+            &self.dir,
+            &rel,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+        ) {
+            Ok(dir) => dir,
+            Err(e) => {
+                tracing::debug!(path = %rel.display(), error = %e, "the state directory is not reachable from the models root's mount");
+                return Ok(None);
+            }
+        };
+        let reached = rustix::fs::statx(&dir, "", AtFlags::EMPTY_PATH, flags)?;
+        let same_dir = dev(&reached) == dev(&there) && reached.stx_ino == there.stx_ino;
+        Ok((same_dir && reached.stx_mnt_id == here.stx_mnt_id).then_some(dir))
     }
 
     /// The size of the regular file at `rel` when adoption would hard-link it (owned by root,
@@ -223,6 +278,40 @@ impl UnderMount {
         }
         Ok(Some(file))
     }
+}
+
+/// The relative path that leads from directory `from` to `to`, both absolute, by their names
+/// alone (`..` up to their common ancestor, then down): `/raid/models` to
+/// `/raid/.modelfs-models` is `../.modelfs-models`. `None` when either is not absolute or
+/// holds `..`, or when `to` is `from` or below it.
+fn lexical_path_between(from: &Path, to: &Path) -> Option<PathBuf> {
+    let parts = |p: &Path| -> Option<Vec<OsString>> {
+        if !p.is_absolute() {
+            return None;
+        }
+        let mut out = Vec::new();
+        for c in p.components() {
+            match c {
+                Component::Normal(n) => out.push(n.to_os_string()),
+                Component::RootDir | Component::CurDir => {}
+                Component::ParentDir | Component::Prefix(_) => return None,
+            }
+        }
+        Some(out)
+    };
+    let (from, to) = (parts(from)?, parts(to)?);
+    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+    if common == from.len() {
+        return None;
+    }
+    let mut rel = PathBuf::new();
+    for _ in common..from.len() {
+        rel.push("..");
+    }
+    for name in &to[common..] {
+        rel.push(name);
+    }
+    Some(rel)
 }
 
 /// Pushes the components of `path` onto the stack `todo` so that the first component is popped
@@ -460,6 +549,28 @@ mod tests {
         assert_eq!(under.relative_of(&root.join("x")), Some(p("x")));
         assert_eq!(under.relative_of(Path::new("/raid/models/../etc")), None);
         assert_eq!(under.relative_of(Path::new("/raid/other")), None);
+    }
+
+    #[test]
+    fn the_path_from_the_models_root_to_the_state_is_lexical() {
+        let between = |a: &str, b: &str| lexical_path_between(Path::new(a), Path::new(b));
+        let p = |s: &str| Some(PathBuf::from(s));
+        assert_eq!(
+            between("/raid/models", "/raid/.modelfs-models"),
+            p("../.modelfs-models")
+        );
+        assert_eq!(
+            between("/mnt/data/models/", "/mnt/state/./m"),
+            p("../../state/m")
+        );
+        assert_eq!(
+            between("/raid/models", "/var/lib/modelfs"),
+            p("../../var/lib/modelfs")
+        );
+        assert_eq!(between("/raid/models", "/raid/models/.state"), None);
+        assert_eq!(between("/raid/models", "/raid/models"), None);
+        assert_eq!(between("/raid/models", "/raid/x/../y"), None);
+        assert_eq!(between("raid/models", "/raid/y"), None);
     }
 
     #[test]

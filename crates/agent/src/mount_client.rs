@@ -99,7 +99,8 @@ pub fn handshake(
         path: socket.to_path_buf(),
         source,
     };
-    let mut stream = UnixStream::connect(socket).map_err(unavailable)?;
+    let short = modelfs_mount::sockpath::SocketPath::new(socket).map_err(unavailable)?;
+    let mut stream = UnixStream::connect(short.path()).map_err(unavailable)?;
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .map_err(unavailable)?;

@@ -154,6 +154,7 @@ pub mod owndir;
 pub mod probe;
 pub mod protocol;
 pub mod server;
+pub mod sockpath;
 pub mod supervise;
 pub mod takeover;
 pub mod underlay;

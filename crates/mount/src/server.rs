@@ -686,7 +686,7 @@ fn bind_socket(path: &Path) -> io::Result<UnixListener> {
     }
     let stale = match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
-            if UnixStream::connect(path).is_ok() {
+            if UnixStream::connect(crate::sockpath::SocketPath::new(path)?.path()).is_ok() {
                 return Err(io::Error::new(
                     io::ErrorKind::AddrInUse,
                     format!("another server listens on {}", path.display()),
@@ -714,7 +714,7 @@ fn bind_socket(path: &Path) -> io::Result<UnixListener> {
     std::fs::DirBuilder::new().mode(0o700).create(&private)?;
     let bound = (|| {
         let inner = private.join(&name);
-        let listener = UnixListener::bind(&inner)?;
+        let listener = UnixListener::bind(crate::sockpath::SocketPath::new(&inner)?.path())?;
         std::fs::set_permissions(&inner, std::fs::Permissions::from_mode(0o600))?;
         if stale {
             match std::fs::remove_file(path) {

@@ -228,7 +228,8 @@ fn connect(socket: &Path) -> Result<OwnedFd, KeeperError> {
         None,
     )
     .map_err(|e| unavailable(e.into()))?;
-    let addr = SocketAddrUnix::new(socket).map_err(|e| unavailable(e.into()))?;
+    let short = crate::sockpath::SocketPath::new(socket).map_err(unavailable)?;
+    let addr = SocketAddrUnix::new(short.path()).map_err(|e| unavailable(e.into()))?;
     rustix::net::connect(&sock, &addr).map_err(|e| unavailable(e.into()))?;
     Ok(sock)
 }
@@ -612,7 +613,8 @@ fn bind(path: &Path) -> anyhow::Result<OwnedFd> {
         SocketFlags::CLOEXEC,
         None,
     )?;
-    rustix::net::bind(&sock, &SocketAddrUnix::new(path)?)
+    let short = crate::sockpath::SocketPath::new(path)?;
+    rustix::net::bind(&sock, &SocketAddrUnix::new(short.path())?)
         .with_context(|| format!("binding {}", path.display()))?;
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     rustix::net::listen(&sock, 16)?;

@@ -106,6 +106,32 @@ pub const LOCAL_SOURCE_REFUSED: &str = "local:// sources are refused in Kubernet
     would let any object author read files of the node (start the daemon with \
     --allow-local-sources to permit them)";
 
+/// A `local://` model without `spec.storage.path` is at its directory: OME's agent takes the
+/// URI's directory as the model's path (it checks that directory and the pod binds it), so the
+/// object gets that directory as its path. Below the models root it is then served there (its
+/// files taken into a store by hard link, see `crate::adopt`); outside it the model is `Ready`
+/// with nothing served, like one whose path is given outside the root. Relative directories
+/// are left alone (refused below). Standalone manifests keep modelfs's own default path
+/// (`<name>`, `<namespace>/<name>`): there `local://` imports a directory to serve it.
+fn local_dir_as_path(mut object: modelfs_ome::ModelObject) -> modelfs_ome::ModelObject {
+    let Some(storage) = object.spec.storage.as_mut() else {
+        return object;
+    };
+    if storage.path.as_deref().is_some_and(|p| !p.is_empty()) {
+        return object;
+    }
+    let local = storage
+        .storage_uri
+        .as_deref()
+        .and_then(|uri| SourceUri::parse(uri).ok());
+    if let Some(SourceUri::Local { path }) = local {
+        if path.is_absolute() {
+            storage.path = Some(path.display().to_string());
+        }
+    }
+    object
+}
+
 /// Plans the desired set for `node` from every model object in the cluster.
 pub fn plan(objects: &[RawObject], node: &NodeFacts, config: &PlanConfig) -> Plan {
     let mut plan = Plan::default();
@@ -181,6 +207,7 @@ fn plan_one(object: &RawObject, node: &NodeFacts, config: &PlanConfig, plan: &mu
             return;
         }
     }
+    let parsed = local_dir_as_path(parsed);
     let mut spec = match parsed.to_spec(&config.models_root_dir) {
         Ok(spec) => spec,
         Err(error) => {
@@ -480,6 +507,52 @@ mod tests {
             .unwrap()
             .1;
         assert!(local.is_ok());
+    }
+
+    /// As OME's agent: a `local://` model without a path is at its directory (served there
+    /// below the models root, `Ready` with nothing served outside it); a given path wins.
+    #[test]
+    fn a_local_model_without_a_path_is_at_its_directory() {
+        let local = |name: &str, storage: Value| {
+            object(
+                ModelKind::ClusterBaseModel,
+                None,
+                name,
+                json!({ "storage": storage }),
+            )
+        };
+        let objects = vec![
+            local(
+                "inside",
+                json!({"storageUri": "local:///mnt/models/team/m"}),
+            ),
+            local("outside", json!({"storageUri": "local:///srv/m"})),
+            local("empty", json!({"storageUri": "local:///srv/m", "path": ""})),
+            local(
+                "given",
+                json!({"storageUri": "local:///srv/m", "path": "/mnt/models/g"}),
+            ),
+            local("hub", json!({"storageUri": "hf://a/b"})),
+        ];
+        let plan = plan(&objects, &node(), &config(true));
+        let spec = |name: &str| {
+            let key = ModelKey::new(ModelKind::ClusterBaseModel, None, name).unwrap();
+            plan.models[&key].clone().unwrap()
+        };
+        let inside = spec("inside");
+        assert_eq!(inside.path.to_string(), "team/m");
+        assert_eq!(inside.node_dir, None);
+        for name in ["outside", "empty"] {
+            let s = spec(name);
+            assert_eq!(s.node_dir.as_deref(), Some(Path::new("/srv/m")), "{name}");
+        }
+        let given = spec("given");
+        assert_eq!((given.path.to_string(), given.node_dir), ("g".into(), None));
+        assert_eq!(
+            spec("hub").path.to_string(),
+            "hub",
+            "other schemes keep the default"
+        );
     }
 
     #[test]

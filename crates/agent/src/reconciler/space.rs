@@ -146,8 +146,18 @@ impl Reconciler {
                 return;
             }
         };
-        self.disk.links = placement.links();
+        let through_server = self.state.links_through_another_mount();
+        self.disk.links = placement.links() || through_server;
         let human = decide::space::human_bytes;
+        if through_server {
+            tracing::info!(
+                state = %state.display(),
+                models_root = %self.config.models_root_dir.display(),
+                free = %human(placement.state_free),
+                "the store and the models root are on one filesystem, mounted twice: adoption of old files links through the mount that holds both (no copy)"
+            );
+            return;
+        }
         if placement.links() {
             tracing::info!(
                 state = %state.display(),
@@ -170,7 +180,7 @@ impl Reconciler {
             models_root_free = %human(placement.models_root_free),
             same_filesystem = placement.same_filesystem(),
             adoption_copies = %human(old),
-            "the store and the models root are not one mount: adopting the files under the models root copies them (up to the size shown, read and written once) instead of linking them; put --state beside the models root (the default) to adopt without a copy"
+            "the store and the models root are not one mount: adopting the files under the models root copies them (up to the size shown, read and written once) instead of linking them; put --state beside the models root (the default) to adopt without a copy, and where they are two mounts of one filesystem (two hostPath volumes) give the mount server their common parent as one volume (deploy/base/mount-server.yaml)"
         );
     }
 

@@ -115,6 +115,18 @@ pub struct Store {
     /// plants on the way (the store's directory, `blobs/`, the blob) is followed. `None`: the
     /// store's own directory is opened by its path at each open (a caller that trusts it).
     beneath: Option<Arc<OwnedFd>>,
+    /// The same store directory reached through another mount of its filesystem (see
+    /// [`super::StateDir::with_link_root`]): a file opened through that mount is linked into
+    /// `tmp/` there when a link by the store's own path fails with `EXDEV`.
+    link_via: Option<LinkVia>,
+}
+
+/// A store's directory reached through another mount: the state directory's descriptor on
+/// that mount and the store's path below it.
+#[derive(Clone, Debug)]
+struct LinkVia {
+    state: Arc<OwnedFd>,
+    rel: PathBuf,
 }
 
 impl Store {
@@ -124,6 +136,7 @@ impl Store {
         Ok(Self {
             root,
             beneath: None,
+            link_via: None,
         })
     }
 
@@ -134,6 +147,7 @@ impl Store {
         Self {
             root,
             beneath: None,
+            link_via: None,
         }
     }
 
@@ -143,6 +157,17 @@ impl Store {
         Self {
             root: stores_path.join(name),
             beneath: Some(stores),
+            link_via: None,
+        }
+    }
+
+    /// The same store, linking through `state` (the state directory opened through another
+    /// mount of its filesystem) where its own path cannot link; `rel` is the store's path
+    /// below the state directory.
+    pub(super) fn linking_via(self, state: Arc<OwnedFd>, rel: PathBuf) -> Self {
+        Self {
+            link_via: Some(LinkVia { state, rel }),
+            ..self
         }
     }
 
@@ -251,27 +276,38 @@ impl Store {
     }
 
     /// Links the inode of the open `file` as `tmp/<name>` (replacing any earlier one);
-    /// `None` when it is on another filesystem (`EXDEV`). /proc/self/fd/N names exactly the
-    /// inode that was opened (and checked where it was opened); following it links that
-    /// inode, wherever its path points by now.
+    /// `None` when that needs a copy (`EXDEV`). /proc/self/fd/N names exactly the inode that
+    /// was opened (and checked where it was opened); following it links that inode, wherever
+    /// its path points by now.
+    ///
+    /// `link(2)` needs both ends reached through one mount, not just one filesystem: a file
+    /// opened through the mount server's mount of the models root cannot be linked into the
+    /// store by the agent's path of it when that is a mount of its own (two hostPath volumes
+    /// of one disk). The store's directory reached through the file's mount
+    /// ([`Store::linking_via`]) is then the link's target: the same directory, so the link
+    /// appears at `tmp/<name>` by the store's own path too.
     fn link_open_file(&self, file: &File, name: String) -> Result<Option<PathBuf>, StoreError> {
-        let tmp = self.root.join("tmp").join(name);
+        let tmp = self.root.join("tmp").join(&name);
         let _ = std::fs::remove_file(&tmp);
         let proc_path = format!("/proc/self/fd/{}", file.as_raw_fd());
         let cwd = rustix::fs::CWD;
-        match rustix::fs::linkat(
-            cwd,
-            &proc_path,
-            cwd,
-            &tmp,
-            rustix::fs::AtFlags::SYMLINK_FOLLOW,
-        ) {
+        let follow = rustix::fs::AtFlags::SYMLINK_FOLLOW;
+        let failed = |e: rustix::io::Errno| {
+            StoreError::io(format!("linking into {}", tmp.display()), e.into())
+        };
+        match rustix::fs::linkat(cwd, &proc_path, cwd, &tmp, follow) {
+            Ok(()) => return Ok(Some(tmp)),
+            Err(rustix::io::Errno::XDEV) => {}
+            Err(e) => return Err(failed(e)),
+        }
+        let Some(via) = &self.link_via else {
+            return Ok(None);
+        };
+        let there = via.rel.join("tmp").join(&name);
+        match rustix::fs::linkat(cwd, &proc_path, &*via.state, &there, follow) {
             Ok(()) => Ok(Some(tmp)),
-            Err(e) if e == rustix::io::Errno::XDEV => Ok(None),
-            Err(e) => Err(StoreError::io(
-                format!("linking into {}", tmp.display()),
-                e.into(),
-            )),
+            Err(rustix::io::Errno::XDEV) => Ok(None),
+            Err(e) => Err(failed(e)),
         }
     }
 

@@ -75,6 +75,9 @@ pub struct StateDir {
     /// `stores/`, opened without following links, when stores are reached beneath it
     /// ([`StateDir::anchored`]).
     stores: Option<Arc<OwnedFd>>,
+    /// This directory reached through another mount of its filesystem, which stores link
+    /// through ([`StateDir::with_link_root`]).
+    link_root: Option<Arc<OwnedFd>>,
 }
 
 impl StateDir {
@@ -85,7 +88,32 @@ impl StateDir {
         Ok(Self {
             root: root.to_path_buf(),
             stores: None,
+            link_root: None,
         })
+    }
+
+    /// The same state directory with `dir`, a descriptor of this very directory opened through
+    /// another mount of its filesystem: stores link a file opened through that mount by way of
+    /// `dir` when their own path cannot (`EXDEV`; see `Store::link_open_file`). The caller
+    /// checks that `dir` is this directory.
+    pub fn with_link_root(self, dir: OwnedFd) -> Self {
+        Self {
+            link_root: Some(Arc::new(dir)),
+            ..self
+        }
+    }
+
+    /// Whether stores link through another mount ([`StateDir::with_link_root`]).
+    pub fn links_through_another_mount(&self) -> bool {
+        self.link_root.is_some()
+    }
+
+    /// Sets the link root of [`StateDir::with_link_root`] on a store of this directory.
+    fn linking(&self, store: Store, id: &StoreId) -> Store {
+        match &self.link_root {
+            Some(dir) => store.linking_via(dir.clone(), Path::new("stores").join(id.as_str())),
+            None => store,
+        }
     }
 
     /// The same state directory with `stores/` opened once, beneath the root (the path the
@@ -139,7 +167,7 @@ impl StateDir {
     }
 
     pub fn store(&self, id: &StoreId) -> io::Result<Store> {
-        Store::open(self.stores_dir().join(id.as_str()))
+        Ok(self.linking(Store::open(self.stores_dir().join(id.as_str()))?, id))
     }
 
     /// Store `id` without looking at the disk (see [`Store::at`]).
@@ -167,7 +195,8 @@ impl StateDir {
             return Some(self.store_unchecked(id));
         }
         let dir = self.stores_dir().join(id.as_str());
-        dir.is_dir().then(|| Store::open(dir).ok()).flatten()
+        let store = dir.is_dir().then(|| Store::open(dir).ok()).flatten()?;
+        Some(self.linking(store, id))
     }
 
     pub fn remove_store(&self, id: &StoreId) -> io::Result<()> {

@@ -226,3 +226,240 @@ fn deleting_a_model_fails_its_waiting_opens_at_once() {
     );
     d.wait_gone("clusterbasemodel.gone");
 }
+
+/// The pid of the one child of `pid` (the agent `modelfs serve` supervises).
+fn only_child(pid: u32) -> Option<u32> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let text = std::fs::read_to_string(task.ok()?.path().join("children")).unwrap_or_default();
+        out.extend(
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok()),
+        );
+    }
+    (out.len() == 1).then(|| out[0])
+}
+
+fn sigkill(pid: u32) {
+    let pid = rustix::process::Pid::from_raw(pid as i32).expect("a pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("SIGKILL");
+}
+
+/// How many times an agent heard that an open waits on `file`.
+fn told_wanted(log: &str, file: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains("an open waits on a file") && l.contains(file))
+        .count()
+}
+
+/// The reader's view of a SIGKILL of the agent while it waits: it keeps waiting through the
+/// restart and gets the right bytes, and the restarted agent, told again which file the open
+/// waits on, fetches that shard before the others.
+fn check_waiting_through_a_restart(
+    env: &TestEnv,
+    files: &BTreeMap<String, Vec<u8>>,
+    dir: &Path,
+    log: &dyn Fn() -> String,
+    kill_agent: &dyn Fn(),
+    restart_agent: &dyn Fn(),
+) {
+    wait_listing(dir, files);
+    let last = "model-00003-of-00003.safetensors";
+    let path = dir.join(last);
+    let reader = std::thread::spawn(move || read(&path));
+    wait_for(
+        "the agent to hear of the waiting open",
+        Duration::from_secs(30),
+        || told_wanted(&log(), last) >= 1,
+    );
+    kill_agent();
+    // Killed mid-fetch: the shard the reader waits on had not verified.
+    assert!(!blob_stored(env, &files[last]), "killed too late");
+    assert!(!reader.is_finished(), "the reader was still waiting");
+    restart_agent();
+    let got = reader
+        .join()
+        .unwrap()
+        .expect("the waiting open is served after the restart");
+    assert!(got == files[last], "the last shard reads its own bytes");
+    let log = log();
+    assert!(
+        log.contains("serving the listing of a fetch a restart ended"),
+        "the restarted agent mapped the pending model before it resolved again"
+    );
+    assert!(
+        told_wanted(&log, last) >= 2,
+        "the restarted agent heard of the waiting open too"
+    );
+    assert!(
+        !blob_stored(env, &files["model-00002-of-00003.safetensors"]),
+        "the middle shard was fetched before the shard the reader waited on"
+    );
+}
+
+#[test]
+fn a_reader_waiting_through_a_sigkill_of_the_supervised_agent_is_served_after_the_restart() {
+    let hub = TestHub::start(1000);
+    let files = sharded(5);
+    publish(&hub, "org/restart", &files);
+    throttle_shards(&hub);
+    let env = TestEnv::new();
+    let d = start(&env, &hub, &[]);
+    env.write_models("m.yaml", &model("restart", "org/restart"));
+    let dir = env.mount.join("restart");
+    let agent = only_child(d.pid()).expect("one agent child");
+    // `serve` restarts its agent by itself.
+    check_waiting_through_a_restart(
+        &env,
+        &files,
+        &dir,
+        &|| d.log_text(),
+        &|| sigkill(agent),
+        &|| {},
+    );
+    assert!(d
+        .log_text()
+        .contains("agent died; restarting it reason=killed by signal 9 (SIGKILL)"));
+    d.wait_model("clusterbasemodel.restart", "Ready");
+    assert_files(&dir, &files);
+}
+
+/// `modelfs mount-server` and `modelfs agent` as separate processes (the Kubernetes layout).
+struct Split {
+    server: std::process::Child,
+    agent: Option<std::process::Child>,
+    mount: std::path::PathBuf,
+    log: std::path::PathBuf,
+    listen: String,
+}
+
+impl Split {
+    fn start(env: &TestEnv, hub: &TestHub) -> Split {
+        let log = env.root.path().join("split.log");
+        let out = || {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log)
+                .unwrap()
+        };
+        let socket = env.root.path().join("run").join("agent.sock");
+        let server = std::process::Command::new(BIN)
+            .arg("mount-server")
+            .arg("--mount")
+            .arg(&env.mount)
+            .arg("--state")
+            .arg(&env.state)
+            .arg("--mount-socket")
+            .arg(&socket)
+            .args(["--fuse-transport", "dev"])
+            .env("RUST_LOG", "info,modelfs=debug")
+            .stdin(std::process::Stdio::null())
+            .stdout(out())
+            .stderr(out())
+            .spawn()
+            .unwrap();
+        let mut split = Split {
+            server,
+            agent: None,
+            mount: env.mount.clone(),
+            log,
+            listen: format!("127.0.0.1:{}", free_port()),
+        };
+        wait_for("the mount server", Duration::from_secs(30), || {
+            split.log_text().contains("waiting for the agent")
+        });
+        split.start_agent(env, hub, &socket);
+        split
+    }
+
+    fn start_agent(&mut self, env: &TestEnv, hub: &TestHub, socket: &Path) {
+        let out = || {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.log)
+                .unwrap()
+        };
+        let agent = std::process::Command::new(BIN)
+            .arg("agent")
+            .arg("--mount")
+            .arg(&env.mount)
+            .arg("--state")
+            .arg(&env.state)
+            .arg("--models")
+            .arg(&env.models)
+            .arg("--listen")
+            .arg(&self.listen)
+            .arg("--mount-socket")
+            .arg(socket)
+            .args(hf_flags(hub))
+            .args(["--hf-max-files", "1"])
+            .env("RUST_LOG", "info,modelfs=debug")
+            .stdin(std::process::Stdio::null())
+            .stdout(out())
+            .stderr(out())
+            .spawn()
+            .unwrap();
+        self.agent = Some(agent);
+        wait_for("the agent", Duration::from_secs(30), || {
+            matches!(http_get(&self.listen, "/readyz"), Some((200, _)))
+        });
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn kill_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            a.kill().unwrap();
+            a.wait().unwrap();
+        }
+    }
+
+    fn status(&self, key: &str) -> Option<String> {
+        let (_, body) = http_get(&self.listen, "/v1/models")?;
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        v[key]["status"].as_str().map(str::to_string)
+    }
+}
+
+impl Drop for Split {
+    fn drop(&mut self) {
+        self.kill_agent();
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.mount)
+            .status();
+    }
+}
+
+#[test]
+fn a_reader_waiting_through_a_sigkill_of_the_agent_apart_from_the_mount_server_is_served() {
+    let hub = TestHub::start(1000);
+    let files = sharded(6);
+    publish(&hub, "org/split", &files);
+    throttle_shards(&hub);
+    let env = TestEnv::new();
+    let mut split = Split::start(&env, &hub);
+    env.write_models("m.yaml", &model("split", "org/split"));
+    let dir = env.mount.join("split");
+    let socket = env.root.path().join("run").join("agent.sock");
+    let log = split.log.clone();
+    let cell = std::cell::RefCell::new(&mut split);
+    check_waiting_through_a_restart(
+        &env,
+        &files,
+        &dir,
+        &|| std::fs::read_to_string(&log).unwrap_or_default(),
+        &|| cell.borrow_mut().kill_agent(),
+        &|| cell.borrow_mut().start_agent(&env, &hub, &socket),
+    );
+    wait_for("Ready", Duration::from_secs(60), || {
+        split.status("clusterbasemodel.split").as_deref() == Some("Ready")
+    });
+    assert_files(&dir, &files);
+}

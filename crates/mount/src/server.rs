@@ -896,6 +896,9 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
         }
     }
     tracing::info!(agent = %agent, pid = cred.pid.as_raw_nonzero(), "agent connected");
+    // Opens waiting on files of pending entries told the agent before this one: once this
+    // agent's mapping is applied (it names the entries it still fetches), they tell it again.
+    let mut first_apply = true;
     let result = loop {
         let message = match protocol::read_message::<_, AgentMessage>(
             &mut reader,
@@ -949,6 +952,9 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
                     error,
                 })?;
                 shared.report_usage(&peer, generation, true)?;
+                if std::mem::take(&mut first_apply) {
+                    shared.core.repeat_wanted();
+                }
             }
         }
     };

@@ -813,6 +813,7 @@ impl Reconciler {
             }));
         }
         r.recover();
+        r.resume_live_fetches();
         let keys: Vec<ModelKey> = r.records.models().keys().cloned().collect();
         for key in &keys {
             r.index_paths(key);
@@ -1637,7 +1638,7 @@ impl Reconciler {
         let spec = work.spec.clone();
         let artifact = manifest.id();
         let progress = Arc::new(Progress::for_manifest(&manifest));
-        let live = self.live_fetch(key, &manifest);
+        let live = self.live_fetch(key, &store, &manifest);
         self.set_stage(
             key,
             Stage::Fetching {

@@ -124,7 +124,11 @@ impl Reconciler {
         store: &StoreId,
         manifest: &Arc<Manifest>,
     ) -> Option<Arc<LiveFetch>> {
-        if !self.config.serve_while_downloading {
+        if !self
+            .works
+            .get(key)
+            .is_some_and(|w| self.serves_while_downloading(&w.spec))
+        {
             return None;
         }
         // Weak: the fetch's state must not keep the actor's queue open (see `sender`).
@@ -158,6 +162,23 @@ impl Reconciler {
             },
         );
         Some(live)
+    }
+
+    /// Whether `spec` is served while it downloads: by default in standalone mode, by its
+    /// annotation ([`modelfs_ome::model::SERVE_WHILE_DOWNLOADING_ANNOTATION`]) anywhere.
+    pub(super) fn serves_while_downloading(&self, spec: &modelfs_ome::ModelSpec) -> bool {
+        self.config.serve_while_downloading || spec.serve_while_downloading
+    }
+
+    /// How many files of the model at `path` verified, of how many, if the mapping serves it
+    /// while it downloads (its pending entry, as the last mapping has it).
+    pub(super) fn verified_counts(&self, path: &MountPath) -> Option<(usize, usize)> {
+        let by_path = self
+            .live
+            .by_path
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        by_path.get(path.segments()).map(|l| l.counts())
     }
 
     fn journal_dir(&self) -> PathBuf {
@@ -384,7 +405,9 @@ impl Reconciler {
                     Stage::Waiting { manifest } => manifest.id() == live.listing().id,
                     Stage::Resolving => false,
                 };
-                if !same_artifact || work.refresh {
+                // A model waiting on the fetch is shown only if it is served while it
+                // downloads itself (Kubernetes: only models that opted in).
+                if !same_artifact || work.refresh || !self.serves_while_downloading(&work.spec) {
                     continue;
                 }
                 let path: &MountPath = &work.spec.path;

@@ -463,3 +463,56 @@ fn a_reader_waiting_through_a_sigkill_of_the_agent_apart_from_the_mount_server_i
     });
     assert_files(&dir, &files);
 }
+
+fn model_with(name: &str, repo: &str, policy: &str) -> String {
+    format!(
+        "apiVersion: ome.io/v1beta1\nkind: ClusterBaseModel\nmetadata:\n  name: {name}\nspec:\n  storage:\n    storageUri: hf://{repo}\n    downloadPolicy: {policy}\n"
+    )
+}
+
+/// Single flight (SPEC section 13, "Interaction with what exists"): a `ReuseIfExists` model
+/// that waits on another model's in-flight fetch of the same artifact is served while that
+/// fetch downloads too, and a reader at its path gets a shard before the fetch completes.
+#[test]
+fn a_reuse_if_exists_model_waiting_on_an_in_flight_fetch_is_served_while_it_downloads() {
+    let hub = TestHub::start(1000);
+    let files = sharded(7);
+    publish(&hub, "org/shared", &files);
+    throttle_shards(&hub);
+    let env = TestEnv::new();
+    let d = start(&env, &hub, &[]);
+    env.write_models(
+        "parent.yaml",
+        &model_with("parent", "org/shared", "AlwaysDownload"),
+    );
+    wait_listing(&env.mount.join("parent"), &files);
+    env.write_models(
+        "child.yaml",
+        &model_with("child", "org/shared", "ReuseIfExists"),
+    );
+    let dir = env.mount.join("child");
+    wait_listing(&dir, &files);
+    let last = "model-00003-of-00003.safetensors";
+    let got = read(&dir.join(last)).unwrap();
+    assert!(got == files[last], "the last shard reads its own bytes");
+    // Served before the shared fetch completed: neither model is Ready yet.
+    let status = d.status();
+    for key in ["clusterbasemodel.parent", "clusterbasemodel.child"] {
+        assert_ne!(status[key]["status"].as_str(), Some("Ready"), "{key}");
+    }
+    assert!(
+        !blob_stored(&env, &files["model-00002-of-00003.safetensors"]),
+        "the middle shard was fetched before the shard the reader waited on"
+    );
+    // One fetch for both: the child is served from the parent's copy.
+    let child = d.wait_model("clusterbasemodel.child", "Ready");
+    d.wait_model("clusterbasemodel.parent", "Ready");
+    assert!(
+        child["config"]["artifact"]["parentPath"]
+            .as_object()
+            .is_some_and(|p| p.contains_key("clusterbasemodel.parent")),
+        "{child}"
+    );
+    assert_files(&dir, &files);
+    assert_files(&env.mount.join("parent"), &files);
+}

@@ -1894,6 +1894,8 @@ impl Reconciler {
                             tracing::info!(model = %key, waits_for = %on, "an earlier model on the same path is resolving; waiting for it")
                         }
                     }
+                    // Waiting on a fetch served while it downloads: served from it too.
+                    self.remap_needed |= self.is_live(&on);
                     match manifest {
                         Some(m) => self.wait(&key, on, m.clone()),
                         None => tracing::error!(model = %key, "a wait decided without a manifest"),

@@ -164,6 +164,12 @@ impl Reconciler {
         Some(live)
     }
 
+    /// Whether `key` runs a fetch served while it downloads (a model that starts waiting on
+    /// it is shown by the next mapping).
+    pub(super) fn is_live(&self, key: &ModelKey) -> bool {
+        self.live.fetches.contains_key(key)
+    }
+
     /// Whether `spec` is served while it downloads: by default in standalone mode, by its
     /// annotation ([`modelfs_ome::model::SERVE_WHILE_DOWNLOADING_ANNOTATION`]) anywhere.
     pub(super) fn serves_while_downloading(&self, spec: &modelfs_ome::ModelSpec) -> bool {

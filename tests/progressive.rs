@@ -516,3 +516,72 @@ fn a_reuse_if_exists_model_waiting_on_an_in_flight_fetch_is_served_while_it_down
     assert_files(&dir, &files);
     assert_files(&env.mount.join("parent"), &files);
 }
+
+/// The Hugging Face cache view is progressive too (SPEC section 13): while the model
+/// downloads, its snapshot lists every file and `huggingface_hub`, offline against the view,
+/// resolves the model id and reads the last shard, whose open waits for it (fetched next).
+#[test]
+fn huggingface_hub_reads_a_shard_through_the_cache_view_while_the_model_downloads() {
+    let hub = TestHub::start(1000);
+    let files = sharded(8);
+    publish(&hub, "org/view", &files);
+    throttle_shards(&hub);
+    let env = TestEnv::new();
+    let d = start(&env, &hub, &[]);
+    env.write_models("m.yaml", &model("view", "org/view"));
+    let repo = env.mount.join(".hf-cache").join("models--org--view");
+    wait_for("the pending snapshot", Duration::from_secs(60), || {
+        std::fs::read_dir(repo.join("snapshots"))
+            .ok()
+            .and_then(|mut r| r.next())
+            .is_some()
+    });
+    let commit = std::fs::read_to_string(repo.join("refs").join("main")).unwrap();
+    wait_listing(&repo.join("snapshots").join(&commit), &files);
+    assert_ne!(
+        d.status()["clusterbasemodel.view"]["status"].as_str(),
+        Some("Ready")
+    );
+
+    let last = "model-00003-of-00003.safetensors";
+    let home = env.dir("hf-home");
+    let script = "import hashlib, json, sys\n\
+                  from huggingface_hub import hf_hub_download\n\
+                  p = hf_hub_download(repo_id=sys.argv[1], filename=sys.argv[2])\n\
+                  print(json.dumps({'path': p, 'sha256': hashlib.sha256(open(p, 'rb').read()).hexdigest()}))\n";
+    let out = std::process::Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .args(["org/view", last])
+        .env("HF_HUB_CACHE", env.mount.join(".hf-cache"))
+        .env("HF_HUB_OFFLINE", "1")
+        .env("HF_HOME", &home)
+        .env("HF_HUB_DISABLE_TELEMETRY", "1")
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .env_remove("HF_TOKEN")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "python failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let res: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        res["sha256"].as_str().unwrap(),
+        hex::encode(Sha256::digest(&files[last]))
+    );
+    assert!(
+        res["path"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("snapshots/{commit}/{last}")),
+        "{res}"
+    );
+    assert!(
+        !blob_stored(&env, &files["model-00002-of-00003.safetensors"]),
+        "the middle shard was fetched before the shard the reader waited on"
+    );
+    d.wait_model("clusterbasemodel.view", "Ready");
+    assert_files(&repo.join("snapshots").join(&commit), &files);
+}

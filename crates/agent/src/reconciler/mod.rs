@@ -2364,6 +2364,7 @@ impl Reconciler {
                         revision,
                         artifact: stored.clone(),
                         store: handle.clone(),
+                        pending: None,
                     });
                 }
             }
@@ -2407,11 +2408,15 @@ impl Reconciler {
                 Err(e) => tracing::error!(store = %id, error = %e, "reserved store unusable"),
             }
         }
+        // Models served while they download, at paths the served ones leave free (and in
+        // the cache view, below).
+        let mut pending = self.pending_entries(&mut entries, &mut hf_served);
         // The cache view joins the same snapshot: its refs and snapshots flip with the paths.
         let mut files = Vec::new();
         if let Some(view) = &mut self.hf_cache {
             let (snapshots, refs) = view.update(&hf_served, Instant::now());
             entries.extend(snapshots);
+            pending.extend(view.pending());
             files = refs;
         }
         // `vendor://` models below the models root: an empty read-only directory at their
@@ -2436,7 +2441,6 @@ impl Reconciler {
         }
         dirs.sort();
         dirs.dedup();
-        let pending = self.pending_entries(&mut entries);
         match self
             .fs
             .apply_with_pending(&entries, &files, &dirs, &pending)

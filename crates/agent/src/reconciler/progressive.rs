@@ -45,8 +45,9 @@ use super::{Event, Reconciler, Stage};
 use crate::progressive::LiveFetch;
 use modelfs_core::artifact::Manifest;
 use modelfs_core::store::StoreId;
+use modelfs_mount::vfs::hf_cache::HfServed;
 use modelfs_mount::vfs::{MountEntry, PendingFiles, WantedHook};
-use modelfs_ome::{ModelKey, MountPath};
+use modelfs_ome::{ModelKey, MountPath, SourceUri};
 
 /// A live fetch's journal as written (module docs, "Restarts").
 #[derive(Serialize)]
@@ -346,10 +347,12 @@ impl Reconciler {
     }
 
     /// Pending entries for the live fetches still running, at paths `entries` leaves free;
-    /// appended to `entries`, their states returned by path.
+    /// appended to `entries`, their states returned by path. With a Hugging Face cache view,
+    /// each `hf://` one is added to `hf_served` too (the view shows its snapshot pending).
     pub(super) fn pending_entries(
         &mut self,
         entries: &mut Vec<MountEntry>,
+        hf_served: &mut Vec<HfServed>,
     ) -> HashMap<Vec<String>, Arc<PendingFiles>> {
         // Fetches that ended (completed, failed, cancelled) are no longer live.
         let ended: Vec<ModelKey> = self
@@ -430,6 +433,21 @@ impl Reconciler {
                 });
                 pending.insert(segments.clone(), states.clone());
                 by_path.insert(segments, live.clone());
+                if let (Some(view), SourceUri::HuggingFace { repo, revision }) =
+                    (&self.hf_cache, &work.spec.source)
+                {
+                    let listing = live.listing();
+                    let commit = listing.manifest.revision.clone();
+                    by_path.insert(view.snapshot_path(repo, &commit), live.clone());
+                    hf_served.push(HfServed {
+                        model: key.to_string(),
+                        repo: repo.clone(),
+                        revision: revision.clone(),
+                        artifact: listing,
+                        store: handle.clone(),
+                        pending: Some(states.clone()),
+                    });
+                }
             }
         }
         for resumed in self.live.resumed.values() {

@@ -44,7 +44,7 @@ use serde::{Deserialize, Serialize};
 use super::{Event, Reconciler, Stage};
 use crate::progressive::LiveFetch;
 use modelfs_core::artifact::Manifest;
-use modelfs_core::store::StoreId;
+use modelfs_core::store::{fsutil, StoreId};
 use modelfs_mount::vfs::hf_cache::HfServed;
 use modelfs_mount::vfs::{MountEntry, PendingFiles, WantedHook};
 use modelfs_ome::{ModelKey, MountPath, SourceUri};
@@ -210,8 +210,9 @@ impl Reconciler {
         let written = serde_json::to_vec(&journal)
             .map_err(std::io::Error::other)
             .and_then(|bytes| {
-                std::fs::create_dir_all(self.journal_dir())?;
-                std::fs::write(&tmp, bytes)?;
+                // Modes as every state file's, whatever the umask (only the agent reads it).
+                fsutil::create_dirs(&self.journal_dir())?;
+                fsutil::write_new(&tmp, &bytes, 0o600)?;
                 std::fs::rename(&tmp, &target)
             });
         if let Err(e) = written {

@@ -18,6 +18,12 @@
 //! an artifact of the same id whose blobs are the manifest's sha256 where there is one and
 //! zero otherwise ([`LiveFetch::listing`]); the mount reads no blob of it while the entry is
 //! pending, only the verified blobs the pending states name.
+//!
+//! # Restarts
+//! A fetch a restart ended is shown again from what its store verified ([`stored_files`]) until
+//! the model's new fetch of the same manifest takes its states and waiting files over
+//! ([`LiveFetch::take_over`]); the reconciler keeps the journal that makes this possible
+//! (`reconciler::progressive`, "Restarts").
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};

@@ -26,7 +26,9 @@
 //!    file verified. When the fetch completes, the agent sends the complete artifact again
 //!    under the same id and the entry without `pending`. The server neither persists pending
 //!    entries nor lists their artifacts as held in `welcome`. When an open starts waiting on a
-//!    file, the server sends `wanted`, and the agent fetches that file next.
+//!    file, the server sends `wanted`, and the agent fetches that file next; after the first
+//!    `apply` of a new connection every waiting open is sent again (a restarted agent has
+//!    forgotten them).
 //!
 //! Version changes: a new field with a default keeps the version; anything an older peer would
 //! misread bumps [`PROTOCOL_VERSION`]. Each side speaks a range of versions,

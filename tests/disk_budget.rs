@@ -406,7 +406,7 @@ fn the_state_defaults_to_beside_the_models_root() {
         "m.yaml",
         &cluster_model("m", &uri(&src), "AlwaysDownload", None),
     );
-    let listen = format!("127.0.0.1:{}", free_port());
+    let listen_file = env.root.path().join("default-state.addr");
     let log = env.root.path().join("default-state.log");
     let log_file = std::fs::File::create(&log).unwrap();
     let mut child = std::process::Command::new(BIN)
@@ -416,8 +416,10 @@ fn the_state_defaults_to_beside_the_models_root() {
             "--fuse-transport",
             "dev",
             "--listen",
-            &listen,
+            ANY_PORT,
         ])
+        .arg("--listen-addr-file")
+        .arg(&listen_file)
         .arg("--mount")
         .arg(&env.mount)
         .arg("--models")
@@ -427,6 +429,9 @@ fn the_state_defaults_to_beside_the_models_root() {
         .stderr(log_file)
         .spawn()
         .unwrap();
+    let listen = listen_addr(&listen_file, Duration::from_secs(30), || {
+        std::fs::read_to_string(&log).unwrap_or_default()
+    });
     let ready = || {
         http_get(&listen, "/v1/models")
             .and_then(|(_, body)| serde_json::from_str::<Value>(&body).ok())

@@ -143,7 +143,8 @@ fn proxy_hf_flag_wins_over_the_environment_and_hides_its_credentials() {
     let (files, size) = publish(&hub);
     let proxy = Proxy::forward();
     // The environment names a port where nothing listens: only the flag's proxy can work.
-    let dead = format!("http://127.0.0.1:{}", free_port());
+    let dead_port = DeadPort::bind();
+    let dead = dead_port.url();
     let secret = "pr0xy-pa55word";
     let flag = format!("http://fleet:{secret}@{}", proxy.addr);
     let (env, d) = fetch(
@@ -263,7 +264,8 @@ fn status_command_talks_to_the_local_daemon_around_the_proxy() {
     let env = TestEnv::new();
     let d = Daemon::start(&env, &[]);
     // HTTP_PROXY set for downloads (a dead port here) must not reroute `modelfs status`.
-    let dead = format!("http://127.0.0.1:{}", free_port());
+    let dead_port = DeadPort::bind();
+    let dead = dead_port.url();
     let out = std::process::Command::new(BIN)
         .args(["status", "--listen", &d.listen])
         .env("HTTP_PROXY", &dead)

@@ -106,8 +106,9 @@ impl Node {
                 .arg("--mount-socket")
                 .arg(&self.socket)
                 .args(["--allow-local-sources", "--gc-grace-secs", "1"])
+                // Nothing here asks its HTTP endpoint: any port.
                 .arg("--listen")
-                .arg(format!("127.0.0.1:{}", free_port()))
+                .arg("127.0.0.1:0")
                 .arg("--mount-server-grace-secs")
                 .arg(grace_secs.to_string())
                 .env("KUBECONFIG", &kubeconfig)

@@ -35,7 +35,9 @@ fn mount_id(path: &Path) -> Option<u64> {
 struct Split {
     env: TestEnv,
     socket: PathBuf,
+    /// The agent's address (it picks its port at each start: `--listen-addr-file`).
     listen: String,
+    listen_file: PathBuf,
     log: PathBuf,
     server: Option<Child>,
     agent: Option<Child>,
@@ -83,7 +85,8 @@ impl Split {
         let socket = env.root.path().join("run").join("agent.sock");
         let log = env.root.path().join("split.log");
         Split {
-            listen: format!("127.0.0.1:{}", common::free_port()),
+            listen: String::new(),
+            listen_file: env.root.path().join("agent.addr"),
             env,
             socket,
             log,
@@ -149,6 +152,7 @@ impl Split {
     }
 
     fn start_agent(&mut self, bin: &Path) {
+        let _ = std::fs::remove_file(&self.listen_file);
         let log = self.log_file();
         let child = self
             .command(bin)
@@ -160,7 +164,9 @@ impl Split {
             .arg("--models")
             .arg(&self.env.models)
             .arg("--listen")
-            .arg(&self.listen)
+            .arg(common::ANY_PORT)
+            .arg("--listen-addr-file")
+            .arg(&self.listen_file)
             .arg("--gc-grace-secs")
             .arg("1")
             .arg("--mount-socket")
@@ -172,8 +178,11 @@ impl Split {
             .spawn()
             .unwrap();
         self.agent = Some(child);
-        let listen = self.listen.clone();
         let deadline = Instant::now() + Duration::from_secs(30);
+        self.listen = common::listen_addr(&self.listen_file, Duration::from_secs(30), || {
+            self.log_text()
+        });
+        let listen = self.listen.clone();
         while Instant::now() < deadline {
             if let Some((200, _)) = http_get(&listen, "/readyz") {
                 return;
@@ -952,7 +961,7 @@ fn serve_runs_the_agent_as_a_supervised_child() {
             None,
         ),
     );
-    let d = common::Daemon::start(&env, &[]);
+    let mut d = common::Daemon::start(&env, &[]);
     d.wait_model("clusterbasemodel.m", "Ready");
     let id = mount_id(&env.mount).unwrap();
     let children = |pid: u32| -> Vec<u32> {
@@ -977,15 +986,18 @@ fn serve_runs_the_agent_as_a_supervised_child() {
         );
     }
     let pid = rustix::process::Pid::from_raw(agent[0] as i32).expect("a pid");
-    rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("SIGKILL the agent");
-    wait_for(
-        "the agent's death in the log",
-        Duration::from_secs(30),
-        || {
-            d.log_text()
-                .contains("agent died; restarting it reason=killed by signal 9 (SIGKILL)")
-        },
-    );
+    d.follow_agent_restart(|d| {
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL)
+            .expect("SIGKILL the agent");
+        wait_for(
+            "the agent's death in the log",
+            Duration::from_secs(30),
+            || {
+                d.log_text()
+                    .contains("agent died; restarting it reason=killed by signal 9 (SIGKILL)")
+            },
+        );
+    });
     wait_for("a new agent", Duration::from_secs(30), || {
         let now = children(d.pid());
         now.len() == 1 && now != agent

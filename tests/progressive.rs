@@ -304,17 +304,19 @@ fn a_reader_waiting_through_a_sigkill_of_the_supervised_agent_is_served_after_th
     publish(&hub, "org/restart", &files);
     throttle_shards(&hub);
     let env = TestEnv::new();
-    let d = start(&env, &hub, &[]);
+    let mut d = start(&env, &hub, &[]);
     env.write_models("m.yaml", &model("restart", "org/restart"));
     let dir = env.mount.join("restart");
     let agent = only_child(d.pid()).expect("one agent child");
-    // `serve` restarts its agent by itself.
+    let log = d.log.clone();
+    // `serve` restarts its agent by itself (which listens on a new port).
+    let cell = std::cell::RefCell::new(&mut d);
     check_waiting_through_a_restart(
         &env,
         &files,
         &dir,
-        &|| d.log_text(),
-        &|| sigkill(agent),
+        &|| std::fs::read_to_string(&log).unwrap_or_default(),
+        &|| cell.borrow_mut().follow_agent_restart(|_| sigkill(agent)),
         &|| {},
     );
     assert!(d
@@ -330,7 +332,9 @@ struct Split {
     agent: Option<std::process::Child>,
     mount: std::path::PathBuf,
     log: std::path::PathBuf,
+    /// The agent's address (it picks its port at each start: `--listen-addr-file`).
     listen: String,
+    listen_file: std::path::PathBuf,
 }
 
 impl Split {
@@ -363,8 +367,9 @@ impl Split {
             server,
             agent: None,
             mount: env.mount.clone(),
+            listen_file: env.root.path().join("agent.addr"),
             log,
-            listen: format!("127.0.0.1:{}", free_port()),
+            listen: String::new(),
         };
         wait_for("the mount server", Duration::from_secs(30), || {
             split.log_text().contains("waiting for the agent")
@@ -381,6 +386,7 @@ impl Split {
                 .open(&self.log)
                 .unwrap()
         };
+        let _ = std::fs::remove_file(&self.listen_file);
         let agent = std::process::Command::new(BIN)
             .arg("agent")
             .arg("--mount")
@@ -390,7 +396,9 @@ impl Split {
             .arg("--models")
             .arg(&env.models)
             .arg("--listen")
-            .arg(&self.listen)
+            .arg(ANY_PORT)
+            .arg("--listen-addr-file")
+            .arg(&self.listen_file)
             .arg("--mount-socket")
             .arg(socket)
             .args(hf_flags(hub))
@@ -402,6 +410,9 @@ impl Split {
             .spawn()
             .unwrap();
         self.agent = Some(agent);
+        self.listen = listen_addr(&self.listen_file, Duration::from_secs(30), || {
+            self.log_text()
+        });
         wait_for("the agent", Duration::from_secs(30), || {
             matches!(http_get(&self.listen, "/readyz"), Some((200, _)))
         });

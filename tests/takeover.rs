@@ -67,7 +67,8 @@ struct Node {
     env: TestEnv,
     layout: Layout,
     transport: Transport,
-    listen: String,
+    /// The agent's `--listen-addr-file` (it listens on a port it picks at each start).
+    listen_file: PathBuf,
     socket: PathBuf,
     keeper_socket: PathBuf,
     log: PathBuf,
@@ -83,7 +84,7 @@ impl Node {
         let run = env.dir("run");
         let log = env.root.path().join("node.log");
         Node {
-            listen: format!("127.0.0.1:{}", free_port()),
+            listen_file: env.root.path().join("agent.addr"),
             socket: run.join("agent.sock"),
             keeper_socket: run.join("keeper").join("keeper.sock"),
             log,
@@ -127,7 +128,9 @@ impl Node {
         cmd.arg("--models")
             .arg(&self.env.models)
             .arg("--listen")
-            .arg(&self.listen);
+            .arg(ANY_PORT)
+            .arg("--listen-addr-file")
+            .arg(&self.listen_file);
     }
 
     /// Starts the mount server (standalone: `serve`, which runs the agent too) with `bin`.
@@ -186,8 +189,10 @@ impl Node {
         }
     }
 
+    /// The status document of the agent that last named its address (`Null` before one did).
     fn status(&self) -> serde_json::Value {
-        match http_get(&self.listen, "/v1/models") {
+        let listen = std::fs::read_to_string(&self.listen_file).unwrap_or_default();
+        match http_get(listen.trim(), "/v1/models") {
             Some((200, body)) => serde_json::from_str(&body).unwrap_or_default(),
             _ => serde_json::Value::Null,
         }

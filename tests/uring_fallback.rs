@@ -47,7 +47,7 @@ fn without_io_uring_auto_serves_over_dev_fuse_and_uring_refuses_to_mount() {
     );
 
     let out = env
-        .serve_command(&format!("127.0.0.1:{}", free_port()))
+        .serve_command(ANY_PORT)
         .args(["--fuse-transport", "uring"])
         .output()
         .unwrap();

@@ -105,9 +105,17 @@ pub struct ServeArgs {
     /// progress (OME's agent writes every 30 s; each write wakes OME's controllers).
     #[arg(long, default_value_t = modelfs_agent::kubernetes::status_sink::DEFAULT_PROGRESS_INTERVAL.as_secs())]
     progress_interval_secs: u64,
-    /// HTTP address for probes, metrics and status.
+    /// HTTP address for probes, metrics and status. Port 0: one the system picks (see
+    /// --listen-addr-file).
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
+    /// Once the HTTP endpoint listens, write its address (`IP:PORT` and a newline) to this
+    /// file, replacing it whole (a reader sees the previous content or the new one, never a
+    /// part). How a supervisor or test learns the port the system picked for `--listen` with
+    /// port 0. Under `serve` the agent writes it at each start: with port 0 an agent that was
+    /// restarted may listen on another port.
+    #[arg(long)]
+    listen_addr_file: Option<PathBuf>,
     /// Host directory the mount sits on; absolute `spec.storage.path`s must lie below it.
     /// Defaults to --mount.
     #[arg(long)]
@@ -817,7 +825,13 @@ async fn agent(args: ServeArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
-    tracing::info!(listen = %args.listen, "http endpoint up");
+    let bound = listener
+        .local_addr()
+        .with_context(|| format!("the address bound for {}", args.listen))?;
+    if let Some(file) = &args.listen_addr_file {
+        write_listen_addr(file, bound)?;
+    }
+    tracing::info!(listen = %bound, "http endpoint up");
     let (stop_http, http_stopped) = tokio::sync::oneshot::channel::<()>();
     let http = tokio::spawn(modelfs_agent::http::serve(
         listener,
@@ -853,6 +867,20 @@ async fn agent(args: ServeArgs) -> Result<()> {
 }
 
 /// Where the desired state comes from; dropping it stops it.
+/// `--listen-addr-file`: `addr` and a newline, written beside `file` and renamed over it.
+fn write_listen_addr(file: &Path, addr: SocketAddr) -> Result<()> {
+    let name = file
+        .file_name()
+        .with_context(|| format!("--listen-addr-file {}: not a file name", file.display()))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(".tmp");
+    let tmp = file.with_file_name(tmp_name);
+    std::fs::write(&tmp, format!("{addr}\n"))
+        .and_then(|()| std::fs::rename(&tmp, file))
+        .with_context(|| format!("writing --listen-addr-file {}", file.display()))
+}
+
 enum Producer {
     Standalone {
         _watcher: modelfs_agent::standalone::ModelsDirWatcher,

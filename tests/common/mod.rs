@@ -118,12 +118,60 @@ impl TestEnv {
     }
 }
 
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// The `--listen` address of test daemons: a port the system picks when the agent binds it,
+/// which the agent names in its `--listen-addr-file` ([`listen_addr`]). (A port probed here and
+/// released for the daemon to bind later could be taken by another process in between.)
+pub const ANY_PORT: &str = "127.0.0.1:0";
+
+/// Waits until `file` (an agent's `--listen-addr-file`) names the address it listens on;
+/// panics after `timeout` with `log()`.
+pub fn listen_addr(file: &Path, timeout: Duration, log: impl Fn() -> String) -> String {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        if let Ok(addr) = text.trim().parse::<std::net::SocketAddr>() {
+            return addr.to_string();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!(
+        "no address in {} after {timeout:?}; log:\n{}",
+        file.display(),
+        log()
+    );
+}
+
+/// A loopback port where nothing listens and, while this lives, nothing can start to: a TCP
+/// socket bound there without `listen`, so connections are refused (a dead proxy, say).
+pub struct DeadPort {
+    _socket: std::os::fd::OwnedFd,
+    pub addr: std::net::SocketAddr,
+}
+
+impl DeadPort {
+    pub fn bind() -> Self {
+        use rustix::net::{AddressFamily, SocketType};
+        let socket = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+        let any = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 0);
+        rustix::net::bind(&socket, &any).unwrap();
+        let bound =
+            std::net::SocketAddrV4::try_from(rustix::net::getsockname(&socket).unwrap()).unwrap();
+        DeadPort {
+            _socket: socket,
+            addr: bound.into(),
+        }
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// A number no other call in this test process gets (names of log and scratch files).
+pub fn unique() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// A running daemon. Dropping it kills the process and detaches the mount.
@@ -132,6 +180,8 @@ pub struct Daemon {
     pub mount: PathBuf,
     pub state: PathBuf,
     pub listen: String,
+    /// The agent's `--listen-addr-file`.
+    listen_file: PathBuf,
     pub log: PathBuf,
     /// Keeps the kernel offering FUSE over io_uring while this daemon runs.
     _uring: Option<UringParam>,
@@ -222,8 +272,9 @@ impl Daemon {
         } else {
             &["--fuse-transport", "dev"]
         };
-        let listen = format!("127.0.0.1:{}", free_port());
-        let log = env.root.path().join(format!("daemon-{}.log", free_port()));
+        let n = unique();
+        let listen_file = env.root.path().join(format!("daemon-{n}.addr"));
+        let log = env.root.path().join(format!("daemon-{n}.log"));
         let log_file = std::fs::File::create(&log).unwrap();
         // A test may choose its own grace period (a flag given twice is an error).
         let grace: &[&str] = if extra.contains(&"--gc-grace-secs") {
@@ -231,8 +282,10 @@ impl Daemon {
         } else {
             &["--gc-grace-secs", "1"]
         };
-        let mut cmd = env.serve_command(&listen);
-        cmd.args(grace)
+        let mut cmd = env.serve_command(ANY_PORT);
+        cmd.arg("--listen-addr-file")
+            .arg(&listen_file)
+            .args(grace)
             .args(transport)
             .args(extra)
             .env("RUST_LOG", "info,modelfs=debug")
@@ -243,15 +296,17 @@ impl Daemon {
             cmd.env(k, v);
         }
         let child = cmd.spawn().expect("spawn modelfs");
-        let d = Daemon {
+        let mut d = Daemon {
             child: Some(child),
             mount: env.mount.clone(),
             state: env.state.clone(),
-            listen,
+            listen: String::new(),
+            listen_file,
             log,
             _uring: uring,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
+        d.listen = listen_addr(&d.listen_file, Duration::from_secs(30), || d.log_text());
         while Instant::now() < deadline {
             if d.try_get("/healthz").is_some() {
                 return d;
@@ -263,6 +318,16 @@ impl Daemon {
 
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Runs `restart`, which makes the daemon start a new agent, and takes the new agent's
+    /// address: it picks its port anew.
+    pub fn follow_agent_restart(&mut self, restart: impl FnOnce(&Daemon)) {
+        let _ = std::fs::remove_file(&self.listen_file);
+        restart(self);
+        self.listen = listen_addr(&self.listen_file, Duration::from_secs(30), || {
+            self.log_text()
+        });
     }
 
     pub fn pid(&self) -> u32 {

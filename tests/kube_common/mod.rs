@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -19,13 +19,31 @@ pub const BM: &str = "apis/ome.io/v1beta1/basemodels";
 pub const CBM: &str = "apis/ome.io/v1beta1/clusterbasemodels";
 pub const TIMEOUT: Duration = Duration::from_secs(90);
 
-/// A port nobody listens on right now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// Waits until the daemon's agent names the address it listens on in `file`
+/// (`--listen-addr-file`; it listens on a port it picks, not on one probed here and released,
+/// which another process could take first). Kills `child` and panics if it exits first or
+/// names none within [`TIMEOUT`].
+fn listen_addr(file: &Path, child: &mut Child, log: &Path) -> String {
+    let deadline = Instant::now() + TIMEOUT;
+    let why = loop {
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        if let Ok(addr) = text.trim().parse::<std::net::SocketAddr>() {
+            return addr.to_string();
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            break format!("exited ({status})");
+        }
+        if Instant::now() >= deadline {
+            break format!("named no address within {TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!(
+        "the daemon {why}; log:\n{}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
 }
 
 pub struct Daemon {
@@ -82,7 +100,7 @@ pub fn start_daemon(server: &FakeApiServer, extra: &[&str], env: &[(&str, &str)]
     std::fs::write(&kubeconfig, server.kubeconfig()).unwrap();
     let mount = dir.path().join("mnt");
     std::fs::create_dir_all(&mount).unwrap();
-    let listen = format!("127.0.0.1:{}", free_port());
+    let listen_file = dir.path().join("daemon.addr");
     let log = dir.path().join("daemon.log");
     let mut command = Command::new(env!("CARGO_BIN_EXE_modelfs"));
     command
@@ -91,7 +109,9 @@ pub fn start_daemon(server: &FakeApiServer, extra: &[&str], env: &[(&str, &str)]
         .arg(&mount)
         .arg("--state")
         .arg(dir.path().join("state"))
-        .args(["--listen", &listen, "--gc-grace-secs", "1"])
+        .args(["--listen", "127.0.0.1:0", "--gc-grace-secs", "1"])
+        .arg("--listen-addr-file")
+        .arg(&listen_file)
         .args(extra)
         .env("KUBECONFIG", &kubeconfig)
         .env("RUST_LOG", "info,modelfs=debug")
@@ -100,7 +120,8 @@ pub fn start_daemon(server: &FakeApiServer, extra: &[&str], env: &[(&str, &str)]
     for (name, value) in env {
         command.env(name, value);
     }
-    let child = command.spawn().expect("spawn modelfs");
+    let mut child = command.spawn().expect("spawn modelfs");
+    let listen = listen_addr(&listen_file, &mut child, &log);
     Daemon {
         child,
         mount,

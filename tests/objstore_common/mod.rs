@@ -19,7 +19,7 @@
 //! [`proxy`] holds the loopback counting and fault-injecting HTTP proxy.
 //!
 //! Use from an integration test with `mod common; mod objstore_common;` (it uses
-//! `common::python()` and `common::free_port()`); tests/objstore_servers.rs shows every
+//! `common::python()` and `common::unique()`); tests/objstore_servers.rs shows every
 //! launcher round-tripping an object.
 #![allow(dead_code)]
 
@@ -101,7 +101,12 @@ impl ObjectServer {
         Self::start(Kind::Azure)
     }
 
-    /// Starts a server of `kind` on a free loopback port and waits until it answers.
+    /// Starts a server of `kind` on a free loopback port and waits until it answers. Moto and
+    /// Azurite are given port 0 and name the port the system picked in their log. The GCS
+    /// emulator cannot (it logs the port it was given), so it gets a port that was free a
+    /// moment ago; if another process takes that port first, the emulator's bind fails, which
+    /// its log says, and it is started again on another (up to three attempts). Either way the
+    /// address comes from the server itself, never from a port merely found free.
     pub fn start(kind: Kind) -> Self {
         let dir = tempfile::Builder::new()
             .prefix(&format!("modelfs-{}-", kind.client_kind()))
@@ -109,8 +114,10 @@ impl ObjectServer {
             .unwrap();
         let mut failures = Vec::new();
         for attempt in 0..3 {
-            let port = super::common::free_port();
-            let addr = format!("127.0.0.1:{port}");
+            let port = match kind {
+                Kind::Gcs => recently_free_port(),
+                Kind::S3 | Kind::Azure => 0,
+            };
             let log = dir.path().join(format!("server-{attempt}.log"));
             let log_file = std::fs::File::create(&log).unwrap();
             let mut cmd = server_command(kind, port, dir.path());
@@ -124,8 +131,8 @@ impl ObjectServer {
             let mut child = cmd
                 .spawn()
                 .unwrap_or_else(|e| panic!("starting the {kind:?} server ({cmd:?}): {e}"));
-            match wait_listening(&mut child, &addr, Duration::from_secs(60)) {
-                Ok(()) => {
+            match wait_listening(kind, &mut child, &log, port, Duration::from_secs(60)) {
+                Ok(addr) => {
                     return ObjectServer {
                         kind,
                         addr,
@@ -243,7 +250,7 @@ impl ObjectServer {
     pub fn get(&self, bucket: &str, key: &str) -> Vec<u8> {
         let out = self
             .scratch()
-            .join(format!("get-{}", super::common::free_port()));
+            .join(format!("get-{}", super::common::unique()));
         self.client(&["get", bucket, key, out.to_str().unwrap()]);
         let data = std::fs::read(&out).unwrap();
         let _ = std::fs::remove_file(&out);
@@ -280,18 +287,63 @@ impl ObjectServer {
 
 /// Waits until `addr` accepts connections, failing early if the server exits (for example
 /// because another process took the port).
-fn wait_listening(child: &mut Child, addr: &str, timeout: Duration) -> Result<(), String> {
+/// A loopback port nothing listened on a moment ago: only for a server that cannot name the
+/// port it picked (see [`ObjectServer::start`]).
+fn recently_free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The address the server says in its `log` it listens on (`port`: what it was given), once
+/// it answers there.
+fn wait_listening(
+    kind: Kind,
+    child: &mut Child,
+    log: &Path,
+    port: u16,
+    timeout: Duration,
+) -> Result<String, String> {
     let deadline = Instant::now() + timeout;
+    // The address after `marker` in the log: `127.0.0.1:<port>`.
+    let named = |text: &str, marker: &str| {
+        let rest = &text[text.find(marker)? + marker.len()..];
+        let end = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == ':'))
+            .unwrap_or(rest.len());
+        rest[..end]
+            .parse::<std::net::SocketAddr>()
+            .ok()
+            .map(|a| a.to_string())
+    };
     while Instant::now() < deadline {
         if let Some(status) = child.try_wait().unwrap() {
             return Err(format!("exited with {status}"));
         }
-        if TcpStream::connect(addr).is_ok() {
-            return Ok(());
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let addr = match kind {
+            Kind::S3 => named(&text, "Running on http://"),
+            Kind::Azure => named(&text, "successfully listens on http://"),
+            // Its API thread dies on a failed bind, and the process waits for it for ever.
+            Kind::Gcs if text.contains("Address already in use") => {
+                return Err(format!(
+                    "port {port} was taken before the emulator bound it"
+                ))
+            }
+            Kind::Gcs => text
+                .contains("All services started")
+                .then(|| format!("127.0.0.1:{port}")),
+        };
+        if let Some(addr) = addr {
+            if TcpStream::connect(&addr).is_ok() {
+                return Ok(addr);
+            }
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    Err(format!("not listening on {addr} after {timeout:?}"))
+    Err(format!("not listening after {timeout:?}"))
 }
 
 impl Drop for ObjectServer {

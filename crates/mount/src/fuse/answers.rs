@@ -101,7 +101,7 @@ impl Answers {
         });
         match opened {
             Ok(Opened::Passthrough { fh, id }) => {
-                reply.open(fh, fopen::NOFLUSH | fopen::PASSTHROUGH, id.id())
+                reply.open(fh, fopen::NOFLUSH | fopen::PASSTHROUGH, id)
             }
             // As on /dev/fuse: content never changes under an inode, nothing is ever written.
             Ok(Opened::ReadThrough { fh }) => reply.open(fh, fopen::KEEP_CACHE | fopen::NOFLUSH, 0),

@@ -6,9 +6,11 @@
 //! With passthrough (Linux >= 6.9, `CAP_SYS_ADMIN`) `open` registers the blob's file descriptor
 //! with the kernel and every read and mmap fault is served by the kernel from the blob file: the
 //! daemon never sees a `read`. The kernel requires every open handle of one inode to use the same
-//! backing id, so ids are cached per inode while any handle is open; the cache entry also holds
-//! the [`OpenBlob`] it was created from, which keeps that blob's store in use even if later
-//! handles were opened after a flip to another store (same bytes, other file).
+//! backing id, so ids are kept per inode in the core's handle table ([`crate::vfs::handles`])
+//! while any handle is open, with the blob they were created from, which keeps that blob's
+//! store in use even if later handles were opened after a flip to another store (same bytes,
+//! other file). This adapter registers ids and records them in the journal; the table decides
+//! when one is shared, kept idle or closed.
 //!
 //! Without passthrough, `read` is a `pread` on the blob and opens return `FOPEN_KEEP_CACHE`:
 //! a file's content never changes under its inode number (see `vfs`), so the page cache can stay
@@ -36,7 +38,7 @@
 //! What remains per file is `OPEN` (synchronous) and `RELEASE` (asynchronous): an open's reply
 //! must carry the passthrough backing id, so FUSE's no-open mode (which would also drop them)
 //! would send every read through the daemon. Backing ids stay registered per inode after the
-//! last release (see `BackingCache`), so a reopen costs no registration.
+//! last release (see [`crate::vfs::handles`]), so a reopen costs no registration.
 //!
 //! # Transports
 //! `fuser` mounts and answers `FUSE_INIT` (the negotiation: passthrough, READDIRPLUS, the
@@ -91,7 +93,7 @@ use serde::{Deserialize, Serialize};
 use self::journal::{Entry, Journal};
 
 use crate::metrics::FuseMetrics;
-use crate::vfs::{Attr, FsCore, FsError, Invalidation, OpenBlob};
+use crate::vfs::{Attr, Backing, FsCore, FsError, Invalidation, Mode, Unregistered};
 
 pub use mountpoint::{
     clean_stale_mount, mount_info_dev, topmost_mount, MountLine, MountpointError,
@@ -178,7 +180,7 @@ pub enum MountError {
     RingUnavailable(String),
 }
 
-/// Most idle passthrough backing ids kept per mount (see [`BackingCache`]); fewer when the
+/// Most idle passthrough backing ids kept per mount (see [`crate::vfs::handles`]); fewer when the
 /// process may open few files (a quarter of `RLIMIT_NOFILE`): each holds its blob open.
 const IDLE_BACKING_LIMIT: usize = 4096;
 
@@ -191,164 +193,6 @@ fn idle_backing_limit() -> usize {
     IDLE_BACKING_LIMIT.min(usize::try_from(soft / 4).unwrap_or(usize::MAX))
 }
 
-struct BackingEntry {
-    id: Arc<BackingId>,
-    blob: Arc<OpenBlob>,
-    handles: usize,
-    /// Set while no handle is open: the entry's place in [`BackingCache::idle`].
-    idle_since: Option<u64>,
-}
-
-/// Passthrough backing ids by inode. The kernel requires every open handle of one inode to use
-/// the same id, so an entry lives while handles are open; after the last handle is released it
-/// stays *idle* (at most `idle_limit`, the least recently released dropped first), so
-/// the next open of the inode skips registering the blob with the kernel again (one ioctl on
-/// open and one on release). An idle entry holds its blob open, and with it the blob's store,
-/// which only the mapping may keep alive: an entry turns idle only while its blob is the one
-/// the mapping serves (else it goes with its last handle), and idle entries are dropped
-/// whenever the mapping changes (before the change's invalidations are sent, and again when a
-/// retired slot is detached).
-struct BackingCache {
-    idle_limit: usize,
-    by_ino: HashMap<u64, BackingEntry>,
-    by_fh: HashMap<u64, u64>,
-    /// Read-through handles (handle -> inode) and how many each inode has open.
-    read_through_fh: HashMap<u64, u64>,
-    read_through: HashMap<u64, usize>,
-    /// Idle entries by release order: (sequence number -> inode).
-    idle: std::collections::BTreeMap<u64, u64>,
-    next_idle: u64,
-}
-
-impl BackingCache {
-    fn new(idle_limit: usize) -> Self {
-        Self {
-            idle_limit,
-            by_ino: HashMap::new(),
-            by_fh: HashMap::new(),
-            read_through_fh: HashMap::new(),
-            read_through: HashMap::new(),
-            idle: std::collections::BTreeMap::new(),
-            next_idle: 0,
-        }
-    }
-
-    fn has_read_through(&self, ino: u64) -> bool {
-        self.read_through.contains_key(&ino)
-    }
-
-    fn read_through_opened(&mut self, ino: u64, fh: u64) {
-        self.read_through_fh.insert(fh, ino);
-        *self.read_through.entry(ino).or_default() += 1;
-    }
-
-    /// The id for a new handle `fh` of `ino`, if one is cached (open or idle).
-    fn reuse(&mut self, ino: u64, fh: u64) -> Option<Arc<BackingId>> {
-        let entry = self.by_ino.get_mut(&ino)?;
-        entry.handles += 1;
-        if let Some(seq) = entry.idle_since.take() {
-            self.idle.remove(&seq);
-        }
-        let id = entry.id.clone();
-        self.by_fh.insert(fh, ino);
-        Some(id)
-    }
-
-    fn insert(&mut self, ino: u64, fh: u64, id: Arc<BackingId>, blob: Arc<OpenBlob>) {
-        self.by_ino.insert(
-            ino,
-            BackingEntry {
-                id,
-                blob,
-                handles: 1,
-                idle_since: None,
-            },
-        );
-        self.by_fh.insert(fh, ino);
-    }
-
-    /// Releases `fh`; its inode's entry turns idle with its last handle if `keep` says the
-    /// blob is still the one served, else goes. Returns what the caller drops outside the lock
-    /// (closing a backing id is an ioctl).
-    fn release(&mut self, fh: u64, keep: impl Fn(&OpenBlob) -> bool) -> Vec<BackingEntry> {
-        if let Some(ino) = self.read_through_fh.remove(&fh) {
-            if let Some(n) = self.read_through.get_mut(&ino) {
-                *n -= 1;
-                if *n == 0 {
-                    self.read_through.remove(&ino);
-                }
-            }
-            return Vec::new();
-        }
-        let Some(ino) = self.by_fh.remove(&fh) else {
-            return Vec::new();
-        };
-        let mut evicted = Vec::new();
-        if let Some(entry) = self.by_ino.get_mut(&ino) {
-            entry.handles -= 1;
-            if entry.handles == 0 {
-                if keep(&entry.blob) {
-                    let seq = self.next_idle;
-                    self.next_idle += 1;
-                    entry.idle_since = Some(seq);
-                    self.idle.insert(seq, ino);
-                } else {
-                    evicted.extend(self.by_ino.remove(&ino));
-                }
-            }
-        }
-        while self.idle.len() > self.idle_limit {
-            let Some((_, ino)) = self.idle.pop_first() else {
-                break;
-            };
-            evicted.extend(self.by_ino.remove(&ino));
-        }
-        evicted
-    }
-
-    /// An entry taken over from a predecessor's journal: `id` serves `fhs` (idle if none).
-    fn restore(&mut self, ino: u64, fhs: &[u64], id: Arc<BackingId>, blob: Arc<OpenBlob>) {
-        let idle_since = fhs.is_empty().then(|| {
-            let seq = self.next_idle;
-            self.next_idle += 1;
-            self.idle.insert(seq, ino);
-            seq
-        });
-        self.by_ino.insert(
-            ino,
-            BackingEntry {
-                id,
-                blob,
-                handles: fhs.len(),
-                idle_since,
-            },
-        );
-        for &fh in fhs {
-            self.by_fh.insert(fh, ino);
-        }
-    }
-
-    /// Evicts the oldest idle entries beyond the limit.
-    fn trim_idle(&mut self) -> Vec<BackingEntry> {
-        let mut evicted = Vec::new();
-        while self.idle.len() > self.idle_limit {
-            let Some((_, ino)) = self.idle.pop_first() else {
-                break;
-            };
-            evicted.extend(self.by_ino.remove(&ino));
-        }
-        evicted
-    }
-
-    /// Drops every idle entry (the mapping changed); entries with open handles stay.
-    fn drop_idle(&mut self) -> Vec<BackingEntry> {
-        let idle = std::mem::take(&mut self.idle);
-        idle.into_values()
-            .filter_map(|ino| self.by_ino.remove(&ino))
-            .collect()
-    }
-}
-
 /// The adapter's state, shared by the `fuser` session and the ring threads (one clone each).
 #[derive(Clone)]
 struct ModelFs {
@@ -358,7 +202,6 @@ struct ModelFs {
     /// Set in `init` when the kernel accepted passthrough; cleared when the daemon turns out to
     /// lack the privilege for it, so later opens skip the doomed attempt.
     passthrough: Arc<AtomicBool>,
-    backing: Arc<Mutex<BackingCache>>,
     /// The largest request or reply (`max_write` at `INIT`): the `/dev/fuse` threads' and the
     /// ring entries' buffers are this size.
     payload: usize,
@@ -434,8 +277,14 @@ fn journal_outcome(
 
 /// How an open is answered.
 enum Opened {
-    Passthrough { fh: u64, id: Arc<BackingId> },
+    Passthrough { fh: u64, id: u32 },
     ReadThrough { fh: u64 },
+}
+
+impl Backing for BackingId {
+    fn id(&self) -> u32 {
+        BackingId::id(self)
+    }
 }
 
 impl ModelFs {
@@ -464,7 +313,7 @@ impl ModelFs {
     }
 
     /// Opens `ino` for reading: a passthrough backing id when the kernel granted passthrough
-    /// (registered with `register`, or the inode's cached one), else a read-through handle.
+    /// (registered with `register`, or the inode's own one), else a read-through handle.
     fn open_file(
         &self,
         ino: u64,
@@ -476,74 +325,71 @@ impl ModelFs {
         if flags & writes != 0 {
             return Err(self.fail("open", &FsError::ReadOnly));
         }
-        let (fh, blob) = self.core.open(ino).map_err(|e| self.fail("open", &e))?;
-        self.journaled(self.journal.handle_opened(fh, ino));
-        // One mode per inode: the kernel fails an open (EIO) whose mode differs from that of
-        // the inode's open handles. An inode with a backing id keeps it for every new handle;
-        // one with read-through handles open gets read-through ones until they are closed.
-        let mut cache = lock(&self.backing);
-        if let Some(id) = cache.reuse(ino, fh) {
-            self.metrics.backing_reuses.inc();
-            self.metrics.passthrough_opens.inc();
-            self.metrics.open_files.inc();
-            return Ok(Opened::Passthrough { fh, id });
-        }
+        // One mode per inode (see `crate::vfs::handles`): the core asks for a registration
+        // only for an inode that has none, and says whether read-through handles forbid one.
         let passthrough = self.passthrough.load(Ordering::Relaxed);
-        if passthrough && !cache.has_read_through(ino) {
-            match register(&blob.file) {
-                Ok(id) => {
-                    self.journaled(self.journal.backing_registered(blob.ino, id.id()));
-                    let id = Arc::new(id);
-                    cache.insert(blob.ino, fh, id.clone(), blob.clone());
-                    self.metrics.passthrough_opens.inc();
-                    self.metrics.open_files.inc();
-                    return Ok(Opened::Passthrough { fh, id });
-                }
-                Err(e) => {
-                    if e.raw_os_error() == Some(libc::EPERM) {
-                        tracing::warn!(
-                            "passthrough needs CAP_SYS_ADMIN; serving reads from the daemon"
-                        );
-                        self.passthrough.store(false, Ordering::Relaxed);
-                    } else {
-                        tracing::warn!(error = %e, ino, "passthrough open failed; serving this file from the daemon");
+        let opened = self
+            .core
+            .open_with(ino, |blob, may_register| {
+                if passthrough && may_register {
+                    match register(&blob.file) {
+                        Ok(id) => {
+                            self.journaled(self.journal.backing_registered(blob.ino, id.id()));
+                            return Ok(Some(Arc::new(id) as Arc<dyn Backing>));
+                        }
+                        Err(e) => {
+                            if e.raw_os_error() == Some(libc::EPERM) {
+                                tracing::warn!(
+                                    "passthrough needs CAP_SYS_ADMIN; serving reads from the daemon"
+                                );
+                                self.passthrough.store(false, Ordering::Relaxed);
+                            } else {
+                                tracing::warn!(error = %e, ino, "passthrough open failed; serving this file from the daemon");
+                            }
+                        }
                     }
                 }
+                if passthrough && self.config.passthrough == PassthroughMode::Always {
+                    return Err(FsError::Io {
+                        context: "passthrough open".into(),
+                        source: io::Error::from_raw_os_error(libc::EIO),
+                    });
+                }
+                if passthrough {
+                    self.metrics.passthrough_fallbacks.inc();
+                }
+                Ok(None)
+            })
+            .map_err(|e| self.fail("open", &e))?;
+        self.journaled(self.journal.handle_opened(opened.fh, ino));
+        self.metrics.open_files.inc();
+        match opened.mode {
+            Mode::Passthrough { backing, reused } => {
+                if reused {
+                    self.metrics.backing_reuses.inc();
+                }
+                self.metrics.passthrough_opens.inc();
+                Ok(Opened::Passthrough {
+                    fh: opened.fh,
+                    id: backing.id(),
+                })
+            }
+            Mode::ReadThrough => {
+                self.metrics.read_through_opens.inc();
+                Ok(Opened::ReadThrough { fh: opened.fh })
             }
         }
-        if passthrough && self.config.passthrough == PassthroughMode::Always {
-            drop(cache);
-            self.core.release(fh);
-            self.journaled(self.journal.handle_released(fh));
-            return Err(self.fail(
-                "open",
-                &FsError::Io {
-                    context: "passthrough open".into(),
-                    source: io::Error::from_raw_os_error(libc::EIO),
-                },
-            ));
-        }
-        if passthrough {
-            self.metrics.passthrough_fallbacks.inc();
-        }
-        cache.read_through_opened(ino, fh);
-        self.metrics.read_through_opens.inc();
-        self.metrics.open_files.inc();
-        Ok(Opened::ReadThrough { fh })
     }
 
-    /// Releases a file handle (its backing id turns idle or goes, see [`BackingCache`]).
+    /// Releases a file handle (its backing id turns idle or goes, see [`crate::vfs::handles`]).
     fn release_file(&self, fh: u64) {
         self.metrics.request("release");
-        let evicted = self
-            .backing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .release(fh, |blob| self.core.still_serves(blob));
-        self.closing(evicted);
-        self.core.release(fh);
+        let released = self.core.release(fh);
+        if let Some(released) = released {
+            self.closing(released.unregistered);
+            self.metrics.open_files.dec();
+        }
         self.journaled(self.journal.handle_released(fh));
-        self.metrics.open_files.dec();
     }
 }
 
@@ -558,12 +404,17 @@ impl ModelFs {
         );
     }
 
-    /// Closes evicted backing ids, recording that first.
-    fn closing(&self, evicted: Vec<BackingEntry>) {
-        for entry in &evicted {
-            self.journaled(self.journal.backing_closed(entry.blob.ino));
+    /// Closes backing ids that left the handle table, recording that first.
+    fn closing(&self, gone: Vec<Unregistered>) {
+        if gone.is_empty() {
+            return;
         }
-        drop(evicted);
+        for u in &gone {
+            self.journaled(self.journal.backing_closed(u.ino));
+        }
+        drop(gone);
+        // Their blobs' stores may have lost their last user.
+        self.core.note_use_ended();
     }
 }
 
@@ -813,12 +664,12 @@ fn model_fs(
     payload: usize,
     ask_ring: bool,
 ) -> ModelFs {
+    core.attach_kernel(idle_backing_limit());
     ModelFs {
         core,
         metrics,
         config: config.clone(),
         passthrough: Arc::new(AtomicBool::new(false)),
-        backing: Arc::new(Mutex::new(BackingCache::new(idle_backing_limit()))),
         payload,
         ask_ring,
         ring_granted: Arc::new(AtomicBool::new(false)),
@@ -981,67 +832,32 @@ pub fn resume(
     )
 }
 
-/// Rebuilds the handle table and backing cache from a predecessor's journal. A handle whose
-/// inode no longer resolves (its model left the mapping before the restart) stays recorded:
-/// its reads fail, its release clears it. A backing id is kept for its inode while it
-/// resolves, else closed (open files keep their backing file; the id only names it for new
-/// opens).
+/// Rebuilds the handle table from a predecessor's journal. A handle whose inode no longer
+/// resolves (its model left the mapping before the restart) stays recorded: its reads fail,
+/// its release clears it. A backing id is kept for its inode while it resolves, else closed
+/// (open files keep their backing file; the id only names it for new opens). An inode's
+/// handles without a backing id were read-through: they stay so (one mode per inode).
 fn restore(fs: &ModelFs, dev: &Arc<OwnedFd>, entries: Vec<Entry>) {
-    let mut handles: HashMap<u64, Vec<u64>> = HashMap::new();
-    let mut backings = Vec::new();
+    let mut inodes: HashMap<u64, (Vec<u64>, Option<u32>)> = HashMap::new();
     for e in entries {
         match e {
-            Entry::Handle { fh, ino } => handles.entry(ino).or_default().push(fh),
-            Entry::Backing { ino, id } => backings.push((ino, id)),
+            Entry::Handle { fh, ino } => inodes.entry(ino).or_default().0.push(fh),
+            Entry::Backing { ino, id } => inodes.entry(ino).or_default().1 = Some(id),
         }
     }
     let mut restored = 0usize;
     let mut lost = 0usize;
-    let mut blobs = HashMap::new();
-    for (&ino, fhs) in &handles {
-        for &fh in fhs {
-            match fs.core.reopen(fh, ino) {
-                Ok(blob) => {
-                    restored += 1;
-                    fs.metrics.open_files.inc();
-                    blobs.insert(ino, blob);
-                }
-                Err(e) => {
-                    lost += 1;
-                    tracing::warn!(fh, ino, error = %e, "an open file of the previous process cannot be reopened");
-                }
-            }
+    for (ino, (fhs, id)) in inodes {
+        let backing = id.map(|id| Arc::new(BackingId::adopt(dev, id)) as Arc<dyn Backing>);
+        let outcome = fs.core.restore_inode(ino, &fhs, backing);
+        restored += outcome.reopened;
+        fs.metrics.open_files.inc_by(outcome.reopened as i64);
+        for (fh, e) in &outcome.lost {
+            lost += 1;
+            tracing::warn!(fh, ino, error = %e, "an open file of the previous process cannot be reopened");
         }
+        fs.closing(outcome.unregistered);
     }
-    let mut cache = lock(&fs.backing);
-    for (ino, id) in backings {
-        let id = BackingId::adopt(dev, id);
-        let blob = match blobs.get(&ino) {
-            Some(b) => b.clone(),
-            None => match fs.core.open(ino) {
-                Ok((fh, blob)) => {
-                    fs.core.release(fh);
-                    blob
-                }
-                Err(_) => {
-                    drop(id);
-                    fs.journaled(fs.journal.backing_closed(ino));
-                    continue;
-                }
-            },
-        };
-        let fhs = handles.remove(&ino).unwrap_or_default();
-        cache.restore(ino, &fhs, Arc::new(id), blob);
-    }
-    // The other handles were read-through: their inodes stay so (one mode per inode).
-    for (ino, fhs) in handles {
-        for fh in fhs {
-            cache.read_through_opened(ino, fh);
-        }
-    }
-    let idle = cache.trim_idle();
-    drop(cache);
-    fs.closing(idle);
     tracing::info!(
         restored,
         lost,
@@ -1119,14 +935,7 @@ fn spawn_notifier(fs: &ModelFs, dev: &Arc<OwnedFd>) -> io::Result<NotifierThread
     let thread = std::thread::Builder::new()
         .name("fuse-notify".into())
         .spawn(move || {
-            let drop_idle_backing = || {
-                let dropped = lock(&fs.backing).drop_idle();
-                if !dropped.is_empty() {
-                    fs.closing(dropped);
-                    // The blobs' stores may have lost their last user.
-                    fs.core.note_use_ended();
-                }
-            };
+            let drop_idle_backing = || fs.closing(fs.core.drop_idle_registrations());
             for batch in rx {
                 drop_idle_backing();
                 for inv in batch {
@@ -1324,22 +1133,5 @@ mod tests {
         ));
         assert!(!journal_outcome(&metrics, &limit, Ok(()), later));
         assert_eq!(metrics.snapshot().get("fuse_errors/journal"), Some(&1001));
-    }
-
-    #[test]
-    fn an_inode_with_read_through_handles_open_stays_read_through_until_they_close() {
-        let mut cache = BackingCache::new(4);
-        cache.read_through_opened(7, 1);
-        cache.read_through_opened(7, 2);
-        assert!(cache.has_read_through(7));
-        assert!(!cache.has_read_through(8));
-        assert!(cache.release(1, |_| true).is_empty());
-        assert!(cache.has_read_through(7), "one handle still open");
-        assert!(cache.release(2, |_| true).is_empty());
-        assert!(!cache.has_read_through(7), "passthrough may be used again");
-        assert!(
-            cache.reuse(7, 3).is_none(),
-            "no backing id was ever registered"
-        );
     }
 }

@@ -43,6 +43,8 @@
 //! An open file holds an [`OpenBlob`], which holds the [`StoreHandle`] of the store it was opened
 //! on. Stores are interned by id as weak references: a store is in use exactly while some mapping,
 //! retired slot not yet detached, or open file holds its handle. Garbage collection asks [`FsCore::store_in_use`].
+//! Open files are one table ([`handles`]): each handle's blob and how the kernel reads it (an
+//! inode's passthrough registration holds the blob it was made from, and so its store).
 //!
 //! # Inline files
 //! Besides model trees, a mapping can hold small files whose bytes live in the mapping itself
@@ -69,6 +71,7 @@
 //! (`vendor://`), so that a pod binding such a path finds a directory. One that clashes with a
 //! model root, an inline file or a path below either is left out.
 
+pub mod handles;
 pub mod hf_cache;
 pub mod pending;
 pub mod tree;
@@ -86,11 +89,11 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use arc_swap::ArcSwap;
-use dashmap::DashMap;
 
 use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use modelfs_core::store::{Store, StoreId};
 
+pub use handles::{Backing, Mode, OpenedHandle, Released, Restored, Unregistered};
 pub use pending::{PendingFile, PendingFiles, DEFAULT_PENDING_WAIT};
 pub use tree::{ModelTree, NodeKind};
 
@@ -489,10 +492,10 @@ pub struct FsCore {
     slots: RwLock<HashMap<u32, Arc<Slot>>>,
     registries: Mutex<Registries>,
     stores: Mutex<HashMap<StoreId, Weak<StoreHandle>>>,
-    handles: DashMap<u64, Arc<OpenBlob>>,
+    /// Open handles and how the kernel reads them ([`handles`]).
+    handles: RwLock<handles::HandleTable>,
     /// The inline files of the mapping and the retired ones still kept (see the module docs).
     inline: RwLock<InlineFiles>,
-    next_fh: AtomicU64,
     /// Shown as the mtime of synthesized directories.
     started: SystemTime,
     /// Serialises `apply` calls (readers never take it).
@@ -614,9 +617,8 @@ impl FsCore {
             slots: RwLock::new(HashMap::new()),
             registries: Mutex::new(registries),
             stores: Mutex::new(HashMap::new()),
-            handles: DashMap::new(),
+            handles: RwLock::new(handles::HandleTable::default()),
             inline: RwLock::new(InlineFiles::default()),
-            next_fh: AtomicU64::new(1),
             started,
             apply_lock: Mutex::new(()),
             usage_epoch: AtomicU64::new(0),
@@ -736,7 +738,7 @@ impl FsCore {
                     .extend(served.blobs());
             }
         }
-        for h in self.handles.iter() {
+        for h in self.table().blobs() {
             if let Some(store) = &h.store {
                 out.stores.insert(store.id.clone());
                 out.blobs
@@ -765,8 +767,8 @@ impl FsCore {
             .is_some_and(|m| m.store.id == store.id)
     }
 
-    /// Something outside the core (the FUSE adapter's idle passthrough cache) stopped holding
-    /// an [`OpenBlob`]: its store may have lost its last user.
+    /// Something outside the core (a registration handed out of the handle table, see
+    /// [`Unregistered`]) stopped holding an [`OpenBlob`]: its store may have lost its last user.
     pub fn note_use_ended(&self) {
         self.usage_epoch.fetch_add(1, Ordering::AcqRel);
     }
@@ -842,7 +844,7 @@ impl FsCore {
                     .push(served.artifact.clone()),
             }
         }
-        for h in self.handles.iter() {
+        for h in self.table().blobs() {
             if let Some(store) = &h.store {
                 out.blobs
                     .entry(store.id.clone())
@@ -1585,11 +1587,11 @@ impl FsCore {
             .unwrap_or(ROOT_INO)
     }
 
-    /// Opens a file for reading: the blob of the store the model is served from *now*. The
-    /// returned handle keeps reading that blob whatever happens to the mapping later. A file of
-    /// a model served while downloading that has not verified yet is waited for (see
-    /// [`pending`]): nothing is opened before it verified.
-    pub fn open(&self, ino: u64) -> Result<(u64, Arc<OpenBlob>), FsError> {
+    /// Opens a file's blob for reading: the blob of the store the model is served from *now*.
+    /// A handle made of it ([`handles`]) keeps reading that blob whatever happens to the
+    /// mapping later. A file of a model served while downloading that has not verified yet is
+    /// waited for (see [`pending`]): nothing is opened before it verified.
+    fn open_blob(&self, ino: u64) -> Result<OpenBlob, FsError> {
         let (slot_id, node) = split_ino(ino);
         if slot_id == 0 {
             return self.open_inline(ino);
@@ -1687,24 +1689,17 @@ impl FsCore {
                     context: format!("blob {blob} of store {}", store.id),
                     source: io::Error::other(refused),
                 })?;
-            return Ok(self.register(OpenBlob {
+            return Ok(OpenBlob {
                 file,
                 size,
                 ino,
                 blob,
                 store: Some(store),
-            }));
+            });
         }
     }
 
-    fn register(&self, blob: OpenBlob) -> (u64, Arc<OpenBlob>) {
-        let blob = Arc::new(blob);
-        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
-        self.handles.insert(fh, blob.clone());
-        (fh, blob)
-    }
-
-    fn open_inline(&self, ino: u64) -> Result<(u64, Arc<OpenBlob>), FsError> {
+    fn open_inline(&self, ino: u64) -> Result<OpenBlob, FsError> {
         let content = self
             .inline
             .read()
@@ -1722,18 +1717,18 @@ impl FsCore {
             context: format!("creating the memory file of inode {ino}"),
             source,
         })?;
-        Ok(self.register(OpenBlob {
+        Ok(OpenBlob {
             file,
             size: content.len() as u64,
             ino,
             blob: Sha256Digest::of(&content),
             store: None,
-        }))
+        })
     }
 
     /// Reads up to `size` bytes at `offset`; short only at end of file.
     pub fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Vec<u8>, FsError> {
-        let blob = self.handles.get(&fh).ok_or(FsError::BadHandle)?.clone();
+        let blob = self.table().get(fh).ok_or(FsError::BadHandle)?;
         let len = blob.size.saturating_sub(offset).min(u64::from(size)) as usize;
         let mut buf = vec![0u8; len];
         let done = read_blob(&blob, offset, &mut buf)?;
@@ -1745,23 +1740,8 @@ impl FsCore {
     /// the ring's payload); returns the bytes read, fewer than `buf.len()` only at the end of
     /// the file.
     pub fn read_into(&self, fh: u64, offset: u64, buf: &mut [u8]) -> Result<usize, FsError> {
-        let blob = self.handles.get(&fh).ok_or(FsError::BadHandle)?.clone();
+        let blob = self.table().get(fh).ok_or(FsError::BadHandle)?;
         read_blob(&blob, offset, buf)
-    }
-
-    /// Opens `ino` again under the handle number `fh` a previous process gave the kernel (a
-    /// resumed connection, see `crate::takeover`); later handles are numbered above it.
-    pub fn reopen(&self, fh: u64, ino: u64) -> Result<Arc<OpenBlob>, FsError> {
-        let (new_fh, blob) = self.open(ino)?;
-        self.handles.remove(&new_fh);
-        self.handles.insert(fh, blob.clone());
-        self.next_fh.fetch_max(fh + 1, Ordering::Relaxed);
-        Ok(blob)
-    }
-
-    pub fn release(&self, fh: u64) {
-        self.handles.remove(&fh);
-        self.usage_epoch.fetch_add(1, Ordering::AcqRel);
     }
 }
 

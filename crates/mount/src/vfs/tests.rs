@@ -1119,3 +1119,289 @@ fn empty_directories_beside_models_and_clashing_ones_left_out() {
         .unwrap();
     assert!(resolve(&f.core, "vendors").is_err());
 }
+
+// The handle table (see `handles`): one mode per inode, registrations shared, kept idle and
+// dropped, a new connection, a takeover.
+
+/// A registration that counts how many times it ended.
+struct CountedBacking {
+    id: u32,
+    ended: Arc<AtomicU64>,
+}
+
+impl Backing for CountedBacking {
+    fn id(&self) -> u32 {
+        self.id
+    }
+}
+
+impl Drop for CountedBacking {
+    fn drop(&mut self) {
+        self.ended.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// A core serving `m/a.bin` and `m/b.bin` from store A, attached to a kernel that keeps
+/// `idle_limit` idle registrations; the files' inodes.
+fn handle_fixture(idle_limit: usize) -> (Fixture, Arc<StoredArtifact>, u64, u64) {
+    let f = fixture();
+    let files: &[(&str, &[u8])] = &[("a.bin", b"alpha"), ("b.bin", b"bravo")];
+    let a = artifact(&f.store_a.store, files);
+    f.core.apply(&[entry("m", &a, &f.store_a)]).unwrap();
+    f.core.attach_kernel(idle_limit);
+    let ino_a = resolve(&f.core, "m/a.bin").unwrap().ino;
+    let ino_b = resolve(&f.core, "m/b.bin").unwrap().ino;
+    (f, a, ino_a, ino_b)
+}
+
+/// Opens `ino` offering a [`CountedBacking`] numbered `id` when the core asks; whether it
+/// asked, and whether a registration was allowed.
+fn open_registering(
+    core: &FsCore,
+    ino: u64,
+    id: u32,
+    ended: &Arc<AtomicU64>,
+) -> (OpenedHandle, Option<bool>) {
+    let mut asked = None;
+    let opened = core
+        .open_with(ino, |_, may_register| {
+            asked = Some(may_register);
+            // Offered even when not allowed: the core must drop it then.
+            Ok(Some(Arc::new(CountedBacking {
+                id,
+                ended: ended.clone(),
+            }) as Arc<dyn Backing>))
+        })
+        .unwrap();
+    (opened, asked)
+}
+
+fn backing_id(mode: &Mode) -> Option<(u32, bool)> {
+    match mode {
+        Mode::Passthrough { backing, reused } => Some((backing.id(), *reused)),
+        Mode::ReadThrough => None,
+    }
+}
+
+#[test]
+fn an_inode_with_read_through_handles_open_stays_read_through_until_they_close() {
+    let (f, _a, ino, _) = handle_fixture(4);
+    let ended = Arc::new(AtomicU64::new(0));
+    let (fh1, _) = f.core.open(ino).unwrap();
+    let (second, asked) = open_registering(&f.core, ino, 1, &ended);
+    assert_eq!(
+        asked,
+        Some(false),
+        "read-through handles open: no registration"
+    );
+    assert!(backing_id(&second.mode).is_none());
+    let released = f.core.release(fh1).unwrap();
+    assert!(released.unregistered.is_empty());
+    let (third, asked) = open_registering(&f.core, ino, 2, &ended);
+    assert_eq!(asked, Some(false), "one handle still open");
+    assert!(backing_id(&third.mode).is_none());
+    assert_eq!(f.core.read(third.fh, 0, 100).unwrap(), b"alpha");
+    f.core.release(second.fh).unwrap();
+    f.core.release(third.fh).unwrap();
+    let (fourth, asked) = open_registering(&f.core, ino, 3, &ended);
+    assert_eq!(asked, Some(true), "passthrough may be used again");
+    assert_eq!(
+        backing_id(&fourth.mode),
+        Some((3, false)),
+        "no backing id was ever registered before"
+    );
+    assert_eq!(
+        ended.load(Ordering::SeqCst),
+        2,
+        "refused registrations were dropped"
+    );
+}
+
+#[test]
+fn a_registration_is_shared_by_an_inodes_handles_kept_idle_and_reused() {
+    let (f, _a, ino, _) = handle_fixture(4);
+    let ended = Arc::new(AtomicU64::new(0));
+    let (first, asked) = open_registering(&f.core, ino, 7, &ended);
+    assert_eq!(asked, Some(true));
+    assert_eq!(backing_id(&first.mode), Some((7, false)));
+    let (second, asked) = open_registering(&f.core, ino, 8, &ended);
+    assert_eq!(asked, None, "the inode's registration serves every handle");
+    assert_eq!(backing_id(&second.mode), Some((7, true)));
+    assert!(f.core.release(first.fh).unwrap().unregistered.is_empty());
+    let last = f.core.release(second.fh).unwrap();
+    assert_eq!(last.ino, ino);
+    assert!(
+        last.unregistered.is_empty(),
+        "the mapping still serves the blob: kept idle"
+    );
+    assert!(f.core.release(second.fh).is_none(), "released once");
+    drop((first, second));
+    assert_eq!(ended.load(Ordering::SeqCst), 0);
+
+    let (again, asked) = open_registering(&f.core, ino, 9, &ended);
+    assert_eq!(asked, None);
+    assert_eq!(backing_id(&again.mode), Some((7, true)), "idle one reused");
+    assert!(
+        f.core.drop_idle_registrations().is_empty(),
+        "in use again: not idle"
+    );
+    f.core.release(again.fh).unwrap();
+    drop(again);
+    let gone = f.core.drop_idle_registrations();
+    assert_eq!(gone.iter().map(|u| u.ino).collect::<Vec<_>>(), vec![ino]);
+    assert_eq!(ended.load(Ordering::SeqCst), 0, "ends only when dropped");
+    drop(gone);
+    assert_eq!(ended.load(Ordering::SeqCst), 1);
+    let (fresh, asked) = open_registering(&f.core, ino, 10, &ended);
+    assert_eq!(asked, Some(true), "dropped: registered anew");
+    assert_eq!(backing_id(&fresh.mode), Some((10, false)));
+}
+
+#[test]
+fn a_registration_goes_with_its_last_handle_once_the_mapping_serves_another_store() {
+    let (f, a, ino, _) = handle_fixture(4);
+    let files: &[(&str, &[u8])] = &[("a.bin", b"alpha"), ("b.bin", b"bravo")];
+    let a_in_b = artifact(&f.store_b.store, files);
+    assert_eq!(a.id, a_in_b.id);
+    let ended = Arc::new(AtomicU64::new(0));
+    let (before, _) = open_registering(&f.core, ino, 1, &ended);
+    f.core.apply(&[entry("m", &a_in_b, &f.store_b)]).unwrap();
+    let (after, asked) = open_registering(&f.core, ino, 2, &ended);
+    assert_eq!(asked, None);
+    assert_eq!(
+        backing_id(&after.mode),
+        Some((1, true)),
+        "same inode after the flip: same registration"
+    );
+    assert_eq!(
+        after.blob.store.as_ref().unwrap().id,
+        StoreId::from_seq(2),
+        "the new handle's blob is the new store's"
+    );
+    f.core.release(before.fh).unwrap();
+    let last = f.core.release(after.fh).unwrap();
+    assert_eq!(
+        last.unregistered.iter().map(|u| u.ino).collect::<Vec<_>>(),
+        vec![ino],
+        "made from store A's blob, which the mapping no longer serves"
+    );
+    drop((before, after, last));
+    assert_eq!(ended.load(Ordering::SeqCst), 1);
+    let Fixture { core, store_a, .. } = f;
+    drop((store_a, a));
+    assert!(
+        !core.store_in_use(&StoreId::from_seq(1)),
+        "nothing keeps store A"
+    );
+}
+
+#[test]
+fn idle_registrations_beyond_the_limit_go_least_recently_released_first() {
+    let (f, _a, ino_a, ino_b) = handle_fixture(1);
+    let ended = Arc::new(AtomicU64::new(0));
+    let (a, _) = open_registering(&f.core, ino_a, 1, &ended);
+    let (b, _) = open_registering(&f.core, ino_b, 2, &ended);
+    assert!(f.core.release(a.fh).unwrap().unregistered.is_empty());
+    let released = f.core.release(b.fh).unwrap();
+    assert_eq!(
+        released
+            .unregistered
+            .iter()
+            .map(|u| u.ino)
+            .collect::<Vec<_>>(),
+        vec![ino_a]
+    );
+    drop((a, b, released));
+    assert_eq!(ended.load(Ordering::SeqCst), 1);
+    let (b2, asked) = open_registering(&f.core, ino_b, 3, &ended);
+    assert_eq!((asked, backing_id(&b2.mode)), (None, Some((2, true))));
+}
+
+#[test]
+fn a_new_kernel_connection_starts_from_an_empty_table() {
+    let (f, a, ino, _) = handle_fixture(4);
+    let ended = Arc::new(AtomicU64::new(0));
+    let (old, _) = open_registering(&f.core, ino, 1, &ended);
+    let old_fh = old.fh;
+    drop(old);
+    f.core.attach_kernel(4);
+    assert_eq!(
+        ended.load(Ordering::SeqCst),
+        1,
+        "the old registration ended"
+    );
+    assert!(matches!(f.core.read(old_fh, 0, 1), Err(FsError::BadHandle)));
+    assert!(f.core.release(old_fh).is_none());
+    let (new, asked) = open_registering(&f.core, ino, 2, &ended);
+    assert_eq!(
+        asked,
+        Some(true),
+        "the old connection's id means nothing here"
+    );
+    assert!(new.fh > old_fh, "handle numbers never repeat");
+    f.core.release(new.fh).unwrap();
+    drop(new);
+    let Fixture { core, store_a, .. } = f;
+    drop((store_a, a));
+    let inv = core.apply(&[]).unwrap();
+    core.detach_all(&inv);
+    drop(core.drop_idle_registrations());
+    assert!(
+        !core.store_in_use(&StoreId::from_seq(1)),
+        "no handle of either connection keeps the store"
+    );
+}
+
+#[test]
+fn a_taken_over_inode_keeps_its_handle_numbers_and_registration() {
+    let (f, _a, ino_a, ino_b) = handle_fixture(4);
+    let ended = Arc::new(AtomicU64::new(0));
+    let counted = |id| {
+        Some(Arc::new(CountedBacking {
+            id,
+            ended: ended.clone(),
+        }) as Arc<dyn Backing>)
+    };
+    let restored = f.core.restore_inode(ino_a, &[40, 41], counted(5));
+    assert_eq!((restored.reopened, restored.lost.len()), (2, 0));
+    assert!(restored.unregistered.is_empty());
+    // Read-through handles stay read-through.
+    let restored = f.core.restore_inode(ino_b, &[30], None);
+    assert_eq!(restored.reopened, 1);
+    // An inode that no longer opens: its handles are lost, its id given back.
+    let unmapped = model_ino(99, 1);
+    let restored = f.core.restore_inode(unmapped, &[43], counted(8));
+    assert_eq!(restored.reopened, 0);
+    assert_eq!(
+        restored.lost.iter().map(|(fh, _)| *fh).collect::<Vec<_>>(),
+        vec![43]
+    );
+    assert_eq!(
+        restored
+            .unregistered
+            .iter()
+            .map(|u| u.ino)
+            .collect::<Vec<_>>(),
+        vec![unmapped],
+    );
+    assert!(matches!(f.core.read(43, 0, 1), Err(FsError::BadHandle)));
+    assert!(f.core.release(43).is_none());
+    drop(restored);
+    assert_eq!(ended.load(Ordering::SeqCst), 1, "id 8 given back");
+    // A handle number already taken is not taken over twice.
+    let restored = f.core.restore_inode(ino_a, &[40], None);
+    assert_eq!((restored.reopened, restored.lost.len()), (0, 1));
+
+    assert_eq!(f.core.read(41, 0, 100).unwrap(), b"alpha");
+    assert_eq!(f.core.read(30, 0, 100).unwrap(), b"bravo");
+    let (next, asked) = open_registering(&f.core, ino_a, 6, &ended);
+    assert_eq!(asked, None);
+    assert_eq!(backing_id(&next.mode), Some((5, true)));
+    assert!(
+        next.fh > 43,
+        "later handles are numbered above the restored ones"
+    );
+    let (b, asked) = open_registering(&f.core, ino_b, 7, &ended);
+    assert_eq!((asked, backing_id(&b.mode)), (Some(false), None));
+    assert_eq!(ended.load(Ordering::SeqCst), 2, "id 7 refused too");
+}

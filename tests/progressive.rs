@@ -328,9 +328,12 @@ fn a_reader_waiting_through_a_sigkill_of_the_supervised_agent_is_served_after_th
 
 /// `modelfs mount-server` and `modelfs agent` as separate processes (the Kubernetes layout).
 struct Split {
-    server: std::process::Child,
+    server: Option<std::process::Child>,
     agent: Option<std::process::Child>,
+    keeper: Option<std::process::Child>,
+    keeper_socket: std::path::PathBuf,
     mount: std::path::PathBuf,
+    state: std::path::PathBuf,
     log: std::path::PathBuf,
     /// The agent's address (it picks its port at each start: `--listen-addr-file`).
     listen: String,
@@ -339,43 +342,87 @@ struct Split {
 
 impl Split {
     fn start(env: &TestEnv, hub: &TestHub) -> Split {
-        let log = env.root.path().join("split.log");
-        let out = || {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&log)
-                .unwrap()
+        Self::start_with(env, hub, false)
+    }
+
+    /// With `keeper`, a `modelfs keeper` holds the FUSE connection across mount server
+    /// restarts (the Kubernetes DaemonSets).
+    fn start_with(env: &TestEnv, hub: &TestHub, keeper: bool) -> Split {
+        let run = env.dir("run");
+        let mut split = Split {
+            server: None,
+            agent: None,
+            keeper: None,
+            keeper_socket: run.join("keeper").join("keeper.sock"),
+            mount: env.mount.clone(),
+            state: env.state.clone(),
+            listen_file: env.root.path().join("agent.addr"),
+            log: env.root.path().join("split.log"),
+            listen: String::new(),
         };
-        let socket = env.root.path().join("run").join("agent.sock");
+        if keeper {
+            let out = split.out();
+            split.keeper = Some(
+                std::process::Command::new(BIN)
+                    .arg("keeper")
+                    .arg("--socket")
+                    .arg(&split.keeper_socket)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(out.try_clone().unwrap())
+                    .stderr(out)
+                    .spawn()
+                    .unwrap(),
+            );
+            let socket = split.keeper_socket.clone();
+            wait_for("the keeper", Duration::from_secs(30), || socket.exists());
+        }
+        split.start_server();
+        split.start_agent(env, hub, &run.join("agent.sock"));
+        split
+    }
+
+    fn out(&self) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap()
+    }
+
+    /// Starts a mount server and waits until it serves (a new one after a restart).
+    fn start_server(&mut self) {
+        let before = self.log_text().matches("waiting for the agent").count();
+        let out = self.out();
         let server = std::process::Command::new(BIN)
             .arg("mount-server")
             .arg("--mount")
-            .arg(&env.mount)
+            .arg(&self.mount)
             .arg("--state")
-            .arg(&env.state)
+            .arg(&self.state)
             .arg("--mount-socket")
-            .arg(&socket)
+            .arg(self.mount.parent().unwrap().join("run").join("agent.sock"))
+            .arg("--keeper-socket")
+            .arg(&self.keeper_socket)
             .args(["--fuse-transport", "dev"])
             .env("RUST_LOG", "info,modelfs=debug")
             .stdin(std::process::Stdio::null())
-            .stdout(out())
-            .stderr(out())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
             .spawn()
             .unwrap();
-        let mut split = Split {
-            server,
-            agent: None,
-            mount: env.mount.clone(),
-            listen_file: env.root.path().join("agent.addr"),
-            log,
-            listen: String::new(),
-        };
+        self.server = Some(server);
         wait_for("the mount server", Duration::from_secs(30), || {
-            split.log_text().contains("waiting for the agent")
+            self.log_text().matches("waiting for the agent").count() > before
         });
-        split.start_agent(env, hub, &socket);
-        split
+    }
+
+    /// SIGTERM, as a rolling update of the mount server's DaemonSet does: it hands the FUSE
+    /// connection on to the keeper.
+    fn stop_server(&mut self) {
+        if let Some(mut c) = self.server.take() {
+            terminate(c.id());
+            c.wait().unwrap();
+        }
     }
 
     fn start_agent(&mut self, env: &TestEnv, hub: &TestHub, socket: &Path) {
@@ -439,8 +486,23 @@ impl Split {
 impl Drop for Split {
     fn drop(&mut self) {
         self.kill_agent();
-        let _ = self.server.kill();
-        let _ = self.server.wait();
+        if let Some(mut c) = self.server.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::process::Command::new(BIN)
+            .arg("unmount")
+            .arg("--mount")
+            .arg(&self.mount)
+            .arg("--keeper-socket")
+            .arg(&self.keeper_socket)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+        if let Some(mut k) = self.keeper.take() {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
         let _ = std::process::Command::new("umount")
             .arg("-l")
             .arg(&self.mount)
@@ -595,4 +657,46 @@ fn huggingface_hub_reads_a_shard_through_the_cache_view_while_the_model_download
     );
     d.wait_model("clusterbasemodel.view", "Ready");
     assert_files(&repo.join("snapshots").join(&commit), &files);
+}
+
+/// A rolling update of the mount server (SIGTERM: the keeper holds the FUSE connection, a new
+/// server resumes it) while a reader waits on a file of a model served while it downloads:
+/// the waiting open is resent to the new server, waits there, and gets its bytes.
+#[test]
+fn a_reader_waiting_through_a_mount_server_restart_is_served() {
+    let hub = TestHub::start(1000);
+    let files = sharded(9);
+    publish(&hub, "org/handon", &files);
+    throttle_shards(&hub);
+    let env = TestEnv::new();
+    let mut split = Split::start_with(&env, &hub, true);
+    env.write_models("m.yaml", &model("handon", "org/handon"));
+    let dir = env.mount.join("handon");
+    wait_listing(&dir, &files);
+    let last = "model-00003-of-00003.safetensors";
+    let path = dir.join(last);
+    let reader = std::thread::spawn(move || read(&path));
+    wait_for(
+        "the agent to hear of the waiting open",
+        Duration::from_secs(30),
+        || told_wanted(&split.log_text(), last) >= 1,
+    );
+    split.stop_server();
+    assert!(!blob_stored(&env, &files[last]), "restarted too late");
+    assert!(!reader.is_finished(), "the reader was still waiting");
+    split.start_server();
+    wait_for("the resumed connection", Duration::from_secs(30), || {
+        split
+            .log_text()
+            .contains("resumed the FUSE connection of the previous mount server")
+    });
+    let got = reader
+        .join()
+        .unwrap()
+        .expect("the waiting open is served after the mount server restart");
+    assert!(got == files[last], "the last shard reads its own bytes");
+    wait_for("Ready", Duration::from_secs(60), || {
+        split.status("clusterbasemodel.handon").as_deref() == Some("Ready")
+    });
+    assert_files(&dir, &files);
 }

@@ -845,3 +845,112 @@ async fn local_models_without_a_path_are_at_their_directory() {
     assert_eq!(files_of(&outside), expected);
     drop(daemon);
 }
+
+/// SPEC section 13 in Kubernetes mode: a model annotated
+/// `modelfs.io/serve-while-downloading: "true"` is `Ready` (node label and ConfigMap entry) as
+/// soon as the mount server serves its listing, with OME's `progress` going on and the reason
+/// counting verified files, and its files read through the mount while the rest downloads; a
+/// model without the annotation keeps OME's meaning (`Ready` once complete).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_annotated_model_is_ready_once_its_listing_is_served_and_others_once_complete() {
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    // One link of 1 MiB/s for every body of the hub: about six seconds for both models.
+    let hub = modelfs_devhub::hf::Hub::new(modelfs_devhub::hf::HubConfig {
+        rate_bytes_per_sec: 1 << 20,
+        ..modelfs_devhub::hf::HubConfig::default()
+    });
+    let mut contents = BTreeMap::new();
+    for repo in ["opt", "plain"] {
+        let dir = data.path().join(repo);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), b"{\"model_type\":\"llama\"}").unwrap();
+        std::fs::write(dir.join("tokenizer.json"), common::bytes(7, 2000)).unwrap();
+        for i in 1..=3u64 {
+            let name = format!("model-0000{i}-of-00003.safetensors");
+            std::fs::write(dir.join(&name), common::bytes(10 + i, 1 << 20)).unwrap();
+        }
+        hub.add_commit(
+            &format!("org/{repo}"),
+            &["main"],
+            files_from_dir(&dir, 1 << 10).unwrap(),
+        );
+        contents.insert(repo, dir);
+    }
+    let running = hub
+        .clone()
+        .serve("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    server.put(NODES, node());
+    let mut opt = cluster_model("opt", json!({"storageUri": "hf://org/opt"}));
+    opt["metadata"]["annotations"] =
+        json!({modelfs_ome::model::SERVE_WHILE_DOWNLOADING_ANNOTATION: "true"});
+    server.put(CBM, opt);
+    server.put(
+        CBM,
+        cluster_model("plain", json!({"storageUri": "hf://org/plain"})),
+    );
+    let url = running.url();
+    let daemon = start_daemon(
+        &server,
+        &[
+            "--hf-endpoint",
+            &url,
+            "--hf-max-files",
+            "1",
+            "--progress-interval-secs",
+            "1",
+        ],
+        &[],
+    );
+    // Ready while it still downloads: OME's progress is there, and the reason counts files.
+    let early = wait_for("opt Ready while downloading", || {
+        let entry = entries(&server).get("clusterbasemodel.opt").cloned()?;
+        (entry["status"] == "Ready" && entry["progress"].is_object()).then_some(entry)
+    })
+    .await;
+    assert_eq!(
+        node_labels(&server)
+            .get("models.ome.io/clusterbasemodel.opt")
+            .map(String::as_str),
+        Some("Ready")
+    );
+    let reason = early["reason"].as_str().unwrap_or_default().to_string();
+    assert!(
+        reason.starts_with("served while downloading: ") && reason.ends_with("/5 files verified"),
+        "{early}"
+    );
+    assert_ne!(
+        status_of(&server, "clusterbasemodel.plain").as_deref(),
+        Some("Ready"),
+        "a model without the annotation is Ready only once complete"
+    );
+    assert!(
+        early["progress"]["totalBytes"].as_u64().unwrap() >= 3 << 20,
+        "{early}"
+    );
+    // Pods scheduled now read the model through the mount: every file has its own bytes.
+    let served = daemon.mount.join("opt");
+    let last = "model-00003-of-00003.safetensors";
+    let got = tokio::task::spawn_blocking(move || std::fs::read(served.join(last)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(got == std::fs::read(contents["opt"].join(last)).unwrap());
+
+    // Both complete: the annotated one stays Ready, now without progress or reason.
+    let done = wait_for("opt complete", || {
+        let entry = entries(&server).get("clusterbasemodel.opt").cloned()?;
+        (entry["status"] == "Ready" && entry.get("progress").is_none()).then_some(entry)
+    })
+    .await;
+    assert!(done.get("reason").is_none(), "{done}");
+    let plain = wait_status(&server, "clusterbasemodel.plain", "Ready").await;
+    assert!(plain.get("progress").is_none(), "{plain}");
+    for repo in ["opt", "plain"] {
+        let want = files_of(&contents[repo]);
+        assert_eq!(files_of(&daemon.mount.join(repo)), want, "{repo}");
+    }
+    drop(daemon);
+}

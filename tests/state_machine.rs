@@ -155,6 +155,7 @@ fn spec(i: usize, reuse: bool, rev_dir: &Path) -> ModelSpec {
         path: MountPath::from_relative(&rel_path(i)).unwrap(),
         reserve_artifact: false,
         skip_config_parsing: false,
+        serve_while_downloading: false,
         token_secret: None,
         parameters: BTreeMap::new(),
         labels: BTreeMap::new(),

@@ -18,11 +18,18 @@
 //! an artifact of the same id whose blobs are the manifest's sha256 where there is one and
 //! zero otherwise ([`LiveFetch::listing`]); the mount reads no blob of it while the entry is
 //! pending, only the verified blobs the pending states name.
+//!
+//! # Restarts
+//! A fetch a restart ended is shown again from what its store verified ([`stored_files`]) until
+//! the model's new fetch of the same manifest takes its states and waiting files over
+//! ([`LiveFetch::take_over`]); the reconciler keeps the journal that makes this possible
+//! (`reconciler::progressive`, "Restarts").
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use modelfs_core::artifact::{FileDigest, Manifest, Sha256Digest, StoredArtifact};
+use modelfs_core::store::Store;
 use modelfs_mount::vfs::{PendingFile, PendingFiles};
 
 /// Extensions of weight files: fetched after everything else, in name order.
@@ -147,6 +154,38 @@ impl LiveFetch {
         s.wanted.remove(pos)
     }
 
+    /// Takes on what `earlier` (a fetch of the same manifest that a restart ended) knew: the
+    /// files opens wait on and their failure counts, so no waiting open loses its place in
+    /// the queue, and with `same_store` its verified files, so the mapping shows no file
+    /// going back to waiting (the verified blobs are in the store it fetched into).
+    pub fn take_over(&self, earlier: &LiveFetch, same_store: bool) {
+        let old = earlier.state().clone_parts();
+        let mut s = self.state();
+        for (i, f) in old.0.into_iter().enumerate() {
+            if !same_store && matches!(f, PendingFile::Verified(_)) {
+                continue;
+            }
+            let Some(mine) = s.files.get_mut(i) else {
+                continue;
+            };
+            match (f, *mine) {
+                (PendingFile::Verified(b), PendingFile::Waiting { .. }) => {
+                    *mine = PendingFile::Verified(b)
+                }
+                (PendingFile::Waiting { failures: a }, PendingFile::Waiting { failures: b }) => {
+                    *mine = PendingFile::Waiting { failures: a.max(b) }
+                }
+                _ => {}
+            }
+        }
+        for i in old.1 {
+            if matches!(s.files.get(i), Some(PendingFile::Waiting { .. })) && !s.wanted.contains(&i)
+            {
+                s.wanted.push_back(i);
+            }
+        }
+    }
+
     /// The per-file states for the mount.
     pub fn pending(&self) -> PendingFiles {
         PendingFiles::new(self.state().files.clone())
@@ -162,6 +201,32 @@ impl LiveFetch {
             .count();
         (verified, s.files.len())
     }
+}
+
+impl State {
+    fn clone_parts(&self) -> (Vec<PendingFile>, Vec<usize>) {
+        (self.files.clone(), self.wanted.iter().copied().collect())
+    }
+}
+
+/// The files of `manifest` that `store` already holds verified (a sha256 blob present with
+/// its size, or an alias to one written after it verified): what a fetch resumed after a
+/// restart does not download again, and so what may be served before it starts.
+pub fn stored_files(manifest: &Manifest, store: &Store) -> Vec<(usize, Sha256Digest)> {
+    manifest
+        .entries()
+        .enumerate()
+        .filter_map(|(i, e)| {
+            let blob = match e.digest {
+                FileDigest::Sha256(d) => {
+                    let d = Sha256Digest(d);
+                    store.has_blob(&d, e.size).then_some(d)
+                }
+                _ => store.lookup_alias(&e.digest, e.size),
+            }?;
+            Some((i, blob))
+        })
+        .collect()
 }
 
 fn now_secs() -> u64 {
@@ -238,5 +303,44 @@ mod tests {
         );
         assert_eq!(live.counts(), (1, 4));
         assert_eq!(changes.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_new_fetch_takes_over_waiting_files_and_verified_ones_only_in_the_same_store() {
+        let manifest = Arc::new(
+            Manifest::new(
+                "r".into(),
+                (0..3)
+                    .map(|i| ManifestEntry {
+                        path: format!("f{i}"),
+                        size: 1,
+                        digest: FileDigest::GitSha1([i; 20]),
+                    })
+                    .collect(),
+            )
+            .unwrap(),
+        );
+        let earlier = LiveFetch::new(manifest.clone(), Box::new(|| {}));
+        earlier.verified(&[0], Sha256Digest([7; 32]));
+        earlier.failed(&[1]);
+        earlier.want(2);
+        let same = LiveFetch::new(manifest.clone(), Box::new(|| {}));
+        same.take_over(&earlier, true);
+        assert_eq!(
+            same.pending().get(0),
+            Some(PendingFile::Verified(Sha256Digest([7; 32])))
+        );
+        assert_eq!(
+            same.pending().get(1),
+            Some(PendingFile::Waiting { failures: 1 })
+        );
+        assert_eq!(same.next_wanted(|_| true), Some(2));
+        let other = LiveFetch::new(manifest, Box::new(|| {}));
+        other.take_over(&earlier, false);
+        assert_eq!(
+            other.pending().get(0),
+            Some(PendingFile::Waiting { failures: 0 })
+        );
+        assert_eq!(other.next_wanted(|_| true), Some(2));
     }
 }

@@ -24,9 +24,13 @@
 //!    fetched, each file readable once it verified ([`crate::vfs::pending`]). The artifact
 //!    sent for a pending entry lists the files; its blobs count only where `pending` says a
 //!    file verified. When the fetch completes, the agent sends the complete artifact again
-//!    under the same id and the entry without `pending`. The server neither persists pending
-//!    entries nor lists their artifacts as held in `welcome`. When an open starts waiting on a
-//!    file, the server sends `wanted`, and the agent fetches that file next.
+//!    under the same id and the entry without `pending`. The server does not list their
+//!    artifacts as held in `welcome`, and persists pending entries with every file waiting
+//!    (their listings apart from complete artifacts), so that after its own restart the
+//!    listing stays and opens wait until the agent's next mapping. When an open starts waiting on a
+//!    file, the server sends `wanted`, and the agent fetches that file next; after the first
+//!    `apply` of a new connection every waiting open is sent again (a restarted agent has
+//!    forgotten them).
 //!
 //! Version changes: a new field with a default keeps the version; anything an older peer would
 //! misread bumps [`PROTOCOL_VERSION`]. Each side speaks a range of versions,

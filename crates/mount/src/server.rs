@@ -53,7 +53,10 @@ const PREDECESSOR_WAIT: Duration = Duration::from_secs(15);
 const HANDOVER_DEPOSIT_WAIT: Duration = Duration::from_secs(2);
 
 /// The mapping file: what was applied last, served again after a restart before any agent
-/// speaks.
+/// speaks. Entries served while downloading are in it with every file waiting (the states
+/// change with each verified file and are the agent's to tell again): after a restart their
+/// listing stays, opens there wait (those the kernel resends included), and no byte of them
+/// is served before the agent's next mapping names it verified.
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct PersistedMapping {
     protocol: u32,
@@ -71,6 +74,10 @@ struct Accepted {
     mapping_written: bool,
     /// Artifacts whose `artifacts/<id>.json` is written and its directory synced.
     artifact_files: HashSet<ArtifactId>,
+    /// Listings of pending entries whose `artifacts/<id>.listing.json` is written (apart
+    /// from the complete artifact of the same id, which replaces the listing when the fetch
+    /// completes and must never be taken for it).
+    listing_files: HashSet<ArtifactId>,
 }
 
 /// The server's own directory below the state directory.
@@ -285,7 +292,7 @@ impl MountServer {
                     mapping
                         .entries
                         .iter()
-                        .filter(|e| artifacts.contains_key(&e.artifact))
+                        .filter(|e| e.pending.is_none() && artifacts.contains_key(&e.artifact))
                         .map(|e| (e.store.clone(), e.artifact.clone())),
                 );
                 let (refused, error) = shared.apply(&artifacts, &mapping);
@@ -896,6 +903,9 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
         }
     }
     tracing::info!(agent = %agent, pid = cred.pid.as_raw_nonzero(), "agent connected");
+    // Opens waiting on files of pending entries told the agent before this one: once this
+    // agent's mapping is applied (it names the entries it still fetches), they tell it again.
+    let mut first_apply = true;
     let result = loop {
         let message = match protocol::read_message::<_, AgentMessage>(
             &mut reader,
@@ -949,6 +959,9 @@ fn serve_peer(shared: &Arc<Shared>, mut stream: UnixStream) -> io::Result<()> {
                     error,
                 })?;
                 shared.report_usage(&peer, generation, true)?;
+                if std::mem::take(&mut first_apply) {
+                    shared.core.repeat_wanted();
+                }
             }
         }
     };
@@ -1123,14 +1136,22 @@ impl Shared {
         let mut pending = HashMap::new();
         let mut pending_checked = self.pending_checked.lock().expect("pending checked");
         let mut now_checked = HashSet::new();
+        let mut listings = HashMap::new();
         for e in &mapping.entries {
             if let Some(p) = &e.pending {
                 match self.pending_entry(e, p, artifacts, &served, &pending_checked) {
                     Ok((entry, checked)) => {
-                        // Neither persisted nor listed as held: a restarted server serves
-                        // complete models only, and the agent sends the listing again.
+                        // Not listed as held (the agent sends the listing again). Persisted
+                        // with every file waiting: a restarted server shows the listing and
+                        // keeps the opens a restart resent waiting until the agent says
+                        // which files verified; it serves no byte of it before.
                         pending.insert(e.path.clone(), Arc::new(p.clone()));
                         now_checked.extend(checked);
+                        listings.insert(e.artifact.clone(), entry.artifact.clone());
+                        accepted.push(WireEntry {
+                            pending: Some(PendingFiles::all_waiting(p.len())),
+                            ..e.clone()
+                        });
                         entries.push(entry);
                     }
                     Err(reason) => refused.push(RefusedEntry {
@@ -1207,6 +1228,7 @@ impl Shared {
             persisted
                 .entries
                 .iter()
+                .filter(|e| e.pending.is_none())
                 .map(|e| (&e.path, e.artifact.clone())),
             |path, dir| {
                 served_at.get(path).is_some_and(|e| {
@@ -1218,7 +1240,7 @@ impl Shared {
                 })
             },
         );
-        if let Err(e) = self.persist(last, persisted, &served) {
+        if let Err(e) = self.persist(last, persisted, &served, &listings) {
             tracing::error!(error = %e, "persisting the mapping failed; a restart would serve an older one");
         }
         drop(served);
@@ -1403,6 +1425,10 @@ impl Shared {
         format!("{id}.json")
     }
 
+    fn listing_name(id: &ArtifactId) -> String {
+        format!("{id}.listing.json")
+    }
+
     /// Artifacts first (each written once: those `last` does not record as written, their
     /// directory synced once for all), then the mapping that names them (not rewritten when it
     /// is the one on disk), then the artifacts no longer named are removed: a crash anywhere
@@ -1413,6 +1439,7 @@ impl Shared {
         last: &mut Accepted,
         mapping: WireMapping,
         artifacts: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+        listings: &HashMap<ArtifactId, Arc<StoredArtifact>>,
     ) -> io::Result<()> {
         let unchanged = last.mapping_written && last.mapping == mapping;
         last.mapping = mapping;
@@ -1439,6 +1466,20 @@ impl Shared {
             last.artifact_files
                 .extend(new.into_iter().map(|(id, _)| id.clone()));
         }
+        let new_listings: Vec<(String, Vec<u8>)> = listings
+            .iter()
+            .filter(|(id, _)| !last.listing_files.contains(*id))
+            .map(|(id, a)| {
+                serde_json::to_vec(&**a)
+                    .map(|bytes| (Self::listing_name(id), bytes))
+                    .map_err(io::Error::other)
+            })
+            .collect::<io::Result<_>>()?;
+        if !new_listings.is_empty() {
+            self.artifacts_dir.replace_all(&new_listings)?;
+            self.artifacts_dir.sync()?;
+            last.listing_files.extend(listings.keys().cloned());
+        }
         if !unchanged {
             let doc = PersistedMapping {
                 protocol: PROTOCOL_VERSION,
@@ -1447,6 +1488,22 @@ impl Shared {
             let bytes = serde_json::to_vec(&doc).map_err(io::Error::other)?;
             self.own.atomic_write(Self::MAPPING, &bytes)?;
             last.mapping_written = true;
+        }
+        let stale: Vec<ArtifactId> = last
+            .listing_files
+            .iter()
+            .filter(|id| !listings.contains_key(*id))
+            .cloned()
+            .collect();
+        for id in stale {
+            match self.artifacts_dir.remove(&Self::listing_name(&id)) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    tracing::warn!(artifact = %id, error = %e, "removing a persisted listing no mapping names");
+                }
+                _ => {
+                    last.listing_files.remove(&id);
+                }
+            }
         }
         if last.artifact_files.len() > artifacts.len() {
             let dropped: Vec<ArtifactId> = last
@@ -1482,15 +1539,24 @@ impl Shared {
             Ok(Some((artifacts, _))) => artifacts,
             _ => &empty,
         };
-        let names: HashSet<String> = kept.keys().map(|id| format!("{id}.json")).collect();
+        let (complete, listed) = match &loaded {
+            Ok(Some((_, mapping))) => persisted_files(mapping, kept),
+            _ => Default::default(),
+        };
+        let names: HashSet<String> = complete
+            .iter()
+            .map(Self::artifact_name)
+            .chain(listed.iter().map(Self::listing_name))
+            .collect();
         for name in self.artifacts_dir.names()? {
             if !names.contains(&name) {
                 let _ = self.artifacts_dir.remove(&name);
             }
         }
-        if let Ok(Some((artifacts, mapping))) = &loaded {
+        if let Ok(Some((_, mapping))) = &loaded {
             let mut last = self.accepted.lock().expect("accepted");
-            last.artifact_files = artifacts.keys().cloned().collect();
+            last.artifact_files = complete;
+            last.listing_files = listed;
             last.mapping = mapping.clone();
             last.mapping_written = true;
         }
@@ -1509,13 +1575,21 @@ impl Shared {
         let doc: PersistedMapping = serde_json::from_slice(&bytes)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
         let mut artifacts = HashMap::new();
-        for e in &doc.mapping.entries {
+        // Complete entries first: a pending entry of an artifact complete elsewhere lists its
+        // files from the complete artifact (every file waits either way).
+        let mut order: Vec<&WireEntry> = doc.mapping.entries.iter().collect();
+        order.sort_by_key(|e| e.pending.is_some());
+        for e in order {
             if artifacts.contains_key(&e.artifact) {
                 continue;
             }
+            let name = match e.pending {
+                None => Self::artifact_name(&e.artifact),
+                Some(_) => Self::listing_name(&e.artifact),
+            };
             let loaded = self
                 .artifacts_dir
-                .read(&Self::artifact_name(&e.artifact))
+                .read(&name)
                 .map_err(|err| err.to_string())
                 .and_then(|b| {
                     serde_json::from_slice::<StoredArtifact>(&b).map_err(|err| err.to_string())
@@ -1532,6 +1606,30 @@ impl Shared {
         }
         Ok(Some((artifacts, doc.mapping)))
     }
+}
+
+/// The artifacts a persisted mapping's files are: complete artifacts (`<id>.json`) of its
+/// complete entries, and listings (`<id>.listing.json`) of its pending entries, among those
+/// `loaded`.
+fn persisted_files(
+    mapping: &WireMapping,
+    loaded: &HashMap<ArtifactId, Arc<StoredArtifact>>,
+) -> (HashSet<ArtifactId>, HashSet<ArtifactId>) {
+    let mut complete = HashSet::new();
+    let mut listed = HashSet::new();
+    for e in mapping
+        .entries
+        .iter()
+        .filter(|e| loaded.contains_key(&e.artifact))
+    {
+        match e.pending {
+            None => complete.insert(e.artifact.clone()),
+            Some(_) => listed.insert(e.artifact.clone()),
+        };
+    }
+    // A listing whose artifact a complete entry supplied was not read (and need not stay).
+    listed.retain(|id| !complete.contains(id));
+    (complete, listed)
 }
 
 /// Files written by `fsutil::replace_all_synced` at a time (each is open until all are synced).

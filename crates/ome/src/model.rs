@@ -18,6 +18,10 @@ pub const SECRET_KEY_PARAMETER: &str = "secretKey";
 /// Entry of the token Secret used when `parameters.secretKey` is absent.
 pub const DEFAULT_SECRET_KEY: &str = "token";
 
+/// Opt-in per model to being served while it downloads, `Ready` once its listing is served
+/// (see [`ModelSpec::serve_while_downloading`]).
+pub const SERVE_WHILE_DOWNLOADING_ANNOTATION: &str = "modelfs.io/serve-while-downloading";
+
 /// Everything the daemon needs to place and serve one model, validated.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelSpec {
@@ -37,6 +41,11 @@ pub struct ModelSpec {
     /// no config-derived fields in the status and no spec back-fill, as in OME.
     #[serde(default)]
     pub skip_config_parsing: bool,
+    /// Annotation [`SERVE_WHILE_DOWNLOADING_ANNOTATION`] is `true` (any case): the model is
+    /// served while it downloads and reported `Ready` once its listing is served (SPEC
+    /// section 13), not only once complete (OME's meaning, the default).
+    #[serde(default)]
+    pub serve_while_downloading: bool,
     /// `spec.storage.key`: name of the Secret holding the source token.
     pub token_secret: Option<String>,
     /// `spec.storage.parameters`.
@@ -182,6 +191,11 @@ impl ModelObject {
             .annotations
             .get(crate::modelconfig::SKIP_CONFIG_PARSING_ANNOTATION)
             .is_some_and(|value| value.eq_ignore_ascii_case("true"));
+        let serve_while_downloading = self
+            .metadata
+            .annotations
+            .get(SERVE_WHILE_DOWNLOADING_ANNOTATION)
+            .is_some_and(|value| value.eq_ignore_ascii_case("true"));
         Ok(ModelSpec {
             key,
             kind: self.kind,
@@ -192,6 +206,7 @@ impl ModelObject {
             path,
             reserve_artifact,
             skip_config_parsing,
+            serve_while_downloading,
             token_secret: storage.key.clone().filter(|secret| !secret.is_empty()),
             parameters: storage.parameters.clone(),
             labels: self.metadata.labels.clone(),
@@ -479,6 +494,20 @@ spec:
             );
             let spec = cluster.to_spec(Path::new(ROOT)).expect("valid");
             assert_eq!(spec.skip_config_parsing, skip, "{value:?}");
+        }
+        assert!(!spec.serve_while_downloading);
+        for (value, opted_in) in [
+            ("true", true),
+            ("True", true),
+            ("false", false),
+            ("on", false),
+        ] {
+            cluster.metadata.annotations.insert(
+                SERVE_WHILE_DOWNLOADING_ANNOTATION.to_owned(),
+                value.to_owned(),
+            );
+            let spec = cluster.to_spec(Path::new(ROOT)).expect("valid");
+            assert_eq!(spec.serve_while_downloading, opted_in, "{value:?}");
         }
         let mut with_empty_key = storage("hf://a/b");
         with_empty_key.key = Some(String::new());

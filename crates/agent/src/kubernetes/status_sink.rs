@@ -127,11 +127,20 @@ pub enum StatusSinkError {
 /// writer that changes the object continuously can exhaust this.
 const MAX_CONFLICT_RETRIES: u32 = 20;
 
-/// The state-relevant part of an entry (everything but progress and byte counts).
+/// The state-relevant part of an entry (everything but progress and byte counts). The
+/// reason of a model that is `Ready` while it downloads counts its verified files: progress
+/// too, written no more often than the rest of it (only that it downloads is significant,
+/// so its completion is written at once).
 fn significant(entry: &ModelStatus) -> ModelStatus {
+    let downloading = entry.status == "Ready" && entry.progress.is_some();
     ModelStatus {
         progress: None,
         bytes_on_disk: 0,
+        reason: if downloading {
+            Some("served while downloading".into())
+        } else {
+            entry.reason.clone()
+        },
         ..entry.clone()
     }
 }

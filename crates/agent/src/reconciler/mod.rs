@@ -813,6 +813,7 @@ impl Reconciler {
             }));
         }
         r.recover();
+        r.resume_live_fetches();
         let keys: Vec<ModelKey> = r.records.models().keys().cloned().collect();
         for key in &keys {
             r.index_paths(key);
@@ -1637,7 +1638,7 @@ impl Reconciler {
         let spec = work.spec.clone();
         let artifact = manifest.id();
         let progress = Arc::new(Progress::for_manifest(&manifest));
-        let live = self.live_fetch(key, &manifest);
+        let live = self.live_fetch(key, &store, &manifest);
         self.set_stage(
             key,
             Stage::Fetching {
@@ -1893,6 +1894,8 @@ impl Reconciler {
                             tracing::info!(model = %key, waits_for = %on, "an earlier model on the same path is resolving; waiting for it")
                         }
                     }
+                    // Waiting on a fetch served while it downloads: served from it too.
+                    self.remap_needed |= self.is_live(&on);
                     match manifest {
                         Some(m) => self.wait(&key, on, m.clone()),
                         None => tracing::error!(model = %key, "a wait decided without a manifest"),
@@ -2361,6 +2364,7 @@ impl Reconciler {
                         revision,
                         artifact: stored.clone(),
                         store: handle.clone(),
+                        pending: None,
                     });
                 }
             }
@@ -2404,11 +2408,15 @@ impl Reconciler {
                 Err(e) => tracing::error!(store = %id, error = %e, "reserved store unusable"),
             }
         }
+        // Models served while they download, at paths the served ones leave free (and in
+        // the cache view, below).
+        let mut pending = self.pending_entries(&mut entries, &mut hf_served);
         // The cache view joins the same snapshot: its refs and snapshots flip with the paths.
         let mut files = Vec::new();
         if let Some(view) = &mut self.hf_cache {
             let (snapshots, refs) = view.update(&hf_served, Instant::now());
             entries.extend(snapshots);
+            pending.extend(view.pending());
             files = refs;
         }
         // `vendor://` models below the models root: an empty read-only directory at their
@@ -2433,7 +2441,6 @@ impl Reconciler {
         }
         dirs.sort();
         dirs.dedup();
-        let pending = self.pending_entries(&mut entries);
         match self
             .fs
             .apply_with_pending(&entries, &files, &dirs, &pending)

@@ -27,6 +27,29 @@ impl Reconciler {
         mount.not_serving(path.segments())
     }
 
+    /// A model the mapping serves while it downloads (SPEC section 13): its reason says how
+    /// many files verified; one that opted in by annotation is `Ready` once the mount server
+    /// confirmed its listing (OME then schedules its pods, whose opens of files not yet
+    /// verified wait), while its `progress` goes on as OME's.
+    fn fill_served_while_downloading(&self, key: &modelfs_ome::ModelKey, e: &mut ModelStatus) {
+        let Some(work) = self.works.get(key) else {
+            return;
+        };
+        let Some((verified, total)) = self.verified_counts(&work.spec.path) else {
+            return;
+        };
+        e.reason = Some(format!(
+            "served while downloading: {verified}/{total} files verified"
+        ));
+        let served = self
+            .mount
+            .as_ref()
+            .is_none_or(|m| m.not_serving(work.spec.path.segments()).is_none());
+        if work.spec.serve_while_downloading && served {
+            e.status = ModelPhase::Ready.as_str().to_string();
+        }
+    }
+
     pub(super) fn status_doc(&self) -> StatusDoc {
         let mut doc = StatusDoc::new();
         // An entry equal to the published one is that one (see `StatusDoc`): the new document
@@ -149,6 +172,9 @@ impl Reconciler {
                     e.status = ModelPhase::Updating.as_str().to_string();
                     e.reason = Some(why.to_string());
                 }
+            }
+            if rec.phase == ModelPhase::Updating {
+                self.fill_served_while_downloading(key, &mut e);
             }
             if rec.phase == ModelPhase::Failed && e.reason.is_none() {
                 e.reason = Some("failed".into());

@@ -37,12 +37,23 @@
 //! minutes after `snapshot_download` returned the folder), a snapshot that leaves the view stays
 //! for a linger period (`--hf-cache-linger-secs`): it keeps its store in use, so garbage
 //! collection waits for it too. Refs never linger: a deleted model's id stops resolving at once.
+//!
+//! # Served while downloading
+//! An `hf://` model served while it downloads (SPEC section 13) shows its snapshot at once,
+//! with the same pending file states as its own path ([`HfServed::pending`]): opens of files
+//! not yet verified wait there as they do at the model's path. A complete snapshot of the same
+//! (repository, commit) wins over a pending one, and a ref names a pending snapshot only while
+//! no complete model gives that ref a commit (a loader resolving a branch keeps getting the
+//! complete revision it got before until the new one is complete, as the model path does). A
+//! pending snapshot that leaves the view does not linger: its fetch failed or was cancelled
+//! (or it completed, and the complete snapshot took its place), and opens waiting in it must
+//! end at once.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{InlineFile, MountEntry, StoreHandle};
+use super::{InlineFile, MountEntry, PendingFiles, StoreHandle};
 use modelfs_core::artifact::StoredArtifact;
 
 /// Default directory of the view below the mount (`--hf-cache-dir`).
@@ -63,6 +74,9 @@ pub struct HfServed {
     /// The artifact served; its manifest revision is the commit.
     pub artifact: Arc<StoredArtifact>,
     pub store: Arc<StoreHandle>,
+    /// `Some` while the model is served while it downloads: the per-file states of its
+    /// pending entry (the artifact then lists the files only; see [`super::pending`]).
+    pub pending: Option<Arc<PendingFiles>>,
 }
 
 /// `huggingface_hub`'s folder name for a model repository.
@@ -103,6 +117,7 @@ fn ref_segments(revision: &str) -> Option<Vec<String>> {
 struct Snapshot {
     artifact: Arc<StoredArtifact>,
     store: Arc<StoreHandle>,
+    pending: Option<Arc<PendingFiles>>,
 }
 
 /// A ref the view cannot show: its path nests with another ref of the same repository
@@ -159,6 +174,24 @@ impl HfCacheView {
         self.lingering.values().any(|(_, until)| *until <= now)
     }
 
+    /// The pending states of the snapshots of the last update that are served while they
+    /// download, by path (for [`super::FsCore::apply_with_pending`]).
+    pub fn pending(&self) -> std::collections::HashMap<Vec<String>, Arc<PendingFiles>> {
+        self.current
+            .iter()
+            .filter_map(|((repo, commit), snap)| {
+                Some((self.snapshot_path(repo, commit), snap.pending.clone()?))
+            })
+            .collect()
+    }
+
+    /// Where the snapshot of `repo` at `commit` is, below the mount.
+    pub fn snapshot_path(&self, repo: &str, commit: &str) -> Vec<String> {
+        let mut path = self.dir.clone();
+        path.extend([repo_folder(repo), "snapshots".into(), commit.to_string()]);
+        path
+    }
+
     /// The view's model entries (snapshots) and inline files (refs) for the models served now.
     pub fn update(
         &mut self,
@@ -169,7 +202,9 @@ impl HfCacheView {
             .iter()
             .filter(|s| is_commit(&s.artifact.manifest.revision))
             .collect();
-        by_key.sort_by(|a, b| a.model.cmp(&b.model));
+        // Complete models first: their snapshots and refs win over pending ones.
+        by_key
+            .sort_by(|a, b| (a.pending.is_some(), &a.model).cmp(&(b.pending.is_some(), &b.model)));
 
         let mut current: BTreeMap<(String, String), Snapshot> = BTreeMap::new();
         // (repo, revision) -> (completed_at, model, commit) of the ref's chosen model.
@@ -181,12 +216,19 @@ impl HfCacheView {
                 .or_insert_with(|| Snapshot {
                     artifact: s.artifact.clone(),
                     store: s.store.clone(),
+                    pending: s.pending.clone(),
                 });
             if s.revision == commit {
                 continue;
             }
             let candidate = (s.artifact.completed_at, s.model.as_str(), commit);
-            refs.entry((s.repo.clone(), s.revision.clone()))
+            let ref_key = (s.repo.clone(), s.revision.clone());
+            if s.pending.is_some() {
+                // Only where no complete model names the ref (those came first).
+                refs.entry(ref_key).or_insert(candidate);
+                continue;
+            }
+            refs.entry(ref_key)
                 .and_modify(|chosen| {
                     // Newest completion wins; on a tie the earlier key (seen first) stays.
                     if candidate.0 > chosen.0 {
@@ -197,7 +239,7 @@ impl HfCacheView {
         }
 
         for (key, snap) in &self.current {
-            if !current.contains_key(key) && !self.linger.is_zero() {
+            if !current.contains_key(key) && !self.linger.is_zero() && snap.pending.is_none() {
                 self.lingering
                     .insert(key.clone(), (snap.clone(), now + self.linger));
             }
@@ -209,10 +251,8 @@ impl HfCacheView {
         let mut entries = Vec::with_capacity(self.current.len() + self.lingering.len());
         let lingering = self.lingering.iter().map(|(k, (s, _))| (k, s));
         for ((repo, commit), snap) in self.current.iter().chain(lingering) {
-            let mut path = self.dir.clone();
-            path.extend([repo_folder(repo), "snapshots".into(), commit.clone()]);
             entries.push(MountEntry {
-                path,
+                path: self.snapshot_path(repo, commit),
                 artifact: snap.artifact.clone(),
                 store: snap.store.clone(),
             });
@@ -337,6 +377,7 @@ mod tests {
             revision: revision.into(),
             artifact: a.clone(),
             store: s.clone(),
+            pending: None,
         }
     }
 
@@ -507,6 +548,53 @@ mod tests {
             C2.as_bytes()
         );
         assert_eq!(names(&f.core, "c/models--o--r/snapshots"), [C1, C2]);
+    }
+
+    #[test]
+    fn pending_snapshots_yield_to_complete_ones_name_free_refs_only_and_never_linger() {
+        let f = fixture();
+        let s1 = &f.stores[0];
+        let a1 = artifact(&s1.store, C1, 10, &[("f", b"one")]);
+        let a2 = artifact(&s1.store, C2, 20, &[("f", b"two")]);
+        let waiting = Arc::new(PendingFiles::all_waiting(1));
+        let pending = |model: &str, a: &Arc<StoredArtifact>| HfServed {
+            pending: Some(waiting.clone()),
+            ..served(model, "o/r", "main", a, s1)
+        };
+        let ref_of = |files: &[InlineFile]| -> Vec<String> {
+            files
+                .iter()
+                .map(|f| String::from_utf8(f.content.to_vec()).unwrap())
+                .collect()
+        };
+        let mut view = HfCacheView::new(vec!["c".into()], Duration::from_secs(60));
+        let t0 = Instant::now();
+        // Alone, a pending snapshot is shown pending, and the ref names it.
+        let (entries, files) = view.update(&[pending("p", &a2)], t0);
+        assert_eq!(entries.len(), 1);
+        assert_eq!(ref_of(&files), [C2]);
+        let path = view.snapshot_path("o/r", C2);
+        assert_eq!(view.pending().get(&path), Some(&waiting));
+        // A complete model of the same ref keeps it (and a complete snapshot of the same
+        // commit wins: not pending).
+        let (_, files) = view.update(
+            &[pending("p", &a2), served("m", "o/r", "main", &a1, s1)],
+            t0,
+        );
+        assert_eq!(ref_of(&files), [C1], "the complete revision keeps the ref");
+        assert_eq!(view.pending().len(), 1);
+        let (_, files) = view.update(
+            &[pending("p", &a2), served("m", "o/r", "main", &a2, s1)],
+            t0,
+        );
+        assert_eq!(ref_of(&files), [C2]);
+        assert!(view.pending().is_empty(), "the complete snapshot wins");
+        // A pending snapshot that leaves does not linger.
+        view.update(&[pending("p", &a2)], t0);
+        let (entries, files) = view.update(&[], t0);
+        assert!(entries.iter().all(|e| e.path != path), "{entries:?}");
+        assert!(files.is_empty());
+        assert!(view.pending().is_empty());
     }
 
     #[test]

@@ -516,6 +516,9 @@ pub struct FsCore {
     /// Told (model path, manifest entry) when an open starts waiting on a file, so that the
     /// fetch takes it next.
     wanted: RwLock<Option<WantedHook>>,
+    /// Bumped when whoever the hook tells forgot what it was told (a new agent connected):
+    /// every waiting open tells it again ([`FsCore::repeat_wanted`]).
+    wanted_epoch: AtomicU64,
 }
 
 /// See [`FsCore::set_wanted_hook`].
@@ -623,6 +626,7 @@ impl FsCore {
             changes: pending::Changes::default(),
             pending_wait: Mutex::new(DEFAULT_PENDING_WAIT),
             wanted: RwLock::new(None),
+            wanted_epoch: AtomicU64::new(0),
             remote: RwLock::new(RemoteUsage::default()),
             inode_log: Mutex::new(None),
         }
@@ -946,6 +950,14 @@ impl FsCore {
     /// whose fetch takes that file next).
     pub fn set_wanted_hook(&self, hook: WantedHook) {
         *self.wanted.write().unwrap_or_else(PoisonError::into_inner) = Some(hook);
+    }
+
+    /// Every open waiting on a file tells the hook again, once: the agent it told before is
+    /// gone (a restart), and the new one fetches in loader order until it hears which files
+    /// opens wait on.
+    pub fn repeat_wanted(&self) {
+        self.wanted_epoch.fetch_add(1, Ordering::SeqCst);
+        self.changes.bump();
     }
 
     /// Calls the hook of [`FsCore::set_wanted_hook`] (the agent's core, told by the mount
@@ -1591,6 +1603,8 @@ impl FsCore {
         let deadline = Instant::now() + wait;
         // The file's failure count when this open began waiting on it.
         let mut waiting_since: Option<u32> = None;
+        // The epoch of `wanted_epoch` this open last told the wanted hook in.
+        let mut told_epoch: Option<u64> = None;
         loop {
             // Read before the mapping: a swap after this read ends the wait below at once.
             let seen = self.changes.now();
@@ -1631,15 +1645,18 @@ impl FsCore {
                         // Retired while its file was not verified: never readable through it.
                         return Err(FsError::NotFound);
                     };
-                    match waiting_since {
-                        None => {
-                            waiting_since = Some(failures);
-                            if let Some(hook) =
-                                &*self.wanted.read().unwrap_or_else(PoisonError::into_inner)
-                            {
-                                hook(&path, &served.artifact.id, index);
-                            }
+                    // Told at the first wait, and again whenever the hook's listener forgot.
+                    let epoch = self.wanted_epoch.load(Ordering::SeqCst);
+                    if told_epoch != Some(epoch) {
+                        told_epoch = Some(epoch);
+                        if let Some(hook) =
+                            &*self.wanted.read().unwrap_or_else(PoisonError::into_inner)
+                        {
+                            hook(&path, &served.artifact.id, index);
                         }
+                    }
+                    match waiting_since {
+                        None => waiting_since = Some(failures),
                         Some(before) if failures > before => {
                             return Err(FsError::VerifyFailed {
                                 model: path.join("/"),

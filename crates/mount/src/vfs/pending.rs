@@ -28,6 +28,10 @@
 //!   `EAGAIN`: loaders treat `EAGAIN` as "retry now" and spin, while this error means the
 //!   file did not arrive in time.
 //!
+//! A waiting open tells the wanted hook (the agent: fetch this file next) when it starts
+//! waiting, and once more after each [`FsCore::repeat_wanted`] (a new agent connected; the
+//! one it told is gone).
+//!
 //! A waiting open holds the thread that serves its request (the FUSE transports answer
 //! synchronously): loaders open shards one after another, so one thread waits per loader.
 

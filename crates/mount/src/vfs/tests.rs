@@ -821,6 +821,33 @@ fn a_waiting_open_fails_with_eio_when_the_download_fails_verification_then_reads
 }
 
 #[test]
+fn waiting_opens_tell_the_wanted_hook_again_once_per_repeat() {
+    let p = Progressive::new(&[("a.bin", b"bytes"), ("b.bin", b"more")]);
+    let ino = resolve(&p.f.core, "m/b.bin").unwrap().ino;
+    let wanted = watch_wanted(&p.f.core);
+    std::thread::scope(|s| {
+        let core = &p.f.core;
+        let reader = s.spawn(move || Progressive::read(core, ino));
+        let b = p.index("b.bin");
+        assert_eq!(
+            wanted.recv_timeout(LONG).unwrap(),
+            (vec!["m".to_string()], b)
+        );
+        // A mapping change alone does not repeat it...
+        p.verify(p.index("a.bin"));
+        // ... a new listener (a restarted agent) does, once.
+        p.f.core.repeat_wanted();
+        assert_eq!(
+            wanted.recv_timeout(LONG).unwrap(),
+            (vec!["m".to_string()], b)
+        );
+        p.verify(b);
+        assert_eq!(reader.join().unwrap().unwrap(), b"more");
+    });
+    assert!(wanted.try_recv().is_err(), "told twice in all");
+}
+
+#[test]
 fn an_open_that_waits_past_the_deadline_fails_with_etimedout() {
     let p = Progressive::new(&[("a.bin", b"bytes")]);
     p.f.core.set_pending_wait(Duration::from_millis(200));

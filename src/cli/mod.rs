@@ -626,6 +626,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
     // A successor maps the ring's buffers again, at the same address (the kernel reads an
     // answer where the entry was registered).
     let ring_takeover = keeper.is_some();
+    let ring_keeper = keeper.clone();
     let config = modelfs_mount::server::ServerConfig {
         mount: absolute(&args.mount)?,
         state: absolute(&args.state)?,
@@ -636,6 +637,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
             threads: args.fuse_threads,
             transport,
             ring_takeover,
+            ring_keeper,
             pending_wait: Duration::from_secs(args.pending_open_timeout_secs),
             ..FuseConfig::default()
         },

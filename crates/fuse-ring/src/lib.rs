@@ -40,12 +40,15 @@
 
 pub mod abi;
 mod dev;
+pub mod kept;
 pub mod memory;
 mod ring;
 
 pub use dev::{op_in_len, serve_dev, DevConfig, Ended, Notifier, RunningDev};
 
+pub use kept::{create_kept_rings, KeptRings, RingLayout};
 pub use memory::RingMemory;
 pub use ring::{
-    possible_cpus, prepare, BackingId, Handler, PreparedRing, Reply, Request, RunningRing,
+    possible_cpus, prepare, prepare_kept, BackingId, Handler, PreparedRing, Reply, Request,
+    RunningRing,
 };

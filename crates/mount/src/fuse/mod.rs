@@ -143,6 +143,11 @@ pub struct FuseConfig {
     /// a successor can map them again and answer what this process had received and not
     /// answered (with a keeper).
     pub ring_takeover: bool,
+    /// The keeper's socket (with `ring_takeover`): the rings are made and polled by the keeper
+    /// (`modelfs_fuse_ring::kept`), so a request that reaches them while no mount server runs
+    /// waits there for the next one instead of failing. A keeper that cannot (an older
+    /// version, io_uring's SQPOLL refused) leaves this process its own rings, said in the log.
+    pub ring_keeper: Option<PathBuf>,
     /// How long an open of a file not yet verified waits before it fails with `ETIMEDOUT`
     /// (serving while downloading, see [`crate::vfs::pending`]).
     pub pending_wait: Duration,
@@ -159,6 +164,7 @@ impl Default for FuseConfig {
             read_ahead_kb: 1024,
             max_stack_depth: 1,
             ring_takeover: false,
+            ring_keeper: None,
             pending_wait: crate::vfs::DEFAULT_PENDING_WAIT,
         }
     }
@@ -637,6 +643,9 @@ pub struct Handover {
     /// The io_uring entries' buffers (`modelfs_fuse_ring::memory`), when requests come over
     /// io_uring.
     pub ring: Option<OwnedFd>,
+    /// The rings the keeper polls, when requests come over them (a session taken from the
+    /// keeper; a deposit only says so: the keeper has them).
+    pub kept: Option<modelfs_fuse_ring::KeptRings>,
     pub connection: Connection,
 }
 
@@ -650,6 +659,11 @@ pub struct MountHandle {
     dev: Arc<OwnedFd>,
     journal: Arc<Journal>,
     ring_memory: Option<Arc<modelfs_fuse_ring::RingMemory>>,
+    /// Requests come over rings the keeper polls.
+    kept_rings: bool,
+    /// The connection to the keeper that made those rings (it keeps them for this mount's
+    /// deposit while the connection is open).
+    _kept_link: Option<OwnedFd>,
     connection: Connection,
     serving: RunningDev,
     resumed: bool,
@@ -671,6 +685,11 @@ impl MountHandle {
     /// Whether requests arrive over io_uring (see [`FuseTransport`]).
     pub fn uring_active(&self) -> bool {
         self.connection.uring
+    }
+
+    /// Whether requests come over rings the keeper polls (`modelfs_fuse_ring::kept`).
+    pub fn kept_rings(&self) -> bool {
+        self.kept_rings
     }
 
     /// Whether this process resumed a connection another one served.
@@ -697,6 +716,7 @@ impl MountHandle {
                 Some(m) => Some(m.file().try_clone_to_owned()?),
                 None => None,
             },
+            kept: None,
             connection: self.connection.clone(),
         })
     }
@@ -841,7 +861,7 @@ pub fn mount(
     };
     mountpoint::prepare(mountpoint)?;
     let journal = Arc::new(Journal::create().map_err(mount_err)?);
-    let prepared = prepare_ring(&config)?;
+    let prepared = prepare_ring(&config, mountpoint)?;
     let fs = model_fs(
         core,
         metrics,
@@ -850,9 +870,9 @@ pub fn mount(
         answers::payload_size(config.read_ahead_kb),
         prepared.is_some(),
     );
-    let (prepared, ring_memory) = match prepared {
-        Some((p, m)) => (Some(p), Some(m)),
-        None => (None, None),
+    let (prepared, ring_memory, kept_link) = match prepared {
+        Some(p) => (Some(p.ring), Some(p.memory), p.kept_link),
+        None => (None, None, None),
     };
     let mut fuse_config = fuser::Config::default();
     fuse_config.mount_options = vec![
@@ -901,11 +921,13 @@ pub fn mount(
         dev: dev_number,
     };
     let ring_memory = ring_memory.filter(|_| ring.is_some());
+    let kept_link = kept_link.filter(|_| ring.is_some());
     let handle = serve(
         fs,
         dev,
         ring,
         ring_memory,
+        kept_link,
         connection,
         mountpoint,
         &config,
@@ -951,15 +973,33 @@ pub fn resume(
     let dev = Arc::new(handover.dev);
     restore(&fs, &dev, entries);
     let mut ring_memory = None;
+    let kept = handover.kept.is_some();
     let ring = if connection.uring {
         // The connection's queues hold every request until entries are registered: a ring
         // that cannot be started here leaves the mount hung, so it fails the start (the
         // process exits and is restarted; the connection waits in the keeper).
-        let memory = ring_memory_to_resume(&config, &connection, handover.ring)
-            .map_err(|e| MountError::RingUnavailable(format!("io_uring buffers: {e}")))?;
-        ring_memory = Some(memory.clone());
-        let prepared = modelfs_fuse_ring::prepare(memory)
-            .map_err(|e| MountError::RingUnavailable(format!("io_uring cannot be set up: {e}")))?;
+        let prepared = match handover.kept {
+            Some(rings) => {
+                // The kept rings' entries point into these buffers, in the keeper's memory
+                // as in this process's: no other buffers will do.
+                let file = handover.ring.ok_or_else(|| {
+                    MountError::RingUnavailable("kept rings came without their buffers".into())
+                })?;
+                let memory =
+                    modelfs_fuse_ring::RingMemory::adopt(file, connection.dev).map_err(|e| {
+                        MountError::RingUnavailable(format!("the kept rings' buffers: {e}"))
+                    })?;
+                ring_memory = Some(memory.clone());
+                modelfs_fuse_ring::prepare_kept(memory, rings)
+            }
+            None => {
+                let memory = ring_memory_to_resume(&config, &connection, handover.ring)
+                    .map_err(|e| MountError::RingUnavailable(format!("io_uring buffers: {e}")))?;
+                ring_memory = Some(memory.clone());
+                modelfs_fuse_ring::prepare(memory)
+            }
+        }
+        .map_err(|e| MountError::RingUnavailable(format!("io_uring cannot be set up: {e}")))?;
         fs.ring_granted.store(true, Ordering::Relaxed);
         let strict = FuseConfig {
             transport: FuseTransport::Uring,
@@ -969,16 +1009,19 @@ pub fn resume(
     } else {
         None
     };
-    serve(
+    let mut handle = serve(
         fs,
         dev,
         ring,
         ring_memory,
+        None,
         connection,
         mountpoint,
         &config,
         true,
-    )
+    )?;
+    handle.kept_rings = kept && handle.connection.uring;
+    Ok(handle)
 }
 
 /// Rebuilds the handle table and backing cache from a predecessor's journal. A handle whose
@@ -1056,6 +1099,7 @@ fn serve(
     dev: Arc<OwnedFd>,
     ring: Option<RunningRing>,
     ring_memory: Option<Arc<modelfs_fuse_ring::RingMemory>>,
+    kept_link: Option<OwnedFd>,
     connection: Connection,
     mountpoint: &Path,
     config: &FuseConfig,
@@ -1103,6 +1147,8 @@ fn serve(
         dev,
         journal: fs.journal.clone(),
         ring_memory,
+        kept_rings: kept_link.is_some(),
+        _kept_link: kept_link,
         connection,
         serving,
         resumed,
@@ -1162,10 +1208,13 @@ fn spawn_notifier(fs: &ModelFs, dev: &Arc<OwnedFd>) -> io::Result<NotifierThread
     Ok((tx, thread))
 }
 
-type PreparedWithMemory = (
-    modelfs_fuse_ring::PreparedRing,
-    Arc<modelfs_fuse_ring::RingMemory>,
-);
+/// The ring threads made before a mount, their buffers, and (rings a keeper polls) the
+/// connection to the keeper that made them.
+struct PreparedWithMemory {
+    ring: modelfs_fuse_ring::PreparedRing,
+    memory: Arc<modelfs_fuse_ring::RingMemory>,
+    kept_link: Option<OwnedFd>,
+}
 
 /// New buffers for the ring entries: `config.threads` spread over one queue per possible CPU.
 fn new_ring_memory(
@@ -1210,7 +1259,10 @@ fn ring_memory_to_resume(
 
 /// The ring's threads and buffers, made before the mount so `init` asks for FUSE over io_uring
 /// only if they exist.
-fn prepare_ring(config: &FuseConfig) -> Result<Option<PreparedWithMemory>, MountError> {
+fn prepare_ring(
+    config: &FuseConfig,
+    mountpoint: &Path,
+) -> Result<Option<PreparedWithMemory>, MountError> {
     if config.transport == FuseTransport::Dev {
         return Ok(None);
     }
@@ -1225,8 +1277,24 @@ fn prepare_ring(config: &FuseConfig) -> Result<Option<PreparedWithMemory>, Mount
         return Ok(None);
     }
     let payload = answers::payload_size(config.read_ahead_kb);
-    let prepared = new_ring_memory(config, payload)
-        .and_then(|m| Ok((modelfs_fuse_ring::prepare(m.clone())?, m)));
+    let prepared = new_ring_memory(config, payload).and_then(|memory| {
+        let kept = match (&config.ring_keeper, config.ring_takeover) {
+            (Some(keeper), true) => kept_rings(keeper, mountpoint, &memory),
+            _ => None,
+        };
+        let (ring, kept_link) = match kept {
+            Some((rings, link)) => (
+                modelfs_fuse_ring::prepare_kept(memory.clone(), rings)?,
+                Some(link),
+            ),
+            None => (modelfs_fuse_ring::prepare(memory.clone())?, None),
+        };
+        Ok(PreparedWithMemory {
+            ring,
+            memory,
+            kept_link,
+        })
+    });
     match prepared {
         Ok(prepared) => Ok(Some(prepared)),
         Err(e) if config.transport == FuseTransport::Uring => Err(MountError::RingUnavailable(
@@ -1235,6 +1303,27 @@ fn prepare_ring(config: &FuseConfig) -> Result<Option<PreparedWithMemory>, Mount
         Err(e) => {
             tracing::warn!(error = %e, "io_uring cannot be set up; serving FUSE over /dev/fuse");
             Ok(None)
+        }
+    }
+}
+
+/// Rings from the keeper for `memory`'s slots; `None` (logged) if it cannot make them: this
+/// process then makes its own, and a restart can fail requests that reach them
+/// ([`crate::takeover`], "io_uring").
+fn kept_rings(
+    keeper: &Path,
+    mountpoint: &Path,
+    memory: &modelfs_fuse_ring::RingMemory,
+) -> Option<(modelfs_fuse_ring::KeptRings, OwnedFd)> {
+    let count = memory.queues() * memory.per_queue();
+    match crate::takeover::make_kept_rings(keeper, mountpoint, memory.file(), count) {
+        Ok(made) => {
+            tracing::info!(count, "the keeper polls the io_uring rings");
+            Some(made)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the keeper does not poll io_uring rings; using rings of this process (requests that reach them while no mount server runs fail with ECANCELED)");
+            None
         }
     }
 }

@@ -36,7 +36,8 @@
 //! queue has several threads so a blocking read-through `pread` does not hold up the CPU's
 //! other requests. The entries' buffers are slots of one shared mapping ([`memory`]) that a
 //! process taking the connection over maps at the same address, to answer what a dead process
-//! had received.
+//! had received; with a keeper process the rings themselves are the keeper's ([`kept`]), so
+//! no request fails while no server runs.
 
 pub mod abi;
 mod dev;

@@ -1,12 +1,16 @@
-//! The ring threads: one io_uring per thread, pinned to the CPU of the queue it serves.
+//! The ring threads: one io_uring per thread, pinned to the CPU of the queue it serves. The
+//! ring is the thread's own, or one a keeper process made and polls ([`crate::kept`]), whose
+//! commands outlive this process.
 //!
-//! `unsafe` is confined to this module and [`crate::memory`], for what the kernel ABI needs and
-//! no safe API offers: pushing SQEs whose buffers the kernel writes (a slot of the shared
-//! mapping, which each thread's slot keeps mapped until after its ring is dropped; the kernel
-//! touches it only inside this thread's own system calls: request copies run as task work of
-//! the thread that registered or last committed the entry, replies are read during its
-//! `COMMIT_AND_FETCH`), setting the SQE's `len` field (which the io-uring crate's `UringCmd80`
-//! does not expose), the passthrough backing ioctls, and the mapping itself.
+//! `unsafe` is confined to this module, [`crate::memory`] and [`crate::kept`], for what the
+//! kernel ABI needs and no safe API offers: pushing SQEs whose buffers the kernel writes (a
+//! slot of the shared mapping, which each thread's slot keeps mapped until after its ring is
+//! dropped). The kernel touches a slot only between a command's submission and its
+//! completion: request copies run as task work of the task that issued the entry's command
+//! (this thread, or the keeper's SQ thread, which reaches the same file at the same address),
+//! replies are read while `COMMIT_AND_FETCH` is issued. Also setting the SQE's `addr` and
+//! `len` (the io-uring crate's `UringCmd80` has no setter for `len`), the passthrough backing
+//! ioctls, and the mapping itself.
 
 #![allow(unsafe_code)]
 

@@ -41,38 +41,54 @@
 //!
 //! # io_uring
 //! A connection that negotiated FUSE over io_uring stays on the ring for good (the kernel
-//! switches its input queue to the ring once every CPU's queue has an entry), so a successor
-//! registers ring entries of its own; the kernel accepts them on a connection another process
-//! initialized, on queues whose old entries are gone. What the kernel (`fs/fuse/dev_uring.c`,
-//! Linux 6.18) does with the dead process's entries, and what is done about it:
-//! * Every entry is at all times either *available* (its `COMMIT_AND_FETCH` or `REGISTER`
+//! switches its input queue to the ring once every CPU's queue has an entry). What the kernel
+//! (`fs/fuse/dev_uring.c`, Linux 6.18) does with ring entries, and how they outlive a mount
+//! server:
+//! * Every entry is at all times either *available* (its `REGISTER` or `COMMIT_AND_FETCH`
 //!   waits for a request) or *in userspace* (it holds a request). There is no command that
-//!   retires an entry, so no server, however it stops, leaves with neither.
-//! * A request in userspace (delivered, not yet answered) stays in its queue's processing
-//!   list; `FUSE_NOTIFY_RESEND` covers only `/dev/fuse` readers and the ring's teardown does
-//!   not end it. But the kernel reads an answer from the entry's buffers at the address they
-//!   were registered with, in whichever process commits it, and then hands that process's
-//!   ring the entry. So the entries' buffers live in a memory file mapped at a fixed address
-//!   (`modelfs_fuse_ring::memory`), deposited here beside the journal; a successor maps it at
-//!   the same address, answers what each slot holds (a control word tells a request not yet
-//!   touched, one being answered, whose copy is kept, and a complete answer) and commits it.
-//!   A commit the kernel no longer knows is refused and the slot registered afresh.
-//! * Available entries keep taking requests until the dead process's rings are torn down
-//!   (after its last thread exits, in a kernel worker). Copying a request into an entry's
-//!   buffers must run in the thread that registered it; with that thread gone the kernel ends
-//!   the request with `ECANCELED`, and the caller gets the error: a failed `open`, at most one
-//!   per entry and restart. Nothing in user space closes that window, so the pod test over
-//!   io_uring counts these (about one per restart) and `auto` serves over `/dev/fuse` when a
-//!   keeper is configured.
-//! * A request made while the queue has no available entry waits in the queue, and a new
-//!   entry does not fetch it: the kernel hands a queued request out only when an entry of that
-//!   queue commits an answer. The successor makes one request on every CPU
-//!   ([`crate::fuse::MountHandle::fetch_queued_ring_requests`]).
+//!   retires an entry.
+//! * Copying a request into an available entry's buffers runs as task work of the task that
+//!   issued the entry's command (`fuse_uring_send_in_task`); if that task is exiting or dead,
+//!   the request ends with `ECANCELED` and its caller gets the error. With rings of its own, a
+//!   mount server that dies leaves entries that fail, until its rings are torn down, the next
+//!   request of each: about one failed `open` per SIGKILL under a busy pod (measured).
+//! * So the keeper makes the rings ([`make_kept_rings`], `modelfs_fuse_ring::kept`): created
+//!   with `IORING_SETUP_SQPOLL`, every command is issued by the ring's SQ thread, a thread
+//!   of the keeper's process that runs only in the kernel and that no mount server restart
+//!   touches. The SQ thread
+//!   resolves user addresses in the keeper's memory: the entries' buffers are a memory file
+//!   (`modelfs_fuse_ring::memory`) the keeper maps at the address the server uses, and the
+//!   server registers `/dev/fuse` as each ring's fixed file. The mount server maps the rings'
+//!   queues, submits, wakes the SQ thread when it sleeps and waits for completions with
+//!   `io_uring_enter`, which a ring without `SINGLE_ISSUER`/`DEFER_TASKRUN` allows any process.
+//!   A request that arrives while no mount server runs is copied into an entry by the SQ
+//!   thread and waits as a completion in the ring; the successor takes it from there.
+//! * The kernel does not pass io_uring descriptors over `SCM_RIGHTS` (`scm_fp_copy` refuses
+//!   them since the unix socket garbage collector stopped tracking rings): the keeper sends
+//!   a pidfd of itself and its descriptor numbers, and the server copies the rings with
+//!   `pidfd_getfd` (root over root; a node whose Yama `ptrace_scope` is 3 refuses, and the
+//!   server falls back to rings of its own, logged).
+//! * A successor reads where the dead process left each ring (`modelfs_fuse_ring::kept`):
+//!   a completion it never took is a request to answer; a submission without its completion
+//!   is a command the kernel holds; otherwise the dead process took the last completion, and
+//!   the slot's control word tells a request not yet touched, one being answered (whose copy
+//!   is kept) and a complete answer, which it commits. It registers no new entry, so the
+//!   number of entries per queue stays what the first mount made.
+//! * Fallbacks, each logged: a keeper that does not know the ring request (an older
+//!   version) or cannot make SQPOLL rings (io_uring disabled for it, a seccomp profile) leaves
+//!   the server rings of its own, with the `ECANCELED` window above; a successor then answers
+//!   what the dead process had received through the buffers it finds in the keeper (a commit
+//!   the kernel no longer knows is refused and the slot registered afresh), and makes one
+//!   request on every CPU ([`crate::fuse::MountHandle::fetch_queued_ring_requests`]), because
+//!   a request queued while a queue had no available entry is handed out only when an entry
+//!   of that queue commits. A mount server that does not drive kept rings (an older version)
+//!   makes the keeper close them at its take: their waiting commands are cancelled, requests
+//!   already in their buffers are answered as above. If the keeper dies, its SQ thread takes
+//!   the commands with it (`ENOTCONN` completions on a live connection): each ring thread
+//!   registers an entry on a ring of its own and serves on.
 //!
-//! Keeping the ring's own descriptor alive in the keeper would not help: the commands belong
-//! to the thread that issued them (the copies run as its task work), and a single-issuer ring
-//! cannot even be entered by another process. A keeper of a version before the io_uring
-//! buffers refuses a fourth descriptor; the holder then deposits without it (logged).
+//! The SQ thread costs CPU: it polls for `KEPT_RING_IDLE_MS` after its last work before it
+//! sleeps, and its work is charged to the keeper (on Kubernetes, the keeper pod's CPU).
 //! BENCHMARKS.md ("Mount server takeover", "Over io_uring") has the figures.
 
 use std::collections::HashMap;

@@ -48,6 +48,10 @@ const OFF_SQES: libc::off_t = 0x1000_0000;
 const SQ_NEED_WAKEUP: u32 = 1 << 0;
 const ENTER_GETEVENTS: libc::c_uint = 1 << 0;
 const ENTER_SQ_WAKEUP: libc::c_uint = 1 << 1;
+const ENTER_EXT_ARG: libc::c_uint = 1 << 3;
+/// Longest wait for a completion before the ring is checked for a dead SQ thread: a command
+/// submitted just as it died is never read, and nothing else would end the wait.
+const WAIT_SLICE: Duration = Duration::from_secs(1);
 const REGISTER_FILES: libc::c_uint = 2;
 const SQE_LEN: usize = 128;
 const CQE_LEN: usize = 16;
@@ -248,8 +252,51 @@ pub fn create_kept_rings(count: usize, idle_ms: u32) -> io::Result<KeptRings> {
     })
 }
 
-fn enter(fd: RawFd, min_complete: u32, flags: libc::c_uint) -> io::Result<()> {
-    // SAFETY: no argument structure: submit nothing, wait or wake as `flags` say.
+/// `struct io_uring_getevents_arg`.
+#[repr(C)]
+struct GeteventsArg {
+    sigmask: u64,
+    sigmask_sz: u32,
+    min_wait_usec: u32,
+    ts: u64,
+}
+
+/// `struct __kernel_timespec`.
+#[repr(C)]
+struct KernelTimespec {
+    sec: i64,
+    nsec: i64,
+}
+
+/// `io_uring_enter` submitting nothing: waits for `min_complete` completions (at most
+/// `timeout`, then `ETIME`) or wakes the SQ thread, as `flags` say. On a ring whose SQ thread
+/// is gone the kernel answers `EOWNERDEAD`.
+fn enter(
+    fd: RawFd,
+    min_complete: u32,
+    flags: libc::c_uint,
+    timeout: Option<Duration>,
+) -> io::Result<()> {
+    let ts = timeout.map(|t| KernelTimespec {
+        sec: t.as_secs() as i64,
+        nsec: i64::from(t.subsec_nanos()),
+    });
+    let arg = ts.as_ref().map(|ts| GeteventsArg {
+        sigmask: 0,
+        sigmask_sz: 0,
+        min_wait_usec: 0,
+        ts: ts as *const KernelTimespec as u64,
+    });
+    let (flags, argp, argsz) = match &arg {
+        Some(a) => (
+            flags | ENTER_EXT_ARG,
+            a as *const GeteventsArg as *const libc::c_void,
+            std::mem::size_of::<GeteventsArg>(),
+        ),
+        None => (flags, std::ptr::null(), 0),
+    };
+    // SAFETY: the argument structure (if any) and the timespec it points to live until the
+    // call returns.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_io_uring_enter,
@@ -257,8 +304,8 @@ fn enter(fd: RawFd, min_complete: u32, flags: libc::c_uint) -> io::Result<()> {
             0 as libc::c_uint,
             min_complete as libc::c_uint,
             flags,
-            std::ptr::null::<libc::c_void>(),
-            0 as libc::size_t,
+            argp,
+            argsz as libc::size_t,
         )
     };
     if rc < 0 {
@@ -369,7 +416,7 @@ impl KeptRing {
         fence(Ordering::SeqCst);
         let flags = self.rings.word(self.layout.sq[4]).load(Ordering::Relaxed);
         if flags & SQ_NEED_WAKEUP != 0 {
-            enter(self.fd.as_raw_fd(), 0, ENTER_SQ_WAKEUP)?;
+            enter(self.fd.as_raw_fd(), 0, ENTER_SQ_WAKEUP, None)?;
         }
         Ok(())
     }
@@ -429,15 +476,16 @@ impl KeptRing {
         Some(res)
     }
 
-    /// Waits for the next completion; its result.
+    /// Waits for the next completion; its result. An error (`EOWNERDEAD`) once the keeper's SQ
+    /// thread is gone.
     pub(crate) fn wait_cqe(&mut self) -> io::Result<i32> {
         loop {
             if let Some(res) = self.next_cqe() {
                 return Ok(res);
             }
-            match enter(self.fd.as_raw_fd(), 1, ENTER_GETEVENTS) {
+            match enter(self.fd.as_raw_fd(), 1, ENTER_GETEVENTS, Some(WAIT_SLICE)) {
                 Ok(()) => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR | libc::ETIME)) => {}
                 Err(e) => return Err(e),
             }
         }

@@ -648,7 +648,11 @@ fn worker(
                 continue;
             }
         };
-        match fresh.register(fd, qid) {
+        // A request this thread had answered and not yet committed (a kept ring whose SQ
+        // thread died with the commit unread) is committed from the new ring; otherwise the
+        // new ring registers an entry.
+        let mut scratch = Vec::with_capacity(REQUEST_PAYLOAD_MAX);
+        match fresh.take_over(fd, qid, &*handler, &mut scratch) {
             Ok(Some(result)) if result < 0 => {
                 let errno = -result;
                 if connection_ended(errno) {

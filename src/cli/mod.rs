@@ -609,22 +609,19 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         }
         Some(path)
     };
-    // Over io_uring the kernel fails requests that reach a dead process's ring entries
-    // (ECANCELED): see `modelfs_mount::takeover`. So with a keeper `auto` keeps to /dev/fuse,
-    // where a restart loses nothing (deploy/UPGRADE.md).
+    // With a keeper, io_uring loses no request across a restart only on rings the keeper
+    // polls (`modelfs_mount::takeover`, "io_uring"), and those cost more per request than
+    // /dev/fuse on the reference machine (BENCHMARKS.md, "Over io_uring"). So with a keeper
+    // `auto` keeps to /dev/fuse; `uring` asks the keeper for its rings.
     let transport = match (FuseTransport::from(args.fuse_transport), &keeper) {
         (FuseTransport::Auto, Some(_)) => {
-            tracing::info!("--fuse-transport auto with a keeper: serving over /dev/fuse, which a restart resumes without losing a request");
+            tracing::info!("--fuse-transport auto with a keeper: serving over /dev/fuse, which a restart resumes without losing a request at the lowest cost per request");
             FuseTransport::Dev
-        }
-        (FuseTransport::Uring, Some(_)) => {
-            tracing::warn!("--fuse-transport uring with a keeper: when this process dies, requests that reach its io_uring entries before the kernel tears its rings down fail (ECANCELED)");
-            FuseTransport::Uring
         }
         (t, _) => t,
     };
     // A successor maps the ring's buffers again, at the same address (the kernel reads an
-    // answer where the entry was registered).
+    // answer where the entry was registered), and the keeper makes and polls the rings.
     let ring_takeover = keeper.is_some();
     let ring_keeper = keeper.clone();
     let config = modelfs_mount::server::ServerConfig {

@@ -52,9 +52,9 @@
 //! answer layer decides ([`answers`]). `FORGET` and `INTERRUPT` still come over `/dev/fuse`,
 //! as does everything if the kernel refuses the ring's registration (then `auto` logs it and
 //! goes on, `uring` fails the mount). Passthrough backing ids are per connection, registered
-//! through its descriptor. A restart can fail requests over io_uring, not over `/dev/fuse`
-//! ([`crate::takeover`], "io_uring"), so with a keeper the command line picks `/dev/fuse` for
-//! `auto`.
+//! through its descriptor. With a keeper the rings are the keeper's (`FuseConfig::ring_keeper`,
+//! [`crate::takeover`], "io_uring"): no request fails across a restart, at a higher cost per
+//! request than `/dev/fuse`, so with a keeper the command line picks `/dev/fuse` for `auto`.
 //!
 //! # What outlives the process
 //! Inode numbers are stable (the persisted mapping gives the same numbers again); open file

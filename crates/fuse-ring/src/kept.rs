@@ -512,6 +512,34 @@ impl KeptRing {
     }
 }
 
+/// Where a successor finds a kept ring, from its counters (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Left {
+    /// A completion nobody took: take it (a request delivered and untouched, or an error).
+    Completion,
+    /// A command the kernel holds: wait for its completion.
+    Pending,
+    /// Never used: register the entry.
+    Unused,
+    /// The previous process took the last completion and submitted nothing since: its slot
+    /// tells how far it got.
+    Slot,
+}
+
+/// The decision from a ring's counters: submissions made, completions posted, completions
+/// taken (each ring carries one command at a time and each command completes once).
+pub(crate) fn left(submitted: u32, posted: u32, taken: u32) -> Left {
+    if posted != taken {
+        Left::Completion
+    } else if submitted != posted {
+        Left::Pending
+    } else if submitted == 0 {
+        Left::Unused
+    } else {
+        Left::Slot
+    }
+}
+
 /// Whether two descriptors of this process name the same open file (`kcmp`): a copy of a
 /// kept ring is the keeper's ring.
 pub fn same_open_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> io::Result<bool> {
@@ -537,6 +565,29 @@ pub fn same_open_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> io::Result<bool> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_successor_reads_a_kept_ring_from_its_counters() {
+        assert_eq!(left(0, 0, 0), Left::Unused, "never used");
+        assert_eq!(left(1, 0, 0), Left::Pending, "registered, no request yet");
+        assert_eq!(
+            left(1, 1, 0),
+            Left::Completion,
+            "delivered while no server ran"
+        );
+        assert_eq!(left(1, 1, 1), Left::Slot, "taken, not yet committed");
+        assert_eq!(
+            left(2, 1, 1),
+            Left::Pending,
+            "committed, waiting for the next"
+        );
+        assert_eq!(
+            left(0, u32::MAX, u32::MAX),
+            Left::Pending,
+            "the counters wrap: one command after 2^32 - 1"
+        );
+        assert_eq!(left(5, 5, 4), Left::Completion);
+    }
 
     #[test]
     fn a_layout_survives_its_words_and_nonsense_is_refused() {

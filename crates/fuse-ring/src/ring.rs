@@ -25,7 +25,7 @@ use std::time::Duration;
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::abi::{self, FileAttr, InHeader, Statfs};
-use crate::kept::{KeptRing, KeptRings};
+use crate::kept::{self, KeptRing, KeptRings};
 use crate::memory::{adoption, Adoption, RingMemory, SlotMemory, SlotState};
 
 const CMD_REGISTER: u32 = 1;
@@ -480,19 +480,18 @@ impl Entry {
             // A submission the previous process made may wait for a sleeping SQ thread.
             ring.wake()?;
             let (submitted, posted, taken) = ring.counters();
-            if posted != taken {
-                let first = ring.next_cqe();
-                tracing::info!(
-                    qid,
-                    "a request delivered while no mount server ran waits in a kept ring"
-                );
-                return Ok(first);
-            }
-            if submitted != posted {
-                return Ok(None);
-            }
-            if submitted == 0 {
-                return self.register(dev, qid);
+            match kept::left(submitted, posted, taken) {
+                kept::Left::Completion => {
+                    let first = ring.next_cqe();
+                    tracing::info!(
+                        qid,
+                        "a request delivered while no mount server ran waits in a kept ring"
+                    );
+                    return Ok(first);
+                }
+                kept::Left::Pending => return Ok(None),
+                kept::Left::Unused => return self.register(dev, qid),
+                kept::Left::Slot => {}
             }
         }
         self.take_over(dev, qid, handler, scratch)

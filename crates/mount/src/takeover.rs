@@ -55,10 +55,9 @@
 //! * So the keeper makes the rings ([`make_kept_rings`], `modelfs_fuse_ring::kept`): created
 //!   with `IORING_SETUP_SQPOLL`, every command is issued by the ring's SQ thread, a thread
 //!   of the keeper's process that runs only in the kernel and that no mount server restart
-//!   touches. The SQ thread
-//!   resolves user addresses in the keeper's memory: the entries' buffers are a memory file
-//!   (`modelfs_fuse_ring::memory`) the keeper maps at the address the server uses, and the
-//!   server registers `/dev/fuse` as each ring's fixed file. The mount server maps the rings'
+//!   touches. The SQ thread resolves user addresses in the keeper's memory: the entries'
+//!   buffers are a memory file (`modelfs_fuse_ring::memory`) the keeper maps at the address
+//!   the server uses, and the server registers `/dev/fuse` as each ring's fixed file. The mount server maps the rings'
 //!   queues, submits, wakes the SQ thread when it sleeps and waits for completions with
 //!   `io_uring_enter`, which a ring without `SINGLE_ISSUER`/`DEFER_TASKRUN` allows any process.
 //!   A request that arrives while no mount server runs is copied into an entry by the SQ
@@ -251,7 +250,7 @@ fn send(sock: &OwnedFd, message: &impl Serialize, fds: &[BorrowedFd<'_>]) -> io:
 /// One message and the descriptors that came with it; `None` at the end of the stream.
 fn receive<T: for<'de> Deserialize<'de>>(sock: &OwnedFd) -> io::Result<Option<(T, Vec<OwnedFd>)>> {
     let mut buf = vec![0u8; MESSAGE_MAX];
-    let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_MAX))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_MAX))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = loop {
         match rustix::net::recvmsg(

@@ -12,9 +12,9 @@
 //! buffers and waits as a completion in the ring for the next server.
 //!
 //! # What each side does
-//! * The keeper ([`create_kept_rings`]) creates the rings (`SQPOLL | SQE128`, one SQ thread for
-//!   all of them through `ATTACH_WQ`, a short idle time so the thread sleeps when there is no
-//!   work) and maps the entries' buffers ([`crate::RingMemory::map_for_keeper`]) at the address
+//! * The keeper ([`create_kept_rings`]) creates the rings (`SQPOLL | SQE128`, one SQ thread per
+//!   CPU through `ATTACH_WQ`, pinned to it with `SQ_AFF` so a request and its answer stay on
+//!   the caller's CPU, and a short idle time so the threads sleep when there is no work) and maps the entries' buffers ([`crate::RingMemory::map_for_keeper`]) at the address
 //!   the server chose: the SQ thread resolves every user address (the registration's iovecs,
 //!   the headers and payloads) in the keeper's memory.
 //! * A mount server maps each ring's queues from its descriptor ([`KeptRing::attach`]), registers
@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 use io_uring::squeue;
 
 const SETUP_SQPOLL: u32 = 1 << 1;
+const SETUP_SQ_AFF: u32 = 1 << 2;
 const SETUP_ATTACH_WQ: u32 = 1 << 5;
 const SETUP_SQE128: u32 = 1 << 10;
 const FEAT_SINGLE_MMAP: u32 = 1 << 0;
@@ -213,22 +214,44 @@ fn setup(params: &mut Params) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-/// Creates `count` rings polled by one SQ thread of this process (the keeper), which sleeps
+/// Creates `queues * per_queue` rings in slot order (`qid * per_queue + n`), the rings of
+/// each queue polled by one SQ thread of this process (the keeper) pinned to the queue's CPU,
+/// so a request and its answer stay on the caller's CPU as with rings of the server's own (a
+/// CPU the keeper may not run on gets an SQ thread that is not pinned). The threads sleep
 /// after `idle_ms` without work.
-pub fn create_kept_rings(count: usize, idle_ms: u32) -> io::Result<KeptRings> {
+pub fn create_kept_rings(queues: usize, per_queue: usize, idle_ms: u32) -> io::Result<KeptRings> {
+    let count = queues * per_queue;
     let mut fds: Vec<OwnedFd> = Vec::with_capacity(count);
     let mut layout: Option<RingLayout> = None;
-    for _ in 0..count {
-        let mut params = Params {
+    for i in 0..count {
+        let base = Params {
             flags: SETUP_SQPOLL | SETUP_SQE128,
             sq_thread_idle: idle_ms,
             ..Params::default()
         };
-        if let Some(first) = fds.first() {
-            params.flags |= SETUP_ATTACH_WQ;
-            params.wq_fd = first.as_raw_fd() as u32;
-        }
-        let fd = setup(&mut params)?;
+        let (fd, params) = if i % per_queue == 0 {
+            let mut pinned = Params {
+                flags: base.flags | SETUP_SQ_AFF,
+                sq_thread_cpu: (i / per_queue) as u32,
+                ..base
+            };
+            match setup(&mut pinned) {
+                Ok(fd) => (fd, pinned),
+                // Offline, or outside the keeper's cpuset.
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    let mut unpinned = base;
+                    (setup(&mut unpinned)?, unpinned)
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            let mut attached = Params {
+                flags: base.flags | SETUP_ATTACH_WQ,
+                wq_fd: fds[i - i % per_queue].as_raw_fd() as u32,
+                ..base
+            };
+            (setup(&mut attached)?, attached)
+        };
         if params.features & FEAT_SINGLE_MMAP == 0 {
             return Err(io::Error::other(
                 "the kernel maps io_uring queues separately (before Linux 5.4)",

@@ -53,15 +53,16 @@
 //!   mount server that dies leaves entries that fail, until its rings are torn down, the next
 //!   request of each: about one failed `open` per SIGKILL under a busy pod (measured).
 //! * So the keeper makes the rings ([`make_kept_rings`], `modelfs_fuse_ring::kept`): created
-//!   with `IORING_SETUP_SQPOLL`, every command is issued by the ring's SQ thread, a thread
-//!   of the keeper's process that runs only in the kernel and that no mount server restart
-//!   touches. The SQ thread resolves user addresses in the keeper's memory: the entries'
-//!   buffers are a memory file (`modelfs_fuse_ring::memory`) the keeper maps at the address
-//!   the server uses, and the server registers `/dev/fuse` as each ring's fixed file. The mount server maps the rings'
+//!   with `IORING_SETUP_SQPOLL`, every command is issued by the ring's SQ thread (one per CPU,
+//!   pinned to it, for that CPU's rings), a thread of the keeper's process that runs only in
+//!   the kernel and that no mount server restart touches. The SQ thread resolves user addresses
+//!   in the keeper's memory: the entries' buffers are a memory file
+//!   (`modelfs_fuse_ring::memory`) the keeper maps at the address the server uses, and the
+//!   server registers `/dev/fuse` as each ring's fixed file. The mount server maps the rings'
 //!   queues, submits, wakes the SQ thread when it sleeps and waits for completions with
 //!   `io_uring_enter`, which a ring without `SINGLE_ISSUER`/`DEFER_TASKRUN` allows any process.
-//!   A request that arrives while no mount server runs is copied into an entry by the SQ
-//!   thread and waits as a completion in the ring; the successor takes it from there.
+//!   A request that arrives while no mount server runs is copied into an entry by the SQ thread
+//!   and waits as a completion in the ring; the successor takes it from there.
 //! * The kernel does not pass io_uring descriptors over `SCM_RIGHTS` (`scm_fp_copy` refuses
 //!   them since the unix socket garbage collector stopped tracking rings): the keeper sends
 //!   a pidfd of itself and its descriptor numbers, and the server copies the rings with
@@ -86,8 +87,9 @@
 //!   the commands with it (`ENOTCONN` completions on a live connection): each ring thread
 //!   registers an entry on a ring of its own and serves on.
 //!
-//! The SQ thread costs CPU: it polls for `KEPT_RING_IDLE_MS` after its last work before it
-//! sleeps, and its work is charged to the keeper (on Kubernetes, the keeper pod's CPU).
+//! The SQ threads (one per CPU, pinned to it, polling that CPU's rings) cost CPU: each polls
+//! for `KEPT_RING_IDLE_MS` after its last work before it sleeps, and their work is charged
+//! to the keeper (on Kubernetes, the keeper pod's CPU).
 //! BENCHMARKS.md ("Mount server takeover", "Over io_uring") has the figures.
 
 use std::collections::HashMap;
@@ -1055,7 +1057,11 @@ impl Keeper {
                 memory.queues() * memory.per_queue()
             ));
         }
-        let made = match modelfs_fuse_ring::create_kept_rings(count, KEPT_RING_IDLE_MS) {
+        let made = match modelfs_fuse_ring::create_kept_rings(
+            memory.queues(),
+            memory.per_queue(),
+            KEPT_RING_IDLE_MS,
+        ) {
             Ok(m) => m,
             Err(e) => return refuse(format!("io_uring with SQPOLL cannot be set up here: {e}")),
         };
@@ -1204,7 +1210,7 @@ mod tests {
     /// `pidfd_getfd` (here the "keeper" is this process).
     #[test]
     fn kept_rings_are_copied_from_the_keeper_by_number() {
-        let made = modelfs_fuse_ring::create_kept_rings(3, KEPT_RING_IDLE_MS).unwrap();
+        let made = modelfs_fuse_ring::create_kept_rings(1, 3, KEPT_RING_IDLE_MS).unwrap();
         let layout = made.layout.to_words();
         let (meta, pidfd) = rings_meta(&made.fds, &layout).unwrap();
         let got = fetch_rings(&pidfd, &meta).unwrap();

@@ -609,17 +609,10 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         }
         Some(path)
     };
-    // With a keeper, io_uring loses no request across a restart only on rings the keeper
-    // polls (`modelfs_mount::takeover`, "io_uring"), and those cost more per request than
-    // /dev/fuse on the reference machine (BENCHMARKS.md, "Over io_uring"). So with a keeper
-    // `auto` keeps to /dev/fuse; `uring` asks the keeper for its rings.
-    let transport = match (FuseTransport::from(args.fuse_transport), &keeper) {
-        (FuseTransport::Auto, Some(_)) => {
-            tracing::info!("--fuse-transport auto with a keeper: serving over /dev/fuse, which a restart resumes without losing a request at the lowest cost per request");
-            FuseTransport::Dev
-        }
-        (t, _) => t,
-    };
+    // With a keeper, io_uring loses no request across a restart only on rings the keeper makes
+    // and polls (`modelfs_mount::takeover`, "io_uring"): `auto` takes the ring only if the
+    // keeper makes them, else serves over /dev/fuse; `uring` falls back to rings of its own.
+    let transport = FuseTransport::from(args.fuse_transport);
     // A successor maps the ring's buffers again, at the same address (the kernel reads an
     // answer where the entry was registered), and the keeper makes and polls the rings.
     let ring_takeover = keeper.is_some();

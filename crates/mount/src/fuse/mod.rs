@@ -53,8 +53,9 @@
 //! as does everything if the kernel refuses the ring's registration (then `auto` logs it and
 //! goes on, `uring` fails the mount). Passthrough backing ids are per connection, registered
 //! through its descriptor. With a keeper the rings are the keeper's (`FuseConfig::ring_keeper`,
-//! [`crate::takeover`], "io_uring"): no request fails across a restart, at a higher cost per
-//! request than `/dev/fuse`, so with a keeper the command line picks `/dev/fuse` for `auto`.
+//! [`crate::takeover`], "io_uring"), so no request fails across a restart; a keeper that
+//! cannot make them leaves `auto` on `/dev/fuse` (rings of this process would fail requests
+//! across a restart) and `uring` on rings of this process.
 //!
 //! # What outlives the process
 //! Inode numbers are stable (the persisted mapping gives the same numbers again); open file
@@ -1279,7 +1280,13 @@ fn prepare_ring(
     let payload = answers::payload_size(config.read_ahead_kb);
     let prepared = new_ring_memory(config, payload).and_then(|memory| {
         let kept = match (&config.ring_keeper, config.ring_takeover) {
-            (Some(keeper), true) => kept_rings(keeper, mountpoint, &memory),
+            (Some(keeper), true) => match kept_rings(keeper, mountpoint, &memory) {
+                Some(kept) => Some(kept),
+                // With a keeper, rings of this process would fail requests across a restart
+                // (`crate::takeover`, "io_uring"): `auto` keeps to /dev/fuse instead.
+                None if config.transport == FuseTransport::Auto => return Ok(None),
+                None => None,
+            },
             _ => None,
         };
         let (ring, kept_link) = match kept {
@@ -1287,16 +1294,25 @@ fn prepare_ring(
                 modelfs_fuse_ring::prepare_kept(memory.clone(), rings)?,
                 Some(link),
             ),
-            None => (modelfs_fuse_ring::prepare(memory.clone())?, None),
+            None => {
+                if config.ring_keeper.is_some() {
+                    tracing::warn!("--fuse-transport uring: using io_uring rings of this process; requests that reach them while no mount server runs fail with ECANCELED");
+                }
+                (modelfs_fuse_ring::prepare(memory.clone())?, None)
+            }
         };
-        Ok(PreparedWithMemory {
+        Ok(Some(PreparedWithMemory {
             ring,
             memory,
             kept_link,
-        })
+        }))
     });
     match prepared {
-        Ok(prepared) => Ok(Some(prepared)),
+        Ok(Some(prepared)) => Ok(Some(prepared)),
+        Ok(None) => {
+            tracing::info!("--fuse-transport auto with a keeper that does not poll io_uring rings: serving over /dev/fuse, which a restart resumes without losing a request");
+            Ok(None)
+        }
         Err(e) if config.transport == FuseTransport::Uring => Err(MountError::RingUnavailable(
             format!("io_uring cannot be set up here: {e}"),
         )),
@@ -1322,7 +1338,7 @@ fn kept_rings(
             Some(made)
         }
         Err(e) => {
-            tracing::warn!(error = %e, "the keeper does not poll io_uring rings; using rings of this process (requests that reach them while no mount server runs fail with ECANCELED)");
+            tracing::warn!(error = %e, "the keeper does not poll io_uring rings");
             None
         }
     }

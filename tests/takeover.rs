@@ -316,6 +316,17 @@ impl Pod {
     }
 }
 
+impl Drop for Pod {
+    /// A test that fails mid-way must not leave its reader looping on a dead mount (and
+    /// holding the test's output open).
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 fn model_files(env: &TestEnv) -> (PathBuf, BTreeMap<String, String>) {
     let src = env.dir("src");
     make_model_dir(&src, 12, 4 << 20);

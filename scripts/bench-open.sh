@@ -13,7 +13,11 @@
 # over all files, from a Python loop (its own overhead is in the native figures too).
 # Each case runs for every FUSE transport in TRANSPORTS (default "dev uring"): /dev/fuse, and FUSE
 # over io_uring (per-CPU queues; the script turns on the fuse module parameter enable_uring for the
-# run and restores it after).
+# run and restores it after). `serve` starts a keeper, which polls the io_uring rings with an SQ
+# thread of its own (`modelfs_fuse_ring::kept`); "uring-own" is io_uring without a keeper
+# (`--no-keeper`: the mount server's own rings, as before the keeper polled them). For kept rings
+# the line ends with the CPU time the keeper's SQ thread used during the loop and during the 10 s
+# idle that follows.
 # Needs root. Usage: scripts/bench-open.sh [binary]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +28,7 @@ PLACEMENTS=${PLACEMENTS:-"any one-cpu"}
 TRANSPORTS=${TRANSPORTS:-"dev uring"}
 # shellcheck source=scripts/fuse-uring.sh
 . scripts/fuse-uring.sh
-if [[ " $TRANSPORTS " == *" uring "* ]]; then
+if [[ " $TRANSPORTS " == *" uring"* ]]; then
     uring_param_on
 fi
 if [ -z "$BIN" ]; then
@@ -52,6 +56,16 @@ metadata: {name: bench}
 spec:
   storage: {storageUri: "local://$WORK/src", path: bench}
 YAML
+
+sq_ticks() { # CPU time (clock ticks) of the keeper's SQ threads (iou-sqp-*) of this run
+    local total=0 t
+    for t in /proc/[0-9]*/task/[0-9]*; do
+        [[ "$(cat "$t/comm" 2>/dev/null)" == iou-sqp-* ]] || continue
+        tr '\0' ' ' <"${t%/task/*}/cmdline" 2>/dev/null | grep -q -- "$WORK" || continue
+        total=$((total + $(awk '{print $14 + $15}' "$t/stat" 2>/dev/null || echo 0)))
+    done
+    echo "$total"
+}
 
 loop() { # loop <dir> [taskset prefix...]: one line "statfs stat open+close open+read+close" in us
     local dir=$1
@@ -90,18 +104,31 @@ for placement in $PLACEMENTS; do
     for transport in $TRANSPORTS; do
     for mode in always never; do
         for threads in $THREADS; do
+            EXTRA=()
+            flag=$transport
+            if [ "$transport" = uring-own ]; then EXTRA=(--no-keeper); flag=uring; fi
             "${PIN[@]}" "$BIN" serve --mount "$WORK/mnt" --state "$WORK/state" --models "$WORK/models" \
                 --listen "127.0.0.1:$PORT" --passthrough "$mode" --fuse-threads "$threads" \
-                --fuse-transport "$transport" >>"$WORK/daemon.log" 2>&1 &
+                --fuse-transport "$flag" "${EXTRA[@]}" >>"$WORK/daemon.log" 2>&1 &
             PID=$!
             for _ in $(seq 1 600); do
                 if curl -sf "127.0.0.1:$PORT/v1/models" | grep -q '"status": *"Ready"'; then break; fi
                 sleep 0.2
             done
+            T0=$(sq_ticks); S0=$(date +%s.%N)
             read -r SF ST OC ORC <<<"$(loop "$WORK/mnt/bench" "${PIN[@]}")"
+            T1=$(sq_ticks); S1=$(date +%s.%N)
+            SQ=""
+            if [ "$transport" = uring ]; then
+                sleep 10
+                T2=$(sq_ticks)
+                HZ=$(getconf CLK_TCK)
+                SQ=$(awk -v a="$T0" -v b="$T1" -v c="$T2" -v s="$S0" -v e="$S1" -v hz="$HZ" \
+                    'BEGIN { printf "  SQ thread: %.0f%% of a CPU in the loop, %.1f%% idle", 100 * (b - a) / hz / (e - s), 100 * (c - b) / hz / 10 }')
+            fi
             label="$transport, $([ "$mode" = always ] && echo passthrough || echo read-through), $threads threads, $placement"
-            printf '%-50s statfs %6s  stat %6s  open+close %6s  open+read+close %6s  (%sx native)\n' \
-                "$label" "$SF" "$ST" "$OC" "$ORC" "$(awk -v a="$ORC" -v b="$N_ORC" 'BEGIN { printf "%.1f", a / b }')"
+            printf '%-50s statfs %6s  stat %6s  open+close %6s  open+read+close %6s  (%sx native)%s\n' \
+                "$label" "$SF" "$ST" "$OC" "$ORC" "$(awk -v a="$ORC" -v b="$N_ORC" 'BEGIN { printf "%.1f", a / b }')" "$SQ"
             # SIGINT: the end of the mount (SIGTERM would hand it on to a successor).
             kill -INT "$PID"; wait "$PID" 2>/dev/null || true; PID=
         done

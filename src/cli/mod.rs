@@ -617,23 +617,14 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
         }
         Some(path)
     };
-    // Over io_uring the kernel fails requests that reach a dead process's ring entries
-    // (ECANCELED): see `modelfs_mount::takeover`. So with a keeper `auto` keeps to /dev/fuse,
-    // where a restart loses nothing (deploy/UPGRADE.md).
-    let transport = match (FuseTransport::from(args.fuse_transport), &keeper) {
-        (FuseTransport::Auto, Some(_)) => {
-            tracing::info!("--fuse-transport auto with a keeper: serving over /dev/fuse, which a restart resumes without losing a request");
-            FuseTransport::Dev
-        }
-        (FuseTransport::Uring, Some(_)) => {
-            tracing::warn!("--fuse-transport uring with a keeper: when this process dies, requests that reach its io_uring entries before the kernel tears its rings down fail (ECANCELED)");
-            FuseTransport::Uring
-        }
-        (t, _) => t,
-    };
+    // With a keeper, io_uring loses no request across a restart only on rings the keeper makes
+    // and polls (`modelfs_mount::takeover`, "io_uring"): `auto` takes the ring only if the
+    // keeper makes them, else serves over /dev/fuse; `uring` falls back to rings of its own.
+    let transport = FuseTransport::from(args.fuse_transport);
     // A successor maps the ring's buffers again, at the same address (the kernel reads an
-    // answer where the entry was registered).
+    // answer where the entry was registered), and the keeper makes and polls the rings.
     let ring_takeover = keeper.is_some();
+    let ring_keeper = keeper.clone();
     let config = modelfs_mount::server::ServerConfig {
         mount: absolute(&args.mount)?,
         state: absolute(&args.state)?,
@@ -644,6 +635,7 @@ fn run_mount_server(args: MountServerArgs, agent: Option<Vec<std::ffi::OsString>
             threads: args.fuse_threads,
             transport,
             ring_takeover,
+            ring_keeper,
             pending_wait: Duration::from_secs(args.pending_open_timeout_secs),
             ..FuseConfig::default()
         },

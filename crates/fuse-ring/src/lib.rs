@@ -36,16 +36,20 @@
 //! queue has several threads so a blocking read-through `pread` does not hold up the CPU's
 //! other requests. The entries' buffers are slots of one shared mapping ([`memory`]) that a
 //! process taking the connection over maps at the same address, to answer what a dead process
-//! had received.
+//! had received; with a keeper process the rings themselves are the keeper's ([`kept`]), so
+//! no request fails while no server runs.
 
 pub mod abi;
 mod dev;
+pub mod kept;
 pub mod memory;
 mod ring;
 
 pub use dev::{op_in_len, serve_dev, DevConfig, Ended, Notifier, RunningDev};
 
+pub use kept::{create_kept_rings, KeptRings, RingLayout};
 pub use memory::RingMemory;
 pub use ring::{
-    possible_cpus, prepare, BackingId, Handler, PreparedRing, Reply, Request, RunningRing,
+    possible_cpus, prepare, prepare_kept, BackingId, Handler, PreparedRing, Reply, Request,
+    RunningRing,
 };

@@ -34,7 +34,10 @@ use crate::ring::REQUEST_PAYLOAD_MAX;
 
 const MAGIC: u64 = 0x7266_7366_6c65_646d; // "mdelfsfr"
 const PAGE: usize = 4096;
-/// Where a slot's header buffer starts (after its control word).
+/// Where a slot's registration iovecs are (after its control word): in the shared file, so a
+/// keeper's SQ thread reads them at the same address (`crate::kept`).
+const IOVECS_AT: usize = 16;
+/// Where a slot's header buffer starts (after its control word and iovecs).
 const HEADER_AT: usize = 64;
 /// Bytes of a slot's save area: the kernel's header and a request's payload.
 const SAVE_LEN: usize = (abi::RING_HEADER_LEN + REQUEST_PAYLOAD_MAX).div_ceil(PAGE) * PAGE;
@@ -175,13 +178,24 @@ impl RingMemory {
     /// Maps the memory file a predecessor created ([`Self::file`]) at the address it used, if
     /// its tag is `tag` (the connection it served).
     pub fn adopt(file: OwnedFd, tag: u64) -> io::Result<Arc<Self>> {
+        Self::map_existing(file, Some(tag))
+    }
+
+    /// Maps the memory file a mount server created at the address it uses, in the keeper
+    /// that polls its rings (`crate::kept`): the kernel reaches the buffers through the
+    /// keeper's memory. The keeper only holds the mapping; it never reads or writes it.
+    pub fn map_for_keeper(file: OwnedFd) -> io::Result<Arc<Self>> {
+        Self::map_existing(file, None)
+    }
+
+    fn map_existing(file: OwnedFd, tag: Option<u64>) -> io::Result<Arc<Self>> {
         let mut head = [0u8; 56];
         let got = rustix::io::pread(&file, &mut head, 0)?;
         let word = |i: usize| u64::from_le_bytes(head[i * 8..i * 8 + 8].try_into().unwrap());
         if got < head.len() || word(0) != MAGIC {
             return Err(io::Error::other("not ring buffers"));
         }
-        if word(6) != tag {
+        if let Some(tag) = tag.filter(|&t| word(6) != t) {
             return Err(io::Error::other(format!(
                 "the ring buffers belong to another connection ({} != {tag})",
                 word(6)
@@ -214,7 +228,7 @@ impl RingMemory {
             per_queue,
             payload,
             slot_size,
-            adopted: true,
+            adopted: tag.is_some(),
         }))
     }
 
@@ -354,8 +368,27 @@ impl SlotMemory {
         unsafe { self.start.add(PAGE) }
     }
 
-    pub(crate) fn payload_len(&self) -> usize {
-        self.payload
+    /// Writes the registration's two iovecs (header and payload buffer) into the slot; their
+    /// address, for the `REGISTER` command.
+    pub(crate) fn write_iovecs(&self) -> *const libc::iovec {
+        const _: () = assert!(IOVECS_AT + 2 * std::mem::size_of::<libc::iovec>() <= HEADER_AT);
+        let iov = [
+            libc::iovec {
+                iov_base: self.header_ptr().cast(),
+                iov_len: abi::RING_HEADER_LEN,
+            },
+            libc::iovec {
+                iov_base: self.payload_ptr().cast(),
+                iov_len: self.payload,
+            },
+        ];
+        // SAFETY: 32 bytes between the control word and the header buffer, 16-byte aligned
+        // (the slot is page aligned), written only by the slot's thread.
+        unsafe {
+            let at = self.start.add(IOVECS_AT) as *mut [libc::iovec; 2];
+            at.write(iov);
+            at as *const libc::iovec
+        }
     }
 
     pub(crate) fn header(&mut self) -> &mut [u8] {

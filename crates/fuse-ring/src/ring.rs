@@ -1,17 +1,21 @@
-//! The ring threads: one io_uring per thread, pinned to the CPU of the queue it serves.
+//! The ring threads: one io_uring per thread, pinned to the CPU of the queue it serves. The
+//! ring is the thread's own, or one a keeper process made and polls ([`crate::kept`]), whose
+//! commands outlive this process.
 //!
-//! `unsafe` is confined to this module and [`crate::memory`], for what the kernel ABI needs and
-//! no safe API offers: pushing SQEs whose buffers the kernel writes (a slot of the shared
-//! mapping, which each thread's slot keeps mapped until after its ring is dropped; the kernel
-//! touches it only inside this thread's own system calls: request copies run as task work of
-//! the thread that registered or last committed the entry, replies are read during its
-//! `COMMIT_AND_FETCH`), setting the SQE's `len` field (which the io-uring crate's `UringCmd80`
-//! does not expose), the passthrough backing ioctls, and the mapping itself.
+//! `unsafe` is confined to this module, [`crate::memory`] and [`crate::kept`], for what the
+//! kernel ABI needs and no safe API offers: pushing SQEs whose buffers the kernel writes (a
+//! slot of the shared mapping, which each thread's slot keeps mapped until after its ring is
+//! dropped). The kernel touches a slot only between a command's submission and its
+//! completion: request copies run as task work of the task that issued the entry's command
+//! (this thread, or the keeper's SQ thread, which reaches the same file at the same address),
+//! replies are read while `COMMIT_AND_FETCH` is issued. Also setting the SQE's `addr` and
+//! `len` (the io-uring crate's `UringCmd80` has no setter for `len`), the passthrough backing
+//! ioctls, and the mapping itself.
 
 #![allow(unsafe_code)]
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -21,6 +25,7 @@ use std::time::Duration;
 use io_uring::{cqueue, opcode, squeue, types, IoUring};
 
 use crate::abi::{self, FileAttr, InHeader, Statfs};
+use crate::kept::{self, KeptRing, KeptRings};
 use crate::memory::{adoption, Adoption, RingMemory, SlotMemory, SlotState};
 
 const CMD_REGISTER: u32 = 1;
@@ -203,6 +208,29 @@ pub struct PreparedRing {
 /// each thread first answers what its slot holds from the previous process
 /// ([`crate::memory::adoption`]).
 pub fn prepare(memory: Arc<RingMemory>) -> io::Result<PreparedRing> {
+    prepare_with(memory, None)
+}
+
+/// As [`prepare`], over rings a keeper polls ([`crate::kept`]): one per slot of `memory`, in
+/// slot order. With adopted memory each thread first reads where its predecessor left its
+/// ring.
+pub fn prepare_kept(memory: Arc<RingMemory>, rings: KeptRings) -> io::Result<PreparedRing> {
+    if rings.fds.len() != memory.queues() * memory.per_queue() {
+        return Err(io::Error::other(format!(
+            "{} kept rings for {} ring buffers",
+            rings.fds.len(),
+            memory.queues() * memory.per_queue()
+        )));
+    }
+    let mut attached = Vec::with_capacity(rings.fds.len());
+    for fd in rings.fds {
+        attached.push(KeptRing::attach(fd, rings.layout.clone())?);
+    }
+    prepare_with(memory, Some(attached))
+}
+
+fn prepare_with(memory: Arc<RingMemory>, kept: Option<Vec<KeptRing>>) -> io::Result<PreparedRing> {
+    let mut kept = kept.map(|k| k.into_iter());
     let queues = possible_cpus()?;
     if memory.queues() != queues {
         return Err(io::Error::other(format!(
@@ -217,7 +245,8 @@ pub fn prepare(memory: Arc<RingMemory>) -> io::Result<PreparedRing> {
     };
     for qid in 0..queues {
         for n in 0..per_queue {
-            match spawn_worker(qid, n, qid * per_queue + n, memory.clone()) {
+            let ring = kept.as_mut().and_then(|k| k.next());
+            match spawn_worker(qid, n, qid * per_queue + n, memory.clone(), ring) {
                 Ok(w) => prepared.workers.push(w),
                 Err(e) => {
                     prepared.cancel();
@@ -230,13 +259,19 @@ pub fn prepare(memory: Arc<RingMemory>) -> io::Result<PreparedRing> {
 }
 
 /// Starts the `n`th thread of queue `qid` (slot `index`) and waits until it has its ring.
-fn spawn_worker(qid: usize, n: usize, index: usize, memory: Arc<RingMemory>) -> io::Result<Worker> {
+fn spawn_worker(
+    qid: usize,
+    n: usize,
+    index: usize,
+    memory: Arc<RingMemory>,
+    kept: Option<KeptRing>,
+) -> io::Result<Worker> {
     let (start_tx, start_rx) = mpsc::channel::<Start>();
     let (reg_tx, reg_rx) = mpsc::channel::<io::Result<()>>();
     let (setup_tx, setup_rx) = mpsc::channel::<io::Result<()>>();
     let thread = std::thread::Builder::new()
         .name(format!("fuse-ring-{qid}.{n}"))
-        .spawn(move || worker(qid, index, memory, setup_tx, start_rx, reg_tx))?;
+        .spawn(move || worker(qid, index, memory, kept, setup_tx, start_rx, reg_tx))?;
     let setup = setup_rx
         .recv()
         .unwrap_or_else(|_| Err(io::Error::other("ring thread ended during its setup")));
@@ -321,28 +356,76 @@ impl RunningRing {
 /// the kernel.
 struct Slot {
     memory: SlotMemory,
-    iov: Box<[libc::iovec; 2]>,
+    /// In the shared file (a keeper's SQ thread reads them at the same address).
+    iov: *const libc::iovec,
 }
 
 impl Slot {
     fn new(memory: SlotMemory) -> Self {
-        let iov = Box::new([
-            libc::iovec {
-                iov_base: memory.header_ptr().cast(),
-                iov_len: abi::RING_HEADER_LEN,
-            },
-            libc::iovec {
-                iov_base: memory.payload_ptr().cast(),
-                iov_len: memory.payload_len(),
-            },
-        ]);
+        let iov = memory.write_iovecs();
         Self { memory, iov }
     }
 }
 
-type Ring = IoUring<squeue::Entry128, cqueue::Entry>;
+type OwnRing = IoUring<squeue::Entry128, cqueue::Entry>;
 
-fn new_ring(entries: u32) -> io::Result<Ring> {
+/// The ring an entry's commands go through: one of this thread's own, or one a keeper polls
+/// ([`crate::kept`]), whose commands outlive this process.
+enum Ring {
+    Own(OwnRing),
+    Kept(KeptRing),
+}
+
+/// How a command names the connection: by this process's descriptor on its own ring, by the
+/// fixed file 0 on a kept ring (whose SQ thread resolves descriptors in the keeper).
+#[derive(Clone, Copy)]
+enum Target {
+    Fd(types::Fd),
+    Fixed,
+}
+
+impl Ring {
+    fn target(&self, dev: RawFd) -> Target {
+        match self {
+            Ring::Own(_) => Target::Fd(types::Fd(dev)),
+            Ring::Kept(_) => Target::Fixed,
+        }
+    }
+
+    /// # Safety
+    /// Every buffer the entry points at must stay valid until the ring is dropped (for a kept
+    /// ring: in the keeper's memory, which maps the same file at the same address).
+    unsafe fn push(&mut self, entry: &squeue::Entry128) -> io::Result<()> {
+        match self {
+            // SAFETY: forwarded to the caller.
+            Ring::Own(ring) => unsafe { push(ring, entry) },
+            // SAFETY: forwarded to the caller.
+            Ring::Kept(ring) => unsafe { ring.push(entry) },
+        }
+    }
+
+    /// Submits what is queued; the first completion if the kernel answered at once (a
+    /// refusal: an accepted command completes only when a request arrives).
+    fn submit_and_peek(&mut self) -> io::Result<Option<i32>> {
+        match self {
+            Ring::Own(ring) => {
+                ring.submit()?;
+                Ok(ring.completion().next().map(|cqe| cqe.result()))
+            }
+            Ring::Kept(ring) => ring.settle(),
+        }
+    }
+
+    /// Submits what is queued and waits for one completion; its result.
+    fn wait_one(&mut self) -> io::Result<i32> {
+        match self {
+            Ring::Own(ring) => wait_one(ring),
+            Ring::Kept(ring) => ring.wait_cqe(),
+        }
+    }
+}
+
+fn new_ring(entries: u32) -> io::Result<OwnRing> {
     // One issuer and task work run only when the thread waits: completions are delivered to the
     // thread as it asks for them, without interrupting it.
     IoUring::<squeue::Entry128, cqueue::Entry>::builder()
@@ -369,9 +452,49 @@ struct Entry {
 impl Entry {
     fn new(memory: &Arc<RingMemory>, index: usize) -> io::Result<Self> {
         Ok(Self {
-            ring: new_ring(2)?,
+            ring: Ring::Own(new_ring(2)?),
             slot: Slot::new(memory.slot(index)),
         })
+    }
+
+    fn kept(memory: &Arc<RingMemory>, index: usize, ring: KeptRing) -> Self {
+        Self {
+            ring: Ring::Kept(ring),
+            slot: Slot::new(memory.slot(index)),
+        }
+    }
+
+    /// On a kept ring, first reads where the previous process left it ([`crate::kept`]): a
+    /// completion it never took is handed to [`serve`] (a request delivered, untouched); a
+    /// command the kernel holds needs nothing; a ring never used is registered. Otherwise the
+    /// previous process took the last completion: its slot tells what to do
+    /// ([`Self::take_over`]).
+    fn resume(
+        &mut self,
+        dev: RawFd,
+        qid: usize,
+        handler: &dyn Handler,
+        scratch: &mut Vec<u8>,
+    ) -> io::Result<Option<i32>> {
+        if let Ring::Kept(ring) = &mut self.ring {
+            // A submission the previous process made may wait for a sleeping SQ thread.
+            ring.wake()?;
+            let (submitted, posted, taken) = ring.counters();
+            match kept::left(submitted, posted, taken) {
+                kept::Left::Completion => {
+                    let first = ring.next_cqe();
+                    tracing::info!(
+                        qid,
+                        "a request delivered while no mount server ran waits in a kept ring"
+                    );
+                    return Ok(first);
+                }
+                kept::Left::Pending => return Ok(None),
+                kept::Left::Unused => return self.register(dev, qid),
+                kept::Left::Slot => {}
+            }
+        }
+        self.take_over(dev, qid, handler, scratch)
     }
 
     /// Answers what the slot holds from a previous process, if anything, and commits it from
@@ -380,7 +503,7 @@ impl Entry {
     /// if the kernel answered at once, as [`Self::register`].
     fn take_over(
         &mut self,
-        fd: types::Fd,
+        dev: RawFd,
         qid: usize,
         handler: &dyn Handler,
         scratch: &mut Vec<u8>,
@@ -388,7 +511,7 @@ impl Entry {
         let (state, recorded) = self.slot.memory.state();
         let in_header = abi::u64_at(self.slot.memory.header(), 8);
         let unique = match adoption(state, recorded, in_header) {
-            Adoption::Register => return self.register(fd, qid),
+            Adoption::Register => return self.register(dev, qid),
             Adoption::Commit(u) => u,
             Adoption::Restore(_) => {
                 let (header, payload, save) = self.slot.memory.buffers();
@@ -402,19 +525,17 @@ impl Entry {
             }
             Adoption::Answer(_) => answer(&mut self.slot, handler, scratch),
         };
-        let commit = uring_cmd(fd, CMD_COMMIT_AND_FETCH, qid, unique)
-            .build()
-            .user_data(0);
+        let target = self.ring.target(dev);
+        let commit = uring_cmd(target, CMD_COMMIT_AND_FETCH, qid, unique);
         // SAFETY: as for a registration: the slot outlives the ring.
-        unsafe { push(&mut self.ring, &commit) }?;
-        self.ring.submit()?;
-        let first = self.ring.completion().next().map(|cqe| cqe.result());
+        unsafe { self.ring.push(&commit) }?;
+        let first = self.ring.submit_and_peek()?;
         match first {
             Some(result) if result < 0 => {
                 // The kernel no longer holds that request (its answer was committed before
                 // the previous process died).
                 tracing::debug!(qid, unique, error = %io::Error::from_raw_os_error(-result), "nothing to take over in a ring slot");
-                self.register(fd, qid)
+                self.register(dev, qid)
             }
             early => {
                 tracing::info!(
@@ -429,14 +550,14 @@ impl Entry {
 
     /// Submits the entry's `REGISTER`; the result if the kernel answered at once (a refusal;
     /// an accepted registration completes only when a request arrives).
-    fn register(&mut self, fd: types::Fd, qid: usize) -> io::Result<Option<i32>> {
-        let register = register_entry(fd, qid, &self.slot);
+    fn register(&mut self, dev: RawFd, qid: usize) -> io::Result<Option<i32>> {
+        let register = register_entry(self.ring.target(dev), qid, &self.slot);
         // SAFETY: the entry points at `slot`'s iovecs and buffers, which outlive `ring` (the
         // struct drops the ring first); the kernel uses them only inside this thread's
-        // io_uring calls.
-        unsafe { push(&mut self.ring, &register) }?;
-        self.ring.submit()?;
-        Ok(self.ring.completion().next().map(|cqe| cqe.result()))
+        // io_uring calls, or (a kept ring) in the keeper, which maps the same file at the
+        // same address for as long as the ring lives.
+        unsafe { self.ring.push(&register) }?;
+        self.ring.submit_and_peek()
     }
 }
 
@@ -447,6 +568,7 @@ fn worker(
     qid: usize,
     index: usize,
     memory: Arc<RingMemory>,
+    kept: Option<KeptRing>,
     setup: mpsc::Sender<io::Result<()>>,
     start: mpsc::Receiver<Start>,
     registered: mpsc::Sender<io::Result<()>>,
@@ -455,7 +577,11 @@ fn worker(
         // A possible CPU that is offline: its queue gets requests only once it comes online.
         tracing::debug!(qid, error = %e, "ring thread not pinned");
     }
-    let mut entry = match Entry::new(&memory, index) {
+    let made = match kept {
+        Some(ring) => Ok(Entry::kept(&memory, index, ring)),
+        None => Entry::new(&memory, index),
+    };
+    let mut entry = match made {
         Ok(e) => e,
         Err(e) => {
             let _ = setup.send(Err(e));
@@ -466,10 +592,16 @@ fn worker(
     let Ok(Start { dev, handler }) = start.recv() else {
         return;
     };
-    let fd = types::Fd(dev.as_raw_fd());
+    let fd = dev.as_raw_fd();
+    if let Ring::Kept(ring) = &entry.ring {
+        if let Err(e) = ring.register_dev(fd) {
+            let _ = registered.send(Err(e));
+            return;
+        }
+    }
     let first = if memory.adopted() {
         let mut scratch = Vec::with_capacity(REQUEST_PAYLOAD_MAX);
-        entry.take_over(fd, qid, &*handler, &mut scratch)
+        entry.resume(fd, qid, &*handler, &mut scratch)
     } else {
         entry.register(fd, qid)
     };
@@ -504,7 +636,8 @@ fn worker(
         restarts += 1;
         // The failed ring goes first (and its buffers after it, in that order): closing it
         // cancels the entry it had registered, so the kernel stops handing requests to a ring
-        // nobody waits on while this thread backs off.
+        // nobody waits on while this thread backs off. A kept ring that failed (its keeper
+        // gone) is replaced by one of this thread's own, as any other.
         drop(entry.take());
         std::thread::sleep(Duration::from_millis(20 << restarts.min(5)));
         let mut fresh = match Entry::new(&memory, index) {
@@ -514,7 +647,11 @@ fn worker(
                 continue;
             }
         };
-        match fresh.register(fd, qid) {
+        // A request this thread had answered and not yet committed (a kept ring whose SQ
+        // thread died with the commit unread) is committed from the new ring; otherwise the
+        // new ring registers an entry.
+        let mut scratch = Vec::with_capacity(REQUEST_PAYLOAD_MAX);
+        match fresh.take_over(fd, qid, &*handler, &mut scratch) {
             Ok(Some(result)) if result < 0 => {
                 let errno = -result;
                 if connection_ended(errno) {
@@ -577,14 +714,29 @@ enum Served {
 }
 
 /// The `REGISTER` command of `slot` for queue `qid`.
-fn register_entry(fd: types::Fd, qid: usize, slot: &Slot) -> squeue::Entry128 {
-    with_len(
-        uring_cmd(fd, CMD_REGISTER, qid, 0)
-            .addr(Some(slot.iov.as_ptr() as u64))
-            .build()
-            .user_data(0),
-        2,
-    )
+fn register_entry(fd: Target, qid: usize, slot: &Slot) -> squeue::Entry128 {
+    with_addr_and_len(uring_cmd(fd, CMD_REGISTER, qid, 0), slot.iov as u64, 2)
+}
+
+/// Whether the connection behind `dev` still serves (`POLLERR` once it is unmounted everywhere
+/// or aborted), without reading from it.
+fn connection_alive(dev: RawFd) -> bool {
+    // SAFETY: the descriptor is open for the duration of the call (the caller holds it).
+    let dev = unsafe { std::os::fd::BorrowedFd::borrow_raw(dev) };
+    let mut fds = [rustix::event::PollFd::new(
+        &dev,
+        rustix::event::PollFlags::empty(),
+    )];
+    let now = rustix::event::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    match rustix::event::poll(&mut fds, Some(&now)) {
+        Ok(n) if n > 0 => !fds[0]
+            .revents()
+            .intersects(rustix::event::PollFlags::ERR | rustix::event::PollFlags::HUP),
+        _ => true,
+    }
 }
 
 /// Whether a failed ring command means the connection is over (unmount, abort, the ring going
@@ -605,18 +757,19 @@ fn connection_ended(errno: i32) -> bool {
 /// a new ring.
 fn serve(
     entry: &mut Entry,
-    fd: types::Fd,
+    dev: RawFd,
     qid: usize,
     handler: &dyn Handler,
     mut ready: Option<i32>,
 ) -> Served {
     let Entry { ring, slot } = entry;
+    let fd = ring.target(dev);
     let mut scratch = Vec::with_capacity(REQUEST_PAYLOAD_MAX);
     let mut failed_in_a_row = 0;
     loop {
         let result = match ready.take() {
             Some(r) => r,
-            None => match wait_one(ring) {
+            None => match ring.wait_one() {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!(qid, error = %e, "FUSE ring wait failed");
@@ -627,6 +780,12 @@ fn serve(
         if result < 0 {
             let errno = -result;
             if connection_ended(errno) {
+                if matches!(ring, Ring::Kept(_)) && connection_alive(dev) {
+                    // The keeper's SQ thread is gone (the keeper died) and with it the
+                    // entry's command; the connection is not.
+                    tracing::warn!(qid, "the kept ring ended with the connection alive (the keeper is gone?); serving on a ring of this process");
+                    return Served::Failed;
+                }
                 return Served::Ended;
             }
             let error = io::Error::from_raw_os_error(errno);
@@ -638,7 +797,7 @@ fn serve(
             tracing::error!(qid, %error, "FUSE ring command failed; registering the entry again");
             let register = register_entry(fd, qid, slot);
             // SAFETY: as for the first registration: the slot outlives the ring.
-            if let Err(e) = unsafe { push(ring, &register) } {
+            if let Err(e) = unsafe { ring.push(&register) } {
                 tracing::error!(qid, error = %e, "FUSE ring submission failed");
                 return Served::Failed;
             }
@@ -646,11 +805,9 @@ fn serve(
         }
         failed_in_a_row = 0;
         let unique = answer(slot, handler, &mut scratch);
-        let commit = uring_cmd(fd, CMD_COMMIT_AND_FETCH, qid, unique)
-            .build()
-            .user_data(0);
+        let commit = uring_cmd(fd, CMD_COMMIT_AND_FETCH, qid, unique);
         // SAFETY: as for the registration: the slot outlives the ring.
-        if let Err(e) = unsafe { push(ring, &commit) } {
+        if let Err(e) = unsafe { ring.push(&commit) } {
             tracing::error!(qid, error = %e, "FUSE ring submission failed");
             return Served::Failed;
         }
@@ -658,7 +815,7 @@ fn serve(
 }
 
 /// Submits what is queued and waits for one completion; its result.
-fn wait_one(ring: &mut Ring) -> io::Result<i32> {
+fn wait_one(ring: &mut OwnRing) -> io::Result<i32> {
     loop {
         if let Some(cqe) = ring.completion().next() {
             return Ok(cqe.result());
@@ -706,29 +863,38 @@ fn answer(slot: &mut Slot, handler: &dyn Handler, scratch: &mut Vec<u8>) -> u64 
     header.unique
 }
 
-fn uring_cmd(fd: types::Fd, cmd_op: u32, qid: usize, commit_id: u64) -> opcode::UringCmd80 {
+/// A FUSE ring command (user data 0).
+fn uring_cmd(fd: Target, cmd_op: u32, qid: usize, commit_id: u64) -> squeue::Entry128 {
     // struct fuse_uring_cmd_req: flags, commit_id, qid.
     let mut cmd = [0u8; 80];
     cmd[8..16].copy_from_slice(&commit_id.to_le_bytes());
     cmd[16..18].copy_from_slice(&(qid as u16).to_le_bytes());
-    opcode::UringCmd80::new(fd, cmd_op).cmd(cmd)
+    match fd {
+        Target::Fd(fd) => opcode::UringCmd80::new(fd, cmd_op),
+        Target::Fixed => opcode::UringCmd80::new(types::Fixed(0), cmd_op),
+    }
+    .cmd(cmd)
+    .build()
+    .user_data(0)
 }
 
-/// Sets the SQE's `len` (the iovec count of a registration), which `UringCmd80` has no setter
-/// for.
-fn with_len(entry: squeue::Entry128, len: u32) -> squeue::Entry128 {
+/// Sets the SQE's `addr` and `len` (the iovecs of a registration and their count);
+/// `UringCmd80` has no setter for `len`.
+fn with_addr_and_len(entry: squeue::Entry128, addr: u64, len: u32) -> squeue::Entry128 {
     const _: () = assert!(std::mem::size_of::<squeue::Entry128>() == 128);
     // SAFETY: `Entry128` is `repr(C)`: a `repr(C)` `io_uring_sqe` (integers and unions of
     // integers) and 64 bytes; every bit pattern is a valid value, so it round-trips through
-    // bytes. `len` is the `u32` at offset 24 of `struct io_uring_sqe`.
+    // bytes. `addr` is the `u64` at offset 16 and `len` the `u32` at offset 24 of
+    // `struct io_uring_sqe`.
     let mut raw: [u8; 128] = unsafe { std::mem::transmute(entry) };
+    raw[16..24].copy_from_slice(&addr.to_le_bytes());
     raw[24..28].copy_from_slice(&len.to_le_bytes());
     unsafe { std::mem::transmute::<[u8; 128], squeue::Entry128>(raw) }
 }
 
 /// # Safety
 /// Every buffer the entry points at must stay valid until the ring is dropped.
-unsafe fn push(ring: &mut Ring, entry: &squeue::Entry128) -> io::Result<()> {
+unsafe fn push(ring: &mut OwnRing, entry: &squeue::Entry128) -> io::Result<()> {
     let mut sq = ring.submission();
     // SAFETY: forwarded to the caller.
     if unsafe { sq.push(entry) }.is_ok() {
@@ -866,11 +1032,9 @@ mod tests {
 
     #[test]
     fn a_registration_entry_carries_the_iovec_count_and_the_queue() {
-        let e = with_len(
-            uring_cmd(types::Fd(7), CMD_REGISTER, 1, 0)
-                .addr(Some(0x1000))
-                .build()
-                .user_data(9),
+        let e = with_addr_and_len(
+            uring_cmd(Target::Fd(types::Fd(7)), CMD_REGISTER, 1, 0).user_data(9),
+            0x1000,
             2,
         );
         // SAFETY: see `with_len`.

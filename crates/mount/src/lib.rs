@@ -135,9 +135,10 @@
 //! kernel is swapped in: [`vfs::InodeRecord`]), open file handles and passthrough backing ids
 //! through the journal that travels with the descriptor ([`fuse::journal`]), and requests read
 //! but not answered through `FUSE_NOTIFY_RESEND` (over io_uring: through the entries' buffers,
-//! which a successor maps at the same address). Over io_uring the kernel still fails the
-//! requests that reach a dead process's ring entries ([`takeover`], "io_uring"), so with a
-//! keeper `--fuse-transport auto` serves over `/dev/fuse`.
+//! which a successor maps at the same address). Over io_uring the rings themselves are the
+//! keeper's (polled by its SQ threads), so a request that arrives while no server runs waits
+//! in them instead of failing ([`takeover`], "io_uring"); a keeper that cannot make them
+//! leaves `--fuse-transport auto` on `/dev/fuse`.
 //!
 //! # Standalone
 //! `modelfs serve` is still one command: it runs the mount server and supervises

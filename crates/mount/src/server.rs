@@ -1047,6 +1047,7 @@ impl Shared {
             journal: handover.journal,
             under: self.under.try_clone()?,
             ring: handover.ring,
+            kept_rings: mount.kept_rings(),
         })
     }
 

@@ -41,44 +41,61 @@
 //!
 //! # io_uring
 //! A connection that negotiated FUSE over io_uring stays on the ring for good (the kernel
-//! switches its input queue to the ring once every CPU's queue has an entry), so a successor
-//! registers ring entries of its own; the kernel accepts them on a connection another process
-//! initialized, on queues whose old entries are gone. What the kernel (`fs/fuse/dev_uring.c`,
-//! Linux 6.18) does with the dead process's entries, and what is done about it:
-//! * Every entry is at all times either *available* (its `COMMIT_AND_FETCH` or `REGISTER`
+//! switches its input queue to the ring once every CPU's queue has an entry). What the kernel
+//! (`fs/fuse/dev_uring.c`, Linux 6.18) does with ring entries, and how they outlive a mount
+//! server:
+//! * Every entry is at all times either *available* (its `REGISTER` or `COMMIT_AND_FETCH`
 //!   waits for a request) or *in userspace* (it holds a request). There is no command that
-//!   retires an entry, so no server, however it stops, leaves with neither.
-//! * A request in userspace (delivered, not yet answered) stays in its queue's processing
-//!   list; `FUSE_NOTIFY_RESEND` covers only `/dev/fuse` readers and the ring's teardown does
-//!   not end it. But the kernel reads an answer from the entry's buffers at the address they
-//!   were registered with, in whichever process commits it, and then hands that process's
-//!   ring the entry. So the entries' buffers live in a memory file mapped at a fixed address
-//!   (`modelfs_fuse_ring::memory`), deposited here beside the journal; a successor maps it at
-//!   the same address, answers what each slot holds (a control word tells a request not yet
-//!   touched, one being answered, whose copy is kept, and a complete answer) and commits it.
-//!   A commit the kernel no longer knows is refused and the slot registered afresh.
-//! * Available entries keep taking requests until the dead process's rings are torn down
-//!   (after its last thread exits, in a kernel worker). Copying a request into an entry's
-//!   buffers must run in the thread that registered it; with that thread gone the kernel ends
-//!   the request with `ECANCELED`, and the caller gets the error: a failed `open`, at most one
-//!   per entry and restart. Nothing in user space closes that window, so the pod test over
-//!   io_uring counts these (about one per restart) and `auto` serves over `/dev/fuse` when a
-//!   keeper is configured.
-//! * A request made while the queue has no available entry waits in the queue, and a new
-//!   entry does not fetch it: the kernel hands a queued request out only when an entry of that
-//!   queue commits an answer. The successor makes one request on every CPU
-//!   ([`crate::fuse::MountHandle::fetch_queued_ring_requests`]).
+//!   retires an entry.
+//! * Copying a request into an available entry's buffers runs as task work of the task that
+//!   issued the entry's command (`fuse_uring_send_in_task`); if that task is exiting or dead,
+//!   the request ends with `ECANCELED` and its caller gets the error. With rings of its own, a
+//!   mount server that dies leaves entries that fail, until its rings are torn down, the next
+//!   request of each: about one failed `open` per SIGKILL under a busy pod (measured).
+//! * So the keeper makes the rings ([`make_kept_rings`], `modelfs_fuse_ring::kept`): created
+//!   with `IORING_SETUP_SQPOLL`, every command is issued by the ring's SQ thread (one per CPU,
+//!   pinned to it, for that CPU's rings), a thread of the keeper's process that runs only in
+//!   the kernel and that no mount server restart touches. The SQ thread resolves user addresses
+//!   in the keeper's memory: the entries' buffers are a memory file
+//!   (`modelfs_fuse_ring::memory`) the keeper maps at the address the server uses, and the
+//!   server registers `/dev/fuse` as each ring's fixed file. The mount server maps the rings'
+//!   queues, submits, wakes the SQ thread when it sleeps and waits for completions with
+//!   `io_uring_enter`, which a ring without `SINGLE_ISSUER`/`DEFER_TASKRUN` allows any process.
+//!   A request that arrives while no mount server runs is copied into an entry by the SQ thread
+//!   and waits as a completion in the ring; the successor takes it from there.
+//! * The kernel does not pass io_uring descriptors over `SCM_RIGHTS` (`scm_fp_copy` refuses
+//!   them since the unix socket garbage collector stopped tracking rings): the keeper sends
+//!   a pidfd of itself and its descriptor numbers, and the server copies the rings with
+//!   `pidfd_getfd` (root over root; a node whose Yama `ptrace_scope` is 3 refuses, and the
+//!   server falls back to rings of its own, logged).
+//! * A successor reads where the dead process left each ring (`modelfs_fuse_ring::kept`):
+//!   a completion it never took is a request to answer; a submission without its completion
+//!   is a command the kernel holds; otherwise the dead process took the last completion, and
+//!   the slot's control word tells a request not yet touched, one being answered (whose copy
+//!   is kept) and a complete answer, which it commits. It registers no new entry, so the
+//!   number of entries per queue stays what the first mount made.
+//! * Fallbacks, each logged: a keeper that does not know the ring request (an older
+//!   version) or cannot make SQPOLL rings (io_uring disabled for it, a seccomp profile) leaves
+//!   the server rings of its own, with the `ECANCELED` window above; a successor then answers
+//!   what the dead process had received through the buffers it finds in the keeper (a commit
+//!   the kernel no longer knows is refused and the slot registered afresh), and makes one
+//!   request on every CPU ([`crate::fuse::MountHandle::fetch_queued_ring_requests`]), because
+//!   a request queued while a queue had no available entry is handed out only when an entry
+//!   of that queue commits. A mount server that does not drive kept rings (an older version)
+//!   makes the keeper close them at its take: their waiting commands are cancelled, requests
+//!   already in their buffers are answered as above. If the keeper dies, its SQ thread takes
+//!   the commands with it (`ENOTCONN` completions on a live connection): each ring thread
+//!   registers an entry on a ring of its own and serves on.
 //!
-//! Keeping the ring's own descriptor alive in the keeper would not help: the commands belong
-//! to the thread that issued them (the copies run as its task work), and a single-issuer ring
-//! cannot even be entered by another process. A keeper of a version before the io_uring
-//! buffers refuses a fourth descriptor; the holder then deposits without it (logged).
+//! The SQ threads (one per CPU, pinned to it, polling that CPU's rings) cost CPU: each polls
+//! for `KEPT_RING_IDLE_MS` after its last work before it sleeps, and their work is charged
+//! to the keeper (on Kubernetes, the keeper pod's CPU).
 //! BENCHMARKS.md ("Mount server takeover", "Over io_uring") has the figures.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
@@ -98,6 +115,16 @@ pub const KEEPER_PROTOCOL: u32 = 1;
 /// Longest message (a session's description).
 const MESSAGE_MAX: usize = 16 * 1024;
 
+/// Descriptors one message carries at most: a session's four and the keeper's pidfd.
+const FDS_MAX: usize = 5;
+
+/// How long the keeper's SQ thread polls its rings after the last work before it sleeps (a
+/// mount server wakes it when it submits to a sleeping thread).
+const KEPT_RING_IDLE_MS: u32 = 1;
+
+/// Most rings one session may ask the keeper for (entries per CPU times CPUs).
+const KEPT_RINGS_MAX: usize = 4096;
+
 /// What the keeper knows of a session besides its descriptors.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SessionMeta {
@@ -114,6 +141,24 @@ enum Request {
     Deposit {
         protocol: u32,
         meta: SessionMeta,
+        /// The session serves over the rings this keeper made for the mountpoint
+        /// ([`Request::Rings`]): keep them with it.
+        #[serde(default)]
+        kept_rings: bool,
+    },
+    /// With one descriptor, the io_uring buffers (`modelfs_fuse_ring::memory`): make `count`
+    /// rings polled by a thread of the keeper for the mount about to be made at `mountpoint`
+    /// (`modelfs_fuse_ring::kept`). Kept for the next deposit of that mountpoint, or dropped
+    /// when this connection closes first. A keeper that does not know the request refuses it.
+    ///
+    /// The kernel does not pass io_uring descriptors over `SCM_RIGHTS` (`scm_fp_copy` refuses
+    /// them), so the keeper answers with a pidfd of itself and the rings' descriptor numbers
+    /// in its table, and the mount server copies them with `pidfd_getfd` (root over root: the
+    /// ptrace access check passes).
+    Rings {
+        protocol: u32,
+        mountpoint: PathBuf,
+        count: usize,
     },
     /// Waits up to `wait_ms` for the previous holder to be gone.
     Take {
@@ -124,6 +169,11 @@ enum Request {
         /// know them gets three).
         #[serde(default)]
         ring: bool,
+        /// The taker drives kept rings (a pidfd of the keeper comes last with the session's
+        /// descriptors, see [`Request::Rings`]). A taker that does not know them makes the
+        /// keeper drop them.
+        #[serde(default)]
+        kept_rings: bool,
     },
     /// Drops the session; its holder is told to unmount and exit.
     Release {
@@ -143,6 +193,13 @@ enum Reply {
     Session {
         meta: SessionMeta,
         holder_gone: bool,
+        /// The session's kept rings (then the keeper's pidfd comes last).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kept_rings: Option<KeptRingsMeta>,
+    },
+    /// Rings made ([`Request::Rings`]), with the keeper's pidfd.
+    Rings {
+        rings: KeptRingsMeta,
     },
     NoSession,
     Sessions {
@@ -169,9 +226,16 @@ pub enum KeeperError {
     Io(#[from] io::Error),
 }
 
+/// A session's kept rings: their descriptor numbers in the keeper, and how to map them.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct KeptRingsMeta {
+    fds: Vec<i32>,
+    layout: Vec<u32>,
+}
+
 fn send(sock: &OwnedFd, message: &impl Serialize, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let bytes = serde_json::to_vec(message).map_err(io::Error::other)?;
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_MAX))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(io::Error::other("too many descriptors for one message"));
@@ -188,7 +252,7 @@ fn send(sock: &OwnedFd, message: &impl Serialize, fds: &[BorrowedFd<'_>]) -> io:
 /// One message and the descriptors that came with it; `None` at the end of the stream.
 fn receive<T: for<'de> Deserialize<'de>>(sock: &OwnedFd) -> io::Result<Option<(T, Vec<OwnedFd>)>> {
     let mut buf = vec![0u8; MESSAGE_MAX];
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(FDS_MAX))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let got = loop {
         match rustix::net::recvmsg(
@@ -283,11 +347,16 @@ pub fn take(
             mountpoint: mountpoint.to_path_buf(),
             wait_ms: wait.as_millis() as u64,
             ring: true,
+            kept_rings: true,
         },
     )?;
     match reply {
         Reply::NoSession => Ok(None),
-        Reply::Session { meta, holder_gone } => {
+        Reply::Session {
+            meta,
+            holder_gone,
+            kept_rings,
+        } => {
             if !holder_gone {
                 return Err(KeeperError::Refused(format!(
                     "another mount server still serves {} (it did not exit within {} s)",
@@ -295,6 +364,10 @@ pub fn take(
                     wait.as_secs()
                 )));
             }
+            let keeper = match kept_rings {
+                Some(_) => fds.pop(),
+                None => None,
+            };
             if fds.len() != 3 && fds.len() != 4 {
                 return Err(KeeperError::Protocol(format!(
                     "a session came with {} descriptors, not 3 or 4",
@@ -305,11 +378,16 @@ pub fn take(
             let under = fds.pop().expect("3 descriptors");
             let journal = fds.pop().expect("3 descriptors");
             let dev = fds.pop().expect("3 descriptors");
+            let kept = match (kept_rings, keeper) {
+                (Some(k), Some(keeper)) => Some(fetch_rings(&keeper, &k)?),
+                _ => None,
+            };
             Ok(Some(Taken {
                 handover: Handover {
                     dev,
                     journal,
                     ring,
+                    kept,
                     connection: meta.connection.clone(),
                 },
                 meta,
@@ -317,6 +395,90 @@ pub fn take(
             }))
         }
         other => Err(KeeperError::Protocol(format!("unexpected reply {other:?}"))),
+    }
+}
+
+/// Copies the keeper's ring descriptors named in `meta` through `keeper` (its pidfd), each
+/// checked to be an io_uring.
+fn fetch_rings(
+    keeper: &OwnedFd,
+    meta: &KeptRingsMeta,
+) -> Result<modelfs_fuse_ring::KeptRings, KeeperError> {
+    let layout = modelfs_fuse_ring::RingLayout::from_words(&meta.layout)
+        .map_err(|e| KeeperError::Protocol(e.to_string()))?;
+    let mut fds = Vec::with_capacity(meta.fds.len());
+    for &number in &meta.fds {
+        let fd =
+            rustix::process::pidfd_getfd(keeper, number, rustix::process::PidfdGetfdFlags::empty())
+                .map_err(|e| {
+                    KeeperError::Io(io::Error::other(format!(
+                        "copying the keeper's ring descriptor {number} (pidfd_getfd): {e}"
+                    )))
+                })?;
+        let what = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+        if what.as_os_str() != "anon_inode:[io_uring]" {
+            return Err(KeeperError::Protocol(format!(
+                "the keeper's descriptor {number} is {}, not a ring",
+                what.display()
+            )));
+        }
+        fds.push(fd);
+    }
+    Ok(modelfs_fuse_ring::KeptRings { fds, layout })
+}
+
+/// What a keeper sends for its rings: their numbers in its descriptor table and its pidfd.
+fn rings_meta(rings: &[OwnedFd], layout: &[u32]) -> io::Result<(KeptRingsMeta, OwnedFd)> {
+    let pidfd = rustix::process::pidfd_open(
+        rustix::process::getpid(),
+        rustix::process::PidfdFlags::empty(),
+    )?;
+    Ok((
+        KeptRingsMeta {
+            fds: rings.iter().map(|f| f.as_raw_fd()).collect(),
+            layout: layout.to_vec(),
+        },
+        pidfd,
+    ))
+}
+
+/// Rings a keeper polls, made for the mount about to be made at `mountpoint`, whose entries'
+/// buffers are `memory` (`count` slots): see `modelfs_fuse_ring::kept`. The connection comes
+/// back with them: the keeper keeps the rings for the mountpoint's next deposit while it is
+/// open, and drops them if it closes first (the mount failed). A keeper of a version before
+/// kept rings refuses.
+pub fn make_kept_rings(
+    socket: &Path,
+    mountpoint: &Path,
+    memory: BorrowedFd<'_>,
+    count: usize,
+) -> Result<(modelfs_fuse_ring::KeptRings, OwnedFd), KeeperError> {
+    let sock = connect(socket)?;
+    send(
+        &sock,
+        &Request::Rings {
+            protocol: KEEPER_PROTOCOL,
+            mountpoint: mountpoint.to_path_buf(),
+            count,
+        },
+        &[memory],
+    )?;
+    match receive::<Reply>(&sock)? {
+        Some((Reply::Rings { rings }, mut fds)) if fds.len() == 1 => {
+            let kept = fetch_rings(&fds.remove(0), &rings)?;
+            if kept.fds.len() != count {
+                return Err(KeeperError::Protocol(format!(
+                    "{} rings made, {count} asked",
+                    kept.fds.len()
+                )));
+            }
+            Ok((kept, sock))
+        }
+        Some((Reply::Refused { reason }, _)) => Err(KeeperError::Refused(reason)),
+        Some((other, _)) => Err(KeeperError::Protocol(format!("unexpected reply {other:?}"))),
+        None => Err(KeeperError::Protocol(
+            "the keeper closed the connection".into(),
+        )),
     }
 }
 
@@ -357,6 +519,8 @@ pub struct Deposit {
     pub under: OwnedFd,
     /// The io_uring buffers (`modelfs_fuse_ring::memory`), if requests come over io_uring.
     pub ring: Option<OwnedFd>,
+    /// Requests come over rings the keeper polls ([`make_kept_rings`]).
+    pub kept_rings: bool,
 }
 
 /// What a holder's link reports.
@@ -465,6 +629,7 @@ impl HolderShared {
             let request = Request::Deposit {
                 protocol: KEEPER_PROTOCOL,
                 meta: deposit.meta.clone(),
+                kept_rings: deposit.kept_rings,
             };
             let mut fds = vec![
                 deposit.dev.as_fd(),
@@ -543,12 +708,22 @@ fn wait_readable(sock: &OwnedFd, timeout: Duration) -> bool {
 // ---------------------------------------------------------------------------------------
 // The keeper process.
 
+/// Rings the keeper polls for one connection, and the mapping of their buffers the kernel
+/// uses through the keeper's memory (`modelfs_fuse_ring::kept`). Fields drop in order: the
+/// rings go before the buffers.
+struct Kept {
+    rings: Vec<OwnedFd>,
+    layout: Vec<u32>,
+    _memory: Arc<modelfs_fuse_ring::RingMemory>,
+}
+
 struct Held {
     meta: SessionMeta,
     dev: OwnedFd,
     journal: OwnedFd,
     under: OwnedFd,
     ring: Option<OwnedFd>,
+    kept: Option<Kept>,
     /// The connection of the process that deposited it, while open.
     holder: Option<u64>,
 }
@@ -556,6 +731,9 @@ struct Held {
 #[derive(Default)]
 struct KeeperState {
     sessions: HashMap<PathBuf, Held>,
+    /// Rings made for a mount not yet deposited, by mountpoint, with the client connection
+    /// that asked (they are dropped when it closes).
+    prepared: HashMap<PathBuf, (u64, Kept)>,
     /// Open client connections (a holder's link gets `Stop` through it).
     links: HashMap<u64, Arc<OwnedFd>>,
     ever_held: bool,
@@ -722,6 +900,7 @@ impl Keeper {
             };
             let protocol = match &request {
                 Request::Deposit { protocol, .. }
+                | Request::Rings { protocol, .. }
                 | Request::Take { protocol, .. }
                 | Request::Release { protocol, .. }
                 | Request::List { protocol } => *protocol,
@@ -739,7 +918,9 @@ impl Keeper {
                 return;
             }
             let result = match request {
-                Request::Deposit { meta, .. } => {
+                Request::Deposit {
+                    meta, kept_rings, ..
+                } => {
                     if !(fds.len() == 3 || fds.len() == 4) || !is_fuse_device(&fds[0]) {
                         send(
                             sock,
@@ -753,9 +934,25 @@ impl Keeper {
                         let under = fds.pop().expect("3");
                         let journal = fds.pop().expect("3");
                         let dev = fds.pop().expect("3");
-                        tracing::info!(mountpoint = %meta.mountpoint.display(), server = %meta.server, "session deposited");
+                        tracing::info!(mountpoint = %meta.mountpoint.display(), server = %meta.server, kept_rings, "session deposited");
                         let mut st = lock(&self.state);
                         st.ever_held = true;
+                        // The rings made for this mount, or (a successor depositing what it
+                        // took) the ones the session already has.
+                        let kept = if kept_rings {
+                            let made = st.prepared.remove(&meta.mountpoint).map(|(_, k)| k);
+                            made.or_else(|| {
+                                st.sessions
+                                    .get_mut(&meta.mountpoint)
+                                    .filter(|h| h.meta.connection.dev == meta.connection.dev)
+                                    .and_then(|h| h.kept.take())
+                            })
+                        } else {
+                            None
+                        };
+                        if kept_rings && kept.is_none() {
+                            tracing::warn!(mountpoint = %meta.mountpoint.display(), "a deposit names kept rings this keeper does not have (it restarted?)");
+                        }
                         st.sessions.insert(
                             meta.mountpoint.clone(),
                             Held {
@@ -764,6 +961,7 @@ impl Keeper {
                                 journal,
                                 under,
                                 ring,
+                                kept,
                                 holder: Some(id),
                             },
                         );
@@ -772,12 +970,23 @@ impl Keeper {
                         send(sock, &Reply::Done, &[])
                     }
                 }
+                Request::Rings {
+                    mountpoint, count, ..
+                } => self.make_rings(sock, id, mountpoint, count, fds),
                 Request::Take {
                     mountpoint,
                     wait_ms,
                     ring,
+                    kept_rings,
                     ..
-                } => self.take(sock, id, &mountpoint, Duration::from_millis(wait_ms), ring),
+                } => self.take(
+                    sock,
+                    id,
+                    &mountpoint,
+                    Duration::from_millis(wait_ms),
+                    ring,
+                    kept_rings,
+                ),
                 Request::Release { mountpoint, .. } => {
                     let held = lock(&self.state).sessions.remove(&mountpoint);
                     match held {
@@ -817,6 +1026,65 @@ impl Keeper {
         }
     }
 
+    /// Makes the rings of [`Request::Rings`]: maps the buffers (`fds`: their memory file) where
+    /// the mount server has them, creates the rings, answers with them and keeps them for the
+    /// mountpoint's next deposit.
+    fn make_rings(
+        &self,
+        sock: &OwnedFd,
+        id: u64,
+        mountpoint: PathBuf,
+        count: usize,
+        mut fds: Vec<OwnedFd>,
+    ) -> io::Result<()> {
+        let refuse = |reason: String| {
+            tracing::warn!(mountpoint = %mountpoint.display(), reason, "no kept rings");
+            send(sock, &Reply::Refused { reason }, &[])
+        };
+        if fds.len() != 1 || count == 0 || count > KEPT_RINGS_MAX {
+            return refuse(format!(
+                "a ring request carries the ring buffers and asks 1 to {KEPT_RINGS_MAX} rings"
+            ));
+        }
+        // An earlier attempt for the same mount goes first (its buffers may sit at the
+        // address the new ones use).
+        lock(&self.state).prepared.remove(&mountpoint);
+        let memory = match modelfs_fuse_ring::RingMemory::map_for_keeper(fds.remove(0)) {
+            Ok(m) => m,
+            Err(e) => return refuse(format!("the ring buffers cannot be mapped here: {e}")),
+        };
+        if memory.queues() * memory.per_queue() != count {
+            return refuse(format!(
+                "{count} rings asked for {} ring buffers",
+                memory.queues() * memory.per_queue()
+            ));
+        }
+        let made = match modelfs_fuse_ring::create_kept_rings(
+            memory.queues(),
+            memory.per_queue(),
+            KEPT_RING_IDLE_MS,
+        ) {
+            Ok(m) => m,
+            Err(e) => return refuse(format!("io_uring with SQPOLL cannot be set up here: {e}")),
+        };
+        let layout = made.layout.to_words();
+        let (rings, pidfd) = rings_meta(&made.fds, &layout)?;
+        send(sock, &Reply::Rings { rings }, &[pidfd.as_fd()])?;
+        tracing::info!(mountpoint = %mountpoint.display(), count, "made io_uring rings polled here");
+        lock(&self.state).prepared.insert(
+            mountpoint,
+            (
+                id,
+                Kept {
+                    rings: made.fds,
+                    layout,
+                    _memory: memory,
+                },
+            ),
+        );
+        Ok(())
+    }
+
     fn take(
         &self,
         sock: &OwnedFd,
@@ -824,11 +1092,12 @@ impl Keeper {
         mountpoint: &Path,
         wait: Duration,
         with_ring: bool,
+        with_kept: bool,
     ) -> io::Result<()> {
         let deadline = Instant::now() + wait.min(Duration::from_secs(60));
         let mut st = lock(&self.state);
         loop {
-            let Some(held) = st.sessions.get(mountpoint) else {
+            let Some(held) = st.sessions.get_mut(mountpoint) else {
                 drop(st);
                 return send(sock, &Reply::NoSession, &[]);
             };
@@ -838,14 +1107,30 @@ impl Keeper {
             };
             let left = deadline.saturating_duration_since(Instant::now());
             if holder_gone || left.is_zero() {
-                let reply = Reply::Session {
-                    meta: held.meta.clone(),
-                    holder_gone,
+                if holder_gone && !with_kept && held.kept.is_some() {
+                    // A mount server of a version before kept rings registers entries of its
+                    // own: the kept ones would take requests nobody reads. Closing the rings
+                    // cancels their waiting commands; requests already delivered to them stay
+                    // in their buffers, which the taker answers through its own ring.
+                    tracing::warn!(mountpoint = %mountpoint.display(), "the taker does not drive kept rings; dropping them");
+                    held.kept = None;
+                }
+                let kept = match held.kept.as_ref().filter(|_| holder_gone && with_kept) {
+                    Some(k) => Some(rings_meta(&k.rings, &k.layout)?),
+                    None => None,
                 };
                 let mut fds = vec![held.dev.as_fd(), held.journal.as_fd(), held.under.as_fd()];
                 if let (Some(ring), true) = (&held.ring, with_ring) {
                     fds.push(ring.as_fd());
                 }
+                if let Some((_, pidfd)) = &kept {
+                    fds.push(pidfd.as_fd());
+                }
+                let reply = Reply::Session {
+                    meta: held.meta.clone(),
+                    holder_gone,
+                    kept_rings: kept.as_ref().map(|(m, _)| m.clone()),
+                };
                 return send(sock, &reply, &fds);
             }
             st = self
@@ -859,6 +1144,7 @@ impl Keeper {
     fn client_gone(&self, id: u64) {
         let mut st = lock(&self.state);
         st.links.remove(&id);
+        st.prepared.retain(|_, (asker, _)| *asker != id);
         for held in st.sessions.values_mut() {
             if held.holder == Some(id) {
                 tracing::info!(mountpoint = %held.meta.mountpoint.display(), "the holder of a session is gone; keeping it for the next");
@@ -915,5 +1201,35 @@ pub fn connection_dead(dev: &OwnedFd) -> bool {
             .revents()
             .intersects(rustix::event::PollFlags::ERR | rustix::event::PollFlags::HUP),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// io_uring descriptors cannot cross a unix socket; they are copied from the keeper with
+    /// `pidfd_getfd` (here the "keeper" is this process).
+    #[test]
+    fn kept_rings_are_copied_from_the_keeper_by_number() {
+        let made = modelfs_fuse_ring::create_kept_rings(1, 3, KEPT_RING_IDLE_MS).unwrap();
+        let layout = made.layout.to_words();
+        let (meta, pidfd) = rings_meta(&made.fds, &layout).unwrap();
+        let got = fetch_rings(&pidfd, &meta).unwrap();
+        assert_eq!(got.layout, made.layout);
+        assert_eq!(got.fds.len(), 3);
+        for (copy, original) in got.fds.iter().zip(&made.fds) {
+            assert!(
+                modelfs_fuse_ring::kept::same_open_file(copy.as_fd(), original.as_fd()).unwrap(),
+                "the copy is the keeper's ring"
+            );
+        }
+        // A number that is not a ring is refused.
+        let not_a_ring = KeptRingsMeta {
+            fds: vec![pidfd.as_raw_fd()],
+            layout,
+        };
+        let err = fetch_rings(&pidfd, &not_a_ring).err().unwrap().to_string();
+        assert!(err.contains("not a ring"), "{err}");
     }
 }

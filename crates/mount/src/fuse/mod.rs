@@ -54,9 +54,10 @@
 //! answer layer decides ([`answers`]). `FORGET` and `INTERRUPT` still come over `/dev/fuse`,
 //! as does everything if the kernel refuses the ring's registration (then `auto` logs it and
 //! goes on, `uring` fails the mount). Passthrough backing ids are per connection, registered
-//! through its descriptor. A restart can fail requests over io_uring, not over `/dev/fuse`
-//! ([`crate::takeover`], "io_uring"), so with a keeper the command line picks `/dev/fuse` for
-//! `auto`.
+//! through its descriptor. With a keeper the rings are the keeper's (`FuseConfig::ring_keeper`,
+//! [`crate::takeover`], "io_uring"), so no request fails across a restart; a keeper that
+//! cannot make them leaves `auto` on `/dev/fuse` (rings of this process would fail requests
+//! across a restart) and `uring` on rings of this process.
 //!
 //! # What outlives the process
 //! Inode numbers are stable (the persisted mapping gives the same numbers again); open file
@@ -145,6 +146,11 @@ pub struct FuseConfig {
     /// a successor can map them again and answer what this process had received and not
     /// answered (with a keeper).
     pub ring_takeover: bool,
+    /// The keeper's socket (with `ring_takeover`): the rings are made and polled by the keeper
+    /// (`modelfs_fuse_ring::kept`), so a request that reaches them while no mount server runs
+    /// waits there for the next one instead of failing. A keeper that cannot (an older
+    /// version, io_uring's SQPOLL refused) leaves this process its own rings, said in the log.
+    pub ring_keeper: Option<PathBuf>,
     /// How long an open of a file not yet verified waits before it fails with `ETIMEDOUT`
     /// (serving while downloading, see [`crate::vfs::pending`]).
     pub pending_wait: Duration,
@@ -161,6 +167,7 @@ impl Default for FuseConfig {
             read_ahead_kb: 1024,
             max_stack_depth: 1,
             ring_takeover: false,
+            ring_keeper: None,
             pending_wait: crate::vfs::DEFAULT_PENDING_WAIT,
         }
     }
@@ -488,6 +495,9 @@ pub struct Handover {
     /// The io_uring entries' buffers (`modelfs_fuse_ring::memory`), when requests come over
     /// io_uring.
     pub ring: Option<OwnedFd>,
+    /// The rings the keeper polls, when requests come over them (a session taken from the
+    /// keeper; a deposit only says so: the keeper has them).
+    pub kept: Option<modelfs_fuse_ring::KeptRings>,
     pub connection: Connection,
 }
 
@@ -501,6 +511,11 @@ pub struct MountHandle {
     dev: Arc<OwnedFd>,
     journal: Arc<Journal>,
     ring_memory: Option<Arc<modelfs_fuse_ring::RingMemory>>,
+    /// Requests come over rings the keeper polls.
+    kept_rings: bool,
+    /// The connection to the keeper that made those rings (it keeps them for this mount's
+    /// deposit while the connection is open).
+    _kept_link: Option<OwnedFd>,
     connection: Connection,
     serving: RunningDev,
     resumed: bool,
@@ -522,6 +537,11 @@ impl MountHandle {
     /// Whether requests arrive over io_uring (see [`FuseTransport`]).
     pub fn uring_active(&self) -> bool {
         self.connection.uring
+    }
+
+    /// Whether requests come over rings the keeper polls (`modelfs_fuse_ring::kept`).
+    pub fn kept_rings(&self) -> bool {
+        self.kept_rings
     }
 
     /// Whether this process resumed a connection another one served.
@@ -548,6 +568,7 @@ impl MountHandle {
                 Some(m) => Some(m.file().try_clone_to_owned()?),
                 None => None,
             },
+            kept: None,
             connection: self.connection.clone(),
         })
     }
@@ -692,7 +713,7 @@ pub fn mount(
     };
     mountpoint::prepare(mountpoint)?;
     let journal = Arc::new(Journal::create().map_err(mount_err)?);
-    let prepared = prepare_ring(&config)?;
+    let prepared = prepare_ring(&config, mountpoint)?;
     let fs = model_fs(
         core,
         metrics,
@@ -701,9 +722,9 @@ pub fn mount(
         answers::payload_size(config.read_ahead_kb),
         prepared.is_some(),
     );
-    let (prepared, ring_memory) = match prepared {
-        Some((p, m)) => (Some(p), Some(m)),
-        None => (None, None),
+    let (prepared, ring_memory, kept_link) = match prepared {
+        Some(p) => (Some(p.ring), Some(p.memory), p.kept_link),
+        None => (None, None, None),
     };
     let mut fuse_config = fuser::Config::default();
     fuse_config.mount_options = vec![
@@ -752,11 +773,13 @@ pub fn mount(
         dev: dev_number,
     };
     let ring_memory = ring_memory.filter(|_| ring.is_some());
+    let kept_link = kept_link.filter(|_| ring.is_some());
     let handle = serve(
         fs,
         dev,
         ring,
         ring_memory,
+        kept_link,
         connection,
         mountpoint,
         &config,
@@ -802,15 +825,33 @@ pub fn resume(
     let dev = Arc::new(handover.dev);
     restore(&fs, &dev, entries);
     let mut ring_memory = None;
+    let kept = handover.kept.is_some();
     let ring = if connection.uring {
         // The connection's queues hold every request until entries are registered: a ring
         // that cannot be started here leaves the mount hung, so it fails the start (the
         // process exits and is restarted; the connection waits in the keeper).
-        let memory = ring_memory_to_resume(&config, &connection, handover.ring)
-            .map_err(|e| MountError::RingUnavailable(format!("io_uring buffers: {e}")))?;
-        ring_memory = Some(memory.clone());
-        let prepared = modelfs_fuse_ring::prepare(memory)
-            .map_err(|e| MountError::RingUnavailable(format!("io_uring cannot be set up: {e}")))?;
+        let prepared = match handover.kept {
+            Some(rings) => {
+                // The kept rings' entries point into these buffers, in the keeper's memory
+                // as in this process's: no other buffers will do.
+                let file = handover.ring.ok_or_else(|| {
+                    MountError::RingUnavailable("kept rings came without their buffers".into())
+                })?;
+                let memory =
+                    modelfs_fuse_ring::RingMemory::adopt(file, connection.dev).map_err(|e| {
+                        MountError::RingUnavailable(format!("the kept rings' buffers: {e}"))
+                    })?;
+                ring_memory = Some(memory.clone());
+                modelfs_fuse_ring::prepare_kept(memory, rings)
+            }
+            None => {
+                let memory = ring_memory_to_resume(&config, &connection, handover.ring)
+                    .map_err(|e| MountError::RingUnavailable(format!("io_uring buffers: {e}")))?;
+                ring_memory = Some(memory.clone());
+                modelfs_fuse_ring::prepare(memory)
+            }
+        }
+        .map_err(|e| MountError::RingUnavailable(format!("io_uring cannot be set up: {e}")))?;
         fs.ring_granted.store(true, Ordering::Relaxed);
         let strict = FuseConfig {
             transport: FuseTransport::Uring,
@@ -820,16 +861,19 @@ pub fn resume(
     } else {
         None
     };
-    serve(
+    let mut handle = serve(
         fs,
         dev,
         ring,
         ring_memory,
+        None,
         connection,
         mountpoint,
         &config,
         true,
-    )
+    )?;
+    handle.kept_rings = kept && handle.connection.uring;
+    Ok(handle)
 }
 
 /// Rebuilds the handle table from a predecessor's journal. A handle whose inode no longer
@@ -872,6 +916,7 @@ fn serve(
     dev: Arc<OwnedFd>,
     ring: Option<RunningRing>,
     ring_memory: Option<Arc<modelfs_fuse_ring::RingMemory>>,
+    kept_link: Option<OwnedFd>,
     connection: Connection,
     mountpoint: &Path,
     config: &FuseConfig,
@@ -919,6 +964,8 @@ fn serve(
         dev,
         journal: fs.journal.clone(),
         ring_memory,
+        kept_rings: kept_link.is_some(),
+        _kept_link: kept_link,
         connection,
         serving,
         resumed,
@@ -971,10 +1018,13 @@ fn spawn_notifier(fs: &ModelFs, dev: &Arc<OwnedFd>) -> io::Result<NotifierThread
     Ok((tx, thread))
 }
 
-type PreparedWithMemory = (
-    modelfs_fuse_ring::PreparedRing,
-    Arc<modelfs_fuse_ring::RingMemory>,
-);
+/// The ring threads made before a mount, their buffers, and (rings a keeper polls) the
+/// connection to the keeper that made them.
+struct PreparedWithMemory {
+    ring: modelfs_fuse_ring::PreparedRing,
+    memory: Arc<modelfs_fuse_ring::RingMemory>,
+    kept_link: Option<OwnedFd>,
+}
 
 /// New buffers for the ring entries: `config.threads` spread over one queue per possible CPU.
 fn new_ring_memory(
@@ -1019,7 +1069,10 @@ fn ring_memory_to_resume(
 
 /// The ring's threads and buffers, made before the mount so `init` asks for FUSE over io_uring
 /// only if they exist.
-fn prepare_ring(config: &FuseConfig) -> Result<Option<PreparedWithMemory>, MountError> {
+fn prepare_ring(
+    config: &FuseConfig,
+    mountpoint: &Path,
+) -> Result<Option<PreparedWithMemory>, MountError> {
     if config.transport == FuseTransport::Dev {
         return Ok(None);
     }
@@ -1034,16 +1087,68 @@ fn prepare_ring(config: &FuseConfig) -> Result<Option<PreparedWithMemory>, Mount
         return Ok(None);
     }
     let payload = answers::payload_size(config.read_ahead_kb);
-    let prepared = new_ring_memory(config, payload)
-        .and_then(|m| Ok((modelfs_fuse_ring::prepare(m.clone())?, m)));
+    let prepared = new_ring_memory(config, payload).and_then(|memory| {
+        let kept = match (&config.ring_keeper, config.ring_takeover) {
+            (Some(keeper), true) => match kept_rings(keeper, mountpoint, &memory) {
+                Some(kept) => Some(kept),
+                // With a keeper, rings of this process would fail requests across a restart
+                // (`crate::takeover`, "io_uring"): `auto` keeps to /dev/fuse instead.
+                None if config.transport == FuseTransport::Auto => return Ok(None),
+                None => None,
+            },
+            _ => None,
+        };
+        let (ring, kept_link) = match kept {
+            Some((rings, link)) => (
+                modelfs_fuse_ring::prepare_kept(memory.clone(), rings)?,
+                Some(link),
+            ),
+            None => {
+                if config.ring_keeper.is_some() {
+                    tracing::warn!("--fuse-transport uring: using io_uring rings of this process; requests that reach them while no mount server runs fail with ECANCELED");
+                }
+                (modelfs_fuse_ring::prepare(memory.clone())?, None)
+            }
+        };
+        Ok(Some(PreparedWithMemory {
+            ring,
+            memory,
+            kept_link,
+        }))
+    });
     match prepared {
-        Ok(prepared) => Ok(Some(prepared)),
+        Ok(Some(prepared)) => Ok(Some(prepared)),
+        Ok(None) => {
+            tracing::info!("--fuse-transport auto with a keeper that does not poll io_uring rings: serving over /dev/fuse, which a restart resumes without losing a request");
+            Ok(None)
+        }
         Err(e) if config.transport == FuseTransport::Uring => Err(MountError::RingUnavailable(
             format!("io_uring cannot be set up here: {e}"),
         )),
         Err(e) => {
             tracing::warn!(error = %e, "io_uring cannot be set up; serving FUSE over /dev/fuse");
             Ok(None)
+        }
+    }
+}
+
+/// Rings from the keeper for `memory`'s slots; `None` (logged) if it cannot make them: this
+/// process then makes its own, and a restart can fail requests that reach them
+/// ([`crate::takeover`], "io_uring").
+fn kept_rings(
+    keeper: &Path,
+    mountpoint: &Path,
+    memory: &modelfs_fuse_ring::RingMemory,
+) -> Option<(modelfs_fuse_ring::KeptRings, OwnedFd)> {
+    let count = memory.queues() * memory.per_queue();
+    match crate::takeover::make_kept_rings(keeper, mountpoint, memory.file(), count) {
+        Ok(made) => {
+            tracing::info!(count, "the keeper polls the io_uring rings");
+            Some(made)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the keeper does not poll io_uring rings");
+            None
         }
     }
 }

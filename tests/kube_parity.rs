@@ -21,16 +21,30 @@ use serde_json::{json, Value};
 const NS: &str = "devns";
 const BUCKET: &str = "engines";
 
-/// The relative paths and contents of the regular files below `dir`.
+/// The relative paths and contents of the regular files below `dir`. A name that is gone by
+/// the time it is read (the mapping flipped during the walk, as tests that wait for a flip
+/// see) is left out: the next walk sees the new mapping whole.
 fn files_below(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     fn walk(root: &Path, dir: &Path, found: &mut BTreeMap<String, Vec<u8>>) {
-        for entry in std::fs::read_dir(dir).unwrap() {
+        let gone = |e: &std::io::Error| e.kind() == std::io::ErrorKind::NotFound;
+        let entries = match std::fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) if gone(&e) => return,
+            Err(e) => panic!("listing {}: {e}", dir.display()),
+        };
+        for entry in entries {
             let path = entry.unwrap().path();
             if path.is_dir() {
                 walk(root, &path, found);
             } else {
                 let rel = path.strip_prefix(root).unwrap().display().to_string();
-                found.insert(rel, std::fs::read(&path).unwrap());
+                match std::fs::read(&path) {
+                    Ok(bytes) => {
+                        found.insert(rel, bytes);
+                    }
+                    Err(e) if gone(&e) => {}
+                    Err(e) => panic!("reading {}: {e}", path.display()),
+                }
             }
         }
     }

@@ -128,6 +128,11 @@ impl UnderMount {
         Self { dir, names }
     }
 
+    /// Where the mount is, as this process names it.
+    pub fn mount_dir(&self) -> &Path {
+        &self.names[0]
+    }
+
     /// The descriptor of the covered directory (to measure its filesystem and mount).
     pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;

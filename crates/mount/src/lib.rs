@@ -149,6 +149,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod confine;
 pub mod fuse;
 pub mod metrics;
 pub mod owndir;

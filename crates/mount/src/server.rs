@@ -18,6 +18,7 @@ use super::protocol::{
     self, AgentMessage, RefusedEntry, ServerMessage, WireEntry, WireFile, WireMapping, WireUsage,
     PROTOCOL_VERSION,
 };
+use crate::confine::ConfinedDir;
 use crate::fuse::{FuseConfig, MountHandle};
 use crate::metrics::FuseMetrics;
 use crate::owndir::OwnDir;
@@ -116,6 +117,8 @@ struct Shared {
     own: OwnDir,
     artifacts_dir: OwnDir,
     under: OwnedFd,
+    /// `under` as handed to agents: nothing above it reachable ([`crate::confine`]).
+    under_for_agents: ConfinedDir,
     /// Model paths (and the artifact there) with a trap beneath the mount
     /// ([`crate::underlay`]).
     trapped: Mutex<HashMap<Vec<String>, ArtifactId>>,
@@ -238,6 +241,13 @@ impl MountServer {
             state,
             own,
             artifacts_dir,
+            under_for_agents: match ConfinedDir::new(under.as_fd()) {
+                Ok(confined) => confined,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot make a private copy of the models root's mount; agents get the plain directory underneath the mount, from which `..` leads out of it");
+                    ConfinedDir::unconfined(under.as_fd())?
+                }
+            },
             under,
             trapped: Mutex::new(HashMap::new()),
             mount: Mutex::new(None),
@@ -988,7 +998,7 @@ fn send_welcome(
     };
     let mut bytes = serde_json::to_vec(&welcome).map_err(io::Error::other)?;
     bytes.push(b'\n');
-    let fds = [shared.under.as_fd()];
+    let fds = [shared.under_for_agents.dir()];
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = rustix::net::SendAncillaryBuffer::new(&mut space);
     control.push(rustix::net::SendAncillaryMessage::ScmRights(&fds));

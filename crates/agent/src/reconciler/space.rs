@@ -149,7 +149,23 @@ impl Reconciler {
         let through_server = self.state.links_through_another_mount();
         self.disk.links = placement.links() || through_server;
         let human = decide::space::human_bytes;
-        if through_server {
+        // The mount server hands a private copy of its mount (`modelfs_mount::confine`), so
+        // links always go through it; whether the store and the models root are one mount
+        // as this process sees them is told by the directory that holds the mount point.
+        let one_mount_here = under
+            .mount_dir()
+            .parent()
+            .and_then(|holder| {
+                rustix::fs::statx(
+                    rustix::fs::CWD,
+                    holder,
+                    rustix::fs::AtFlags::empty(),
+                    rustix::fs::StatxFlags::MNT_ID,
+                )
+                .ok()
+            })
+            .is_some_and(|st| st.stx_mnt_id == placement.state_mount_id);
+        if through_server && !one_mount_here {
             tracing::info!(
                 state = %state.display(),
                 models_root = %self.config.models_root_dir.display(),
@@ -158,7 +174,7 @@ impl Reconciler {
             );
             return;
         }
-        if placement.links() {
+        if placement.links() || through_server {
             tracing::info!(
                 state = %state.display(),
                 models_root = %self.config.models_root_dir.display(),

@@ -140,11 +140,17 @@ impl LiveFetch {
     }
 
     /// An open waits on file `i`: it is fetched next.
-    pub fn want(&self, i: usize) {
+    ///
+    /// True when the file joined the queue now (it was waiting and not wanted yet); an open
+    /// waiting on a file already wanted changes nothing.
+    pub fn want(&self, i: usize) -> bool {
         let mut s = self.state();
-        if matches!(s.files.get(i), Some(PendingFile::Waiting { .. })) && !s.wanted.contains(&i) {
+        let joins =
+            matches!(s.files.get(i), Some(PendingFile::Waiting { .. })) && !s.wanted.contains(&i);
+        if joins {
             s.wanted.push_back(i);
         }
+        joins
     }
 
     /// The oldest wanted file for which `take` answers true (it took it from its queue).

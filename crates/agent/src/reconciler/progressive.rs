@@ -107,9 +107,11 @@ impl Live {
             let listing = live.as_ref().map(|l| l.listing());
             if let (Some(live), Some(listing)) = (live, listing) {
                 if listing.id == *artifact && file < listing.manifest.len() {
-                    let name = listing.manifest.entry(file).path;
-                    tracing::info!(model = %path.join("/"), file = %name, "an open waits on a file: it is fetched next");
-                    live.want(file);
+                    // Logged once per file, not per waiting open.
+                    if live.want(file) {
+                        let name = listing.manifest.entry(file).path;
+                        tracing::info!(model = %path.join("/"), file = %name, "an open waits on a file: it is fetched next");
+                    }
                 }
             }
         })

@@ -1500,41 +1500,43 @@ impl Shared {
             self.own.atomic_write(Self::MAPPING, &bytes)?;
             last.mapping_written = true;
         }
-        let stale: Vec<ArtifactId> = last
-            .listing_files
-            .iter()
-            .filter(|id| !listings.contains_key(*id))
-            .cloned()
-            .collect();
-        for id in stale {
-            match self.artifacts_dir.remove(&Self::listing_name(&id)) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                    tracing::warn!(artifact = %id, error = %e, "removing a persisted listing no mapping names");
-                }
-                _ => {
-                    last.listing_files.remove(&id);
-                }
-            }
-        }
+        self.remove_unnamed(
+            &mut last.listing_files,
+            |id| listings.contains_key(id),
+            Self::listing_name,
+            "removing a persisted listing no mapping names",
+        );
         if last.artifact_files.len() > artifacts.len() {
-            let dropped: Vec<ArtifactId> = last
-                .artifact_files
-                .iter()
-                .filter(|id| !artifacts.contains_key(*id))
-                .cloned()
-                .collect();
-            for id in dropped {
-                match self.artifacts_dir.remove(&Self::artifact_name(&id)) {
-                    Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                        tracing::warn!(artifact = %id, error = %e, "removing a persisted artifact no mapping names");
-                    }
-                    _ => {
-                        last.artifact_files.remove(&id);
-                    }
-                }
-            }
+            self.remove_unnamed(
+                &mut last.artifact_files,
+                |id| artifacts.contains_key(id),
+                Self::artifact_name,
+                "removing a persisted artifact no mapping names",
+            );
         }
         Ok(())
+    }
+
+    /// Removes the files of `written` (artifacts or listings this process persisted) that the
+    /// mapping no longer names (`named` answers false), forgetting each one removed or gone.
+    fn remove_unnamed(
+        &self,
+        written: &mut HashSet<ArtifactId>,
+        named: impl Fn(&ArtifactId) -> bool,
+        file_name: fn(&ArtifactId) -> String,
+        failure: &'static str,
+    ) {
+        let stale: Vec<ArtifactId> = written.iter().filter(|id| !named(id)).cloned().collect();
+        for id in stale {
+            match self.artifacts_dir.remove(&file_name(&id)) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    tracing::warn!(artifact = %id, error = %e, "{failure}");
+                }
+                _ => {
+                    written.remove(&id);
+                }
+            }
+        }
     }
 
     /// Reads the persisted mapping and its artifacts and records them as what is on disk;

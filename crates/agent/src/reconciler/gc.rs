@@ -212,7 +212,7 @@ impl Usage for DaemonUsage<'_> {
     }
 
     fn artifact(&self, id: &ArtifactId) -> Option<Arc<StoredArtifact>> {
-        match self.reconciler.artifacts.get(id) {
+        match self.reconciler.known.artifacts.get(id) {
             Some(a) => Some(a.clone()),
             None => self.reconciler.state.load_artifact(id).ok().map(Arc::new),
         }
@@ -256,7 +256,7 @@ impl Reconciler {
             blob_uses: self.fs.blob_uses(),
             fetching: self.fetching_stores(),
         };
-        let found = plan(&self.records, &self.state, &usage, Duration::MAX);
+        let found = plan(&self.core.records, &self.state, &usage, Duration::MAX);
         let mut out: BTreeMap<StoreId, RetiredBlobs> = BTreeMap::new();
         for (id, name) in found.blobs {
             let bytes = self
@@ -264,7 +264,8 @@ impl Reconciler {
                 .existing_store(&id)
                 .map_or(0, |s| file_bytes(&s.blob_path_by_name(&name)));
             let seen = self
-                .gc_candidates
+                .gc
+                .candidates
                 .first_seen
                 .get(&format!("blob:{id}/{name}"))
                 .copied();
@@ -297,8 +298,8 @@ impl Reconciler {
     /// Drops a store's record, its byte count and its metric (before its directory goes:
     /// records are saved first, see the callers).
     pub(super) fn forget_store(&mut self, id: &StoreId) {
-        self.records.remove_store(id);
-        self.store_bytes.remove(id);
+        self.core.records.remove_store(id);
+        self.known.store_bytes.remove(id);
         self.metrics
             .store_bytes
             .remove(&crate::metrics::StoreLabel {
@@ -321,7 +322,7 @@ impl Reconciler {
         let removed = self.gc_pass();
         self.metrics
             .gc_pending
-            .set(self.gc_candidates.first_seen.len() as i64);
+            .set(self.gc.candidates.first_seen.len() as i64);
         self.metrics.gc_passes.inc();
         removed
     }
@@ -334,10 +335,10 @@ impl Reconciler {
             blob_uses: self.fs.blob_uses(),
             fetching: self.fetching_stores(),
         };
-        let found = plan(&self.records, &self.state, &usage, partial_max_age);
+        let found = plan(&self.core.records, &self.state, &usage, partial_max_age);
         // Only what has been garbage for the whole grace period goes.
         let grace = self.config.gc_grace;
-        let mut seen = std::mem::take(&mut self.gc_candidates.first_seen);
+        let mut seen = std::mem::take(&mut self.gc.candidates.first_seen);
         let mut still = BTreeMap::new();
         let mut due = |tag: String| -> bool {
             let since = seen.remove(&tag).unwrap_or(now);
@@ -371,7 +372,7 @@ impl Reconciler {
                 .collect(),
             bytes: 0,
         };
-        self.gc_candidates.first_seen = still;
+        self.gc.candidates.first_seen = still;
         if ripe == GcPlan::default() {
             return false;
         }
@@ -387,8 +388,8 @@ impl Reconciler {
             tracing::warn!(error = %e, "garbage collection could not remove an item");
         }
         for a in &ripe.artifacts {
-            self.artifacts.remove(a);
-            self.model_configs.remove(a);
+            self.known.artifacts.remove(a);
+            self.known.model_configs.remove(a);
         }
         let touched: BTreeSet<StoreId> = ripe.blobs.iter().map(|(s, _)| s.clone()).collect();
         for s in &touched {

@@ -40,16 +40,20 @@ impl Reconciler {
     /// when there is).
     pub(super) fn request_model_configs(&mut self) {
         let wanted: Vec<(ArtifactId, modelfs_core::store::StoreId)> = self
+            .core
             .records
             .models()
             .values()
             .filter_map(|r| Some((r.artifact.clone()?, r.store.clone()?)))
             .filter(|(a, _)| {
-                !self.model_configs.contains_key(a) && !self.model_configs_pending.contains(a)
+                !self.known.model_configs.contains_key(a)
+                    && !self.known.model_configs_pending.contains(a)
             })
             .collect();
         for (id, store) in wanted {
-            if self.model_configs_pending.contains(&id) || self.model_configs.contains_key(&id) {
+            if self.known.model_configs_pending.contains(&id)
+                || self.known.model_configs.contains_key(&id)
+            {
                 continue;
             }
             let cached = self
@@ -58,7 +62,7 @@ impl Reconciler {
                 .and_then(|b| serde_json::from_slice::<CachedOutcome>(&b).ok())
                 .filter(|c| c.parser == PARSER_VERSION);
             if let Some(c) = cached {
-                self.model_configs.insert(id, Arc::new(c.outcome));
+                self.known.model_configs.insert(id, Arc::new(c.outcome));
                 continue;
             }
             let Some(stored) = self.artifact(&id) else {
@@ -77,7 +81,7 @@ impl Reconciler {
                     .map(|(entry, blob)| (entry.path.to_string(), handle.blob_path(&blob)))
                     .collect(),
             );
-            self.model_configs_pending.insert(id.clone());
+            self.known.model_configs_pending.insert(id.clone());
             let tx = self.sender();
             tokio::spawn(async move {
                 // Waiting here holds no thread; the semaphore is never closed.
@@ -106,7 +110,7 @@ impl Reconciler {
     }
 
     pub(super) fn on_config_parsed(&mut self, artifact: ArtifactId, outcome: Outcome) {
-        self.model_configs_pending.remove(&artifact);
+        self.known.model_configs_pending.remove(&artifact);
         match &outcome {
             Outcome::Derived(d) => tracing::info!(
                 %artifact,
@@ -137,7 +141,8 @@ impl Reconciler {
                 tracing::warn!(%artifact, error = %e, "parsed model config does not serialize")
             }
         }
-        self.model_configs
+        self.known
+            .model_configs
             .insert(artifact, Arc::new(cached.outcome));
     }
 
@@ -153,10 +158,10 @@ impl Reconciler {
         if skip {
             return;
         }
-        let Some(outcome) = self.records.models()[key]
+        let Some(outcome) = self.core.records.models()[key]
             .artifact
             .as_ref()
-            .and_then(|a| self.model_configs.get(a))
+            .and_then(|a| self.known.model_configs.get(a))
         else {
             return;
         };

@@ -103,12 +103,12 @@ impl Reconciler {
         // Fetches waiting for this save may create their store directories now (a failed
         // write lets them go too, as it always did: the write is retried with backoff, and
         // holding every download back while a disk is full would only add a second failure).
-        self.saves.send_modify(|n| *n += 1);
+        self.saving.saves.send_modify(|n| *n += 1);
         ok
     }
 
     fn write_records(&mut self) -> bool {
-        let bytes = match serde_json::to_vec_pretty(&self.records) {
+        let bytes = match serde_json::to_vec_pretty(&self.core.records) {
             Ok(b) => b,
             Err(e) => {
                 tracing::error!(error = %e, "records do not serialize");
@@ -117,14 +117,14 @@ impl Reconciler {
         };
         // A digest, not the bytes: the records of 10,000 models are megabytes.
         let digest = Sha256Digest::of(&bytes);
-        if self.saved == Some(digest) {
+        if self.saving.saved == Some(digest) {
             return true;
         }
         let result = modelfs_core::store::fsutil::atomic_write(&self.state.records_path(), &bytes);
         let ok = result.is_ok();
-        self.records_writes.record(&result, &self.metrics);
+        self.saving.records_writes.record(&result, &self.metrics);
         if ok {
-            self.saved = Some(digest);
+            self.saving.saved = Some(digest);
         }
         ok
     }
@@ -138,7 +138,7 @@ impl Reconciler {
         let doc = self.status_doc();
         let bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
         let digest = Sha256Digest::of(&bytes);
-        if self.status_digest == Some(digest) {
+        if self.publishing.digest == Some(digest) {
             return;
         }
         for status in ["Ready", "Updating", "Failed"] {
@@ -150,35 +150,35 @@ impl Reconciler {
         }
         // The file first: whoever sees a document in memory (`GET /v1/models`) then finds
         // `status.json` at least as new (`modelfs status --state` reads it).
-        self.status_file_stale = true;
-        if self.status_writes.due() {
+        self.publishing.file_stale = true;
+        if self.publishing.writes.due() {
             self.write_status_bytes(&bytes);
         }
         let doc = std::sync::Arc::new(doc);
-        self.status.store(doc.clone());
-        self.status_changes.send_replace(doc);
-        self.status_digest = Some(digest);
+        self.publishing.status.store(doc.clone());
+        self.publishing.changes.send_replace(doc);
+        self.publishing.digest = Some(digest);
     }
 
     /// Writes the published document again (a retry after a failed write).
     fn write_status_file(&mut self) {
-        let bytes = serde_json::to_vec_pretty(&**self.status.load()).unwrap_or_default();
+        let bytes = serde_json::to_vec_pretty(&**self.publishing.status.load()).unwrap_or_default();
         self.write_status_bytes(&bytes);
     }
 
     fn write_status_bytes(&mut self, bytes: &[u8]) {
         let result = modelfs_core::store::fsutil::atomic_write(&self.state.status_path(), bytes);
-        self.status_file_stale = result.is_err();
-        self.status_writes.record(&result, &self.metrics);
+        self.publishing.file_stale = result.is_err();
+        self.publishing.writes.record(&result, &self.metrics);
     }
 
     /// After an event that changed nothing: retries writes that failed, once their backoff is
     /// over.
     pub(super) fn retry_failed_writes(&mut self) {
-        if self.records_writes.failing() && self.records_writes.due() {
+        if self.saving.records_writes.failing() && self.saving.records_writes.due() {
             self.save();
         }
-        if self.status_file_stale && self.status_writes.due() {
+        if self.publishing.file_stale && self.publishing.writes.due() {
             self.write_status_file();
         }
     }

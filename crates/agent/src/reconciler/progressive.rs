@@ -276,12 +276,12 @@ impl Reconciler {
     /// The resumed entry of `journal`, if its model still wants that path and does not serve
     /// that artifact already, and its store exists.
     fn resumed_from(&self, journal: JournalIn) -> Option<(ModelKey, Resumed)> {
-        let record = self.records.models().get(&journal.model)?;
+        let record = self.core.records.models().get(&journal.model)?;
         let id = journal.manifest.id();
         if record.artifact.as_ref() == Some(&id)
             || record.path != journal.path.join("/")
             || MountPath::from_relative(&record.path).is_err()
-            || !self.records.stores().contains_key(&journal.store)
+            || !self.core.records.stores().contains_key(&journal.store)
         {
             return None;
         }
@@ -306,7 +306,7 @@ impl Reconciler {
         if self.live.fetches.contains_key(key) {
             return true;
         }
-        let Some(record) = self.records.models().get(key) else {
+        let Some(record) = self.core.records.models().get(key) else {
             return true;
         };
         let id = resumed.live.listing().id.clone();
@@ -406,7 +406,7 @@ impl Reconciler {
             let handle = self.fs.store_handle(&store, handle);
             // The fetching model, then the models waiting on its fetch of the same artifact.
             let mut keys = vec![fetcher.clone()];
-            keys.extend(self.waiting_on.get(&fetcher).into_iter().flatten().cloned());
+            keys.extend(self.core.waiters_of(&fetcher).cloned());
             let states = Arc::new(live.pending());
             for key in keys {
                 let Some(work) = self.works.get(&key) else {

@@ -34,33 +34,17 @@ use arc_swap::ArcSwap;
 
 use super::decide::space::{ReclaimCandidate, ReclaimClass, ReclaimWhat};
 use super::decide::{self, Space};
-use super::{Reconciler, Retry, Stage};
+use super::{Reconciler, Stage};
 use crate::disk::{DiskBudget, DiskState, FsSpace, Placement};
 use crate::source::SourceError;
 use modelfs_core::artifact::Manifest;
 use modelfs_core::store::{StoreError, StoreId};
 use modelfs_ome::{ModelKey, ModelSpec};
 
-/// How far ahead the retry of a model refused for space is parked: never, in practice; the
-/// tick moves it to now once the model fits (see [`Reconciler::space_tick`]).
-const SPACE_PARKED: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
 /// With nothing refused and nothing admitted, the passes over every store (the bytes of all
 /// stores, of reserved and releasable ones) run this often; otherwise at every tick. An idle
 /// tick costs one `statvfs`.
 const FULL_MEASURE_IDLE: Duration = Duration::from_secs(30);
-
-/// The time a parked retry is due at: [`SPACE_PARKED`] after `now`, or as far as the clock
-/// goes.
-fn parked(now: Instant) -> Instant {
-    let mut ahead = SPACE_PARKED;
-    loop {
-        if let Some(at) = now.checked_add(ahead) {
-            return at;
-        }
-        ahead /= 2;
-    }
-}
 
 /// The actor's disk bookkeeping.
 pub(super) struct Disk {
@@ -222,14 +206,14 @@ impl Reconciler {
             return state;
         }
         self.disk.last_full = Some(Instant::now());
-        let stores_bytes: u64 = self.store_bytes.values().sum();
+        let stores_bytes: u64 = self.known.store_bytes.values().sum();
         let mut reserved = 0;
         let mut releasable = 0;
-        for (id, s) in self.records.stores() {
-            if s.owner.is_some() || self.records.user_count(id) > 0 {
+        for (id, s) in self.core.records.stores() {
+            if s.owner.is_some() || self.core.records.user_count(id) > 0 {
                 continue;
             }
-            let bytes = self.store_bytes.get(id).copied().unwrap_or(0);
+            let bytes = self.known.store_bytes.get(id).copied().unwrap_or(0);
             if s.reserved {
                 reserved += bytes;
             } else {
@@ -346,7 +330,7 @@ impl Reconciler {
         manifest: &Manifest,
     ) -> Option<Space> {
         self.disk.budget?;
-        let own = self.records.owned_store(key).cloned();
+        let own = self.core.records.owned_store(key).cloned();
         let held = self.known_blobs(&[own], None).known;
         let adopt = if self.disk.links {
             self.adopt_from(spec)
@@ -395,46 +379,22 @@ impl Reconciler {
         }
     }
 
-    /// `key` was refused for space (or its fetch hit a full disk): `Failed` with `reason`,
-    /// checked again at every tick and retried once it fits.
-    pub(super) fn refuse_for_space(
-        &mut self,
-        key: &ModelKey,
-        fp: &str,
-        reason: String,
-        needed: u64,
-    ) {
-        self.metrics.disk.refused_fetches.inc();
-        tracing::warn!(model = %key, reason, "fetch not started: it does not fit under the disk budget");
-        self.wait_for_space(key, fp, reason, needed);
-    }
-
-    /// `key` is `Failed` with `reason` until `needed` bytes fit.
-    fn wait_for_space(&mut self, key: &ModelKey, fp: &str, reason: String, needed: u64) {
+    /// `key` was refused for space (or its fetch hit a full disk; the core recorded it
+    /// `Failed` and parked its retry): its work stops, and it is checked again at every tick
+    /// until `needed` bytes fit.
+    pub(super) fn wait_for_space(&mut self, key: &ModelKey, needed: u64) {
         self.cancel_work(key);
         if let Some(n) = self.disk.admitted.remove(key) {
             self.disk.admitted_total = self.disk.admitted_total.saturating_sub(n);
         }
         self.disk.refused.insert(key.clone(), needed);
-        self.retries.insert(
-            key.clone(),
-            Retry {
-                fingerprint: fp.to_string(),
-                attempts: 0,
-                at: parked(Instant::now()),
-            },
-        );
-        if let Some(mut rec) = self.records.model_mut(key) {
-            rec.phase = super::records::ModelPhase::Failed;
-            rec.reason = Some(reason);
-        }
     }
 
-    /// A fetch failed on a full disk: the same reason and the same wait as a refusal.
-    /// Returns whether `err` was one.
-    pub(super) fn fail_disk_full(&mut self, key: &ModelKey, fp: &str, err: &SourceError) -> bool {
+    /// Whether `err` is a fetch failing on a full disk: then the reason and the bytes the model
+    /// waits for, as for a refusal.
+    pub(super) fn disk_full(&mut self, key: &ModelKey, err: &SourceError) -> Option<(String, u64)> {
         if !is_disk_full(err) {
-            return false;
+            return None;
         }
         let needed = self.disk.admitted.get(key).copied().unwrap_or(0);
         let disk = self.measure_disk(true);
@@ -443,8 +403,7 @@ impl Reconciler {
         let reason = decide::space::disk_full_reason(disk.free_for_new_fetch());
         // At least one byte more than is free now: it waits until the disk has room again.
         let needed = needed.max(disk.free_for_new_fetch().saturating_add(1));
-        self.wait_for_space(key, fp, reason, needed);
-        true
+        Some((reason, needed))
     }
 
     /// Every tick: measure, make room for refused models, and retry those that fit now.
@@ -456,7 +415,7 @@ impl Reconciler {
         // otherwise).
         let refused: Vec<ModelKey> = self.disk.refused.keys().cloned().collect();
         for k in refused {
-            let still = self.records.models().get(&k).is_some_and(|r| {
+            let still = self.core.records.models().get(&k).is_some_and(|r| {
                 r.phase == super::records::ModelPhase::Failed
                     && r.reason
                         .as_deref()
@@ -487,12 +446,8 @@ impl Reconciler {
             .iter()
             .map(|(k, n)| (k.clone(), *n))
             .collect();
-        let now = Instant::now();
-        for key in decide::space::start_refused(&refused, disk.free_for_new_fetch()) {
-            if let Some(r) = self.retries.get_mut(&key) {
-                r.at = now;
-            }
-        }
+        let keys = decide::space::start_refused(&refused, disk.free_for_new_fetch());
+        self.step(decide::Event::SpaceFits { keys });
         self.metrics.disk.space_checks.inc();
         changed
     }
@@ -504,8 +459,8 @@ impl Reconciler {
         let now = Instant::now();
         let grace = self.config.gc_grace;
         let mut candidates = Vec::new();
-        for (id, s) in self.records.stores() {
-            if s.owner.is_some() || self.records.user_count(id) > 0 {
+        for (id, s) in self.core.records.stores() {
+            if s.owner.is_some() || self.core.records.user_count(id) > 0 {
                 continue;
             }
             // A reserved store keeps its last owner's directory in the mapping (read-only, as
@@ -513,7 +468,7 @@ impl Reconciler {
             // withdrawn first and the store removed by a later pass once nothing reads it.
             let placed = s.reserved && s.reserved_at.is_some();
             let busy = busy_fetch.contains(id) || (!placed && self.fs.store_in_use(id));
-            let bytes = self.store_bytes.get(id).copied().unwrap_or(0);
+            let bytes = self.known.store_bytes.get(id).copied().unwrap_or(0);
             let (class, age_secs) = if s.reserved {
                 let age = self
                     .state
@@ -524,7 +479,7 @@ impl Reconciler {
                     .map_or(0, |d| d.as_secs());
                 (ReclaimClass::Reserved, age)
             } else {
-                let seen = self.gc_candidates.first_seen(&format!("store:{id}"));
+                let seen = self.gc.candidates.first_seen(&format!("store:{id}"));
                 let age = seen.map_or(Duration::ZERO, |t| now.duration_since(t));
                 let class = if age >= grace {
                     ReclaimClass::Expired
@@ -580,17 +535,17 @@ impl Reconciler {
         // goes at a later pass, when the mount no longer reads it (never while a file of it is
         // open).
         chosen.retain(|id| {
-            let placed = self
+            let placed = self.core
                 .records
                 .stores()
                 .get(id)
                 .is_some_and(|s| s.reserved_at.is_some());
             if placed {
-                if let Some(mut s) = self.records.store_mut(id) {
+                if let Some(mut s) = self.core.records.store_mut(id) {
                     s.reserved_at = None;
                 }
-                self.remap_needed = true;
-                self.flush_pending = true;
+                self.batch.remap_needed = true;
+                self.batch.flush_pending = true;
                 tracing::info!(store = %id, "withdrew a reserved model's directory to reclaim its store under disk pressure");
             }
             !placed

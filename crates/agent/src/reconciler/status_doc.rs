@@ -54,7 +54,7 @@ impl Reconciler {
         let mut doc = StatusDoc::new();
         // An entry equal to the published one is that one (see `StatusDoc`): the new document
         // then shares it, and the old one's copy is freed with the old document.
-        let previous = self.status.load();
+        let previous = self.publishing.status.load();
         let mut insert = |key: String, e: ModelStatus| {
             let e = match previous.get(&key) {
                 Some(old) if **old == e => old.clone(),
@@ -64,7 +64,7 @@ impl Reconciler {
         };
         // Owners and users come from the records' indexes, so the document costs
         // O(models log models), not O(models x stores) (it is rebuilt on every change).
-        for (key, rec) in self.records.models() {
+        for (key, rec) in self.core.records.models() {
             let mut e = ModelStatus {
                 name: rec.name.clone(),
                 status: rec.phase.as_str().to_string(),
@@ -88,7 +88,11 @@ impl Reconciler {
             e.config.artifact.sha = rec.sha.clone().unwrap_or_default();
             // What vouches for the served bytes: said only where it is less than a digest or
             // checksum of every file.
-            if let Some(a) = rec.artifact.as_ref().and_then(|a| self.artifacts.get(a)) {
+            if let Some(a) = rec
+                .artifact
+                .as_ref()
+                .and_then(|a| self.known.artifacts.get(a))
+            {
                 if a.size_only_files > 0 {
                     e.integrity = Some("size-only".into());
                     e.size_only_files = Some(a.size_only_files);
@@ -96,12 +100,14 @@ impl Reconciler {
             }
             if let Some(store) = &rec.store {
                 if let Some(owner) = self
+                    .core
                     .records
                     .stores()
                     .get(store)
                     .and_then(|s| s.owner.as_ref())
                 {
                     let owner_path = self
+                        .core
                         .records
                         .models()
                         .get(owner)
@@ -114,15 +120,16 @@ impl Reconciler {
                         .insert(owner.to_string(), owner_path);
                 }
             }
-            if let Some(own) = self.records.owned_store(key) {
-                e.bytes_on_disk = self.store_bytes.get(own).copied().unwrap_or(0);
+            if let Some(own) = self.core.records.owned_store(key) {
+                e.bytes_on_disk = self.known.store_bytes.get(own).copied().unwrap_or(0);
                 if rec.store.as_ref() == Some(own) {
                     e.config.artifact.children_paths = self
+                        .core
                         .records
                         .users_of(own)
                         .into_iter()
                         .filter(|u| *u != key)
-                        .filter_map(|u| self.records.models()[u].served_path.clone())
+                        .filter_map(|u| self.core.records.models()[u].served_path.clone())
                         .map(|p| self.abs_path(&p))
                         .collect();
                 }

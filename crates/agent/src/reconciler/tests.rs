@@ -1,6 +1,8 @@
 //! Tests of the actor around the decision core (the core's own tables are in `decide`).
 
 use super::*;
+use crate::source::SourceConfig;
+use std::time::Duration;
 
 fn start(state: &std::path::Path) -> ReconcilerHandle {
     Reconciler::start(

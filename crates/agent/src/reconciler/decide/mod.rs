@@ -14,6 +14,8 @@
 //! may conflict ([`claims`]), which artifacts the disk lacks. Read-only questions (who is
 //! garbage, who is whose parent) are plain functions over the records.
 
+pub mod index;
+pub mod machine;
 pub mod paths;
 pub mod placement;
 pub mod space;
@@ -28,6 +30,8 @@ use modelfs_core::artifact::ArtifactId;
 use modelfs_core::store::StoreId;
 use modelfs_ome::{DownloadPolicy, ModelKey, MountPath};
 
+pub use index::PathIndex;
+pub use machine::{Clock, Machine, SpecSummary};
 pub use paths::{path_verdicts, ClaimArtifact, ClaimKind, PathClaim, PathVerdict};
 pub use placement::{in_scope, place, reuse_candidates, InFlight, Placement};
 pub use space::Space;
@@ -86,6 +90,18 @@ pub enum Effect {
     /// The path rule clears `key`, which lost it before: it gets its turn (its spec is
     /// reconciled again at once).
     Turn { key: ModelKey },
+    /// Stop `key`'s work in progress (cancel its resolve or fetch).
+    Stop { key: ModelKey },
+    /// `key`'s spec needs work (its record says what it asks; `new`: just created): the
+    /// executor checks what only the world can tell (the source, a node directory) and
+    /// starts the resolve, or places the served artifact again.
+    Start { key: ModelKey, new: bool },
+    /// `key`'s object is invalid: `Failed` with `reason` until it changes, unmapped.
+    Invalid { key: ModelKey, reason: String },
+    /// `key`'s retry is due: its spec is reconciled again.
+    Retry { key: ModelKey },
+    /// `key` waited for a model whose work moved on: it is placed again.
+    Wake { key: ModelKey },
 }
 
 /// What happened, as the decision core needs to know it. The actor builds an event from each
@@ -145,6 +161,44 @@ pub enum Event {
         incomplete: BTreeSet<(StoreId, ArtifactId)>,
         working: BTreeSet<ModelKey>,
     },
+    /// The desired state names `key` with `spec` (new, changed, or seen again by a retry or a
+    /// turn). `work`: the fingerprint of its work in progress; `in_cache_view`: its path lies
+    /// in or around the Hugging Face cache view's directory.
+    Spec {
+        key: ModelKey,
+        spec: SpecSummary,
+        work: Option<String>,
+        in_cache_view: bool,
+    },
+    /// `key`'s object is invalid (`fingerprint` digests the reason).
+    Invalid {
+        key: ModelKey,
+        fingerprint: String,
+        reason: String,
+    },
+    /// Work for `key` starts at `path` (its artifact not known yet): nesting paths need no
+    /// artifact to conflict, so the path rule is applied before any work.
+    Starting {
+        key: ModelKey,
+        path: MountPath,
+        claims: Vec<PathClaim>,
+    },
+    /// `key`'s work failed (a resolve, a fetch, a source that cannot be built, a directory
+    /// missing, a path in the cache view, a full disk), retried as `retry` says.
+    Failed {
+        key: ModelKey,
+        reason: String,
+        retry: RetryKind,
+    },
+    /// Time passed: the retries due now are reconciled again.
+    TimePassed,
+    /// The disk has room for these models refused for space: their retries are due now.
+    SpaceFits { keys: Vec<ModelKey> },
+    /// `key`'s work moved on (resolved, fetched, failed, cancelled, served): the models
+    /// waiting for it are woken.
+    WorkMoved { key: ModelKey },
+    /// The next woken waiter, if any ([`Effect::Wake`]).
+    WakeNext,
 }
 
 /// What a model's spec asks to serve once its artifact is known.
@@ -172,9 +226,10 @@ impl Decision {
     }
 }
 
-/// The decision core's one entry point: what `event` does to the records (the core's state,
-/// changed in place) and the effects the actor executes, in order. Pure: no I/O, no clock.
-pub fn decide(records: &mut Records, event: &Event) -> Decision {
+/// What `event` does to the records (changed in place) and the effects that follow, in order,
+/// before [`Machine::step`] adds each model's lifecycle (retries, losers, waits). Pure: no
+/// I/O, no clock.
+fn decide(records: &mut Records, event: &Event) -> Decision {
     let mut d = Decision::default();
     match event {
         Event::ArtifactKnown {
@@ -267,6 +322,33 @@ pub fn decide(records: &mut Records, event: &Event) -> Decision {
             working,
             losers,
         } => settle_paths(records, claims, working.clone(), losers.clone(), &mut d),
+        Event::Starting { key, path, claims } => {
+            let seq = records.models().get(key).map_or(u64::MAX, |r| r.seq);
+            match verdict_for(claims.clone(), key, seq, path, ClaimArtifact::Pending) {
+                PathVerdict::Conflict { reason, .. } => d.push(Effect::LosePath {
+                    key: key.clone(),
+                    reason,
+                    artifact: None,
+                }),
+                _ => {
+                    if let Some(mut rec) = records.model_mut(key) {
+                        rec.phase = ModelPhase::Updating;
+                    }
+                }
+            }
+        }
+        Event::Failed { key, reason, retry } => d.push(Effect::Fail {
+            key: key.clone(),
+            reason: reason.clone(),
+            retry: *retry,
+        }),
+        // The lifecycle's own events (see `Machine::step`): the records do not change.
+        Event::Spec { .. }
+        | Event::Invalid { .. }
+        | Event::TimePassed
+        | Event::SpaceFits { .. }
+        | Event::WorkMoved { .. }
+        | Event::WakeNext => {}
     }
     d
 }
@@ -477,6 +559,11 @@ pub enum RetryKind {
     /// The fetch, which writes `needed` bytes, does not fit under the disk budget: what
     /// nothing serves is reclaimed, and it is retried as soon as it fits (see [`space`]).
     Space { needed: u64 },
+    /// The fetch hit a full disk: retried as a [`RetryKind::Space`] refusal is, once `needed`
+    /// bytes fit.
+    DiskFull { needed: u64 },
+    /// Not retried: the spec must change.
+    Permanent,
 }
 
 /// Users of one store that move to a store of their own (see [`hand_over_or_release`]).

@@ -720,6 +720,13 @@ fn effect_text(e: &Effect) -> String {
             format!("{store} forgets artifact {n}")
         }
         Effect::Turn { key } => format!("{} gets its turn", short(key)),
+        Effect::Stop { key } => format!("{} stops", short(key)),
+        Effect::Start { key, new } => {
+            format!("{} starts{}", short(key), if *new { " (new)" } else { "" })
+        }
+        Effect::Invalid { key, reason } => format!("{} invalid: {reason}", short(key)),
+        Effect::Retry { key } => format!("{} retries", short(key)),
+        Effect::Wake { key } => format!("{} wakes", short(key)),
     }
 }
 

@@ -188,6 +188,7 @@ impl Reconciler {
             // The served artifact is still good: the model stays Ready.
             tracing::warn!(model = %key, error = %err, "re-resolving failed; still serving the artifact resolved before");
             self.cancel_work(key);
+            self.step(decide::Event::RefreshEnded { key: key.clone() });
             return;
         }
         if let Some(outcome) = err.ome_outcome() {
@@ -216,7 +217,6 @@ impl Reconciler {
     ) -> bool {
         let mut refused = Vec::new();
         let mut incomplete = BTreeSet::new();
-        let mut working = BTreeSet::new();
         for entry in entries {
             let Some(keys) = self.core.paths.at(&entry.path).cloned() else {
                 continue;
@@ -240,9 +240,6 @@ impl Reconciler {
                 if !self.complete_in(&artifact, &store) {
                     incomplete.insert((store, artifact));
                 }
-                if self.works.contains_key(&key) {
-                    working.insert(key.clone());
-                }
                 refused.push((key, entry.reason.clone()));
             }
         }
@@ -252,7 +249,6 @@ impl Reconciler {
         let event = decide::Event::MountRefused {
             refused,
             incomplete,
-            working,
         };
         self.apply_event(event, None);
         self.wake_waiters();

@@ -94,6 +94,7 @@ pub mod decide;
 mod execute;
 pub mod gc;
 mod handle;
+mod mapping;
 mod model_config;
 mod models;
 mod passes;

@@ -183,7 +183,6 @@ impl Reconciler {
                 path: recorded_path(spec),
                 reserve: spec.reserve_artifact,
             },
-            work: self.works.get(key).map(|w| w.fingerprint.clone()),
             in_cache_view: self.hf_cache_conflict(&spec.path).is_some(),
         };
         let effects = self.step(event);
@@ -238,7 +237,6 @@ impl Reconciler {
         let event = decide::Event::Starting {
             key: key.clone(),
             path: spec.path.clone(),
-            claims: self.related_claims(&spec.path),
         };
         let effects = self.step(event);
         if !effects.is_empty() {
@@ -307,6 +305,7 @@ impl Reconciler {
             {
                 tracing::debug!(model = %key, "resolved again: unchanged");
                 self.works.remove(&key);
+                self.step(decide::Event::RefreshEnded { key: key.clone() });
             }
             Ok(m) => {
                 if refresh {
@@ -331,8 +330,6 @@ impl Reconciler {
         let space = self.space_for(key, &spec, &manifest);
         let event = decide::Event::ArtifactKnown {
             key: key.clone(),
-            claims: self.related_claims(&want.path),
-            in_flight: self.in_flight(&spec.source, &want.artifact),
             want,
             space,
         };
@@ -385,7 +382,6 @@ impl Reconciler {
                 let id = stored.id.clone();
                 self.known.artifacts.insert(id.clone(), Arc::new(stored));
                 let mut want = None;
-                let mut claims = Vec::new();
                 if current {
                     let spec = self.works[&key].spec.clone();
                     if let Stage::Fetching { progress, .. } = &self.works[&key].stage {
@@ -398,7 +394,6 @@ impl Reconciler {
                         );
                     }
                     tracing::info!(model = %key, %store, "fetch complete and verified");
-                    claims = self.related_claims(&spec.path);
                     want = Some(Self::want(&spec, &manifest));
                 }
                 let event = decide::Event::Fetched {
@@ -406,7 +401,6 @@ impl Reconciler {
                     store: store.clone(),
                     artifact: id,
                     want,
-                    claims,
                 };
                 self.apply_event(event, Some(&manifest));
                 self.update_store_bytes(&store);

@@ -2,22 +2,18 @@
 //! mapping swap, saving the records, publishing the status), their pacing, and the periodic
 //! tick.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use super::decide::{self, ClaimArtifact, PathClaim};
+use super::decide;
 use super::handle::now_secs;
-use super::records::{self, ModelPhase};
+use super::records;
 use super::{Event, Reconciler, Stage};
-use modelfs_core::artifact::ArtifactId;
 use modelfs_core::store::StoreId;
-use modelfs_mount::vfs::hf_cache::HfServed;
-use modelfs_mount::vfs::MountEntry;
-use modelfs_ome::{ModelKey, MountPath, SourceUri};
+use modelfs_ome::ModelKey;
 
 /// Most events handled before the records are saved and the status published.
 pub(super) const MAX_BATCH: usize = 64;
@@ -272,196 +268,13 @@ impl Reconciler {
         remapped
     }
 
-    /// What `key`'s work claims on its wanted path: pending while resolving, known once
-    /// resolved; a loser keeps the artifact it lost with.
-    pub(super) fn wanted_claim(&self, key: &ModelKey) -> decide::Wanted {
-        let artifact = match self.works.get(key).map(|w| &w.stage) {
-            Some(Stage::Resolving) => Some(ClaimArtifact::Pending),
-            Some(Stage::Waiting { manifest }) => Some(ClaimArtifact::Known(manifest.id())),
-            Some(Stage::Fetching { artifact, .. }) => Some(ClaimArtifact::Known(artifact.clone())),
-            None => None,
-        };
-        decide::Wanted {
-            working: self.works.contains_key(key),
-            artifact: artifact.unwrap_or_else(|| match self.core.loser_artifact(key).cloned() {
-                Some(a) => ClaimArtifact::Known(a),
-                None => ClaimArtifact::Unknown,
-            }),
-        }
-    }
-
-    /// Every model's claims on paths below the mount (see [`decide::claims`]).
-    pub(super) fn claims(&self) -> Vec<PathClaim> {
-        decide::claims(&self.core.records, self.core.records.models().keys(), |k| {
-            self.wanted_claim(k)
-        })
-    }
-
-    /// The claims of the models whose paths nest with `path` (see [`Reconciler::related_keys`]).
-    pub(super) fn related_claims(&self, path: &MountPath) -> Vec<PathClaim> {
-        let related = self.core.paths.related(path.segments());
-        decide::claims(&self.core.records, &related, |k| self.wanted_claim(k))
-    }
-
     /// Applies the path rule to the whole state after an event (and at start-up): a served
     /// model that now loses (an earlier model resolved to another artifact on its path, or
     /// records from before this rule hold two) is unmapped and `Failed`; a model whose work
     /// now loses stops; a loser the rule clears (the model it lost to went away, moved or
     /// changed) gets its turn.
     pub(super) fn settle_paths(&mut self) {
-        let event = decide::Event::SettlePaths {
-            claims: self.claims(),
-            working: self.works.keys().cloned().collect(),
-            losers: self.core.losers().cloned().collect(),
-        };
-        self.apply_event(event, None);
-    }
-
-    /// Builds the mount entries from the records and swaps the mapping. The path rule has run
-    /// (`settle_paths`), so served paths never nest; models sharing a path serve the same
-    /// artifact, and the earliest of them (by creation order, then key) supplies the store.
-    pub(super) fn remap(&mut self) {
-        let mut served: Vec<(u64, ModelKey, MountPath, ArtifactId, StoreId)> = Vec::new();
-        for (key, rec) in self.core.records.models() {
-            let (Some(a), Some(s), Some(p)) = (&rec.artifact, &rec.store, &rec.served_path) else {
-                continue;
-            };
-            let Ok(path) = MountPath::from_relative(p) else {
-                continue;
-            };
-            served.push((rec.seq, key.clone(), path, a.clone(), s.clone()));
-        }
-        served.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-        let mut entries: Vec<MountEntry> = Vec::with_capacity(served.len());
-        let mut at: HashMap<MountPath, (ModelKey, ArtifactId)> = HashMap::new();
-        let mut hf_served = Vec::new();
-        for (_, key, path, artifact, store) in served {
-            if self.hf_cache_conflict(&path).is_some() {
-                continue;
-            }
-            if let Some((first, a)) = at.get(&path) {
-                if *a != artifact {
-                    // The rule guarantees this never happens; the fs layer would refuse the
-                    // whole mapping, so say which models broke it.
-                    tracing::error!(model = %key, other = %first, %path, "two served models with different artifacts on one path");
-                } else {
-                    continue;
-                }
-            }
-            at.insert(path.clone(), (key.clone(), artifact.clone()));
-            let Some(stored) = self.artifact(&artifact) else {
-                continue;
-            };
-            let handle = match self.state.store(&store) {
-                Ok(h) => self.fs.store_handle(&store, h),
-                Err(e) => {
-                    tracing::error!(%store, error = %e, "store directory unusable");
-                    continue;
-                }
-            };
-            if self.hf_cache.is_some() {
-                let source = self.core.records.models()[&key].served_source.as_deref();
-                if let Some(Ok(SourceUri::HuggingFace { repo, revision })) =
-                    source.map(SourceUri::parse)
-                {
-                    hf_served.push(HfServed {
-                        model: key.to_string(),
-                        repo,
-                        revision,
-                        artifact: stored.clone(),
-                        store: handle.clone(),
-                        pending: None,
-                    });
-                }
-            }
-            entries.push(MountEntry {
-                path: path.segments().to_vec(),
-                artifact: stored,
-                store: handle,
-            });
-        }
-        // A reserved store keeps its last owner's directory (read-only) until it is reused or
-        // released, as OME keeps a reserved model's directory. A served model's path wins, and
-        // a path nested in or around a served one is left out (the fs layer refuses nesting).
-        let reserved: Vec<(StoreId, records::ReservedPlacement)> = self
-            .core
-            .records
-            .stores()
-            .iter()
-            .filter(|(_, s)| s.owner.is_none() && s.reserved)
-            .filter_map(|(id, s)| Some((id.clone(), s.reserved_at.clone()?)))
-            .collect();
-        for (id, placement) in reserved {
-            let Ok(path) = MountPath::from_relative(&placement.path) else {
-                continue;
-            };
-            let segments = path.segments();
-            if entries
-                .iter()
-                .any(|e| e.path.starts_with(segments) || segments.starts_with(&e.path))
-                || self.hf_cache_conflict(&path).is_some()
-            {
-                continue;
-            }
-            let Some(stored) = self.artifact(&placement.artifact) else {
-                continue;
-            };
-            match self.state.store(&id) {
-                Ok(h) => entries.push(MountEntry {
-                    path: segments.to_vec(),
-                    artifact: stored,
-                    store: self.fs.store_handle(&id, h),
-                }),
-                Err(e) => tracing::error!(store = %id, error = %e, "reserved store unusable"),
-            }
-        }
-        // Models served while they download, at paths the served ones leave free (and in
-        // the cache view, below).
-        let mut pending = self.pending_entries(&mut entries, &mut hf_served);
-        // The cache view joins the same snapshot: its refs and snapshots flip with the paths.
-        let mut files = Vec::new();
-        if let Some(view) = &mut self.hf_cache {
-            let (snapshots, refs) = view.update(&hf_served, Instant::now());
-            entries.extend(snapshots);
-            pending.extend(view.pending());
-            files = refs;
-        }
-        // `vendor://` models below the models root: an empty read-only directory at their
-        // path, so a pod binding it (or creating it, as runtimes do) finds it, as on OME's
-        // writable disk. Outside the root (`node_dir`) their record's path is absolute and
-        // skipped here.
-        let mut dirs: Vec<Vec<String>> = Vec::new();
-        for rec in self.core.records.models().values() {
-            if rec.phase != ModelPhase::Ready || rec.served_path.is_some() {
-                continue;
-            }
-            let vendor = rec
-                .served_source
-                .as_deref()
-                .and_then(|s| SourceUri::parse(s).ok())
-                .is_some_and(|s| s.is_vendor());
-            if let (true, Ok(path)) = (vendor, MountPath::from_relative(&rec.path)) {
-                if self.hf_cache_conflict(&path).is_none() {
-                    dirs.push(path.segments().to_vec());
-                }
-            }
-        }
-        dirs.sort();
-        dirs.dedup();
-        match self
-            .fs
-            .apply_with_pending(&entries, &files, &dirs, &pending)
-        {
-            Ok(inv) => {
-                self.metrics.mapping_changes.inc();
-                match &self.mount {
-                    Some(m) => m.invalidate(inv),
-                    // No kernel to tell: retired slots stop pinning their stores now.
-                    None => self.fs.detach_all(&inv),
-                }
-            }
-            Err(e) => tracing::error!(error = %e, "mapping update refused"),
-        }
+        self.apply_event(decide::Event::SettlePaths, None);
     }
 
     pub(super) fn refresh_store_bytes(&mut self) {
@@ -496,7 +309,39 @@ impl Reconciler {
             &records::RecordsIndex::build(self.core.records.models(), self.core.records.stores()),
             "records index out of step"
         );
-        self.works.check();
         self.core.paths.check(&self.core.records);
+        // The core's phases and the executor's work agree.
+        let phases: Vec<(&ModelKey, &str)> = self
+            .core
+            .working()
+            .map(|(k, p)| (k, phase_name(p)))
+            .collect();
+        let works: Vec<(&ModelKey, &str)> = self
+            .works
+            .iter()
+            .map(|(k, w)| (k, stage_name(&w.stage)))
+            .collect();
+        assert_eq!(
+            phases, works,
+            "the core's phases and the work in flight differ"
+        );
+    }
+}
+
+#[cfg(debug_assertions)]
+fn phase_name(p: &decide::Phase) -> &'static str {
+    match p {
+        decide::Phase::Resolving { .. } => "resolving",
+        decide::Phase::Waiting { .. } => "waiting",
+        decide::Phase::Fetching { .. } => "fetching",
+    }
+}
+
+#[cfg(debug_assertions)]
+fn stage_name(s: &Stage) -> &'static str {
+    match s {
+        Stage::Resolving => "resolving",
+        Stage::Waiting { .. } => "waiting",
+        Stage::Fetching { .. } => "fetching",
     }
 }

@@ -6,10 +6,10 @@
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
-use super::records::ModelPhase;
+use super::records::{ModelPhase, ModelRecord};
 use super::{Reconciler, Stage};
 use modelfs_ome::status::{rfc3339, ModelStatus, ProgressStatus, StatusDoc};
-use modelfs_ome::MountPath;
+use modelfs_ome::{ModelKey, MountPath};
 
 impl Reconciler {
     fn abs_path(&self, rel: &str) -> String {
@@ -98,74 +98,8 @@ impl Reconciler {
                     e.size_only_files = Some(a.size_only_files);
                 }
             }
-            if let Some(store) = &rec.store {
-                if let Some(owner) = self
-                    .core
-                    .records
-                    .stores()
-                    .get(store)
-                    .and_then(|s| s.owner.as_ref())
-                {
-                    let owner_path = self
-                        .core
-                        .records
-                        .models()
-                        .get(owner)
-                        .and_then(|o| o.served_path.clone())
-                        .map(|p| self.abs_path(&p))
-                        .unwrap_or_default();
-                    e.config
-                        .artifact
-                        .parent_path
-                        .insert(owner.to_string(), owner_path);
-                }
-            }
-            if let Some(own) = self.core.records.owned_store(key) {
-                e.bytes_on_disk = self.known.store_bytes.get(own).copied().unwrap_or(0);
-                if rec.store.as_ref() == Some(own) {
-                    e.config.artifact.children_paths = self
-                        .core
-                        .records
-                        .users_of(own)
-                        .into_iter()
-                        .filter(|u| *u != key)
-                        .filter_map(|u| self.core.records.models()[u].served_path.clone())
-                        .map(|p| self.abs_path(&p))
-                        .collect();
-                }
-            }
-            if let Some(w) = self.works.get(key) {
-                // OME's phases: `scanning` while the file list is fetched, `downloading`, then
-                // `finalizing` once every byte is in (last verifications, commit).
-                match &w.stage {
-                    Stage::Resolving => {
-                        e.progress = Some(ProgressStatus {
-                            phase: "scanning".into(),
-                            last_updated: rfc3339(SystemTime::now()),
-                            ..Default::default()
-                        });
-                    }
-                    Stage::Fetching { progress, .. } => {
-                        let total_bytes = progress.total_bytes.load(Ordering::Relaxed);
-                        let completed_bytes = progress.completed_bytes.load(Ordering::Relaxed);
-                        e.progress = Some(ProgressStatus {
-                            phase: if completed_bytes >= total_bytes {
-                                "finalizing"
-                            } else {
-                                "downloading"
-                            }
-                            .into(),
-                            total_bytes,
-                            completed_bytes,
-                            total_files: progress.total_files.load(Ordering::Relaxed),
-                            completed_files: progress.completed_files.load(Ordering::Relaxed),
-                            speed_bytes_per_sec: progress.bytes_per_sec(),
-                            last_updated: rfc3339(SystemTime::now()),
-                        });
-                    }
-                    Stage::Waiting { .. } => {}
-                }
-            }
+            self.fill_placement(key, rec, &mut e);
+            self.fill_progress(key, &mut e);
             e.shape = self
                 .desired
                 .as_ref()
@@ -202,5 +136,83 @@ impl Reconciler {
             }
         }
         doc
+    }
+
+    /// Who the model's store belongs to (its parent), and for an owner serving its own store
+    /// the paths of its children and the store's bytes.
+    fn fill_placement(&self, key: &ModelKey, rec: &ModelRecord, e: &mut ModelStatus) {
+        if let Some(store) = &rec.store {
+            if let Some(owner) = self
+                .core
+                .records
+                .stores()
+                .get(store)
+                .and_then(|s| s.owner.as_ref())
+            {
+                let owner_path = self
+                    .core
+                    .records
+                    .models()
+                    .get(owner)
+                    .and_then(|o| o.served_path.clone())
+                    .map(|p| self.abs_path(&p))
+                    .unwrap_or_default();
+                e.config
+                    .artifact
+                    .parent_path
+                    .insert(owner.to_string(), owner_path);
+            }
+        }
+        if let Some(own) = self.core.records.owned_store(key) {
+            e.bytes_on_disk = self.known.store_bytes.get(own).copied().unwrap_or(0);
+            if rec.store.as_ref() == Some(own) {
+                e.config.artifact.children_paths = self
+                    .core
+                    .records
+                    .users_of(own)
+                    .into_iter()
+                    .filter(|u| *u != key)
+                    .filter_map(|u| self.core.records.models()[u].served_path.clone())
+                    .map(|p| self.abs_path(&p))
+                    .collect();
+            }
+        }
+    }
+
+    /// OME's phases: `scanning` while the file list is fetched, `downloading`, then
+    /// `finalizing` once every byte is in (last verifications, commit).
+    fn fill_progress(&self, key: &ModelKey, e: &mut ModelStatus) {
+        if let Some(w) = self.works.get(key) {
+            // OME's phases: `scanning` while the file list is fetched, `downloading`, then
+            // `finalizing` once every byte is in (last verifications, commit).
+            match &w.stage {
+                Stage::Resolving => {
+                    e.progress = Some(ProgressStatus {
+                        phase: "scanning".into(),
+                        last_updated: rfc3339(SystemTime::now()),
+                        ..Default::default()
+                    });
+                }
+                Stage::Fetching { progress, .. } => {
+                    let total_bytes = progress.total_bytes.load(Ordering::Relaxed);
+                    let completed_bytes = progress.completed_bytes.load(Ordering::Relaxed);
+                    e.progress = Some(ProgressStatus {
+                        phase: if completed_bytes >= total_bytes {
+                            "finalizing"
+                        } else {
+                            "downloading"
+                        }
+                        .into(),
+                        total_bytes,
+                        completed_bytes,
+                        total_files: progress.total_files.load(Ordering::Relaxed),
+                        completed_files: progress.completed_files.load(Ordering::Relaxed),
+                        speed_bytes_per_sec: progress.bytes_per_sec(),
+                        last_updated: rfc3339(SystemTime::now()),
+                    });
+                }
+                Stage::Waiting { .. } => {}
+            }
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! Work in flight: each model's resolve or fetch, how it is cancelled, and how the executor
 //! spawns it (tasks that report back with messages and never touch the records).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,7 +14,7 @@ use super::{Event, Reconciler};
 use crate::source::{FetchContext, Progress, Source, SourceError};
 use modelfs_core::artifact::{ArtifactId, Manifest};
 use modelfs_core::store::StoreId;
-use modelfs_ome::{ModelKey, ModelSpec, SourceUri};
+use modelfs_ome::{ModelKey, ModelSpec};
 
 use super::decide;
 
@@ -43,12 +43,10 @@ pub(super) struct Work {
     pub(super) refresh: bool,
 }
 
-/// Every model's work in flight, indexed the way single flight asks about it, and what the
-/// executor spawns work with. The map and the index change together only ([`Works::insert`],
-/// [`Works::remove`], [`Works::set_stage`]).
+/// Every model's work in flight with what the executor needs to run it (the decision core
+/// tracks the same work as phases: see [`decide::Phase`]), and what work is spawned with.
 pub(super) struct Works {
     map: BTreeMap<ModelKey, Work>,
-    pub(super) in_flight: InFlightIndex,
     /// When each Ready model was last resolved (or first seen Ready): see
     /// [`Reconciler::refresh_due`].
     pub(super) resolved_at: HashMap<ModelKey, Instant>,
@@ -71,7 +69,6 @@ impl Works {
     pub(super) fn new(fetch_slots: Arc<Semaphore>, tx: mpsc::WeakUnboundedSender<Event>) -> Self {
         Self {
             map: BTreeMap::new(),
-            in_flight: InFlightIndex::default(),
             resolved_at: HashMap::new(),
             fetch_slots,
             tx,
@@ -86,49 +83,29 @@ impl Works {
         self.map.contains_key(key)
     }
 
-    pub(super) fn keys(&self) -> impl Iterator<Item = &ModelKey> {
-        self.map.keys()
-    }
-
     pub(super) fn values(&self) -> impl Iterator<Item = &Work> {
         self.map.values()
     }
 
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&ModelKey, &Work)> {
+        self.map.iter()
+    }
+
     /// Makes `work` `key`'s work (replacing any it had).
     pub(super) fn insert(&mut self, key: ModelKey, work: Work) {
-        self.remove(&key);
-        self.in_flight.add(&key, &work);
         self.map.insert(key, work);
     }
 
     /// Removes `key`'s work (not cancelling it).
     pub(super) fn remove(&mut self, key: &ModelKey) -> Option<Work> {
-        let w = self.map.remove(key)?;
-        self.in_flight.remove(key, &w);
-        Some(w)
+        self.map.remove(key)
     }
 
     /// Moves `key`'s work to `stage`.
     pub(super) fn set_stage(&mut self, key: &ModelKey, stage: Stage) {
         if let Some(w) = self.map.get_mut(key) {
-            self.in_flight.remove(key, w);
             w.stage = stage;
-            self.in_flight.add(key, w);
         }
-    }
-
-    /// Debug builds: the index agrees with a full scan.
-    #[cfg(debug_assertions)]
-    pub(super) fn check(&self) {
-        let mut in_flight = InFlightIndex::default();
-        for (k, w) in &self.map {
-            in_flight.add(k, w);
-        }
-        assert_eq!(
-            (&in_flight.fetching, &in_flight.resolving),
-            (&self.in_flight.fetching, &self.in_flight.resolving),
-            "in-flight index out of step"
-        );
     }
 }
 
@@ -220,53 +197,6 @@ mod work_cancel_tests {
     }
 }
 
-/// Work in flight indexed the way single flight asks about it, so a placement looks only at the
-/// models fetching its artifact or resolving its source, not at all work of the node. Kept in
-/// step with every stage change ([`Works`]).
-#[derive(Default)]
-pub(super) struct InFlightIndex {
-    pub(super) fetching: HashMap<ArtifactId, BTreeSet<ModelKey>>,
-    pub(super) resolving: HashMap<String, BTreeSet<ModelKey>>,
-}
-
-impl InFlightIndex {
-    fn add(&mut self, key: &ModelKey, work: &Work) {
-        match &work.stage {
-            Stage::Resolving => self
-                .resolving
-                .entry(work.spec.source.to_string())
-                .or_default()
-                .insert(key.clone()),
-            Stage::Fetching { artifact, .. } => self
-                .fetching
-                .entry(artifact.clone())
-                .or_default()
-                .insert(key.clone()),
-            Stage::Waiting { .. } => false,
-        };
-    }
-
-    fn remove(&mut self, key: &ModelKey, work: &Work) {
-        fn take<K: std::hash::Hash + Eq>(
-            map: &mut HashMap<K, BTreeSet<ModelKey>>,
-            k: &K,
-            key: &ModelKey,
-        ) {
-            if let Some(set) = map.get_mut(k) {
-                set.remove(key);
-                if set.is_empty() {
-                    map.remove(k);
-                }
-            }
-        }
-        match &work.stage {
-            Stage::Resolving => take(&mut self.resolving, &work.spec.source.to_string(), key),
-            Stage::Fetching { artifact, .. } => take(&mut self.fetching, artifact, key),
-            Stage::Waiting { .. } => {}
-        }
-    }
-}
-
 impl Reconciler {
     /// A sender for workers' reports. The handles and the ticker hold the strong senders; with
     /// all of them gone nothing can be reported to anyone, and a closed sender is as good.
@@ -297,6 +227,11 @@ impl Reconciler {
             refresh,
         };
         self.works.insert(key.clone(), work);
+        self.step(decide::Event::Resolving {
+            key: key.clone(),
+            source: spec.source.to_string(),
+            refresh,
+        });
         cancel
     }
 
@@ -460,25 +395,5 @@ impl Reconciler {
             w.cancel.cancel();
         }
         self.work_changed(key);
-    }
-
-    /// The work in flight that single flight must respect for a placement of `artifact`
-    /// resolved from `source`: from the index, not a pass over all work.
-    pub(super) fn in_flight(&self, source: &SourceUri, artifact: &ArtifactId) -> decide::InFlight {
-        let mut out = decide::InFlight::default();
-        for k in self
-            .works
-            .in_flight
-            .fetching
-            .get(artifact)
-            .into_iter()
-            .flatten()
-        {
-            out.fetching.insert(k.clone(), artifact.clone());
-        }
-        if let Some(keys) = self.works.in_flight.resolving.get(&source.to_string()) {
-            out.resolving_same_source.extend(keys.iter().cloned());
-        }
-        out
     }
 }

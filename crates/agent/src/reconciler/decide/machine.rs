@@ -15,10 +15,14 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use super::{decide, Effect, Event, PathIndex, RetryKind};
+use super::{
+    claims, decide, verdict_for, ClaimArtifact, Effect, Fact, InFlight, PathClaim, PathIndex,
+    PathVerdict, RetryKind, Space, Split, Want, Wanted,
+};
 use crate::reconciler::records::{ModelPhase, ModelRecord, Records};
 use modelfs_core::artifact::ArtifactId;
-use modelfs_ome::{DownloadPolicy, ModelKey};
+use modelfs_core::store::StoreId;
+use modelfs_ome::{DownloadPolicy, ModelKey, MountPath};
 
 /// The time of an event, and the jitter (0..1) a retry scheduled by it uses.
 #[derive(Clone, Copy, Debug)]
@@ -57,6 +61,110 @@ pub struct SpecSummary {
     pub reserve: bool,
 }
 
+/// What a model's work is doing. A model without work is served (`Ready`), failed (waiting
+/// for a retry, a turn, or a change of its spec) or invalid: its record says which.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Its source is being resolved (`refresh`: a periodic re-resolve of a `Ready` model,
+    /// which stays served meanwhile).
+    Resolving { source: String, refresh: bool },
+    /// Its artifact known, it waits for `on`'s work: a fetch of the same artifact (single
+    /// flight) or a resolve of an earlier model on the same path.
+    Waiting { artifact: ArtifactId, on: ModelKey },
+    /// Its artifact is being fetched into `store`.
+    Fetching {
+        artifact: ArtifactId,
+        store: StoreId,
+    },
+}
+
+/// What happens to a model, as the executor reports it (see the transition table in
+/// [`super`]).
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// The desired state names `key` with `spec` (new, changed, or seen again by a retry or a
+    /// turn). `in_cache_view`: its path lies in or around the Hugging Face cache view's
+    /// directory.
+    Spec {
+        key: ModelKey,
+        spec: SpecSummary,
+        in_cache_view: bool,
+    },
+    /// `key`'s object is invalid (`fingerprint` digests the reason).
+    Invalid {
+        key: ModelKey,
+        fingerprint: String,
+        reason: String,
+    },
+    /// Work for `key` is about to start at `path`, its artifact not known yet: nesting paths
+    /// need no artifact to conflict, so the path rule is applied before any work.
+    Starting { key: ModelKey, path: MountPath },
+    /// `key`'s source is being resolved (`refresh`: periodically, while it stays served).
+    Resolving {
+        key: ModelKey,
+        source: String,
+        refresh: bool,
+    },
+    /// A periodic re-resolve ended without a change (the same artifact, or a failure: the
+    /// served artifact is still good).
+    RefreshEnded { key: ModelKey },
+    /// `key`'s artifact is known (resolved, or the served one when only the policy or path
+    /// changed): place it (SPEC 3.1, 3.2; the path rule of section 4 first). `space`: the disk
+    /// as a fetch would find it (`None`: no budget).
+    ArtifactKnown {
+        key: ModelKey,
+        want: Want,
+        space: Option<Space>,
+    },
+    /// A fetch into `store` completed with `artifact` verified. `want`: what the model's spec
+    /// asks, when the fetch is still its work (a stale fetch is recorded as data, never
+    /// served).
+    Fetched {
+        key: ModelKey,
+        store: StoreId,
+        artifact: ArtifactId,
+        want: Option<Want>,
+    },
+    /// `key`'s work failed (a resolve, a fetch, a source that cannot be built, a directory
+    /// missing, a path in the cache view, a full disk), retried as `retry` says.
+    Failed {
+        key: ModelKey,
+        reason: String,
+        retry: RetryKind,
+    },
+    /// The model's object is gone (SPEC 3.3).
+    Deleted { key: ModelKey },
+    /// A model whose files are not the mount's (`vendor://`, a node directory): `Ready` at
+    /// once, nothing mapped.
+    NoFiles { key: ModelKey, source: String },
+    /// The outcome of an [`Effect::LinkStore`].
+    SplitLinked {
+        split: Split,
+        result: Result<(), String>,
+    },
+    /// Start-up: the (store, artifact) pairs of the records whose blobs are not all on disk.
+    Recovered {
+        incomplete: BTreeSet<(StoreId, ArtifactId)>,
+    },
+    /// After a batch of events (and at start-up): the path rule over every claim.
+    SettlePaths,
+    /// The mount server left the entries of these models out of the mapping, with its reason.
+    /// `incomplete`: the (store, artifact) pairs they are served from whose blobs are not all
+    /// on disk.
+    MountRefused {
+        refused: Vec<(ModelKey, String)>,
+        incomplete: BTreeSet<(StoreId, ArtifactId)>,
+    },
+    /// Time passed: the retries due now are reconciled again.
+    TimePassed,
+    /// The disk has room for these models refused for space: their retries are due now.
+    SpaceFits { keys: Vec<ModelKey> },
+    /// `key`'s work moved on (its resolve finished): the models waiting for it are woken.
+    WorkMoved { key: ModelKey },
+    /// The next woken waiter, if any ([`Effect::Wake`]).
+    WakeNext,
+}
+
 /// The bookkeeping of each model's lifecycle besides its record (module docs).
 #[derive(Default)]
 pub struct Lifecycle {
@@ -71,6 +179,54 @@ pub struct Lifecycle {
     waiting_on: HashMap<ModelKey, BTreeSet<ModelKey>>,
     /// Waiters to place again, in key order.
     to_wake: BTreeSet<ModelKey>,
+    /// Each model's work in flight, and the same indexed the way single flight asks about it
+    /// (by artifact fetched, by source resolved), so a placement looks only at the models
+    /// fetching its artifact or resolving its source.
+    phases: BTreeMap<ModelKey, Phase>,
+    fetching: HashMap<ArtifactId, BTreeSet<ModelKey>>,
+    resolving: HashMap<String, BTreeSet<ModelKey>>,
+}
+
+impl Lifecycle {
+    fn set_phase(&mut self, key: &ModelKey, phase: Phase) {
+        self.clear_phase(key);
+        match &phase {
+            Phase::Resolving { source, .. } => {
+                self.resolving
+                    .entry(source.clone())
+                    .or_default()
+                    .insert(key.clone());
+            }
+            Phase::Fetching { artifact, .. } => {
+                self.fetching
+                    .entry(artifact.clone())
+                    .or_default()
+                    .insert(key.clone());
+            }
+            Phase::Waiting { .. } => {}
+        }
+        self.phases.insert(key.clone(), phase);
+    }
+
+    fn clear_phase(&mut self, key: &ModelKey) {
+        fn take<K: std::hash::Hash + Eq>(
+            map: &mut HashMap<K, BTreeSet<ModelKey>>,
+            k: &K,
+            key: &ModelKey,
+        ) {
+            if let Some(set) = map.get_mut(k) {
+                set.remove(key);
+                if set.is_empty() {
+                    map.remove(k);
+                }
+            }
+        }
+        match self.phases.remove(key) {
+            Some(Phase::Resolving { source, .. }) => take(&mut self.resolving, &source, key),
+            Some(Phase::Fetching { artifact, .. }) => take(&mut self.fetching, &artifact, key),
+            Some(Phase::Waiting { .. }) | None => {}
+        }
+    }
 }
 
 /// How far ahead the retry of a model refused for space is parked: never, in practice; the
@@ -118,59 +274,202 @@ impl Machine {
     /// The one transition: what `event` at `clock` does to the state, and the effects the
     /// executor runs, in order (see the table in [`super`]).
     pub fn step(&mut self, event: Event, clock: Clock) -> Vec<Effect> {
-        let mut pre = Vec::new();
-        match &event {
+        let mut out = Vec::new();
+        let fact = match event {
             Event::Spec {
                 key,
                 spec,
-                work,
                 in_cache_view,
-            } => return self.spec_seen(key, spec, work.as_deref(), *in_cache_view, clock),
+            } => return self.spec_seen(&key, &spec, in_cache_view, clock),
             Event::Invalid {
                 key,
                 fingerprint,
                 reason,
-            } => return self.invalid(key, fingerprint, reason),
+            } => return self.invalid(&key, &fingerprint, &reason),
+            Event::Starting { key, path } => return self.starting(&key, &path, clock),
+            Event::Resolving {
+                key,
+                source,
+                refresh,
+            } => {
+                self.life
+                    .set_phase(&key, Phase::Resolving { source, refresh });
+                return out;
+            }
+            Event::RefreshEnded { key } => {
+                self.life.clear_phase(&key);
+                self.work_moved(&key);
+                return out;
+            }
+            Event::Failed { key, reason, retry } => {
+                return self.lifecycle(vec![Effect::Fail { key, reason, retry }], None, clock)
+            }
             Event::TimePassed => return self.retries_due(clock.now),
             Event::SpaceFits { keys } => {
-                for key in keys {
+                for key in &keys {
                     if let Some(r) = self.life.retries.get_mut(key) {
                         r.at = clock.now;
                     }
                 }
-                return Vec::new();
+                return out;
             }
             Event::WorkMoved { key } => {
-                self.work_moved(key);
-                return Vec::new();
+                self.work_moved(&key);
+                return out;
             }
             Event::WakeNext => {
-                return self
-                    .life
-                    .to_wake
-                    .pop_first()
-                    .map(|key| Effect::Wake { key })
-                    .into_iter()
-                    .collect();
+                out.extend(
+                    self.life
+                        .to_wake
+                        .pop_first()
+                        .map(|key| Effect::Wake { key }),
+                );
+                return out;
+            }
+            Event::ArtifactKnown { key, want, space } => {
+                let claims = self.related_claims(&want.path);
+                let in_flight = self.in_flight(&want.source, &want.artifact);
+                let artifact = want.artifact.clone();
+                let fact = Fact::ArtifactKnown {
+                    key,
+                    want,
+                    in_flight,
+                    claims,
+                    space,
+                };
+                let effects = decide(&mut self.records, &fact).effects;
+                return self.lifecycle(effects, Some(&artifact), clock);
+            }
+            Event::Fetched {
+                key,
+                store,
+                artifact,
+                want,
+            } => {
+                let claims = match &want {
+                    Some(w) => self.related_claims(&w.path),
+                    None => Vec::new(),
+                };
+                let wanted = want.as_ref().map(|w| w.artifact.clone());
+                let fact = Fact::Fetched {
+                    key,
+                    store,
+                    artifact,
+                    want,
+                    claims,
+                };
+                let effects = decide(&mut self.records, &fact).effects;
+                return self.lifecycle(effects, wanted.as_ref(), clock);
             }
             Event::Deleted { key } => {
-                pre.push(Effect::Stop { key: key.clone() });
-                self.life.retries.remove(key);
-                self.life.refusals.remove(key);
-                self.life.losers.remove(key);
+                out.push(Effect::Stop { key: key.clone() });
+                self.life.retries.remove(&key);
+                self.life.refusals.remove(&key);
+                self.life.losers.remove(&key);
+                Fact::Deleted { key }
             }
-            Event::NoFiles { key, .. } => {
-                pre.push(Effect::Stop { key: key.clone() });
-                self.life.retries.remove(key);
+            Event::NoFiles { key, source } => {
+                out.push(Effect::Stop { key: key.clone() });
+                self.life.retries.remove(&key);
+                Fact::NoFiles { key, source }
             }
-            _ => {}
-        }
-        let effects = decide(&mut self.records, &event).effects;
-        pre.extend(effects);
-        let out = self.lifecycle(pre, clock);
-        if let Event::Deleted { key } | Event::NoFiles { key, .. } = &event {
+            Event::SplitLinked { split, result } => Fact::SplitLinked { split, result },
+            Event::Recovered { incomplete } => Fact::Recovered { incomplete },
+            Event::SettlePaths => Fact::SettlePaths {
+                claims: self.all_claims(),
+                working: self.life.phases.keys().cloned().collect(),
+                losers: self.life.losers.keys().cloned().collect(),
+            },
+            Event::MountRefused {
+                refused,
+                incomplete,
+            } => {
+                let working = refused
+                    .iter()
+                    .map(|(k, _)| k)
+                    .filter(|k| self.life.phases.contains_key(*k))
+                    .cloned()
+                    .collect();
+                Fact::MountRefused {
+                    refused,
+                    incomplete,
+                    working,
+                }
+            }
+        };
+        out.extend(decide(&mut self.records, &fact).effects);
+        let out = self.lifecycle(out, None, clock);
+        if let Fact::Deleted { key } | Fact::NoFiles { key, .. } = &fact {
             self.paths.update(&self.records, key);
             self.work_moved(key);
+        }
+        out
+    }
+
+    /// The path rule for `key` about to start work at `path`: it loses at once to a model
+    /// whose path nests with it; otherwise it is `Updating` (equal paths wait for its resolve).
+    fn starting(&mut self, key: &ModelKey, path: &MountPath, clock: Clock) -> Vec<Effect> {
+        let seq = self.records.models().get(key).map_or(u64::MAX, |r| r.seq);
+        let claims = self.related_claims(path);
+        match verdict_for(claims, key, seq, path, ClaimArtifact::Pending) {
+            PathVerdict::Conflict { reason, .. } => {
+                let lose = Effect::LosePath {
+                    key: key.clone(),
+                    reason,
+                    artifact: None,
+                };
+                self.lifecycle(vec![lose], None, clock)
+            }
+            PathVerdict::Clear | PathVerdict::Wait { .. } => {
+                if let Some(mut rec) = self.records.model_mut(key) {
+                    rec.phase = ModelPhase::Updating;
+                }
+                Vec::new()
+            }
+        }
+    }
+
+    /// What `key`'s work claims on its wanted path: pending while resolving, known once
+    /// resolved; a loser keeps the artifact it lost with.
+    fn wanted(&self, key: &ModelKey) -> Wanted {
+        let artifact = match self.life.phases.get(key) {
+            Some(Phase::Resolving { .. }) => ClaimArtifact::Pending,
+            Some(Phase::Waiting { artifact, .. } | Phase::Fetching { artifact, .. }) => {
+                ClaimArtifact::Known(artifact.clone())
+            }
+            None => match self.loser_artifact(key) {
+                Some(a) => ClaimArtifact::Known(a.clone()),
+                None => ClaimArtifact::Unknown,
+            },
+        };
+        Wanted {
+            working: self.life.phases.contains_key(key),
+            artifact,
+        }
+    }
+
+    /// The claims of the models whose paths nest with `path` (the others cannot matter).
+    fn related_claims(&self, path: &MountPath) -> Vec<PathClaim> {
+        let related = self.paths.related(path.segments());
+        claims(&self.records, &related, |k| self.wanted(k))
+    }
+
+    /// Every model's claims on paths below the mount.
+    fn all_claims(&self) -> Vec<PathClaim> {
+        claims(&self.records, self.records.models().keys(), |k| {
+            self.wanted(k)
+        })
+    }
+
+    /// The work in flight that single flight must respect for a placement of `artifact`
+    /// resolved from `source`: from the index, not a pass over all work.
+    fn in_flight(&self, source: &str, artifact: &ArtifactId) -> InFlight {
+        let mut out = InFlight::default();
+        for k in self.life.fetching.get(artifact).into_iter().flatten() {
+            out.fetching.insert(k.clone(), artifact.clone());
+        }
+        if let Some(keys) = self.life.resolving.get(source) {
+            out.resolving_same_source.extend(keys.iter().cloned());
         }
         out
     }
@@ -178,7 +477,13 @@ impl Machine {
     /// What the records' decision means for each model's lifecycle: retries scheduled or
     /// dropped, losers noted, waits registered. Returns the effects for the executor (a
     /// failure's reason says when it is retried).
-    fn lifecycle(&mut self, effects: Vec<Effect>, clock: Clock) -> Vec<Effect> {
+    /// `artifact`: the artifact of the model the event placed (a fetch or a wait is of it).
+    fn lifecycle(
+        &mut self,
+        effects: Vec<Effect>,
+        artifact: Option<&ArtifactId>,
+        clock: Clock,
+    ) -> Vec<Effect> {
         let mut out = Vec::with_capacity(effects.len());
         for effect in effects {
             match effect {
@@ -188,6 +493,7 @@ impl Machine {
                     artifact,
                 } => {
                     let fingerprint = self.fingerprint(&key);
+                    self.life.clear_phase(&key);
                     self.life.retries.remove(&key);
                     self.life.losers.insert(
                         key.clone(),
@@ -209,6 +515,7 @@ impl Machine {
                     store,
                     changed,
                 } => {
+                    self.life.clear_phase(&key);
                     self.life.retries.remove(&key);
                     self.work_moved(&key);
                     self.paths.update(&self.records, &key);
@@ -219,10 +526,19 @@ impl Machine {
                     });
                 }
                 Effect::Fail { key, reason, retry } => {
+                    self.life.clear_phase(&key);
                     let reason = self.fail(&key, reason, retry, clock);
                     out.push(Effect::Fail { key, reason, retry });
                 }
                 Effect::Wait { key, on, reason } => {
+                    if let (Some(artifact), true) = (artifact, self.life.phases.contains_key(&key))
+                    {
+                        let phase = Phase::Waiting {
+                            artifact: artifact.clone(),
+                            on: on.clone(),
+                        };
+                        self.life.set_phase(&key, phase);
+                    }
                     self.life
                         .waiting_on
                         .entry(on.clone())
@@ -243,6 +559,20 @@ impl Machine {
                         );
                         out.push(Effect::Turn { key });
                     }
+                }
+                Effect::Fetch { key, store, seed } => {
+                    if let Some(artifact) = artifact {
+                        let phase = Phase::Fetching {
+                            artifact: artifact.clone(),
+                            store: store.clone(),
+                        };
+                        self.life.set_phase(&key, phase);
+                    }
+                    out.push(Effect::Fetch { key, store, seed });
+                }
+                Effect::Stop { key } => {
+                    self.life.clear_phase(&key);
+                    out.push(Effect::Stop { key });
                 }
                 other => out.push(other),
             }
@@ -358,16 +688,17 @@ impl Machine {
         &mut self,
         key: &ModelKey,
         spec: &SpecSummary,
-        work: Option<&str>,
         in_cache_view: bool,
         clock: Clock,
     ) -> Vec<Effect> {
         let fp = &spec.fingerprint;
         let mut out = Vec::new();
-        if let Some(w) = work {
-            if w == fp {
+        if self.life.phases.contains_key(key) {
+            // Work in progress is for the recorded spec (a change updates the record first).
+            if self.fingerprint(key) == *fp {
                 return out;
             }
+            self.life.clear_phase(key);
             out.push(Effect::Stop { key: key.clone() });
             self.work_moved(key);
         }
@@ -445,6 +776,7 @@ impl Machine {
         {
             return Vec::new();
         }
+        self.life.clear_phase(key);
         self.work_moved(key);
         self.life.retries.remove(key);
         self.life.losers.remove(key);
@@ -518,5 +850,15 @@ impl Machine {
     /// `key`'s pending retry.
     pub fn retry_of(&self, key: &ModelKey) -> Option<&Retry> {
         self.life.retries.get(key)
+    }
+
+    /// What `key`'s work is doing, if it has work.
+    pub fn phase(&self, key: &ModelKey) -> Option<&Phase> {
+        self.life.phases.get(key)
+    }
+
+    /// The models with work in progress.
+    pub fn working(&self) -> impl Iterator<Item = (&ModelKey, &Phase)> {
+        self.life.phases.iter()
     }
 }

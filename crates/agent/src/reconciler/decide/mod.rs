@@ -1,21 +1,78 @@
-//! The decision core: what the records become when something happens, and which disk work that
-//! needs. Pure: no I/O, no clock, no tasks. Every rule of SPEC sections 3 and 4 lives here
+//! The decision core: each model's lifecycle and what the records become when something
+//! happens, with the disk work that needs. Pure: no I/O, no clock, no tasks, no random
+//! numbers (time and jitter are arguments). Every rule of SPEC sections 3 and 4 lives here
 //! (placement and single flight in [`placement`], the one path-conflict rule in [`paths`],
-//! flips, hand-over, deletion, store splits, recovery and which stores are garbage below), so
-//! each is unit-tested with tables of records (see `tests.rs`).
+//! flips, hand-over, deletion, store splits, recovery and which stores are garbage below), and
+//! so do each model's phase, its retries and their backoff, the losers of the path rule, the
+//! refusals of the mount server and who waits for whom ([`machine`]).
 //!
-//! One entry point, [`decide`]: the records (the core's state) and an [`Event`] give the new
-//! records and a [`Decision`], the list of [`Effect`]s (start a fetch, wait, lose a path, fail
-//! with a retry, link a split store, save the records, rebuild the mapping...) that the
-//! reconciler's actor ([`super::Reconciler`]) executes, in order, on its own thread (off the
-//! async runtime), feeding outcomes back as events (a fetch's [`Event::Fetched`], a split's
-//! [`Event::SplitLinked`]). Everything a decision needs to know about the world outside the
-//! records is in the event: work in flight ([`InFlight`]), the path claims of the models that
-//! may conflict ([`claims`]), which artifacts the disk lacks. Read-only questions (who is
-//! garbage, who is whose parent) are plain functions over the records.
+//! # One state, one transition
+//! The state is one value, [`Machine`]: the records (with their own indexes), the index of
+//! every model's paths ([`PathIndex`]) and each model's lifecycle bookkeeping (work phase,
+//! pending retry, lost path, waits). The one entry point is [`Machine::step`]: an [`Event`]
+//! and a [`Clock`] give the new state and the [`Effect`]s the executor
+//! ([`super::Reconciler`]) runs, in order, on its own thread; outcomes come back as events (a
+//! resolve's [`Event::ArtifactKnown`], a fetch's [`Event::Fetched`] or [`Event::Failed`], a
+//! split's [`Event::SplitLinked`]). What only the world can tell comes in the event (an
+//! artifact resolved, the disk's free space, which copies lack blobs); what the state tells
+//! (path claims, work in flight for single flight, losers) the machine gathers itself.
+//! Inside, a step applies the records-level rules ([`Fact`], `decide`) and then each model's
+//! lifecycle to their effects (a failure schedules its retry, a lost path notes the loser, a
+//! wait registers the waiter). Read-only questions (who is garbage, who is whose parent) are
+//! plain functions over the records.
+//!
+//! # What happens to a model when X
+//! A model is in one phase: *absent* (no record), *updating* (its spec needs work that has not
+//! started), *resolving*, *waiting* (its artifact known, on another model's fetch of it or an
+//! earlier model's resolve on its path), *fetching*, *serving* (`Ready`; also while a
+//! periodic re-resolve runs), *failed* with a retry at a time (transient, refused by the
+//! mount server: backoff doubling from the base; parked until the disk has room), *failed*
+//! for good (until its spec changes), *loser* (failed, waiting for the path rule to clear it),
+//! *invalid*, and *deleted* (its record gone; its store handed over or released). The
+//! effects `Stop` (cancel its work) and `Remap` (rebuild the mapping at the end of the batch)
+//! are implied where a row leaves work or changes what is served. Each row is a case of the
+//! table test in `machine_tests.rs`.
+//!
+//! | phase | event | next phase | effects |
+//! |---|---|---|---|
+//! | absent | `Spec` | updating | `Start` (new) |
+//! | updating | `Starting`, path clear (equal paths wait for the resolve) | updating | - |
+//! | updating | `Starting`, its path nests with an earlier model's | loser | `LosePath` |
+//! | updating | `Resolving` | resolving | - |
+//! | resolving, waiting | `ArtifactKnown`, an in-scope Ready holder (reuse) | serving | `Served`, `Remap` |
+//! | resolving, waiting | `ArtifactKnown`, the artifact being fetched by another model | waiting | `Wait` |
+//! | resolving | `ArtifactKnown`, an earlier model serves another artifact at its path | loser | `LosePath` |
+//! | resolving, waiting | `ArtifactKnown`, nothing to reuse | fetching | `SaveRecords` (a new store), `Fetch` |
+//! | resolving | `ArtifactKnown`, the fetch does not fit the disk budget | failed, parked | `Fail` (`Space`) |
+//! | fetching | `Fetched` (its current work) | serving | `Served`, `Remap` |
+//! | any | `Fetched` of a stale fetch | unchanged (the store records the artifact) | - |
+//! | resolving, fetching | `Failed` (transient) | failed, retry at now + backoff | `Fail` (the reason says when) |
+//! | resolving, fetching | `Failed` (permanent) | failed | `Fail` |
+//! | fetching | `Failed` (disk full) | failed, parked | `Fail` |
+//! | failed | `TimePassed`, retry due | failed | `Retry` (the executor sends `Spec`) |
+//! | failed, retry due | `Spec` | failed (until `Starting`) | `Start` |
+//! | failed, retry not due | `Spec` | failed | - |
+//! | failed for good, after a restart | `Spec` | failed (until `Starting`) | `Start`, once |
+//! | failed, parked | `SpaceFits` | failed, retry due now | - |
+//! | serving | `Spec` unchanged | serving | - (`Start` if its path is now in the cache view) |
+//! | any | `Spec` changed | updating | `Stop` (if working), `Start` |
+//! | working | `Spec` unchanged | unchanged | - |
+//! | serving | `Resolving` (periodic) | serving, re-resolving | - |
+//! | serving, re-resolving | `RefreshEnded` (same artifact, or it failed) | serving | - |
+//! | serving | `MountRefused` | failed, retry (the refusals counted across serving) | `Fail` (`MountRefused`), `Remap` |
+//! | waiting | `WorkMoved` / `Failed` / `Served` of the model it waits on, then `WakeNext` | waiting | `Wake` (the executor sends `ArtifactKnown`) |
+//! | loser | `SettlePaths`, the rule clears it | failed, retry due now | `Turn` (the executor sends `Spec`) |
+//! | loser | `Spec` unchanged | loser | - |
+//! | serving | `SettlePaths`, an earlier model now claims its path | loser | `LosePath`, `Remap` |
+//! | any | `Deleted` | absent (deleted) | `Stop`, hand-over or release effects, `Remap` |
+//! | any | `NoFiles` (`vendor://`, a node directory) | serving, nothing mapped | `Stop`, `Remap` |
+//! | any | `Invalid` (a new reason) | invalid | `Stop`, `Invalid` |
+//! | invalid | `Invalid` (the same reason) | invalid | - |
 
 pub mod index;
 pub mod machine;
+#[cfg(test)]
+mod machine_tests;
 pub mod paths;
 pub mod placement;
 pub mod space;
@@ -31,7 +88,7 @@ use modelfs_core::store::StoreId;
 use modelfs_ome::{DownloadPolicy, ModelKey, MountPath};
 
 pub use index::PathIndex;
-pub use machine::{Clock, Machine, SpecSummary};
+pub use machine::{Clock, Event, Machine, Phase, SpecSummary};
 pub use paths::{path_verdicts, ClaimArtifact, ClaimKind, PathClaim, PathVerdict};
 pub use placement::{in_scope, place, reuse_candidates, InFlight, Placement};
 pub use space::Space;
@@ -104,13 +161,11 @@ pub enum Effect {
     Wake { key: ModelKey },
 }
 
-/// What happened, as the decision core needs to know it. The actor builds an event from each
-/// message it receives (a resolve or fetch finished, a model deleted, a split linked, the mount
-/// server refusing entries, start-up) together with what the decision needs to know of the
-/// world outside the records, gathered beforehand: work in flight, the path claims of the
-/// models whose paths nest with the model's, what the disk holds.
+/// An event as the records-level rules see it: [`Machine::step`] adds to its [`Event`] what
+/// the rules need of the rest of its state (work in flight, the path claims of the models whose
+/// paths nest with the model's, which models work or lost the path rule).
 #[derive(Clone, Debug)]
-pub enum Event {
+pub enum Fact {
     /// `key`'s artifact is known (resolved, or the served one when only the policy or path
     /// changed): place it (SPEC 3.1, 3.2; the path rule of section 4 first).
     ArtifactKnown {
@@ -161,44 +216,6 @@ pub enum Event {
         incomplete: BTreeSet<(StoreId, ArtifactId)>,
         working: BTreeSet<ModelKey>,
     },
-    /// The desired state names `key` with `spec` (new, changed, or seen again by a retry or a
-    /// turn). `work`: the fingerprint of its work in progress; `in_cache_view`: its path lies
-    /// in or around the Hugging Face cache view's directory.
-    Spec {
-        key: ModelKey,
-        spec: SpecSummary,
-        work: Option<String>,
-        in_cache_view: bool,
-    },
-    /// `key`'s object is invalid (`fingerprint` digests the reason).
-    Invalid {
-        key: ModelKey,
-        fingerprint: String,
-        reason: String,
-    },
-    /// Work for `key` starts at `path` (its artifact not known yet): nesting paths need no
-    /// artifact to conflict, so the path rule is applied before any work.
-    Starting {
-        key: ModelKey,
-        path: MountPath,
-        claims: Vec<PathClaim>,
-    },
-    /// `key`'s work failed (a resolve, a fetch, a source that cannot be built, a directory
-    /// missing, a path in the cache view, a full disk), retried as `retry` says.
-    Failed {
-        key: ModelKey,
-        reason: String,
-        retry: RetryKind,
-    },
-    /// Time passed: the retries due now are reconciled again.
-    TimePassed,
-    /// The disk has room for these models refused for space: their retries are due now.
-    SpaceFits { keys: Vec<ModelKey> },
-    /// `key`'s work moved on (resolved, fetched, failed, cancelled, served): the models
-    /// waiting for it are woken.
-    WorkMoved { key: ModelKey },
-    /// The next woken waiter, if any ([`Effect::Wake`]).
-    WakeNext,
 }
 
 /// What a model's spec asks to serve once its artifact is known.
@@ -229,10 +246,10 @@ impl Decision {
 /// What `event` does to the records (changed in place) and the effects that follow, in order,
 /// before [`Machine::step`] adds each model's lifecycle (retries, losers, waits). Pure: no
 /// I/O, no clock.
-fn decide(records: &mut Records, event: &Event) -> Decision {
+fn decide(records: &mut Records, event: &Fact) -> Decision {
     let mut d = Decision::default();
     match event {
-        Event::ArtifactKnown {
+        Fact::ArtifactKnown {
             key,
             want,
             in_flight,
@@ -273,7 +290,7 @@ fn decide(records: &mut Records, event: &Event) -> Decision {
                 }
             }
         }
-        Event::Fetched {
+        Fact::Fetched {
             key,
             store,
             artifact,
@@ -296,59 +313,32 @@ fn decide(records: &mut Records, event: &Event) -> Decision {
             }
             serve_effects(records, key, store.clone(), want, &mut d);
         }
-        Event::Deleted { key } => {
+        Fact::Deleted { key } => {
             d.effects = delete(records, key);
             d.push(Effect::Remap);
         }
-        Event::NoFiles { key, source } => {
+        Fact::NoFiles { key, source } => {
             d.effects = serve_without_files(records, key, source.clone());
             d.push(Effect::Remap);
         }
-        Event::SplitLinked { split, result } => finish_split(records, split, result.clone()),
-        Event::Recovered { incomplete } => {
+        Fact::SplitLinked { split, result } => finish_split(records, split, result.clone()),
+        Fact::Recovered { incomplete } => {
             for (store, artifact) in recover(records, |a, s| {
                 !incomplete.contains(&(s.clone(), a.clone()))
             }) {
                 d.push(Effect::Forgotten { store, artifact });
             }
         }
-        Event::MountRefused {
+        Fact::MountRefused {
             refused,
             incomplete,
             working,
         } => mount_refused(records, refused, incomplete, working, &mut d),
-        Event::SettlePaths {
+        Fact::SettlePaths {
             claims,
             working,
             losers,
         } => settle_paths(records, claims, working.clone(), losers.clone(), &mut d),
-        Event::Starting { key, path, claims } => {
-            let seq = records.models().get(key).map_or(u64::MAX, |r| r.seq);
-            match verdict_for(claims.clone(), key, seq, path, ClaimArtifact::Pending) {
-                PathVerdict::Conflict { reason, .. } => d.push(Effect::LosePath {
-                    key: key.clone(),
-                    reason,
-                    artifact: None,
-                }),
-                _ => {
-                    if let Some(mut rec) = records.model_mut(key) {
-                        rec.phase = ModelPhase::Updating;
-                    }
-                }
-            }
-        }
-        Event::Failed { key, reason, retry } => d.push(Effect::Fail {
-            key: key.clone(),
-            reason: reason.clone(),
-            retry: *retry,
-        }),
-        // The lifecycle's own events (see `Machine::step`): the records do not change.
-        Event::Spec { .. }
-        | Event::Invalid { .. }
-        | Event::TimePassed
-        | Event::SpaceFits { .. }
-        | Event::WorkMoved { .. }
-        | Event::WakeNext => {}
     }
     d
 }
@@ -744,7 +734,7 @@ fn begin_split(records: &mut Records, from: &StoreId, members: Vec<ModelKey>) ->
     }
 }
 
-/// The outcome of an [`Effect::LinkStore`] ([`Event::SplitLinked`]): the members move to their new store, or (it could
+/// The outcome of an [`Effect::LinkStore`] ([`Fact::SplitLinked`]): the members move to their new store, or (it could
 /// not be made) they stay where they are and the new store is released (garbage).
 pub fn finish_split(records: &mut Records, split: &Split, linked: Result<(), String>) {
     match linked {

@@ -147,11 +147,11 @@ fn want(name: &str, policy: DownloadPolicy, a: u8) -> Want {
 
 /// Runs a model's change to `policy` with `artifact` known through [`decide`], as the actor
 /// does: the artifact is known; a fetch it asks for completes at once (and the links of any
-/// split succeed), reported as [`Event::Fetched`]. Returns the placement as text.
+/// split succeed), reported as [`Fact::Fetched`]. Returns the placement as text.
 fn apply(r: &mut Records, name: &str, policy: DownloadPolicy, a: u8) -> String {
     let k = key(name);
     r.model_mut(&k).unwrap().policy = policy;
-    let event = Event::ArtifactKnown {
+    let event = Fact::ArtifactKnown {
         key: k,
         want: want(name, policy, a),
         in_flight: InFlight::default(),
@@ -174,11 +174,11 @@ fn apply(r: &mut Records, name: &str, policy: DownloadPolicy, a: u8) -> String {
 fn run(r: &mut Records, effects: &[Effect], want: &Want) {
     for e in effects {
         let outcome = match e {
-            Effect::LinkStore(split) => Event::SplitLinked {
+            Effect::LinkStore(split) => Fact::SplitLinked {
                 split: split.clone(),
                 result: Ok(()),
             },
-            Effect::Fetch { key, store, .. } => Event::Fetched {
+            Effect::Fetch { key, store, .. } => Fact::Fetched {
                 key: key.clone(),
                 store: store.clone(),
                 artifact: want.artifact.clone(),
@@ -401,7 +401,7 @@ fn policy_changes_and_deletion() {
         let got_placed = match event {
             Apply(name, policy, a) => apply(&mut r, name, policy, a),
             Delete(name) => {
-                let effects = decide(&mut r, &Event::Deleted { key: key(name) }).effects;
+                let effects = decide(&mut r, &Fact::Deleted { key: key(name) }).effects;
                 run(&mut r, &effects, &want(name, Always, 0));
                 String::new()
             }
@@ -756,7 +756,7 @@ fn decide_effects_table() {
         setup: Vec<Setup>,
         /// Changes the records before the event (a path, a policy).
         tweak: fn(&mut Records),
-        event: Box<dyn Fn(&Records) -> Event>,
+        event: Box<dyn Fn(&Records) -> Fact>,
         effects: Vec<&'static str>,
         records: Vec<&'static str>,
     }
@@ -766,7 +766,7 @@ fn decide_effects_table() {
             what: "3.1 new model, AlwaysDownload: the store is recorded before it is fetched into",
             setup: vec![New("m")],
             tweak: none,
-            event: Box::new(move |_| Event::ArtifactKnown {
+            event: Box::new(move |_| Fact::ArtifactKnown {
                 key: key("m"),
                 want: want("m", Always, 1),
                 in_flight: InFlight::default(),
@@ -781,7 +781,7 @@ fn decide_effects_table() {
             what: "12 admission: a fetch that fits under the budget is started as without one",
             setup: vec![New("m")],
             tweak: none,
-            event: Box::new(move |_| Event::ArtifactKnown {
+            event: Box::new(move |_| Fact::ArtifactKnown {
                 key: key("m"),
                 want: want("m", Always, 1),
                 in_flight: InFlight::default(),
@@ -798,7 +798,7 @@ fn decide_effects_table() {
             what: "12 admission: a fetch that cannot fit is not started and no store is made",
             setup: vec![New("m")],
             tweak: none,
-            event: Box::new(move |_| Event::ArtifactKnown {
+            event: Box::new(move |_| Fact::ArtifactKnown {
                 key: key("m"),
                 want: want("m", Always, 1),
                 in_flight: InFlight::default(),
@@ -817,7 +817,7 @@ fn decide_effects_table() {
             what: "12 admission: a Ready holder serves a ReuseIfExists model even with no space",
             setup: vec![Holder("p", 1), New("m")],
             tweak: none,
-            event: Box::new(|_| Event::ArtifactKnown {
+            event: Box::new(|_| Fact::ArtifactKnown {
                 key: key("m"),
                 want: want("m", Reuse, 1),
                 in_flight: InFlight::default(),
@@ -831,7 +831,7 @@ fn decide_effects_table() {
             what: "3.1 ReuseIfExists with a Ready holder: served at once, mapping rebuilt",
             setup: vec![Holder("p", 1), New("m")],
             tweak: none,
-            event: Box::new(|_| Event::ArtifactKnown {
+            event: Box::new(|_| Fact::ArtifactKnown {
                 key: key("m"),
                 want: want("m", Reuse, 1),
                 in_flight: InFlight::default(),
@@ -845,7 +845,7 @@ fn decide_effects_table() {
             what: "3.1 single flight: waits for the in-scope fetch of the same artifact",
             setup: vec![New("p"), New("m")],
             tweak: none,
-            event: Box::new(|_| Event::ArtifactKnown {
+            event: Box::new(|_| Fact::ArtifactKnown {
                 key: key("m"),
                 want: want("m", Reuse, 1),
                 in_flight: InFlight {
@@ -862,7 +862,7 @@ fn decide_effects_table() {
             what: "4 nesting paths: the later model loses, naming the earlier",
             setup: vec![Holder("p", 1), New("m")],
             tweak: |r| r.model_mut(&key("m")).unwrap().path = "p/inner".into(),
-            event: Box::new(move |r| Event::ArtifactKnown {
+            event: Box::new(move |r| Fact::ArtifactKnown {
                 key: key("m"),
                 want: ready_at("m", "p/inner", 2),
                 in_flight: InFlight::default(),
@@ -876,7 +876,7 @@ fn decide_effects_table() {
             what: "4 equal paths, same artifact: no conflict (served from the holder)",
             setup: vec![Holder("p", 1), New("m")],
             tweak: |r| r.model_mut(&key("m")).unwrap().path = "p".into(),
-            event: Box::new(move |r| Event::ArtifactKnown {
+            event: Box::new(move |r| Fact::ArtifactKnown {
                 key: key("m"),
                 want: Want {
                     policy: Reuse,
@@ -895,7 +895,7 @@ fn decide_effects_table() {
             tweak: |r| {
                 r.allocate_store(&key("c"));
             },
-            event: Box::new(|_| Event::Fetched {
+            event: Box::new(|_| Fact::Fetched {
                 key: key("c"),
                 store: s(2),
                 artifact: art(1),
@@ -909,7 +909,7 @@ fn decide_effects_table() {
             what: "3.2 T-02: flips to the other holder, the own copy is released",
             setup: vec![Holder("p", 1), Holder("m", 1)],
             tweak: none,
-            event: Box::new(|_| Event::ArtifactKnown {
+            event: Box::new(|_| Fact::ArtifactKnown {
                 key: key("m"),
                 want: want("m", Reuse, 1),
                 in_flight: InFlight::default(),
@@ -928,7 +928,7 @@ fn decide_effects_table() {
             what: "3.2 T-03: a parent to AlwaysDownload serves its own copy, unchanged",
             setup: vec![Holder("p", 1), Child("c", "p")],
             tweak: none,
-            event: Box::new(|_| Event::ArtifactKnown {
+            event: Box::new(|_| Fact::ArtifactKnown {
                 key: key("p"),
                 want: want("p", Always, 1),
                 in_flight: InFlight::default(),
@@ -942,7 +942,7 @@ fn decide_effects_table() {
             what: "3.2 T-04: a parent and its children move to the other holder",
             setup: vec![Holder("q", 1), Holder("p", 1), Child("c", "p")],
             tweak: none,
-            event: Box::new(|_| Event::ArtifactKnown {
+            event: Box::new(|_| Fact::ArtifactKnown {
                 key: key("p"),
                 want: want("p", Reuse, 1),
                 in_flight: InFlight::default(),
@@ -962,7 +962,7 @@ fn decide_effects_table() {
             what: "3.3 new revision of a parent: children keep the old store, new store seeded",
             setup: vec![Holder("p", 1), Child("c", "p")],
             tweak: none,
-            event: Box::new(|_| Event::ArtifactKnown {
+            event: Box::new(|_| Fact::ArtifactKnown {
                 key: key("p"),
                 want: want("p", Always, 2),
                 in_flight: InFlight::default(),
@@ -976,7 +976,7 @@ fn decide_effects_table() {
             what: "3.3 a stale fetch is recorded as data, never served",
             setup: vec![Holder("p", 1)],
             tweak: none,
-            event: Box::new(|_| Event::Fetched {
+            event: Box::new(|_| Fact::Fetched {
                 key: key("p"),
                 store: s(1),
                 artifact: art(2),
@@ -990,7 +990,7 @@ fn decide_effects_table() {
             what: "3.3 deleting a cluster parent of two namespaces' children: split by links",
             setup: vec![Holder("p", 1), Child("a/x", "p"), Child("b/y", "p")],
             tweak: none,
-            event: Box::new(|_| Event::Deleted { key: key("p") }),
+            event: Box::new(|_| Fact::Deleted { key: key("p") }),
             effects: vec!["save", "link s00000001 -> s00000002 for b/y", "remap"],
             records: vec![
                 "a/x <- a/x",
@@ -1003,7 +1003,7 @@ fn decide_effects_table() {
             what: "3.3 deleting the last user: garbage",
             setup: vec![Holder("p", 1)],
             tweak: none,
-            event: Box::new(|_| Event::Deleted { key: key("p") }),
+            event: Box::new(|_| Fact::Deleted { key: key("p") }),
             effects: vec!["remap"],
             records: vec!["s00000001: released garbage"],
         },
@@ -1011,7 +1011,7 @@ fn decide_effects_table() {
             what: "vendor source: Ready with nothing mapped, its copy passes to its child",
             setup: vec![Holder("p", 1), Child("c", "p")],
             tweak: none,
-            event: Box::new(|_| Event::NoFiles {
+            event: Box::new(|_| Fact::NoFiles {
                 key: key("p"),
                 source: "vendor://x".into(),
             }),
@@ -1025,7 +1025,7 @@ fn decide_effects_table() {
                 let effects = delete(r, &key("p"));
                 assert_eq!(effects.len(), 2);
             },
-            event: Box::new(|_| Event::SplitLinked {
+            event: Box::new(|_| Fact::SplitLinked {
                 split: Split {
                     from: s(1),
                     to: s(2),
@@ -1046,7 +1046,7 @@ fn decide_effects_table() {
             what: "start-up: an incomplete artifact is forgotten and its models fetched again",
             setup: vec![Holder("p", 1), Child("c", "p"), Holder("q", 2)],
             tweak: none,
-            event: Box::new(move |_| Event::Recovered {
+            event: Box::new(move |_| Fact::Recovered {
                 incomplete: BTreeSet::from([(s(1), art(1))]),
             }),
             effects: vec!["s00000001 forgets artifact 1"],
@@ -1057,7 +1057,7 @@ fn decide_effects_table() {
                    model on it fails and is retried",
             setup: vec![Holder("p", 1), Child("c", "p"), Holder("q", 2)],
             tweak: none,
-            event: Box::new(move |_| Event::MountRefused {
+            event: Box::new(move |_| Fact::MountRefused {
                 refused: vec![(key("p"), "blob x is missing".into())],
                 incomplete: BTreeSet::from([(s(1), art(1))]),
                 working: BTreeSet::new(),
@@ -1075,7 +1075,7 @@ fn decide_effects_table() {
                    change in progress is only unmapped",
             setup: vec![Holder("p", 1), Child("c", "p"), Holder("q", 2)],
             tweak: none,
-            event: Box::new(move |_| Event::MountRefused {
+            event: Box::new(move |_| Fact::MountRefused {
                 refused: vec![
                     (key("c"), "store gone".into()),
                     (key("q"), "store gone".into()),
@@ -1098,7 +1098,7 @@ fn decide_effects_table() {
                 m.path = "p/inner".into();
                 m.served_path = Some("p/inner".into());
             },
-            event: Box::new(|r| Event::SettlePaths {
+            event: Box::new(|r| Fact::SettlePaths {
                 claims: all_claims(r),
                 working: BTreeSet::new(),
                 losers: BTreeSet::new(),
@@ -1113,7 +1113,7 @@ fn decide_effects_table() {
             what: "4 settle: work on a path that now nests with a served model stops",
             setup: vec![Holder("p", 1), New("m")],
             tweak: |r| r.model_mut(&key("m")).unwrap().path = "p/x".into(),
-            event: Box::new(|r| Event::SettlePaths {
+            event: Box::new(|r| Fact::SettlePaths {
                 claims: all_claims(r),
                 working: BTreeSet::from([key("m")]),
                 losers: BTreeSet::new(),
@@ -1125,7 +1125,7 @@ fn decide_effects_table() {
             what: "4 settle: a loser the rule clears gets its turn",
             setup: vec![Holder("p", 1), New("m")],
             tweak: none,
-            event: Box::new(|r| Event::SettlePaths {
+            event: Box::new(|r| Fact::SettlePaths {
                 claims: all_claims(r),
                 working: BTreeSet::new(),
                 losers: BTreeSet::from([key("m")]),

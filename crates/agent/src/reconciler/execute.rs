@@ -182,19 +182,14 @@ impl Reconciler {
             .map_err(|e| e.to_string())
     }
 
-    /// `key`'s resolve or fetch failed with `err`.
+    /// `key`'s resolve or fetch failed with `err`. (A periodic re-resolve's failure only
+    /// logs: the core keeps the model served.)
     pub(super) fn fail(&mut self, key: &ModelKey, err: &SourceError) {
-        if self.works.get(key).is_some_and(|w| w.refresh) {
-            // The served artifact is still good: the model stays Ready.
-            tracing::warn!(model = %key, error = %err, "re-resolving failed; still serving the artifact resolved before");
-            self.cancel_work(key);
-            self.step(decide::Event::RefreshEnded { key: key.clone() });
-            return;
-        }
-        if let Some(outcome) = err.ome_outcome() {
+        let refreshing = self.core.is_refreshing(key);
+        if let (false, Some(outcome)) = (refreshing, err.ome_outcome()) {
             self.metrics.ome.record(ome_labels(key), outcome);
         }
-        let (reason, retry) = match self.disk_full(key, err) {
+        let (reason, retry) = match (!refreshing).then(|| self.disk_full(key, err)).flatten() {
             Some((reason, needed)) => (reason, RetryKind::DiskFull { needed }),
             None if err.is_transient() => (err.to_string(), RetryKind::Transient),
             None => (err.to_string(), RetryKind::Permanent),

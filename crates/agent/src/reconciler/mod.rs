@@ -1,24 +1,37 @@
-//! The reconciler: the one place that decides. It owns the durable records and turns the
-//! desired set of models (from the standalone directory or Kubernetes) into resolve and fetch
-//! tasks, placements and mapping flips.
+//! The reconciler: turns the desired set of models (from the standalone directory or
+//! Kubernetes) into resolve and fetch tasks, placements and mapping flips. It is split in two:
+//! the decision core ([`decide`]), which owns the durable records and every model's lifecycle
+//! and decides everything, and the executor here, which decides nothing.
 //!
-//! # Model
-//! A single actor handles one message at a time (desired state changed, a resolve or fetch
-//! finished, the mount server refused entries, a timer tick), so decisions never race each
-//! other and need no locks. For each, it builds a [`decide::Event`] (with what the decision
-//! needs from outside the records: work in flight, the path claims of the models whose paths
-//! nest with the model's, which copies lack blobs on disk), asks the pure decision core
-//! `decide::decide(records, event)`, and executes the [`decide::Effect`]s of the answer in
-//! order: save the records before a store directory exists, start a fetch, wait, lose a path,
-//! fail with a retry, link a split store, rebuild the mapping. Outcomes come back as events
-//! (a fetch's, a split's). The actor runs on a thread of its own (the runtime's blocking pool),
-//! so its fsyncs, links and record writes never stall the async workers that serve HTTP,
-//! Kubernetes watches and downloads. Slow work (hashing, copying, downloading) runs in spawned
-//! tasks that report back with messages; they never touch the records.
+//! # The split
+//! The core is one state value, [`decide::Machine`] (the records, their path index, each
+//! model's work phase, pending retry, lost path and waits), with one pure transition,
+//! [`decide::Machine::step`]: an event and the time give the new state and a list of
+//! [`decide::Effect`]s. What happens to a model when something happens is its transition
+//! table (module docs of [`decide`]). The executor is a single actor that handles one message
+//! at a time (desired state changed, a resolve or fetch finished, the mount server refused
+//! entries, a timer tick), so steps never race each other and need no locks. For each it
+//! reports an event to the core with what only the world can tell (an artifact resolved, the
+//! disk's free space, which copies lack blobs), and runs the effects of the answer in order:
+//! save the records before a store directory exists, start or stop a resolve or fetch, link a
+//! split store, log a failure, rebuild the mapping at the end of the batch. Outcomes come back
+//! as events (a fetch's, a split's, a failure's). Its modules:
+//! * `handle`, `config`: what the rest of the daemon holds and configures;
+//! * `models`: the handlers of what happens to a model (a spec, a retry, a resolve or fetch
+//!   finishing, a deletion), each a step of the core;
+//! * `execute`: running effects, and failures reported back as events;
+//! * `work`: work in flight, its cancellation and the tasks that run it;
+//! * `passes`, `mapping`: the actor's loop, the whole-state passes after a batch (the path
+//!   rule, the mapping swap, records and status) and the tick;
+//! * `persist`, `status_doc`, `gc`, `space`, `progressive`, `model_config`: records and status
+//!   files, the status document, garbage collection, the disk budget, serving while
+//!   downloading, model configs.
 //!
-//! Still decided here rather than in the core: whether a spec change needs work at all
-//! (fingerprints, the one fresh attempt after a restart, retries due) and the retry delays'
-//! bookkeeping (their timers are the actor's).
+//! The actor runs on a thread of its own (the runtime's blocking pool), so its fsyncs, links
+//! and record writes never stall the async workers that serve HTTP, Kubernetes watches and
+//! downloads. Slow work (hashing, copying, downloading) runs in spawned tasks that report back
+//! with messages; they never touch the records. Time enters the core only as an argument (a
+//! retry's jitter too), so the core's tables and its property test replay exactly.
 //!
 //! If the actor itself dies (a panic: a bug), nothing would decide any more and the mapping
 //! would freeze: [`ReconcilerHandle::died`] resolves with the reason, and `modelfs serve` logs
@@ -27,9 +40,10 @@
 //! saving nothing, as a killed process would.
 //!
 //! # Life of a model
-//! `ensure` sees a new or changed spec (its *fingerprint* changed) and starts work: resolve the
-//! source to a manifest (skipped when only the policy or path changed: the served artifact's
-//! manifest is reused), then [`decide::Event::ArtifactKnown`] (see [`decide::placement`]):
+//! The core sees a new or changed spec (its *fingerprint* changed: [`decide::Event::Spec`])
+//! and work starts: resolve the source to a manifest (skipped when only the policy or path
+//! changed: the served artifact's manifest is reused), then [`decide::Event::ArtifactKnown`]
+//! (see [`decide::placement`]):
 //! serve from an existing holder, wait for an in-flight fetch of the same artifact (single
 //! flight), or fetch into the model's own store. Until the new placement is complete and
 //! verified, the model keeps being served as before; then [`decide::Event::Fetched`] records
@@ -38,12 +52,13 @@
 //! T-01..T-04 of SPEC section 3.2.
 //!
 //! # Cancellation
-//! Each piece of work carries a [`WorkCancel`]. Deleting or changing a model cancels it: the
+//! Each piece of work carries a `WorkCancel` (see `work`). Deleting or changing a model cancels it: the
 //! task running its resolve or fetch ends at once (its future is dropped with everything it
 //! holds: the node-wide fetch slot, HTTP connections, transfer slots), whatever it was waiting
 //! for, so a hung source can never keep a slot from other models. Blocking workers (`local://`
 //! copies) see the same cancellation as a flag and stop at their next check. A worker that
 //! panics is a bug: the model is `Failed` with the panic message, not retried.
+//!
 //! # Paths
 //! One rule decides path conflicts ([`decide::path_verdicts`]): nesting paths, or equal paths
 //! with different artifacts, and the later model (creation order, then key) loses. It is
@@ -58,13 +73,13 @@
 //! Thousands of models arrive together (a node's first desired state, an import of a whole
 //! directory), so no event may cost work proportional to the number of models times anything.
 //! A placement's path check looks only at the models whose paths nest with its own (an index
-//! of paths, [`Reconciler::related_keys`]); its reuse candidates, store users and owners come
-//! from the records' own indexes ([`records::RecordsIndex`]), and single flight from an index
-//! of work in flight by artifact and source; a model that waits is woken only by the model it
-//! waits for ([`Reconciler::work_changed`]), not by every event; the whole-state passes (the
+//! of paths, [`decide::PathIndex`]); its reuse candidates, store users and owners come from
+//! the records' own indexes ([`records::RecordsIndex`]), and single flight from the core's
+//! index of work in flight by artifact and source; a model that waits is woken only by the
+//! model it waits for ([`decide::Event::WakeNext`]), not by every event; the whole-state passes (the
 //! path rule over all claims, the mapping swap, saving the records, the status document) run
 //! once per batch of up to `MAX_BATCH` queued events, not once per event, and no more often
-//! than their own cost allows ([`FlushPacer`]): at 10,000 models a pass costs a noticeable
+//! than their own cost allows (`passes::FlushPacer`): at 10,000 models a pass costs a noticeable
 //! fraction of a second, and running one after each fetch completing made an import quadratic.
 //!
 //! # Mount server refusals
@@ -77,7 +92,7 @@
 //!
 //! # Durability
 //! Records are saved by the whole-state passes after the events that changed them (paced: at
-//! most [`FLUSH_DELAY_MAX`] plus one pass later; explicitly and at once where an action must
+//! most `passes::FLUSH_DELAY_MAX` plus one pass later; explicitly and at once where an action must
 //! follow them, such as creating a store directory or collecting garbage), always after the
 //! data they point at is durable (blobs synced, artifact file written): a SIGKILL leaves a state
 //! that start-up turns back into a consistent mapping by `stat`ing blobs, never re-hashing

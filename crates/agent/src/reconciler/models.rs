@@ -299,14 +299,6 @@ impl Reconciler {
         self.work_changed(&key);
         let refresh = self.works.get(&key).is_some_and(|w| w.refresh);
         match result {
-            Ok(m)
-                if refresh
-                    && self.core.records.models()[&key].artifact.as_ref() == Some(&m.id()) =>
-            {
-                tracing::debug!(model = %key, "resolved again: unchanged");
-                self.works.remove(&key);
-                self.step(decide::Event::RefreshEnded { key: key.clone() });
-            }
             Ok(m) => {
                 if refresh {
                     tracing::info!(model = %key, artifact = %m.id(), "the source changed; fetching the new artifact");

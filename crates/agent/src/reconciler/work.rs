@@ -144,59 +144,6 @@ impl WorkCancel {
     }
 }
 
-#[cfg(test)]
-mod work_cancel_tests {
-    use super::*;
-
-    /// Runs `work` under `cancel` and returns the receiver of its report.
-    fn spawn_reporting<T: Send + 'static>(
-        cancel: &WorkCancel,
-        work: impl std::future::Future<Output = Result<T, SourceError>> + Send + 'static,
-    ) -> tokio::sync::oneshot::Receiver<Result<T, SourceError>> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        cancel.spawn(work, move |r| {
-            let _ = tx.send(r);
-        });
-        rx
-    }
-
-    #[tokio::test]
-    async fn cancelling_ends_a_hung_task_and_frees_its_slot() {
-        let slots = Arc::new(Semaphore::new(1));
-        let cancel = WorkCancel::default();
-        let held = slots.clone();
-        let (started_tx, started) = tokio::sync::oneshot::channel();
-        let done = spawn_reporting(&cancel, async move {
-            let _slot = held.acquire_owned().await.unwrap();
-            let _ = started_tx.send(());
-            std::future::pending::<Result<(), SourceError>>().await
-        });
-        started.await.unwrap();
-        assert_eq!(slots.available_permits(), 0);
-        cancel.cancel();
-        assert!(matches!(done.await.unwrap(), Err(SourceError::Cancelled)));
-        assert!(
-            cancel.flag.load(Ordering::Relaxed),
-            "blocking workers see it too"
-        );
-        // The hung future was dropped with its slot: another model gets it.
-        let _again = slots.try_acquire().expect("the slot is free");
-    }
-
-    #[tokio::test]
-    async fn a_panicking_worker_is_a_permanent_failure_with_its_message() {
-        let done = spawn_reporting(&WorkCancel::default(), async {
-            if true {
-                panic!("listing parser broke");
-            }
-            Ok::<(), SourceError>(())
-        });
-        let err = done.await.unwrap().unwrap_err();
-        assert!(!err.is_transient(), "{err}");
-        assert!(err.to_string().contains("listing parser broke"), "{err}");
-    }
-}
-
 impl Reconciler {
     /// A sender for workers' reports. The handles and the ticker hold the strong senders; with
     /// all of them gone nothing can be reported to anyone, and a closed sender is as good.
@@ -395,5 +342,58 @@ impl Reconciler {
             w.cancel.cancel();
         }
         self.work_changed(key);
+    }
+}
+
+#[cfg(test)]
+mod work_cancel_tests {
+    use super::*;
+
+    /// Runs `work` under `cancel` and returns the receiver of its report.
+    fn spawn_reporting<T: Send + 'static>(
+        cancel: &WorkCancel,
+        work: impl std::future::Future<Output = Result<T, SourceError>> + Send + 'static,
+    ) -> tokio::sync::oneshot::Receiver<Result<T, SourceError>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        cancel.spawn(work, move |r| {
+            let _ = tx.send(r);
+        });
+        rx
+    }
+
+    #[tokio::test]
+    async fn cancelling_ends_a_hung_task_and_frees_its_slot() {
+        let slots = Arc::new(Semaphore::new(1));
+        let cancel = WorkCancel::default();
+        let held = slots.clone();
+        let (started_tx, started) = tokio::sync::oneshot::channel();
+        let done = spawn_reporting(&cancel, async move {
+            let _slot = held.acquire_owned().await.unwrap();
+            let _ = started_tx.send(());
+            std::future::pending::<Result<(), SourceError>>().await
+        });
+        started.await.unwrap();
+        assert_eq!(slots.available_permits(), 0);
+        cancel.cancel();
+        assert!(matches!(done.await.unwrap(), Err(SourceError::Cancelled)));
+        assert!(
+            cancel.flag.load(Ordering::Relaxed),
+            "blocking workers see it too"
+        );
+        // The hung future was dropped with its slot: another model gets it.
+        let _again = slots.try_acquire().expect("the slot is free");
+    }
+
+    #[tokio::test]
+    async fn a_panicking_worker_is_a_permanent_failure_with_its_message() {
+        let done = spawn_reporting(&WorkCancel::default(), async {
+            if true {
+                panic!("listing parser broke");
+            }
+            Ok::<(), SourceError>(())
+        });
+        let err = done.await.unwrap().unwrap_err();
+        assert!(!err.is_transient(), "{err}");
+        assert!(err.to_string().contains("listing parser broke"), "{err}");
     }
 }

@@ -105,9 +105,6 @@ pub enum Event {
         source: String,
         refresh: bool,
     },
-    /// A periodic re-resolve ended without a change (the same artifact, or a failure: the
-    /// served artifact is still good).
-    RefreshEnded { key: ModelKey },
     /// `key`'s artifact is known (resolved, or the served one when only the policy or path
     /// changed): place it (SPEC 3.1, 3.2; the path rule of section 4 first). `space`: the disk
     /// as a fetch would find it (`None`: no budget).
@@ -185,11 +182,14 @@ pub struct Lifecycle {
     phases: BTreeMap<ModelKey, Phase>,
     fetching: HashMap<ArtifactId, BTreeSet<ModelKey>>,
     resolving: HashMap<String, BTreeSet<ModelKey>>,
+    /// Models whose work is a periodic re-resolve (and the fetch it may lead to): they stay
+    /// served, and its failure only logs.
+    refreshing: BTreeSet<ModelKey>,
 }
 
 impl Lifecycle {
     fn set_phase(&mut self, key: &ModelKey, phase: Phase) {
-        self.clear_phase(key);
+        self.unindex(key);
         match &phase {
             Phase::Resolving { source, .. } => {
                 self.resolving
@@ -208,7 +208,13 @@ impl Lifecycle {
         self.phases.insert(key.clone(), phase);
     }
 
+    /// `key`'s work ended.
     fn clear_phase(&mut self, key: &ModelKey) {
+        self.unindex(key);
+        self.refreshing.remove(key);
+    }
+
+    fn unindex(&mut self, key: &ModelKey) {
         fn take<K: std::hash::Hash + Eq>(
             map: &mut HashMap<K, BTreeSet<ModelKey>>,
             k: &K,
@@ -294,12 +300,17 @@ impl Machine {
             } => {
                 self.life
                     .set_phase(&key, Phase::Resolving { source, refresh });
+                if refresh {
+                    self.life.refreshing.insert(key);
+                } else {
+                    self.life.refreshing.remove(&key);
+                }
                 return out;
             }
-            Event::RefreshEnded { key } => {
-                self.life.clear_phase(&key);
-                self.work_moved(&key);
-                return out;
+            Event::Failed { key, reason, .. } if self.life.refreshing.contains(&key) => {
+                // The served artifact is still good: the model stays Ready.
+                tracing::warn!(model = %key, error = reason, "re-resolving failed; still serving the artifact resolved before");
+                return self.refresh_ended(key);
             }
             Event::Failed { key, reason, retry } => {
                 return self.lifecycle(vec![Effect::Fail { key, reason, retry }], None, clock)
@@ -325,6 +336,10 @@ impl Machine {
                         .map(|key| Effect::Wake { key }),
                 );
                 return out;
+            }
+            Event::ArtifactKnown { key, .. } if self.refresh_unchanged(&event) => {
+                tracing::debug!(model = %key, "resolved again: unchanged");
+                return self.refresh_ended(key);
             }
             Event::ArtifactKnown { key, want, space } => {
                 let claims = self.related_claims(&want.path);
@@ -404,6 +419,27 @@ impl Machine {
             self.work_moved(key);
         }
         out
+    }
+
+    /// A periodic re-resolve found the artifact the model serves.
+    fn refresh_unchanged(&self, event: &Event) -> bool {
+        let Event::ArtifactKnown { key, want, .. } = event else {
+            return false;
+        };
+        self.life.refreshing.contains(key)
+            && self
+                .records
+                .models()
+                .get(key)
+                .and_then(|r| r.artifact.as_ref())
+                == Some(&want.artifact)
+    }
+
+    /// A periodic re-resolve ends with the model served as before: its work stops.
+    fn refresh_ended(&mut self, key: ModelKey) -> Vec<Effect> {
+        self.life.clear_phase(&key);
+        self.work_moved(&key);
+        vec![Effect::Stop { key }]
     }
 
     /// The path rule for `key` about to start work at `path`: it loses at once to a model
@@ -855,6 +891,11 @@ impl Machine {
     /// What `key`'s work is doing, if it has work.
     pub fn phase(&self, key: &ModelKey) -> Option<&Phase> {
         self.life.phases.get(key)
+    }
+
+    /// `key`'s work is a periodic re-resolve (see [`Event::Resolving`]).
+    pub fn is_refreshing(&self, key: &ModelKey) -> bool {
+        self.life.refreshing.contains(key)
     }
 
     /// The models with work in progress.

@@ -589,7 +589,20 @@ fn transition_table() {
             effects: "",
         },
         Row {
-            row: "serving + Resolving (periodic) + RefreshEnded",
+            row: "serving + Resolving (periodic)",
+            setup: |r| r.serving("m", "m", Always, 1),
+            event: |r| {
+                r.step(Event::Resolving {
+                    key: key("m"),
+                    source: source("m"),
+                    refresh: true,
+                })
+            },
+            then: "serving, re-resolving",
+            effects: "",
+        },
+        Row {
+            row: "serving, re-resolving + ArtifactKnown (the same artifact)",
             setup: |r| {
                 r.serving("m", "m", Always, 1);
                 r.step(Event::Resolving {
@@ -597,11 +610,44 @@ fn transition_table() {
                     source: source("m"),
                     refresh: true,
                 });
-                assert_eq!(r.state("m"), "serving, re-resolving");
             },
-            event: |r| r.step(Event::RefreshEnded { key: key("m") }),
+            event: |r| r.known("m", "m", Always, 1),
             then: "serving",
-            effects: "",
+            effects: "m stops",
+        },
+        Row {
+            row: "serving, re-resolving + ArtifactKnown (a new artifact)",
+            setup: |r| {
+                r.serving("m", "m", Always, 1);
+                r.step(Event::Resolving {
+                    key: key("m"),
+                    source: source("m"),
+                    refresh: true,
+                });
+            },
+            event: |r| r.known("m", "m", Always, 2),
+            then: "fetching",
+            effects: "fetch m",
+        },
+        Row {
+            row: "serving, re-resolving + Failed",
+            setup: |r| {
+                r.serving("m", "m", Always, 1);
+                r.step(Event::Resolving {
+                    key: key("m"),
+                    source: source("m"),
+                    refresh: true,
+                });
+            },
+            event: |r| {
+                r.step(Event::Failed {
+                    key: key("m"),
+                    reason: "503".into(),
+                    retry: RetryKind::Transient,
+                })
+            },
+            then: "serving",
+            effects: "m stops",
         },
         Row {
             row: "serving + MountRefused (first refusal)",

@@ -58,7 +58,9 @@
 //! | any | `Spec` changed | updating | `Stop` (if working), `Start` |
 //! | working | `Spec` unchanged | unchanged | - |
 //! | serving | `Resolving` (periodic) | serving, re-resolving | - |
-//! | serving, re-resolving | `RefreshEnded` (same artifact, or it failed) | serving | - |
+//! | serving, re-resolving | `ArtifactKnown`, the artifact it serves | serving | `Stop` |
+//! | serving, re-resolving | `ArtifactKnown`, a new artifact | fetching (still serving) | `Fetch` |
+//! | serving, re-resolving or its fetch | `Failed` | serving | `Stop` (it only logs) |
 //! | serving | `MountRefused` | failed, retry (the refusals counted across serving) | `Fail` (`MountRefused`), `Remap` |
 //! | waiting | `WorkMoved` / `Failed` / `Served` of the model it waits on, then `WakeNext` | waiting | `Wake` (the executor sends `ArtifactKnown`) |
 //! | loser | `SettlePaths`, the rule clears it | failed, retry due now | `Turn` (the executor sends `Spec`) |

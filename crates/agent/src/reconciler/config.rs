@@ -32,7 +32,7 @@ pub struct ReconcilerConfig {
     /// How often a Ready model whose source can change under the same URI (an object-store
     /// prefix, a Hugging Face branch or tag) is resolved again; `None` (the default, as OME's
     /// agent, which reads a source only when the model object changes) never. See
-    /// [`Reconciler::refresh_due`].
+    /// [`decide::Machine::with_refresh`].
     pub resolve_interval: Option<Duration>,
     /// Serve a model while it downloads: its listing at once, each file once it verified
     /// ([`progressive`]). On in standalone mode; off by default.

@@ -87,6 +87,7 @@ impl Reconciler {
                     self.batch.remap_needed |= self.reconcile_one(&key);
                 }
                 Effect::Retry { key } => self.batch.remap_needed |= self.reconcile_one(&key),
+                Effect::Refresh { key } => self.start_refresh(&key),
                 Effect::Stop { key } => self.cancel_work(&key),
                 Effect::Start { key, new } => self.start_work(&key, new),
                 Effect::Invalid { key, reason } => {

@@ -258,7 +258,8 @@ impl Reconciler {
                 Arc::new(Semaphore::new(config.max_concurrent_fetches.max(1))),
                 tx.downgrade(),
             ),
-            core: decide::Machine::new(records, config.retry_base, config.retry_max),
+            core: decide::Machine::new(records, config.retry_base, config.retry_max)
+                .with_refresh(config.resolve_interval),
             disk: space::Disk::new(config.disk_budget),
             config,
             state,

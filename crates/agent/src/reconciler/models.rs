@@ -4,14 +4,12 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
 use super::decide::{self, Effect};
 use super::handle::now_secs;
-use super::records::ModelPhase;
-use super::spec::{fingerprint, ome_labels, recorded_path, selection_digest, source_may_change};
+use super::spec::{fingerprint, ome_labels, recorded_path, selection_digest};
 use super::{Reconciler, Stage};
 use crate::source::{Source, SourceError};
 use modelfs_core::artifact::{Manifest, Sha256Digest, StoredArtifact};
@@ -20,13 +18,18 @@ use modelfs_ome::{ModelKey, ModelSpec, SourceUri};
 
 impl Reconciler {
     /// Retries whose time has come (transient failures, refusals, space that fits now,
-    /// turns): the core says which. Only these models are looked at: the others cannot change
-    /// without a new desired state.
+    /// turns) and periodic re-resolves due: the core says which. Only these models are looked
+    /// at: the others cannot change without a new desired state.
     pub(super) fn retry_due(&mut self) -> bool {
+        if self.desired.is_none() {
+            return false;
+        }
         let mut changed = false;
         for effect in self.step(decide::Event::TimePassed) {
-            if let Effect::Retry { key } = effect {
-                changed |= self.reconcile_one(&key);
+            match effect {
+                Effect::Retry { key } => changed |= self.reconcile_one(&key),
+                Effect::Refresh { key } => self.start_refresh(&key),
+                _ => {}
             }
         }
         if changed {
@@ -50,43 +53,21 @@ impl Reconciler {
         }
     }
 
-    /// With `resolve_interval`: starts a re-resolve of every Ready model whose source can name
-    /// other content under the same URI (`s3://`, `gs://`, `az://`, `oci://` prefixes, whose
-    /// objects may be overwritten; `hf://` at a branch or tag) and that has not been resolved
-    /// for an interval. The same artifact again ends the work quietly; a new one (a changed
-    /// object has a new ETag or generation, so a new manifest) is fetched and flipped to as
-    /// for a source change (SPEC 3.3), per the model's policy, while the old one stays served
-    /// and the model stays Ready. A failed re-resolve or fetch only logs.
-    pub(super) fn refresh_due(&mut self) {
-        let Some(interval) = self.config.resolve_interval else {
+    /// A periodic re-resolve of a served model (module docs of [`decide::machine`]): the
+    /// same artifact again ends the work quietly; a new one (a changed object has a new ETag
+    /// or generation, so a new manifest) is fetched and flipped to as for a source change
+    /// (SPEC 3.3), per the model's policy, while the old one stays served and the model stays
+    /// Ready. A failed re-resolve or fetch only logs.
+    pub(super) fn start_refresh(&mut self, key: &ModelKey) {
+        let Some(Ok(spec)) = self
+            .desired
+            .as_ref()
+            .and_then(|d| d.models.get(key))
+            .cloned()
+        else {
             return;
         };
-        let Some(desired) = self.desired.as_ref() else {
-            return;
-        };
-        let now = Instant::now();
-        let mut due = Vec::new();
-        for (key, rec) in self.core.records.models() {
-            let Some(Ok(spec)) = desired.models.get(key) else {
-                continue;
-            };
-            let ready = rec.phase == ModelPhase::Ready && rec.artifact.is_some();
-            if !ready || self.works.contains_key(key) || !source_may_change(&spec.source) {
-                self.works.resolved_at.remove(key);
-                continue;
-            }
-            let since = *self.works.resolved_at.entry(key.clone()).or_insert(now);
-            if now.duration_since(since) >= interval {
-                due.push((key.clone(), spec.clone()));
-            }
-        }
-        for (key, spec) in due {
-            self.works.resolved_at.insert(key.clone(), now);
-            self.start_refresh(&key, &spec);
-        }
-    }
-
-    pub(super) fn start_refresh(&mut self, key: &ModelKey, spec: &ModelSpec) {
+        let spec = &spec;
         let token = self.token(key);
         let fp = fingerprint(spec, token.as_ref());
         if self

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use sha2::{Digest, Sha256};
 
-use modelfs_ome::{ModelKey, ModelSpec, SourceUri};
+use modelfs_ome::{ModelKey, ModelSpec};
 
 /// What decides whether a spec change needs work. A new token counts: a model that failed for
 /// lack of access must try again when it gets one. So do `parameters` (auth mode, region,
@@ -41,16 +41,6 @@ pub fn fingerprint(spec: &ModelSpec, token: Option<&crate::source::Token>) -> St
         h.update(dir.as_os_str().as_encoded_bytes());
     }
     hex::encode(&h.finalize()[..16])
-}
-
-/// Whether the same URI may name other content later: object-store prefixes (objects can be
-/// overwritten, added or removed) and Hugging Face branches or tags (a commit cannot change).
-pub(super) fn source_may_change(source: &SourceUri) -> bool {
-    match source {
-        SourceUri::ObjectStore { .. } | SourceUri::Oci { .. } => true,
-        SourceUri::HuggingFace { revision, .. } => !modelfs_ome::source::is_commit_hash(revision),
-        _ => false,
-    }
 }
 
 /// A digest of `spec.storage.parameters` (`None` when there are none): what the records keep

@@ -4,7 +4,6 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 use futures_util::FutureExt;
 use tokio::sync::{mpsc, Semaphore};
@@ -47,9 +46,6 @@ pub(super) struct Work {
 /// tracks the same work as phases: see [`decide::Phase`]), and what work is spawned with.
 pub(super) struct Works {
     map: BTreeMap<ModelKey, Work>,
-    /// When each Ready model was last resolved (or first seen Ready): see
-    /// [`Reconciler::refresh_due`].
-    pub(super) resolved_at: HashMap<ModelKey, Instant>,
     /// Node-wide fetch slots ([`super::ReconcilerConfig::max_concurrent_fetches`]).
     pub(super) fetch_slots: Arc<Semaphore>,
     /// Where workers report (weak: the actor alone must not keep its own queue open; see
@@ -69,7 +65,6 @@ impl Works {
     pub(super) fn new(fetch_slots: Arc<Semaphore>, tx: mpsc::WeakUnboundedSender<Event>) -> Self {
         Self {
             map: BTreeMap::new(),
-            resolved_at: HashMap::new(),
             fetch_slots,
             tx,
         }

@@ -22,7 +22,7 @@ use super::{
 use crate::reconciler::records::{ModelPhase, ModelRecord, Records};
 use modelfs_core::artifact::ArtifactId;
 use modelfs_core::store::StoreId;
-use modelfs_ome::{DownloadPolicy, ModelKey, MountPath};
+use modelfs_ome::{DownloadPolicy, ModelKey, MountPath, SourceUri};
 
 /// The time of an event, and the jitter (0..1) a retry scheduled by it uses.
 #[derive(Clone, Copy, Debug)]
@@ -185,6 +185,9 @@ pub struct Lifecycle {
     /// Models whose work is a periodic re-resolve (and the fetch it may lead to): they stay
     /// served, and its failure only logs.
     refreshing: BTreeSet<ModelKey>,
+    /// When each served model whose source may change was last resolved (or first seen
+    /// served): see [`Machine::with_refresh`].
+    resolved_at: HashMap<ModelKey, Instant>,
 }
 
 impl Lifecycle {
@@ -239,6 +242,16 @@ impl Lifecycle {
 /// disk check moves it to now once the model fits ([`Event::SpaceFits`]).
 const SPACE_PARKED: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// Whether the same URI may name other content later: object-store prefixes (objects can be
+/// overwritten, added or removed) and Hugging Face branches or tags (a commit cannot change).
+pub fn source_may_change(source: &SourceUri) -> bool {
+    match source {
+        SourceUri::ObjectStore { .. } | SourceUri::Oci { .. } => true,
+        SourceUri::HuggingFace { revision, .. } => !modelfs_ome::source::is_commit_hash(revision),
+        _ => false,
+    }
+}
+
 /// The time a parked retry is due at: [`SPACE_PARKED`] after `now`, or as far as the clock
 /// goes.
 fn parked(now: Instant) -> Instant {
@@ -259,6 +272,8 @@ pub struct Machine {
     /// First retry delay of a transient failure and its cap (see [`super::retry_delay`]).
     retry_base: Duration,
     retry_max: Duration,
+    /// How often a served model whose source may change is resolved again (`None`: never).
+    refresh_every: Option<Duration>,
 }
 
 impl Machine {
@@ -274,25 +289,34 @@ impl Machine {
             life: Lifecycle::default(),
             retry_base,
             retry_max,
+            refresh_every: None,
         }
+    }
+
+    /// With `every`: a served model whose source can name other content under the same URI
+    /// (object-store and OCI prefixes, Hugging Face branches and tags: [`source_may_change`])
+    /// is resolved again once it has not been for `every` ([`Effect::Refresh`], when time
+    /// passes).
+    pub fn with_refresh(mut self, every: Option<Duration>) -> Self {
+        self.refresh_every = every;
+        self
     }
 
     /// The one transition: what `event` at `clock` does to the state, and the effects the
     /// executor runs, in order (see the table in [`super`]).
     pub fn step(&mut self, event: Event, clock: Clock) -> Vec<Effect> {
-        let mut out = Vec::new();
-        let fact = match event {
+        match event {
             Event::Spec {
                 key,
                 spec,
                 in_cache_view,
-            } => return self.spec_seen(&key, &spec, in_cache_view, clock),
+            } => self.spec_seen(&key, &spec, in_cache_view, clock),
             Event::Invalid {
                 key,
                 fingerprint,
                 reason,
-            } => return self.invalid(&key, &fingerprint, &reason),
-            Event::Starting { key, path } => return self.starting(&key, &path, clock),
+            } => self.invalid(&key, &fingerprint, &reason),
+            Event::Starting { key, path } => self.starting(&key, &path, clock),
             Event::Resolving {
                 key,
                 source,
@@ -305,41 +329,43 @@ impl Machine {
                 } else {
                     self.life.refreshing.remove(&key);
                 }
-                return out;
+                Vec::new()
             }
             Event::Failed { key, reason, .. } if self.life.refreshing.contains(&key) => {
                 // The served artifact is still good: the model stays Ready.
                 tracing::warn!(model = %key, error = reason, "re-resolving failed; still serving the artifact resolved before");
-                return self.refresh_ended(key);
+                self.refresh_ended(key)
             }
             Event::Failed { key, reason, retry } => {
-                return self.lifecycle(vec![Effect::Fail { key, reason, retry }], None, clock)
+                self.lifecycle(vec![Effect::Fail { key, reason, retry }], None, clock)
             }
-            Event::TimePassed => return self.retries_due(clock.now),
+            Event::TimePassed => {
+                let mut out = self.retries_due(clock.now);
+                out.extend(self.refreshes_due(clock.now));
+                out
+            }
             Event::SpaceFits { keys } => {
                 for key in &keys {
                     if let Some(r) = self.life.retries.get_mut(key) {
                         r.at = clock.now;
                     }
                 }
-                return out;
+                Vec::new()
             }
             Event::WorkMoved { key } => {
                 self.work_moved(&key);
-                return out;
+                Vec::new()
             }
-            Event::WakeNext => {
-                out.extend(
-                    self.life
-                        .to_wake
-                        .pop_first()
-                        .map(|key| Effect::Wake { key }),
-                );
-                return out;
-            }
+            Event::WakeNext => self
+                .life
+                .to_wake
+                .pop_first()
+                .map(|key| Effect::Wake { key })
+                .into_iter()
+                .collect(),
             Event::ArtifactKnown { key, .. } if self.refresh_unchanged(&event) => {
                 tracing::debug!(model = %key, "resolved again: unchanged");
-                return self.refresh_ended(key);
+                self.refresh_ended(key)
             }
             Event::ArtifactKnown { key, want, space } => {
                 let claims = self.related_claims(&want.path);
@@ -353,7 +379,7 @@ impl Machine {
                     space,
                 };
                 let effects = decide(&mut self.records, &fact).effects;
-                return self.lifecycle(effects, Some(&artifact), clock);
+                self.lifecycle(effects, Some(&artifact), clock)
             }
             Event::Fetched {
                 key,
@@ -374,8 +400,18 @@ impl Machine {
                     claims,
                 };
                 let effects = decide(&mut self.records, &fact).effects;
-                return self.lifecycle(effects, wanted.as_ref(), clock);
+                self.lifecycle(effects, wanted.as_ref(), clock)
             }
+            other => self.records_event(other, clock),
+        }
+    }
+
+    /// The events that are the records' rules' alone (a deletion, a model without files, a
+    /// split linked, recovery, the path rule over all, refusals), with what the machine knows
+    /// added.
+    fn records_event(&mut self, event: Event, clock: Clock) -> Vec<Effect> {
+        let mut out = Vec::new();
+        let fact = match event {
             Event::Deleted { key } => {
                 out.push(Effect::Stop { key: key.clone() });
                 self.life.retries.remove(&key);
@@ -411,6 +447,8 @@ impl Machine {
                     working,
                 }
             }
+            // Handled by `step`.
+            other => unreachable!("not a records event: {other:?}"),
         };
         out.extend(decide(&mut self.records, &fact).effects);
         let out = self.lifecycle(out, None, clock);
@@ -854,6 +892,34 @@ impl Machine {
         due.into_iter()
             .map(|key| Effect::Retry { key: key.clone() })
             .collect()
+    }
+
+    /// The served models due for a periodic re-resolve (see [`Machine::with_refresh`]).
+    fn refreshes_due(&mut self, now: Instant) -> Vec<Effect> {
+        let Some(every) = self.refresh_every else {
+            return Vec::new();
+        };
+        let mut due = Vec::new();
+        for (key, rec) in self.records.models() {
+            let ready = rec.phase == ModelPhase::Ready && rec.artifact.is_some();
+            let may_change = || {
+                SourceUri::parse(&rec.source)
+                    .ok()
+                    .is_some_and(|s| source_may_change(&s))
+            };
+            if !ready || self.life.phases.contains_key(key) || !may_change() {
+                self.life.resolved_at.remove(key);
+                continue;
+            }
+            let since = *self.life.resolved_at.entry(key.clone()).or_insert(now);
+            if now.duration_since(since) >= every {
+                due.push(key.clone());
+            }
+        }
+        for key in &due {
+            self.life.resolved_at.insert(key.clone(), now);
+        }
+        due.into_iter().map(|key| Effect::Refresh { key }).collect()
     }
 
     // ----- read-only questions --------------------------------------------------------------

@@ -196,6 +196,7 @@ fn effects_text(effects: &[Effect]) -> String {
             }
             Effect::Invalid { key, .. } => format!("{} invalid", short(key)),
             Effect::Retry { key } => format!("{} retries", short(key)),
+            Effect::Refresh { key } => format!("{} refreshes", short(key)),
             Effect::Wake { key } => format!("{} wakes", short(key)),
         })
         .collect();
@@ -586,6 +587,32 @@ fn transition_table() {
             },
             event: |r| r.put("m", "m", Always, 1),
             then: "fetching",
+            effects: "",
+        },
+        Row {
+            row: "serving + TimePassed (its source may change, resolved an interval ago)",
+            setup: |r| {
+                r.m = Machine::new(Records::default(), BASE, MAX)
+                    .with_refresh(Some(Duration::from_secs(60)));
+                r.serving("m", "m", Always, 1);
+                r.step(Event::TimePassed);
+                r.now += Duration::from_secs(60);
+            },
+            event: |r| r.step(Event::TimePassed),
+            then: "serving",
+            effects: "m refreshes",
+        },
+        Row {
+            row: "serving + TimePassed (within the refresh interval)",
+            setup: |r| {
+                r.m = Machine::new(Records::default(), BASE, MAX)
+                    .with_refresh(Some(Duration::from_secs(60)));
+                r.serving("m", "m", Always, 1);
+                r.step(Event::TimePassed);
+                r.now += Duration::from_secs(59);
+            },
+            event: |r| r.step(Event::TimePassed),
+            then: "serving",
             effects: "",
         },
         Row {

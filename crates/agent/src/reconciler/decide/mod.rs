@@ -57,6 +57,7 @@
 //! | serving | `Spec` unchanged | serving | - (`Start` if its path is now in the cache view) |
 //! | any | `Spec` changed | updating | `Stop` (if working), `Start` |
 //! | working | `Spec` unchanged | unchanged | - |
+//! | serving, its source may change | `TimePassed`, not resolved for the refresh interval | serving | `Refresh` (the executor sends `Resolving`) |
 //! | serving | `Resolving` (periodic) | serving, re-resolving | - |
 //! | serving, re-resolving | `ArtifactKnown`, the artifact it serves | serving | `Stop` |
 //! | serving, re-resolving | `ArtifactKnown`, a new artifact | fetching (still serving) | `Fetch` |
@@ -159,6 +160,8 @@ pub enum Effect {
     Invalid { key: ModelKey, reason: String },
     /// `key`'s retry is due: its spec is reconciled again.
     Retry { key: ModelKey },
+    /// `key` is served and due for a periodic re-resolve (see [`Machine::with_refresh`]).
+    Refresh { key: ModelKey },
     /// `key` waited for a model whose work moved on: it is placed again.
     Wake { key: ModelKey },
 }

@@ -726,6 +726,7 @@ fn effect_text(e: &Effect) -> String {
         }
         Effect::Invalid { key, reason } => format!("{} invalid: {reason}", short(key)),
         Effect::Retry { key } => format!("{} retries", short(key)),
+        Effect::Refresh { key } => format!("{} refreshes", short(key)),
         Effect::Wake { key } => format!("{} wakes", short(key)),
     }
 }

@@ -4,12 +4,16 @@
 # change to the new mapping being live (histogram modelfs_mapping_update_seconds), plus bytes
 # downloaded and on disk; next to the symlink design's cost for a change that re-downloads
 # (delete the tree, fetch it again; here a local copy, a lower bound for a download).
-# Needs root. Usage: scripts/bench-flip.sh [reps]
+# Needs root. Usage: scripts/bench-flip.sh [reps] [binary]
+# The binary defaults to a release build (built here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPS=${1:-5}
-BIN=target/release/modelfs
-cargo build --release --quiet
+BIN=${2:-}
+if [ -z "$BIN" ]; then
+    cargo build --release --quiet --bin modelfs
+    BIN=target/release/modelfs
+fi
 WORK=$(mktemp -d /var/tmp/modelfs-flip.XXXXXX)
 PORT=$((20000 + RANDOM % 20000))
 PID=

@@ -18,7 +18,7 @@ WORK=$(mktemp -d /var/tmp/modelfs-flip.XXXXXX)
 PORT=$((20000 + RANDOM % 20000))
 PID=
 cleanup() {
-    [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
+    [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
 }
@@ -77,7 +77,7 @@ YAML
         # The released copy goes after the 1 s grace.
         sleep 4
         ONDISK=$(du -sb "$WORK/state/stores" | cut -f1)
-        kill "$PID"; wait "$PID" || true; PID=
+        kill -INT "$PID"; wait "$PID" || true; PID=
     done
     # The symlink design's re-download: delete the tree, fetch it again.
     REDO=$( { /usr/bin/time -f %e bash -c "rm -rf '$WORK/copy' && cp -r '$SRC' '$WORK/copy' && sync" ; } 2>&1 )

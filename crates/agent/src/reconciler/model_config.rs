@@ -366,3 +366,43 @@ impl Reconciler {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The read in place gives what the parser gives for the same directory, and names the
+    /// problem when the directory cannot be read.
+    #[test]
+    fn model_config_read_in_place_is_the_parsers_and_never_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("model");
+        std::fs::create_dir_all(&model).unwrap();
+        std::fs::write(
+            model.join("config.json"),
+            br#"{"model_type": "bert", "architectures": ["BertModel"], "hidden_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 128,
+                "vocab_size": 1000, "max_position_embeddings": 512,
+                "transformers_version": "4.40.0"}"#,
+        )
+        .unwrap();
+        let read = read_in_place(&model);
+        assert!(matches!(read, Outcome::Derived(_)), "{read:?}");
+        assert_eq!(read, derive(&PathFiles::from_dir(&model).unwrap()));
+
+        // A config that is a symlink out of the directory is not followed.
+        let linked = dir.path().join("linked");
+        std::fs::create_dir_all(&linked).unwrap();
+        std::os::unix::fs::symlink(model.join("config.json"), linked.join("config.json")).unwrap();
+        assert_eq!(read_in_place(&linked), Outcome::NoConfig);
+
+        let missing = dir.path().join("missing");
+        match read_in_place(&missing) {
+            Outcome::Broken(reason) => assert!(
+                reason.contains(&format!("{} does not exist", missing.display())),
+                "{reason}"
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1314,4 +1314,71 @@ mod tests {
         write(&src.join("sub/new\nline.bin"), b"x", 0o644);
         permanent(resolve(&src).unwrap_err(), "control character");
     }
+
+    /// Reading a config in place lists what an import would refuse by leaving it out (a
+    /// symlink out of the tree, a FIFO, a bad name, a symlink loop), follows symlinks inside
+    /// the tree, reads files others cannot read (nothing is shown to them), and never blocks on
+    /// a FIFO swapped in after the listing.
+    #[test]
+    fn config_files_leave_out_what_an_import_refuses_and_never_block() {
+        use modelfs_ome::modelconfig::ModelFiles;
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        write(&src.join("config.json"), b"{}", 0o600);
+        write(&src.join("sub/deep.json"), b"deep", 0o644);
+        write(&src.join("bad\nname"), b"x", 0o644);
+        write(&dir.path().join("outside.json"), b"secret", 0o644);
+        symlink(dir.path().join("outside.json"), src.join("escape.json")).unwrap();
+        symlink("config.json", src.join("inside.json")).unwrap();
+        std::fs::create_dir(src.join("loop")).unwrap();
+        symlink("..", src.join("loop/up")).unwrap();
+        mkfifo(&src.join("pipe"));
+        assert!(resolve(&src).is_err(), "an import refuses this tree");
+
+        let root = src.clone();
+        let files = within(
+            Duration::from_secs(10),
+            move || {
+                LocalSource::new(root)
+                    .config_files(&AtomicBool::new(false))
+                    .unwrap()
+            },
+            || {},
+        );
+        assert_eq!(
+            files.paths(),
+            ["config.json", "inside.json", "sub/deep.json"]
+        );
+        assert_eq!(files.read_limited("config.json", 10).unwrap(), b"{}");
+        assert_eq!(files.read_limited("inside.json", 10).unwrap(), b"{}");
+        assert!(files.open("escape.json").is_err());
+        assert!(files.read_limited("sub/deep.json", 3).is_err(), "bounded");
+
+        std::fs::remove_file(src.join("sub/deep.json")).unwrap();
+        mkfifo(&src.join("sub/deep.json"));
+        let fifo = src.join("sub/deep.json");
+        let opened = within(
+            Duration::from_secs(10),
+            move || {
+                files
+                    .open("sub/deep.json")
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            },
+            move || {
+                // Frees a blocked open (the test fails anyway).
+                let _ = std::fs::OpenOptions::new().write(true).open(fifo);
+            },
+        );
+        assert!(opened.is_err(), "a FIFO is not read");
+
+        let missing = LocalSource::new(dir.path().join("missing"))
+            .config_files(&AtomicBool::new(false))
+            .err()
+            .unwrap();
+        assert!(
+            matches!(missing, SourceError::LocalMissing { .. }),
+            "{missing}"
+        );
+    }
 }

@@ -287,7 +287,7 @@ fn in_place(name: &str, dir: &Path) -> Value {
 /// gives for that directory. A missing directory fails the model with OME's words; a config
 /// that does not parse, or one that is a symlink out of the directory (never followed), leaves
 /// the model `Ready` with a warning; a `config.json` written later is read again on the next
-/// `--resolve-interval-secs`.
+/// `--resolve-interval-secs`. The object's spec is back-filled, as OME's parse does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn local_model_outside_the_root_carries_the_config_read_in_place() {
     const TEST: &str = "local_model_outside_the_root_carries_the_config_read_in_place";
@@ -328,6 +328,13 @@ async fn local_model_outside_the_root_carries_the_config_read_in_place() {
     assert_eq!(inplace["config"]["modelParameterSize"], "64.06K");
     let listed: Vec<_> = std::fs::read_dir(&daemon.mount).unwrap().collect();
     assert!(listed.is_empty(), "nothing is served: {listed:?}");
+    // OME's parse of a local model updates the object's spec too.
+    let spec = wait_for("in-place spec back-filled", &daemon, || {
+        let object = server.get(CBM, "", "inplace")?;
+        (object["spec"]["modelArchitecture"] == "LlamaForCausalLM").then(|| object["spec"].clone())
+    })
+    .await;
+    assert_eq!(spec["modelParameterSize"], "64.06K", "{spec}");
 
     let failed = wait_for("missing directory failed", &daemon, || {
         entry(&server, "clusterbasemodel.missing").filter(|e| e["status"] == "Failed")

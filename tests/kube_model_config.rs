@@ -374,8 +374,18 @@ async fn local_model_outside_the_root_carries_the_config_read_in_place() {
     assert_eq!(labels["models.ome.io/clusterbasemodel.broken"], "Ready");
     assert_eq!(labels["models.ome.io/clusterbasemodel.escape"], "Ready");
 
-    // The broken config is replaced in place: the next read shows the parsed fields.
-    std::fs::copy(llama.join("config.json"), broken.join("config.json")).unwrap();
+    // The broken config is replaced (renamed over, as editors and copy tools do, so no read
+    // sees half a file): the next read shows the parsed fields.
+    std::fs::copy(
+        llama.join("config.json"),
+        data.path().join("config.json.new"),
+    )
+    .unwrap();
+    std::fs::rename(
+        data.path().join("config.json.new"),
+        broken.join("config.json"),
+    )
+    .unwrap();
     let fixed = wait_for("broken entry read again", &daemon, || {
         entry(&server, "clusterbasemodel.broken").filter(|e| e["config"]["modelType"] == "llama")
     })

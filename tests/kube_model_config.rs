@@ -285,8 +285,8 @@ fn in_place(name: &str, dir: &Path) -> Value {
 /// A `local://` model whose directory lies outside the models root has nothing served, and
 /// its config is read in place, as OME's agent does: the entry's `config` is what the parser
 /// gives for that directory. A missing directory fails the model with OME's words; a config
-/// that does not parse, or one that is a symlink out of the directory (never followed), leaves
-/// the model `Ready` with a warning; a `config.json` written later is read again on the next
+/// that does not parse, one that is a symlink out of the directory (never followed), or a
+/// path that is a file leaves the model `Ready` with a warning, logged once; a `config.json` written later is read again on the next
 /// `--resolve-interval-secs`. The object's spec is back-filled, as OME's parse does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn local_model_outside_the_root_carries_the_config_read_in_place() {
@@ -304,12 +304,17 @@ async fn local_model_outside_the_root_carries_the_config_read_in_place() {
     let escape = data.path().join("escape");
     std::fs::create_dir_all(&escape).unwrap();
     std::os::unix::fs::symlink(llama.join("config.json"), escape.join("config.json")).unwrap();
+    // A file, not a directory: it exists, so (as for OME's agent) the model is Ready and only
+    // its config is unusable.
+    let file = data.path().join("file");
+    std::fs::write(&file, b"not a model").unwrap();
     server.put(NODES, json!({"metadata": {"name": NODE, "labels": {}}}));
     for (name, dir) in [
         ("inplace", &llama),
         ("missing", &missing),
         ("broken", &broken),
         ("escape", &escape),
+        ("file", &file),
     ] {
         server.put(CBM, in_place(name, dir));
     }
@@ -370,9 +375,27 @@ async fn local_model_outside_the_root_carries_the_config_read_in_place() {
         escape_entry["configWarning"], "no model_index.json or config.json in the model",
         "the symlink out of the directory is not followed: {escape_entry}"
     );
-    let labels = server.get(NODES, "", NODE).unwrap()["metadata"]["labels"].clone();
-    assert_eq!(labels["models.ome.io/clusterbasemodel.broken"], "Ready");
-    assert_eq!(labels["models.ome.io/clusterbasemodel.escape"], "Ready");
+    let file_entry = wait_for("file entry with warning", &daemon, || {
+        entry(&server, "clusterbasemodel.file").filter(|e| e["configWarning"].is_string())
+    })
+    .await;
+    assert_eq!(file_entry["status"], "Ready", "{file_entry}");
+    assert!(
+        file_entry["configWarning"]
+            .as_str()
+            .unwrap()
+            .contains("is not a directory"),
+        "{file_entry}"
+    );
+    // The labels are written after the ConfigMap entries.
+    wait_for("node labels Ready", &daemon, || {
+        let labels = server.get(NODES, "", NODE)?["metadata"]["labels"].clone();
+        ["broken", "escape", "file"]
+            .iter()
+            .all(|m| labels[format!("models.ome.io/clusterbasemodel.{m}")] == "Ready")
+            .then_some(())
+    })
+    .await;
 
     // The broken config is replaced (renamed over, as editors and copy tools do, so no read
     // sees half a file): the next read shows the parsed fields.
@@ -397,7 +420,7 @@ async fn local_model_outside_the_root_carries_the_config_read_in_place() {
             .log_text()
             .matches("model config in place not usable")
             .count(),
-        2,
+        3,
         "one warning per model while the result stays the same"
     );
 }

@@ -22,15 +22,15 @@
 //! model, not per artifact (the files can change under it), and is not cached on disk.
 //!
 //! The directory is read again when the model is decided again (its object changed in a way
-//! that matters, it was retried, or the daemon started) and, with `--resolve-interval`, each
-//! time that interval has passed, as other sources whose content may change are re-resolved:
-//! a `config.json` edited in place shows in the entry then. Until a new result arrives the
-//! entry keeps the previous one. A result that differs from the previous one is logged (a
-//! warning when no fields could be derived), so an unreadable directory is logged once per
-//! model, not once per read. In the shipped deploy the agent's pod sees only the models root
-//! and the state directory: a directory outside them must be mounted into the agent's pod at
-//! the same path, or the model is `Failed` as missing, as OME's agent would report it from
-//! its own pod (deploy/MIGRATION.md).
+//! that matters, it was retried, or the daemon started) and, with `--resolve-interval-secs`,
+//! each time that interval has passed, as other sources whose content may change are
+//! re-resolved: a `config.json` edited in place shows in the entry then. Until a new result
+//! arrives the entry keeps the previous one. A result that differs from the previous one is
+//! logged (a warning when no fields could be derived), so an unreadable directory is logged
+//! once per model, not once per read. In the shipped deploy the agent's pod sees only the
+//! models root and the state directory: a directory outside them must be mounted into the
+//! agent's pod at the same path, or the model is `Failed` as missing, as OME's agent would
+//! report it from its own pod (deploy/MIGRATION.md).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -99,8 +99,9 @@ static CONFIG_PARSES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new
 
 impl Reconciler {
     /// Starts a parse for every served artifact that has no result yet (loading the cached one
-    /// when there is).
+    /// when there is), and the reads in place that are due.
     pub(super) fn request_model_configs(&mut self) {
+        self.request_node_dir_configs();
         let wanted: Vec<(ArtifactId, modelfs_core::store::StoreId)> = self
             .records
             .models()

@@ -246,6 +246,12 @@ enum Event {
         artifact: ArtifactId,
         outcome: modelfs_ome::modelconfig::Outcome,
     },
+    /// The config of a model read in place was parsed ([`model_config`]).
+    NodeDirConfigParsed {
+        key: ModelKey,
+        generation: u64,
+        outcome: modelfs_ome::modelconfig::Outcome,
+    },
     /// The mount server left these entries of the mapping out (a missing blob or store), with
     /// its reasons: the models served there are `Failed` and retried.
     MountRefused(Vec<modelfs_mount::protocol::RefusedEntry>),
@@ -643,6 +649,8 @@ pub struct Reconciler {
     /// What each served artifact's config files give (see [`model_config`]).
     model_configs: HashMap<ArtifactId, Arc<modelfs_ome::modelconfig::Outcome>>,
     model_configs_pending: std::collections::HashSet<ArtifactId>,
+    /// What the config of each model read in place gives (see [`model_config`]).
+    node_dir_configs: HashMap<ModelKey, model_config::NodeDirConfig>,
     gc_candidates: gc::Candidates,
     store_bytes: BTreeMap<StoreId, u64>,
     fetch_slots: Arc<Semaphore>,
@@ -766,6 +774,7 @@ impl Reconciler {
             artifacts: HashMap::new(),
             model_configs: HashMap::new(),
             model_configs_pending: std::collections::HashSet::new(),
+            node_dir_configs: HashMap::new(),
             gc_candidates: gc::Candidates::default(),
             store_bytes: BTreeMap::new(),
             tx: tx.downgrade(),
@@ -1008,6 +1017,7 @@ impl Reconciler {
                 let mut changed = self.space_tick();
                 changed |= self.retry_due();
                 self.refresh_due();
+                self.request_node_dir_configs();
                 // Waiters whose model's work ended without a wake-up (a safety net: every
                 // end of work wakes its waiters).
                 let stale: Vec<ModelKey> = self
@@ -1058,6 +1068,11 @@ impl Reconciler {
                 self.on_config_parsed(artifact, outcome);
                 true
             }
+            Event::NodeDirConfigParsed {
+                key,
+                generation,
+                outcome,
+            } => self.on_node_dir_config_parsed(key, generation, outcome),
             Event::MountRefused(entries) => {
                 self.gc_due = true;
                 self.on_mount_refused(entries)
@@ -1475,15 +1490,18 @@ impl Reconciler {
         self.index_paths(key);
         if spec.source.is_vendor() || spec.node_dir.is_some() {
             if let (Some(dir), SourceUri::Local { .. }) = (&spec.node_dir, &spec.source) {
-                // As OME's agent: the directory must exist; a missing one is retried as any
-                // source is.
-                if std::fs::metadata(dir).is_err() {
-                    let error = crate::source::SourceError::LocalMissing {
-                        path: dir.display().to_string(),
-                    };
-                    self.fail(key, &fp, &error);
-                    return true;
+                // As OME's agent: the directory must exist (any other trouble shows when its
+                // config is read); a missing one is retried as any source is.
+                if let Err(e) = std::fs::metadata(dir) {
+                    if e.kind() == std::io::ErrorKind::NotFound {
+                        let error = crate::source::SourceError::NodeDirMissing {
+                            path: dir.display().to_string(),
+                        };
+                        self.fail(key, &fp, &error);
+                        return true;
+                    }
                 }
+                self.node_dir_config_stale(key);
             }
             self.serve_without_files(key, spec);
             return true;

@@ -74,8 +74,11 @@ YAML
         f1=$(curl -sf "127.0.0.1:$PORT/metrics" | awk '/^modelfs_fetched_bytes_total/ {s+=$2} END {print s+0}')
         samples+=("$(python3 -c "print(($s1 - $s0) / max(1, $c1 - $c0))")")
         FETCHED=$(python3 -c "print(int($f1 - $f0))")
-        # The released copy goes after the 1 s grace.
-        sleep 4
+        # The released copy goes after the 1 s grace: wait for it (a `du` while it goes fails).
+        for _ in $(seq 1 600); do
+            [ "$(find "$WORK/state/stores" -mindepth 1 -maxdepth 1 | wc -l)" -le 1 ] && break
+            sleep 0.1
+        done
         ONDISK=$(du -sb "$WORK/state/stores" | cut -f1)
         kill -INT "$PID"; wait "$PID" || true; PID=
     done

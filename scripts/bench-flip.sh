@@ -4,17 +4,21 @@
 # change to the new mapping being live (histogram modelfs_mapping_update_seconds), plus bytes
 # downloaded and on disk; next to the symlink design's cost for a change that re-downloads
 # (delete the tree, fetch it again; here a local copy, a lower bound for a download).
-# Needs root. Usage: scripts/bench-flip.sh [reps]
+# Needs root. Usage: scripts/bench-flip.sh [reps] [binary]
+# The binary defaults to a release build (built here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPS=${1:-5}
-BIN=target/release/modelfs
-cargo build --release --quiet
+BIN=${2:-}
+if [ -z "$BIN" ]; then
+    cargo build --release --quiet --bin modelfs
+    BIN=target/release/modelfs
+fi
 WORK=$(mktemp -d /var/tmp/modelfs-flip.XXXXXX)
 PORT=$((20000 + RANDOM % 20000))
 PID=
 cleanup() {
-    [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
+    [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
 }
@@ -70,10 +74,13 @@ YAML
         f1=$(curl -sf "127.0.0.1:$PORT/metrics" | awk '/^modelfs_fetched_bytes_total/ {s+=$2} END {print s+0}')
         samples+=("$(python3 -c "print(($s1 - $s0) / max(1, $c1 - $c0))")")
         FETCHED=$(python3 -c "print(int($f1 - $f0))")
-        # The released copy goes after the 1 s grace.
-        sleep 4
+        # The released copy goes after the 1 s grace: wait for it (a `du` while it goes fails).
+        for _ in $(seq 1 600); do
+            [ "$(find "$WORK/state/stores" -mindepth 1 -maxdepth 1 | wc -l)" -le 1 ] && break
+            sleep 0.1
+        done
         ONDISK=$(du -sb "$WORK/state/stores" | cut -f1)
-        kill "$PID"; wait "$PID" || true; PID=
+        kill -INT "$PID"; wait "$PID" || true; PID=
     done
     # The symlink design's re-download: delete the tree, fetch it again.
     REDO=$( { /usr/bin/time -f %e bash -c "rm -rf '$WORK/copy' && cp -r '$SRC' '$WORK/copy' && sync" ; } 2>&1 )

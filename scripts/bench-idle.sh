@@ -18,7 +18,7 @@ WORK=$(mktemp -d /var/tmp/modelfs-idle.XXXXXX)
 PORT=$((20000 + RANDOM % 20000))
 PID=
 cleanup() {
-    [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
+    [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
 }

@@ -41,7 +41,7 @@ BIN=$TARGET/release/modelfs
 
 cleanup() {
   [[ -n ${MOTO_PID:-} ]] && kill "$MOTO_PID" 2>/dev/null || true
-  [[ -n ${D_PID:-} ]] && kill "$D_PID" 2>/dev/null || true
+  [[ -n ${D_PID:-} ]] && kill -INT "$D_PID" 2>/dev/null || true
   umount -l "$WORK/mnt" 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -160,7 +160,7 @@ bench_modelfs() {
   local n
   n=$(find "$WORK/mnt/bench" -type f | wc -l)
   [[ $n == "$NFILES" ]] || { echo "modelfs serves $n of $NFILES files"; exit 1; }
-  kill "$D_PID"; wait "$D_PID" 2>/dev/null || true; D_PID=
+  kill -INT "$D_PID"; wait "$D_PID" 2>/dev/null || true; D_PID=
   echo "modelfs $(echo "$t1 - $t0" | bc) $(echo "scale=2; ($c1 - $c0) / $TICK" | bc)"
 }
 

@@ -40,7 +40,7 @@ WORK=$(mktemp -d /var/tmp/modelfs-open.XXXXXX)
 PORT=$((20000 + RANDOM % 20000))
 PID=
 cleanup() {
-    if [ -n "$PID" ]; then kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true; fi
+    if [ -n "$PID" ]; then kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true; fi
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
     uring_param_restore

@@ -11,7 +11,7 @@ PORT=$((20000 + RANDOM % 20000))
 BIN=target/release/modelfs
 cargo build --release --quiet
 cleanup() {
-    [ -n "${PID:-}" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
+    [ -n "${PID:-}" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
 }
@@ -38,7 +38,7 @@ start() {
     done
     echo "daemon not ready" >&2; cat "$WORK/daemon-$1.log" >&2; exit 1
 }
-stop() { kill "$PID"; wait "$PID" || true; PID=; }
+stop() { kill -INT "$PID"; wait "$PID" || true; PID=; }
 
 # GB/s of one sequential dd read (1 MiB blocks).
 readrate() {

@@ -44,7 +44,7 @@ WORK=$(mktemp -d /var/tmp/modelfs-scale.XXXXXX)
 PORT=$((20000 + RANDOM % 20000))
 PID=
 stop_daemon() { # SIGTERM, then SIGKILL if the daemon has not exited after 30 s
-    kill "$PID" 2>/dev/null || true
+    kill -INT "$PID" 2>/dev/null || true
     for _ in $(seq 1 150); do kill -0 "$PID" 2>/dev/null || break; sleep 0.2; done
     if kill -0 "$PID" 2>/dev/null; then
         echo "daemon still running 30 s after SIGTERM; SIGKILL" >&2

@@ -44,7 +44,8 @@ stop() {
     PID=
 }
 cleanup() {
-    stop
+    # The end of the mount (SIGINT), not a hand-on to the keeper.
+    if [ -n "$PID" ]; then kill -INT "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; PID=; fi
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
 }

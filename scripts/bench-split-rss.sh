@@ -44,7 +44,7 @@ if [ "$FUSE_TRANSPORT" = uring ]; then
 fi
 cleanup() {
     [ -n "$APID" ] && kill "$APID" 2>/dev/null && wait "$APID" 2>/dev/null || true
-    [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
+    [ -n "$PID" ] && kill -INT "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
     umount -l "$WORK/mnt" 2>/dev/null || true
     rm -rf "$WORK"
     uring_param_restore

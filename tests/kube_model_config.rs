@@ -33,11 +33,8 @@ async fn wait_for<T>(what: &str, daemon: &Daemon, mut check: impl FnMut() -> Opt
 
 /// OME's Llama 3.2 1B config beside one real safetensors file of 64_064 parameters.
 /// `None` without the `hf-configs` fixtures (the test is then skipped, one line says so).
-fn llama_dir(root: &Path) -> Option<PathBuf> {
-    let config = modelfs_test_fixtures::require(
-        "configmap_entry_and_spec_backfill_with_skip_and_broken_configs",
-        "hf-configs/llama3_2_1b.json",
-    )?;
+fn llama_dir(root: &Path, test: &str) -> Option<PathBuf> {
+    let config = modelfs_test_fixtures::require(test, "hf-configs/llama3_2_1b.json")?;
     let dir = root.join("llama");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(config, dir.join("config.json")).unwrap();
@@ -80,7 +77,10 @@ fn model(
 async fn configmap_entry_and_spec_backfill_with_skip_and_broken_configs() {
     let server = FakeApiServer::start().await;
     let data = tempfile::tempdir().unwrap();
-    let Some(llama) = llama_dir(data.path()) else {
+    let Some(llama) = llama_dir(
+        data.path(),
+        "configmap_entry_and_spec_backfill_with_skip_and_broken_configs",
+    ) else {
         return;
     };
     let uri = format!("local://{}", llama.display());
@@ -262,4 +262,165 @@ async fn configmap_entry_and_spec_backfill_with_skip_and_broken_configs() {
         },
     )
     .await;
+}
+
+/// What OME's parser gives for the directory, as the ConfigMap entry's `config` of a model with
+/// no artifact.
+fn parsed_config(dir: &Path) -> Value {
+    use modelfs_ome::modelconfig::{derive, Outcome, PathFiles};
+    let Outcome::Derived(derived) = derive(&PathFiles::from_dir(dir).unwrap()) else {
+        panic!("{} has no usable config", dir.display());
+    };
+    let mut config = modelfs_ome::status::ModelConfigStatus::default();
+    config.set_derived(&derived);
+    serde_json::to_value(config).unwrap()
+}
+
+fn in_place(name: &str, dir: &Path) -> Value {
+    // No storage.path: the model is at its local:// directory, outside the models root.
+    json!({"metadata": {"name": name},
+        "spec": {"storage": {"storageUri": format!("local://{}", dir.display())}}})
+}
+
+/// A `local://` model whose directory lies outside the models root has nothing served, and
+/// its config is read in place, as OME's agent does: the entry's `config` is what the parser
+/// gives for that directory. A missing directory fails the model with OME's words; a config
+/// that does not parse, one that is a symlink out of the directory (never followed), or a
+/// path that is a file leaves the model `Ready` with a warning, logged once; a `config.json` written later is read again on the next
+/// `--resolve-interval-secs`. The object's spec is back-filled, as OME's parse does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_model_outside_the_root_carries_the_config_read_in_place() {
+    const TEST: &str = "local_model_outside_the_root_carries_the_config_read_in_place";
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    let Some(llama) = llama_dir(data.path(), TEST) else {
+        return;
+    };
+    let expected = parsed_config(&llama);
+    let missing = data.path().join("missing");
+    let broken = data.path().join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(broken.join("config.json"), b"{\"model_type\": 12}").unwrap();
+    let escape = data.path().join("escape");
+    std::fs::create_dir_all(&escape).unwrap();
+    std::os::unix::fs::symlink(llama.join("config.json"), escape.join("config.json")).unwrap();
+    // A file, not a directory: it exists, so (as for OME's agent) the model is Ready and only
+    // its config is unusable.
+    let file = data.path().join("file");
+    std::fs::write(&file, b"not a model").unwrap();
+    server.put(NODES, json!({"metadata": {"name": NODE, "labels": {}}}));
+    for (name, dir) in [
+        ("inplace", &llama),
+        ("missing", &missing),
+        ("broken", &broken),
+        ("escape", &escape),
+        ("file", &file),
+    ] {
+        server.put(CBM, in_place(name, dir));
+    }
+    let daemon = start_daemon(
+        &server,
+        &["--allow-local-sources", "--resolve-interval-secs=1"],
+        &[],
+    );
+
+    let inplace = wait_for("in-place entry with config", &daemon, || {
+        entry(&server, "clusterbasemodel.inplace").filter(|e| e["config"]["modelType"] == "llama")
+    })
+    .await;
+    assert_eq!(inplace["status"], "Ready", "{inplace}");
+    assert_eq!(inplace["config"], expected, "{inplace}");
+    assert_eq!(inplace["config"]["modelParameterSize"], "64.06K");
+    let listed: Vec<_> = std::fs::read_dir(&daemon.mount).unwrap().collect();
+    assert!(listed.is_empty(), "nothing is served: {listed:?}");
+    // OME's parse of a local model updates the object's spec too.
+    let spec = wait_for("in-place spec back-filled", &daemon, || {
+        let object = server.get(CBM, "", "inplace")?;
+        (object["spec"]["modelArchitecture"] == "LlamaForCausalLM").then(|| object["spec"].clone())
+    })
+    .await;
+    assert_eq!(spec["modelParameterSize"], "64.06K", "{spec}");
+
+    let failed = wait_for("missing directory failed", &daemon, || {
+        entry(&server, "clusterbasemodel.missing").filter(|e| e["status"] == "Failed")
+    })
+    .await;
+    let reason = failed["reason"].as_str().unwrap();
+    let ome = format!("local model path does not exist: {}", missing.display());
+    assert!(
+        reason.starts_with(&format!("{ome} (retry ")),
+        "OME's words, and retried: {failed}"
+    );
+
+    let broken_entry = wait_for("broken entry with warning", &daemon, || {
+        entry(&server, "clusterbasemodel.broken").filter(|e| e["configWarning"].is_string())
+    })
+    .await;
+    assert_eq!(broken_entry["status"], "Ready", "{broken_entry}");
+    assert!(
+        broken_entry["configWarning"]
+            .as_str()
+            .unwrap()
+            .contains("model_type"),
+        "{broken_entry}"
+    );
+    assert!(broken_entry["config"].get("modelType").is_none());
+
+    let escape_entry = wait_for("escape entry with warning", &daemon, || {
+        entry(&server, "clusterbasemodel.escape").filter(|e| e["configWarning"].is_string())
+    })
+    .await;
+    assert_eq!(escape_entry["status"], "Ready", "{escape_entry}");
+    assert_eq!(
+        escape_entry["configWarning"], "no model_index.json or config.json in the model",
+        "the symlink out of the directory is not followed: {escape_entry}"
+    );
+    let file_entry = wait_for("file entry with warning", &daemon, || {
+        entry(&server, "clusterbasemodel.file").filter(|e| e["configWarning"].is_string())
+    })
+    .await;
+    assert_eq!(file_entry["status"], "Ready", "{file_entry}");
+    assert!(
+        file_entry["configWarning"]
+            .as_str()
+            .unwrap()
+            .contains("is not a directory"),
+        "{file_entry}"
+    );
+    // The labels are written after the ConfigMap entries.
+    wait_for("node labels Ready", &daemon, || {
+        let labels = server.get(NODES, "", NODE)?["metadata"]["labels"].clone();
+        ["broken", "escape", "file"]
+            .iter()
+            .all(|m| labels[format!("models.ome.io/clusterbasemodel.{m}")] == "Ready")
+            .then_some(())
+    })
+    .await;
+
+    // The broken config is replaced (renamed over, as editors and copy tools do, so no read
+    // sees half a file): the next read shows the parsed fields.
+    std::fs::copy(
+        llama.join("config.json"),
+        data.path().join("config.json.new"),
+    )
+    .unwrap();
+    std::fs::rename(
+        data.path().join("config.json.new"),
+        broken.join("config.json"),
+    )
+    .unwrap();
+    let fixed = wait_for("broken entry read again", &daemon, || {
+        entry(&server, "clusterbasemodel.broken").filter(|e| e["config"]["modelType"] == "llama")
+    })
+    .await;
+    assert!(fixed.get("configWarning").is_none(), "{fixed}");
+    assert_eq!(fixed["config"], parsed_config(&broken), "{fixed}");
+    assert_eq!(
+        daemon
+            .log_text()
+            .matches("model config in place not usable")
+            .count(),
+        3,
+        "one warning per model while the result stays the same"
+    );
 }

@@ -15,7 +15,7 @@ use modelfs_devhub::hf::files_from_dir;
 /// directory outside the models root) and `local://` with its directory outside the root:
 /// `Ready`, the status path is the node directory, nothing is added to the mount, and the
 /// node directory is left as it was. A `local://` directory that does not exist yet fails the
-/// model with the reason and is retried, so it becomes `Ready` once it is created.
+/// model with OME's reason and is retried, so it becomes `Ready` once it is created.
 #[test]
 fn models_whose_files_are_outside_the_models_root_are_ready_and_serve_nothing() {
     let env = TestEnv::new();
@@ -65,7 +65,10 @@ fn models_whose_files_are_outside_the_models_root_are_ready_and_serve_nothing() 
     let missing = d.wait_model("clusterbasemodel.later", "Failed");
     let reason = missing["reason"].as_str().unwrap_or_default();
     assert!(
-        reason.contains(&format!("{} does not exist", later.display())),
+        reason.contains(&format!(
+            "local model path does not exist: {}",
+            later.display()
+        )),
         "{reason}"
     );
 

@@ -761,3 +761,80 @@ fn a_state_directory_deeper_than_a_socket_address_serves_and_restarts() {
     assert_eq!(contents(&env.mount.join("a")), contents(&src));
     assert!(d.stop(), "clean shutdown");
 }
+
+/// A mount that a keeper holds for a mount server of another state directory answers nothing
+/// (nobody serves it, and the connection is alive). A start on it with a new state directory
+/// (an operator who wiped the state, or a typo in `--state`) fails with the reason and the way
+/// out instead of hanging in its first `statfs`, and leaves the held mount alone: the daemon
+/// of the first state directory resumes it afterwards.
+#[test]
+fn a_start_on_a_mount_held_for_another_state_directory_fails_with_the_reason() {
+    let env = TestEnv::new();
+    let src = env.dir("src");
+    make_model_dir(&src, 31, 1 << 20);
+    env.write_models(
+        "m.yaml",
+        &cluster_model("m", &uri(&src), "AlwaysDownload", Some("m")),
+    );
+    let d = Daemon::start(&env, &[]);
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert!(d.hand_on(), "a hand-on exits cleanly");
+
+    let other = env.dir("other-state");
+    let log = env.root.path().join("other.log");
+    let mut child = std::process::Command::new(BIN)
+        .args([
+            "serve",
+            "--fuse-transport",
+            "dev",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--mount")
+        .arg(&env.mount)
+        .arg("--state")
+        .arg(&other)
+        .arg("--models")
+        .arg(&env.models)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    // Bounded: the probe gives up after its timeout; a hang would keep it here.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "a start on a held mount hangs; log:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(!status.success(), "it must fail; log:\n{text}");
+    assert!(
+        text.contains("did not answer within") && text.contains("modelfs unmount --mount"),
+        "the reason and the way out are given; log:\n{text}"
+    );
+
+    // The held mount is untouched: its own state directory resumes it and serves the model.
+    let d = Daemon::start(&env, &[]);
+    assert!(
+        d.log_text()
+            .contains("resumed the FUSE connection of the previous mount server"),
+        "log:\n{}",
+        d.log_text()
+    );
+    d.wait_model("clusterbasemodel.m", "Ready");
+    assert_eq!(
+        std::fs::read(env.mount.join("m/config.json")).unwrap(),
+        std::fs::read(src.join("config.json")).unwrap()
+    );
+    assert!(d.stop());
+}

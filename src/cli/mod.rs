@@ -138,6 +138,8 @@ pub struct ServeArgs {
     /// Seconds between re-resolves of Ready models whose source can change under the same URI
     /// (s3://, gs://, az://, oci:// prefixes; hf:// branches and tags): a changed object or a
     /// moved branch becomes a new artifact, fetched and flipped to per the model's policy.
+    /// The `config.json` of a `local://` model outside the models root (read in place, not
+    /// served) is parsed again at the same interval.
     /// 0 (the default, as OME's agent): a source is read only when the model object changes.
     #[arg(long, default_value_t = 0)]
     resolve_interval_secs: u64,

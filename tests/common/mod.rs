@@ -458,6 +458,18 @@ impl Daemon {
         self.mount = PathBuf::new();
     }
 
+    /// SIGTERM (a hand-on: the keeper keeps the mount for the next daemon on this state) and
+    /// wait for the exit; returns whether it exited successfully. The mount stays; the
+    /// environment ends it when it goes.
+    pub fn hand_on(mut self) -> bool {
+        let Some(mut c) = self.child.take() else {
+            return false;
+        };
+        self.mount = PathBuf::new();
+        terminate(c.id());
+        c.wait().map(|s| s.success()).unwrap_or(false)
+    }
+
     /// SIGINT (Ctrl-C: the end of the mount) and wait for a clean exit; returns whether it
     /// exited successfully. (SIGTERM hands the mount on instead: see `tests/takeover.rs`.)
     pub fn stop(mut self) -> bool {

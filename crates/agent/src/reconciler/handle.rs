@@ -39,6 +39,12 @@ pub(super) enum Event {
         artifact: ArtifactId,
         outcome: modelfs_ome::modelconfig::Outcome,
     },
+    /// The config of a model read in place was parsed ([`super::model_config`]).
+    NodeDirConfigParsed {
+        key: ModelKey,
+        generation: u64,
+        outcome: modelfs_ome::modelconfig::Outcome,
+    },
     /// The mount server left these entries of the mapping out (a missing blob or store), with
     /// its reasons: the models served there are `Failed` and retried.
     MountRefused(Vec<modelfs_mount::protocol::RefusedEntry>),

@@ -136,6 +136,7 @@ use modelfs_core::store::{StateDir, StoreId};
 use modelfs_mount::vfs::hf_cache::HfCacheView;
 use modelfs_mount::vfs::FsCore;
 use modelfs_ome::status::StatusDoc;
+use modelfs_ome::ModelKey;
 use records::Records;
 
 pub use config::{DesiredState, ReconcilerConfig, DEFAULT_MAX_CONCURRENT_FETCHES};
@@ -180,6 +181,8 @@ struct Known {
     /// What each served artifact's config files give (see [`model_config`]).
     model_configs: HashMap<ArtifactId, Arc<modelfs_ome::modelconfig::Outcome>>,
     model_configs_pending: HashSet<ArtifactId>,
+    /// What the config of each model read in place gives (see [`model_config`]).
+    node_dir_configs: HashMap<ModelKey, model_config::NodeDirConfig>,
     store_bytes: BTreeMap<StoreId, u64>,
 }
 
@@ -420,6 +423,11 @@ impl Reconciler {
                 self.on_config_parsed(artifact, outcome);
                 true
             }
+            Event::NodeDirConfigParsed {
+                key,
+                generation,
+                outcome,
+            } => self.on_node_dir_config_parsed(key, generation, outcome),
             Event::MountRefused(entries) => {
                 self.gc.due = true;
                 self.on_mount_refused(entries)

@@ -189,15 +189,18 @@ impl Reconciler {
         }
         if spec.source.is_vendor() || spec.node_dir.is_some() {
             if let (Some(dir), SourceUri::Local { .. }) = (&spec.node_dir, &spec.source) {
-                // As OME's agent: the directory must exist; a missing one is retried as any
-                // source is.
-                if std::fs::metadata(dir).is_err() {
-                    let error = SourceError::LocalMissing {
-                        path: dir.display().to_string(),
-                    };
-                    self.fail(key, &error);
-                    return;
+                // As OME's agent: the directory must exist (any other trouble shows when its
+                // config is read); a missing one is retried as any source is.
+                if let Err(e) = std::fs::metadata(dir) {
+                    if e.kind() == std::io::ErrorKind::NotFound {
+                        let error = SourceError::NodeDirMissing {
+                            path: dir.display().to_string(),
+                        };
+                        self.fail(key, &error);
+                        return;
+                    }
                 }
+                self.node_dir_config_stale(key);
             }
             self.serve_without_files(key, &spec);
             return;

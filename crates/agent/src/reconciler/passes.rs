@@ -100,6 +100,7 @@ impl Reconciler {
     pub(super) fn on_tick(&mut self) -> bool {
         let mut changed = self.space_tick();
         changed |= self.retry_due();
+        self.request_node_dir_configs();
         // Waiters whose model's work ended without a wake-up (a safety net: every
         // end of work wakes its waiters).
         let stale: Vec<ModelKey> = self

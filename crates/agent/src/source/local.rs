@@ -108,6 +108,9 @@ struct Tree {
     /// The directory named by the URI (the symlinks of its own path resolved) relative to
     /// `boundary` (empty when they are the same).
     root_inside: PathBuf,
+    /// Whether what is read will be published through the mount (an import): only then must
+    /// every entry be readable by others, and does a bad entry fail the whole listing.
+    published: bool,
 }
 
 /// The directory a Hugging Face cache snapshot's symlinks point into: for
@@ -144,7 +147,8 @@ fn special_file_kind(file_type: FileType) -> &'static str {
 }
 
 /// Checks the type and mode of an entry (not the root) against what may be published.
-fn check_entry(listed: &Path, stat: &Stat) -> Result<Kind, SourceError> {
+/// With `published` false (a read that shows nothing to other users) the mode is not checked.
+fn check_entry(listed: &Path, stat: &Stat, published: bool) -> Result<Kind, SourceError> {
     let path = || listed.display().to_string();
     let mode = stat.st_mode & 0o7777;
     let (kind, needed, what, fix) = match FileType::from_raw_mode(stat.st_mode) {
@@ -157,7 +161,7 @@ fn check_entry(listed: &Path, stat: &Stat) -> Result<Kind, SourceError> {
             })
         }
     };
-    if mode & needed != needed {
+    if published && mode & needed != needed {
         return Err(SourceError::LocalNotPublic {
             path: path(),
             what,
@@ -286,6 +290,7 @@ impl LocalSource {
             boundary: self.root.clone(),
             boundary_fd,
             root_inside: PathBuf::new(),
+            published: true,
         })
     }
 
@@ -329,6 +334,7 @@ impl LocalSource {
             boundary,
             boundary_fd,
             root_inside,
+            published: true,
         })
     }
 
@@ -364,7 +370,7 @@ impl LocalSource {
             AtFlags::SYMLINK_NOFOLLOW,
         )
         .map_err(|e| io_err(&listed, e))?;
-        let kind = check_entry(&listed, &stat)?;
+        let kind = check_entry(&listed, &stat, tree.published)?;
         Ok((inside.to_path_buf(), kind))
     }
 
@@ -411,7 +417,7 @@ impl LocalSource {
         };
         // What was opened, not what the path named a moment ago.
         let stat = rustix::fs::fstat(&fd).map_err(|e| io_err(listed, e))?;
-        if check_entry(listed, &stat)? != kind {
+        if check_entry(listed, &stat, tree.published)? != kind {
             return Err(changed());
         }
         if kind == Kind::File {
@@ -499,33 +505,62 @@ impl LocalSource {
             }
         }
         names.sort();
+        let result = self.walk_names(tree, rel, &listed, names, chain, out, cancel);
+        // Also after a failure a lenient walk goes on with: this directory is no longer walked.
+        chain.remove(&id);
+        result
+    }
+
+    /// The entries `names` of the directory listed as `rel`, for [`Self::walk`]. For a tree
+    /// that is not published ([`Tree::published`]) an entry that fails a check (a symlink out
+    /// of the tree, a special file, a bad name, a loop, an unreadable directory) is left out
+    /// instead of failing the listing: nothing of it is shown, and the rest stays usable.
+    #[allow(clippy::too_many_arguments)]
+    fn walk_names(
+        &self,
+        tree: &Tree,
+        rel: &str,
+        listed: &Path,
+        names: Vec<Vec<u8>>,
+        chain: &mut HashSet<(u64, u64)>,
+        out: &mut Vec<String>,
+        cancel: &AtomicBool,
+    ) -> Result<(), SourceError> {
         for name in names {
             if cancel.load(Ordering::Relaxed) {
                 return Err(SourceError::Cancelled);
             }
-            let name = String::from_utf8(name).map_err(|e| SourceError::LocalBadName {
-                path: listed
-                    .join(OsStr::from_bytes(e.as_bytes()))
-                    .display()
-                    .to_string(),
-                why: "is not valid UTF-8",
-            })?;
-            let child = if rel.is_empty() {
-                name
-            } else {
-                format!("{rel}/{name}")
-            };
-            validate_relative_path(&child)?;
-            match self.inspect(tree, &child)? {
-                (_, Kind::File) => out.push(child),
-                (inside, Kind::Dir) => {
-                    let child_listed = self.root.join(&child);
-                    let fd = self.open_beneath(tree, &inside, &child_listed, Kind::Dir)?;
-                    self.walk(tree, &child, fd, chain, out, cancel)?;
+            let entry = (|| {
+                let name = String::from_utf8(name).map_err(|e| SourceError::LocalBadName {
+                    path: listed
+                        .join(OsStr::from_bytes(e.as_bytes()))
+                        .display()
+                        .to_string(),
+                    why: "is not valid UTF-8",
+                })?;
+                let child = if rel.is_empty() {
+                    name
+                } else {
+                    format!("{rel}/{name}")
+                };
+                validate_relative_path(&child)?;
+                match self.inspect(tree, &child)? {
+                    (_, Kind::File) => out.push(child),
+                    (inside, Kind::Dir) => {
+                        let child_listed = self.root.join(&child);
+                        let fd = self.open_beneath(tree, &inside, &child_listed, Kind::Dir)?;
+                        self.walk(tree, &child, fd, chain, out, cancel)?;
+                    }
                 }
+                Ok(())
+            })();
+            match entry {
+                Err(SourceError::Cancelled) => return Err(SourceError::Cancelled),
+                Err(e) if tree.published => return Err(e),
+                Err(e) => tracing::debug!(error = %e, "entry left out of the listing"),
+                Ok(()) => {}
             }
         }
-        chain.remove(&id);
         Ok(())
     }
 
@@ -546,6 +581,23 @@ impl LocalSource {
         let mut out = Vec::new();
         self.walk(tree, "", root, &mut HashSet::new(), &mut out, cancel)?;
         Ok(out)
+    }
+
+    /// The directory's files for reading the model's config in place (a directory outside the
+    /// models root, which nothing serves): the same checks as an import keep every read inside
+    /// the tree and unblocked (symlinks only inside it, no special files, `O_NOFOLLOW` opens
+    /// beneath the tree's descriptor), but entries that fail them are left out rather than
+    /// failing the listing, and modes are not checked since nothing is shown to other users.
+    /// How much of a file is read is bounded by the parser.
+    pub fn config_files(&self, cancel: &AtomicBool) -> Result<ConfigFiles, SourceError> {
+        let mut tree = self.open_tree()?;
+        tree.published = false;
+        let files = self.files(&tree, cancel)?;
+        Ok(ConfigFiles {
+            source: self.clone(),
+            tree,
+            files: files.into_iter().collect(),
+        })
     }
 
     /// Lists and hashes the directory. The revision of a local artifact is its manifest digest.
@@ -769,6 +821,38 @@ impl LocalSource {
             ) => Err(changed()),
             Err(other) => Err(store_err(other)),
         }
+    }
+}
+
+/// A directory's regular files as [`modelfs_ome::modelconfig::ModelFiles`], from
+/// [`LocalSource::config_files`]: every open is checked again as an import's is.
+pub struct ConfigFiles {
+    source: LocalSource,
+    tree: Tree,
+    files: std::collections::BTreeSet<String>,
+}
+
+impl modelfs_ome::modelconfig::ModelFiles for ConfigFiles {
+    fn paths(&self) -> Vec<String> {
+        self.files.iter().cloned().collect()
+    }
+
+    fn open(&self, path: &str) -> std::io::Result<Box<dyn Read + '_>> {
+        if !self.files.contains(path) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                path.to_string(),
+            ));
+        }
+        match self.source.open_file(&self.tree, path) {
+            Ok(file) => Ok(Box::new(file)),
+            Err(SourceError::LocalIo { source, .. }) => Err(source),
+            Err(e) => Err(std::io::Error::other(e.to_string())),
+        }
+    }
+
+    fn exists(&self, path: &str) -> bool {
+        self.files.contains(path)
     }
 }
 
@@ -1229,5 +1313,72 @@ mod tests {
 
         write(&src.join("sub/new\nline.bin"), b"x", 0o644);
         permanent(resolve(&src).unwrap_err(), "control character");
+    }
+
+    /// Reading a config in place lists what an import would refuse by leaving it out (a
+    /// symlink out of the tree, a FIFO, a bad name, a symlink loop), follows symlinks inside
+    /// the tree, reads files others cannot read (nothing is shown to them), and never blocks on
+    /// a FIFO swapped in after the listing.
+    #[test]
+    fn config_files_leave_out_what_an_import_refuses_and_never_block() {
+        use modelfs_ome::modelconfig::ModelFiles;
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        write(&src.join("config.json"), b"{}", 0o600);
+        write(&src.join("sub/deep.json"), b"deep", 0o644);
+        write(&src.join("bad\nname"), b"x", 0o644);
+        write(&dir.path().join("outside.json"), b"secret", 0o644);
+        symlink(dir.path().join("outside.json"), src.join("escape.json")).unwrap();
+        symlink("config.json", src.join("inside.json")).unwrap();
+        std::fs::create_dir(src.join("loop")).unwrap();
+        symlink("..", src.join("loop/up")).unwrap();
+        mkfifo(&src.join("pipe"));
+        assert!(resolve(&src).is_err(), "an import refuses this tree");
+
+        let root = src.clone();
+        let files = within(
+            Duration::from_secs(10),
+            move || {
+                LocalSource::new(root)
+                    .config_files(&AtomicBool::new(false))
+                    .unwrap()
+            },
+            || {},
+        );
+        assert_eq!(
+            files.paths(),
+            ["config.json", "inside.json", "sub/deep.json"]
+        );
+        assert_eq!(files.read_limited("config.json", 10).unwrap(), b"{}");
+        assert_eq!(files.read_limited("inside.json", 10).unwrap(), b"{}");
+        assert!(files.open("escape.json").is_err());
+        assert!(files.read_limited("sub/deep.json", 3).is_err(), "bounded");
+
+        std::fs::remove_file(src.join("sub/deep.json")).unwrap();
+        mkfifo(&src.join("sub/deep.json"));
+        let fifo = src.join("sub/deep.json");
+        let opened = within(
+            Duration::from_secs(10),
+            move || {
+                files
+                    .open("sub/deep.json")
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            },
+            move || {
+                // Frees a blocked open (the test fails anyway).
+                let _ = std::fs::OpenOptions::new().write(true).open(fifo);
+            },
+        );
+        assert!(opened.is_err(), "a FIFO is not read");
+
+        let missing = LocalSource::new(dir.path().join("missing"))
+            .config_files(&AtomicBool::new(false))
+            .err()
+            .unwrap();
+        assert!(
+            matches!(missing, SourceError::LocalMissing { .. }),
+            "{missing}"
+        );
     }
 }

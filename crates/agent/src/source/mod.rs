@@ -32,6 +32,10 @@ use pipeline::TransferError;
 pub enum SourceError {
     #[error("source directory {path} does not exist")]
     LocalMissing { path: String },
+    /// A `local://` model's directory outside the models root (read in place, never imported)
+    /// is missing: OME's agent's words for it.
+    #[error("local model path does not exist: {path}")]
+    NodeDirMissing { path: String },
     #[error("source {path}: {source}")]
     LocalIo {
         path: String,
@@ -123,7 +127,7 @@ impl SourceError {
             SourceError::LocalIo { .. } => true,
             // The directory may be created (or its disk mounted) later: the model starts by
             // itself then, as for any source that is not there yet.
-            SourceError::LocalMissing { .. } => true,
+            SourceError::LocalMissing { .. } | SourceError::NodeDirMissing { .. } => true,
             SourceError::Transfer(e) => e.is_transient(),
             SourceError::LocalSpecialFile { .. }
             | SourceError::LocalNotDirectory { .. }

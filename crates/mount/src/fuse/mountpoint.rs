@@ -2,11 +2,31 @@
 
 use std::io;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// How long a modelfs mount found at the mountpoint may take to answer `statfs` before it counts
+/// as held but unserved ([`MountpointError::Unanswered`]). A serving daemon answers in
+/// microseconds (no disk behind a `statfs`); a mount whose server is dead answers `ENOTCONN` at
+/// once. Only a connection that a process holds without serving it makes the request wait.
+pub const STALE_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum MountpointError {
     #[error("{path} is already served by a live modelfs mount; stop that daemon first")]
     AlreadyMounted { path: PathBuf },
+    /// A modelfs mount whose connection is alive but answers nothing: a keeper holds it for a
+    /// mount server that is not running (one of another state directory: this daemon looked
+    /// for its keeper in its own), or its daemon hangs. Waiting would hang this start for good;
+    /// detaching it would take the mount from whoever may still resume it.
+    #[error(
+        "{shown} is a modelfs mount that did not answer within {secs} s: a keeper of another \
+         state directory holds it for a mount server that is not running, or its daemon hangs; \
+         end it with `modelfs unmount --mount {shown} --state <its state directory>` \
+         (or `umount -l {shown}`), or start with that state directory to resume it",
+        shown = .path.display(),
+        secs = .waited.as_secs()
+    )]
+    Unanswered { path: PathBuf, waited: Duration },
     #[error("preparing mountpoint {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
 }
@@ -68,8 +88,20 @@ pub fn mount_info_dev(path: &Path) -> Option<u64> {
 
 /// `statfs` always reaches the FUSE daemon (no kernel cache answers it), so it tells a live
 /// mount from a dead one; `stat` of the root may be answered from cached attributes.
-fn statfs(path: &Path) -> io::Result<()> {
-    rustix::fs::statfs(path).map(drop).map_err(io::Error::from)
+/// `Ok(None)`: no answer within `timeout` (the request goes on waiting in a thread of its own,
+/// which the kernel ends when the process exits).
+fn statfs_within(path: &Path, timeout: Duration) -> io::Result<Option<()>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let probed = path.to_path_buf();
+    std::thread::Builder::new()
+        .name("mount-probe".into())
+        .spawn(move || {
+            let _ = tx.send(rustix::fs::statfs(&probed).map(drop));
+        })?;
+    match rx.recv_timeout(timeout) {
+        Ok(answer) => answer.map(Some).map_err(io::Error::from),
+        Err(_) => Ok(None),
+    }
 }
 
 fn unescape_mountinfo(s: &str) -> String {
@@ -97,9 +129,16 @@ pub(crate) fn is_dead_connection(e: &std::io::Error) -> bool {
 /// Detaches a mount left behind by a crashed daemon (its connection is dead, see
 /// `is_dead_connection`).
 /// Returns whether one was cleaned. A live modelfs mount here is an error: the daemon must not
-/// stack on top of it. Another filesystem mounted here is the directory the daemon mounts over
-/// (in a container the models root is a bind mount of the host directory), not an error.
+/// stack on top of it; so is one that does not answer within [`STALE_PROBE_TIMEOUT`] (see
+/// [`MountpointError::Unanswered`]). Another filesystem mounted here is the directory the
+/// daemon mounts over (in a container the models root is a bind mount of the host directory),
+/// not an error.
 pub fn clean_stale_mount(path: &Path) -> Result<bool, MountpointError> {
+    clean_stale_mount_within(path, STALE_PROBE_TIMEOUT)
+}
+
+/// [`clean_stale_mount`] with another bound on the wait for an answer.
+pub fn clean_stale_mount_within(path: &Path, timeout: Duration) -> Result<bool, MountpointError> {
     let io_err = |source| MountpointError::Io {
         path: path.to_path_buf(),
         source,
@@ -114,13 +153,19 @@ pub fn clean_stale_mount(path: &Path) -> Result<bool, MountpointError> {
             tracing::debug!(path = %path.display(), fstype = line.fstype, "mounting over a mount of another filesystem");
             return Ok(cleaned);
         }
-        match statfs(path) {
+        match statfs_within(path, timeout) {
+            Ok(None) => {
+                return Err(MountpointError::Unanswered {
+                    path: path.to_path_buf(),
+                    waited: timeout,
+                })
+            }
             Err(e) if is_dead_connection(&e) => {
                 tracing::warn!(path = %path.display(), "cleaning up a stale mount of a crashed daemon");
                 detach(path).map_err(io_err)?;
                 cleaned = true;
             }
-            Ok(()) => {
+            Ok(Some(())) => {
                 return Err(MountpointError::AlreadyMounted {
                     path: path.to_path_buf(),
                 })

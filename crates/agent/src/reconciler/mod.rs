@@ -934,7 +934,6 @@ impl Reconciler {
     /// then the records and the status if anything changed. Paced by [`FlushPacer`].
     fn flush(&mut self) {
         let started = Instant::now();
-        let first_desired = self.desired_received.is_some() && !self.ready.load(Ordering::Relaxed);
         let changed = self.finish_batch() | std::mem::take(&mut self.flush_pending);
         if changed {
             // Records that failed to save wait for their backoff, unless a fetch waits for
@@ -944,14 +943,6 @@ impl Reconciler {
                 self.save();
             }
             self.publish();
-        }
-        if first_desired {
-            // Ready (the Kubernetes status sink's first write waits for it) only once the
-            // status of the first desired state is out: a sink woken in between wrote the
-            // document the records alone made at start, where a model served while it
-            // downloads says `Updating`, and its label flapped across a restart.
-            self.publish();
-            self.ready.store(true, Ordering::Relaxed);
         }
         self.flush_pacer.ran(started);
         self.metrics
@@ -1107,6 +1098,14 @@ impl Reconciler {
                 self.metrics
                     .mapping_update_seconds
                     .observe(received.elapsed().as_secs_f64());
+            }
+            if !self.ready.load(Ordering::Relaxed) {
+                // Ready (the Kubernetes status sink's first write waits for it) only once the
+                // status of the first desired state is out: a sink woken in between wrote the
+                // document the records alone made at start, where a model served while it
+                // downloads says `Updating`, and its label flapped across a restart.
+                self.publish();
+                self.ready.store(true, Ordering::Relaxed);
             }
         }
         #[cfg(debug_assertions)]

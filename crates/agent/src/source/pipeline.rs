@@ -52,8 +52,9 @@
 //!   file per attempt, never one per range (which is quadratic in the file size).
 //! * **Served while downloading** ([`crate::progressive`]): when the context carries a live
 //!   fetch, files go in the order loaders read them instead of largest first, weight files
-//!   one at a time, a file an open waits on is taken next, and each file is reported as it
-//!   verifies or fails verification.
+//!   one at a time (the next starting once the previous one asked for its last range, so the
+//!   link never idles between them), a file an open waits on is taken next, and each file is
+//!   reported as it verifies or fails verification.
 //! * **Progress** counts bytes as they arrive and takes back the bytes of a failed attempt, so
 //!   it never counts twice; a log line every `progress_log_interval`.
 

@@ -11,7 +11,10 @@
 # Usage: benches/progressive-load.sh [runs]
 # Env:   SHARDS (default 8), SHARD_MIB (default 64), RATE_MIB (hub bandwidth, MiB/s, default
 #        64), LOAD_SEC_PER_GB (default 16: about the download time), PROFILE (release or
-#        debug, default release), WORK (scratch dir), PYTHON (default .venv/bin/python).
+#        debug, default release), WORK (scratch dir), PYTHON (default .venv/bin/python),
+#        BIN and HUB (prebuilt `modelfs` and `modelfs-hub` binaries: nothing is built).
+#        With RUST_LOG=info,modelfs_agent=debug,modelfs_mount=debug the daemon's log of the
+#        last progressive run ($WORK/modelfs.log) has the per-file steps, summed at the end.
 # Needs root (mounts FUSE, drops the page cache).
 set -euo pipefail
 
@@ -26,13 +29,16 @@ PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 WORK=${WORK:-$(mktemp -d /tmp/modelfs-bench-progressive.XXXXXX)}
 
-if [[ $PROFILE == release ]]; then
-  cargo build --release --quiet -p modelfs -p modelfs-devhub --bin modelfs --bin modelfs-hub
-else
-  cargo build --quiet -p modelfs -p modelfs-devhub --bin modelfs --bin modelfs-hub
+if [[ -z ${BIN:-} ]]; then
+  if [[ $PROFILE == release ]]; then
+    cargo build --release --quiet -p modelfs -p modelfs-devhub --bin modelfs --bin modelfs-hub
+  else
+    cargo build --quiet -p modelfs -p modelfs-devhub --bin modelfs --bin modelfs-hub
+  fi
+  BIN=$TARGET/$PROFILE/modelfs
+  HUB=$TARGET/$PROFILE/modelfs-hub
 fi
-BIN=$TARGET/$PROFILE/modelfs
-HUB=$TARGET/$PROFILE/modelfs-hub
+HUB=${HUB:-$(dirname "$BIN")/modelfs-hub}
 
 cleanup() {
   [[ -n ${HUB_PID:-} ]] && kill "$HUB_PID" 2>/dev/null || true
@@ -201,3 +207,45 @@ awk '
     printf "| (b) time to first tensor | %.2f |\n", median(f["progressive"])
     printf "\n(b) / max(download, load) = %.2f (aim <= 1.15); (a) / (b) = %.2f (aim >= 1.6)\n", b / bound, a / b
   }' "$WORK/results"
+
+# The per-file steps of the last progressive run, if its log has them (RUST_LOG above): for
+# each weight file, its transfer, the steps from its last byte to its blob published (writes
+# behind the network, digest check with sync and rename, alias record), the lag until a
+# mapping showed it verified, the open's wait, and the link's idle time before the next file.
+if grep -q 'pipeline: file verified' "$WORK/modelfs.log" 2>/dev/null; then
+  "$PYTHON" - "$WORK/modelfs.log" <<'EOF2'
+import re, sys, datetime
+ansi = re.compile(r"\x1b\[[0-9;]*m")
+def ts(line):
+    return datetime.datetime.fromisoformat(line.split()[0].replace("Z", "+00:00")).timestamp()
+def field(line, name):
+    m = re.search(r"\b" + name + r"=(\S+)", line)
+    return m and m.group(1).strip('"')
+files, lag, waited = {}, {}, {}
+for line in open(sys.argv[1], errors="replace"):
+    line = ansi.sub("", line)
+    if "a mapping shows a file verified" in line:
+        lag[field(line, "file")] = int(field(line, "lag_ms"))
+    elif "file verified" in line:
+        f = {k: int(field(line, k)) for k in ("receive_ms", "write_behind_ms", "commit_ms", "record_ms")}
+        f["end"] = ts(line)
+        files[field(line, "path")] = f
+    elif "an open waited for its file to verify" in line:
+        waited[field(line, "file")] = int(field(line, "waited_ms"))
+weights = sorted(p for p in files if p.endswith(".safetensors"))
+print("\n| file | receive ms | write behind ms | sync+rename ms | record ms | to mapping ms | open waited ms | link idle before ms |")
+print("|---|---|---|---|---|---|---|---|")
+tot = [0] * 7
+prev_received = None
+for p in weights:
+    f = files[p]
+    steps = f["write_behind_ms"] + f["commit_ms"] + f["record_ms"]
+    start = f["end"] - (f["receive_ms"] + steps) / 1000
+    idle = 0 if prev_received is None else max(0, round((start - prev_received) * 1000))
+    prev_received = start + f["receive_ms"] / 1000
+    row = [f["receive_ms"], f["write_behind_ms"], f["commit_ms"], f["record_ms"], lag.get(p, 0), waited.get(p, 0), idle]
+    tot = [a + b for a, b in zip(tot, row)]
+    print(f"| {p} | " + " | ".join(str(x) for x in row) + " |")
+print("| sum | " + " | ".join(str(x) for x in tot) + " |")
+EOF2
+fi

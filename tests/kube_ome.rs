@@ -954,3 +954,129 @@ async fn an_annotated_model_is_ready_once_its_listing_is_served_and_others_once_
     }
     drop(daemon);
 }
+
+/// The pid of the one child of `pid` (the agent `modelfs serve` supervises).
+fn only_child(pid: u32) -> Option<u32> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let text = std::fs::read_to_string(task.ok()?.path().join("children")).unwrap_or_default();
+        out.extend(
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok()),
+        );
+    }
+    (out.len() == 1).then(|| out[0])
+}
+
+/// Every status the node label and the ConfigMap entry of `key` had, oldest first, as the
+/// fake API server recorded each write (`None`: no label or entry in that version).
+fn status_history(server: &FakeApiServer, key: &str) -> (Vec<Option<String>>, Vec<Option<String>>) {
+    let label = format!("models.ome.io/{key}");
+    let labels = server
+        .history(NODES)
+        .iter()
+        .filter(|n| n["metadata"]["name"] == NODE)
+        .map(|n| n["metadata"]["labels"][&label].as_str().map(str::to_owned))
+        .collect();
+    let entries = server
+        .history(CM)
+        .iter()
+        .filter(|c| c["metadata"]["name"] == NODE && c["metadata"]["namespace"] == "ome")
+        .map(|c| {
+            let entry = c["data"][key].as_str()?;
+            let entry: Value = serde_json::from_str(entry).ok()?;
+            entry["status"].as_str().map(str::to_owned)
+        })
+        .collect();
+    (labels, entries)
+}
+
+/// A model annotated `modelfs.io/serve-while-downloading: "true"` stays `Ready` across a
+/// SIGKILL of the agent mid-fetch: the mount server keeps serving its listing, and neither
+/// the node label nor the ConfigMap entry says anything else from its first `Ready` on,
+/// through the restart, the resumed fetch and its completion (every write recorded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_annotated_model_stays_ready_across_an_agent_restart_mid_fetch() {
+    let server = FakeApiServer::start().await;
+    let data = tempfile::tempdir().unwrap();
+    // One link of 256 KiB/s: the 3 MiB of shards take about 12 s.
+    let hub = modelfs_devhub::hf::Hub::new(modelfs_devhub::hf::HubConfig {
+        rate_bytes_per_sec: 256 << 10,
+        ..modelfs_devhub::hf::HubConfig::default()
+    });
+    let dir = data.path().join("opt");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), b"{\"model_type\":\"llama\"}").unwrap();
+    std::fs::write(dir.join("tokenizer.json"), common::bytes(7, 2000)).unwrap();
+    for i in 1..=3u64 {
+        let name = format!("model-0000{i}-of-00003.safetensors");
+        std::fs::write(dir.join(&name), common::bytes(20 + i, 1 << 20)).unwrap();
+    }
+    hub.add_commit("org/opt", &["main"], files_from_dir(&dir, 1 << 10).unwrap());
+    let running = hub
+        .clone()
+        .serve("127.0.0.1:0".parse().unwrap(), None)
+        .await
+        .unwrap();
+    server.put(NODES, node());
+    let mut opt = cluster_model("opt", json!({"storageUri": "hf://org/opt"}));
+    opt["metadata"]["annotations"] =
+        json!({modelfs_ome::model::SERVE_WHILE_DOWNLOADING_ANNOTATION: "true"});
+    server.put(CBM, opt);
+    let url = running.url();
+    let daemon = start_daemon(
+        &server,
+        &["--hf-endpoint", &url, "--hf-max-files", "1"],
+        &[],
+    );
+    let key = "clusterbasemodel.opt";
+    wait_for("opt Ready while downloading", || {
+        let entry = entries(&server).get(key).cloned()?;
+        let labelled =
+            node_labels(&server).get(&format!("models.ome.io/{key}")) == Some(&"Ready".to_string());
+        (labelled && entry["status"] == "Ready" && entry["progress"].is_object()).then_some(())
+    })
+    .await;
+
+    let agent = only_child(daemon.child.id()).expect("one agent child");
+    let addr_file = daemon.log.with_file_name("daemon.addr");
+    std::fs::remove_file(&addr_file).unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(agent as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    wait_for("the restarted agent to listen", || {
+        std::fs::read_to_string(&addr_file)
+            .ok()
+            .filter(|a| a.ends_with('\n'))
+    })
+    .await;
+    let resumed = daemon.log_text();
+    assert!(
+        resumed.contains("serving the listing of a fetch a restart ended"),
+        "killed mid-fetch"
+    );
+    wait_for("opt complete", || {
+        let entry = entries(&server).get(key).cloned()?;
+        (entry["status"] == "Ready" && entry.get("progress").is_none()).then_some(())
+    })
+    .await;
+    let want = files_of(&dir);
+    assert_eq!(files_of(&daemon.mount.join("opt")), want);
+
+    let (labels, statuses) = status_history(&server, key);
+    for (what, history) in [("node label", labels), ("ConfigMap entry", statuses)] {
+        let first_ready = history
+            .iter()
+            .position(|s| s.as_deref() == Some("Ready"))
+            .unwrap_or_else(|| panic!("the {what} was never Ready: {history:?}"));
+        assert!(
+            history[first_ready..]
+                .iter()
+                .all(|s| s.as_deref() == Some("Ready")),
+            "the {what} left Ready across the restart: {history:?}"
+        );
+    }
+    drop(daemon);
+}

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::hub::*;
 use common::*;
-use modelfs_devhub::hf::{FaultKind, HubFile};
+use modelfs_devhub::hf::{Fault, FaultKind, FaultTarget, HubFile};
 use sha2::{Digest, Sha256};
 
 /// Path -> content: configs, a tokenizer, an index and three 2 MiB shards.
@@ -699,4 +699,70 @@ fn a_reader_waiting_through_a_mount_server_restart_is_served() {
         split.status("clusterbasemodel.handon").as_deref() == Some("Ready")
     });
     assert_files(&dir, &files);
+}
+
+/// The Hugging Face cache view across a SIGKILL of the agent mid-fetch: the restarted agent's
+/// first mapping already lists the resumed snapshot (refs and every file), before its fetch
+/// resumes (the hub answers no resolve until the check is done), so a reader of the view
+/// waits through the restart as one at the model's path does, and then gets its bytes.
+#[test]
+fn the_cache_view_lists_a_resumed_snapshot_right_after_an_agent_restart() {
+    let hub = TestHub::start(1000);
+    let files = sharded(12);
+    publish(&hub, "org/resumed", &files);
+    throttle_shards(&hub);
+    let env = TestEnv::new();
+    let mut d = start(&env, &hub, &[]);
+    env.write_models("m.yaml", &model("resumed", "org/resumed"));
+    let repo = env.mount.join(".hf-cache").join("models--org--resumed");
+    wait_for("the pending snapshot", Duration::from_secs(60), || {
+        std::fs::read_to_string(repo.join("refs").join("main")).is_ok()
+    });
+    let commit = std::fs::read_to_string(repo.join("refs").join("main")).unwrap();
+    let snapshot = repo.join("snapshots").join(&commit);
+    wait_listing(&snapshot, &files);
+    let last = "model-00003-of-00003.safetensors";
+    // No resolve succeeds until the view was checked: the fetch cannot resume before.
+    hub.hub().add_fault(Fault {
+        kind: FaultKind::Status {
+            status: 503,
+            retry_after: Some(1),
+        },
+        count: 1_000_000,
+        path: None,
+        target: FaultTarget::Api,
+    });
+    let agent = only_child(d.pid()).expect("one agent child");
+    let fetches_before = d.log_text().matches("downloading source=").count();
+    // Returns once the restarted agent listens: after its first mapping was confirmed.
+    d.follow_agent_restart(|_| sigkill(agent));
+    assert!(!blob_stored(&env, &files[last]), "killed too late");
+    assert_eq!(
+        std::fs::read_to_string(repo.join("refs").join("main")).ok(),
+        Some(commit.clone()),
+        "the restarted agent's first mapping keeps the snapshot's ref"
+    );
+    for (p, data) in &files {
+        let meta = std::fs::symlink_metadata(snapshot.join(p));
+        assert!(
+            meta.is_ok_and(|m| m.len() == data.len() as u64),
+            "{p} is listed in the resumed snapshot"
+        );
+    }
+    let log = d.log_text();
+    assert!(log.contains("serving the listing of a fetch a restart ended"));
+    assert_eq!(
+        log.matches("downloading source=").count(),
+        fetches_before,
+        "the fetch had not resumed when the view was checked"
+    );
+    // A reader of the view waits on the shard, and gets it once the fetch resumed.
+    let path = snapshot.join(last);
+    let reader = std::thread::spawn(move || read(&path));
+    hub.hub().clear_faults();
+    throttle_shards(&hub);
+    let got = reader.join().unwrap().expect("the waiting open is served");
+    assert!(got == files[last], "the last shard reads its own bytes");
+    d.wait_model("clusterbasemodel.resumed", "Ready");
+    assert_files(&snapshot, &files);
 }

@@ -27,6 +27,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
 use modelfs_core::artifact::{FileDigest, Manifest, Sha256Digest, StoredArtifact};
 use modelfs_core::store::Store;
@@ -72,6 +73,8 @@ struct State {
     files: Vec<PendingFile>,
     /// Files opens wait on, oldest first.
     wanted: VecDeque<usize>,
+    /// When each file verified, until a mapping showed it ([`LiveFetch::shown`]).
+    verified_at: Vec<Option<Instant>>,
 }
 
 impl LiveFetch {
@@ -91,6 +94,7 @@ impl LiveFetch {
             state: Mutex::new(State {
                 files: vec![PendingFile::Waiting { failures: 0 }; len],
                 wanted: VecDeque::new(),
+                verified_at: vec![None; len],
             }),
             changed,
         })
@@ -116,9 +120,11 @@ impl LiveFetch {
     pub fn verified_many(&self, files: &[(usize, Sha256Digest)]) {
         {
             let mut s = self.state();
+            let now = Instant::now();
             for &(i, blob) in files {
                 if let Some(f) = s.files.get_mut(i) {
                     *f = PendingFile::Verified(blob);
+                    s.verified_at[i] = Some(now);
                 }
             }
             s.wanted.retain(|i| !files.iter().any(|(j, _)| j == i));
@@ -197,6 +203,19 @@ impl LiveFetch {
         PendingFiles::new(self.state().files.clone())
     }
 
+    /// A mapping shows the states as they are now: logs, for each file it shows verified for
+    /// the first time, how long after its verification that came (the lag between the fetch
+    /// and the mount that a waiting open pays).
+    pub fn shown(&self) {
+        let mut s = self.state();
+        let paths = &self.listing.manifest;
+        for (i, at) in s.verified_at.iter_mut().enumerate() {
+            if let Some(at) = at.take() {
+                tracing::debug!(file = %paths.entry(i).path, lag_ms = at.elapsed().as_millis() as u64, "a mapping shows a file verified");
+            }
+        }
+    }
+
     /// How many files verified, of how many.
     pub fn counts(&self) -> (usize, usize) {
         let s = self.state();
@@ -247,6 +266,19 @@ mod tests {
     use super::*;
     use modelfs_core::artifact::ManifestEntry;
 
+    /// A manifest of `n` one-byte files `f0`, `f1`, ... checked by git sha1 (no sha256 known
+    /// before they download).
+    fn manifest_of(n: u8) -> Arc<Manifest> {
+        let entries = (0..n)
+            .map(|i| ManifestEntry {
+                path: format!("f{i}"),
+                size: 1,
+                digest: FileDigest::GitSha1([i; 20]),
+            })
+            .collect();
+        Arc::new(Manifest::new("r".into(), entries).unwrap())
+    }
+
     #[test]
     fn configs_tokenizer_and_index_before_weights() {
         let mut paths = vec![
@@ -273,19 +305,7 @@ mod tests {
 
     #[test]
     fn wanted_files_come_out_oldest_first_once_and_never_after_they_verified() {
-        let manifest = Arc::new(
-            Manifest::new(
-                "r".into(),
-                (0..4)
-                    .map(|i| ManifestEntry {
-                        path: format!("f{i}"),
-                        size: 1,
-                        digest: FileDigest::GitSha1([i; 20]),
-                    })
-                    .collect(),
-            )
-            .unwrap(),
-        );
+        let manifest = manifest_of(4);
         let changes = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let seen = changes.clone();
         let live = LiveFetch::new(
@@ -313,19 +333,7 @@ mod tests {
 
     #[test]
     fn a_new_fetch_takes_over_waiting_files_and_verified_ones_only_in_the_same_store() {
-        let manifest = Arc::new(
-            Manifest::new(
-                "r".into(),
-                (0..3)
-                    .map(|i| ManifestEntry {
-                        path: format!("f{i}"),
-                        size: 1,
-                        digest: FileDigest::GitSha1([i; 20]),
-                    })
-                    .collect(),
-            )
-            .unwrap(),
-        );
+        let manifest = manifest_of(3);
         let earlier = LiveFetch::new(manifest.clone(), Box::new(|| {}));
         earlier.verified(&[0], Sha256Digest([7; 32]));
         earlier.failed(&[1]);

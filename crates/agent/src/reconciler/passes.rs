@@ -261,7 +261,14 @@ impl Reconciler {
                     .mapping_update_seconds
                     .observe(received.elapsed().as_secs_f64());
             }
-            self.publishing.ready.store(true, Ordering::Relaxed);
+            if !self.publishing.ready.load(Ordering::Relaxed) {
+                // Ready (the Kubernetes status sink's first write waits for it) only once the
+                // status of the first desired state is out: a sink woken in between wrote the
+                // document the records alone made at start, where a model served while it
+                // downloads says `Updating`, and its label flapped across a restart.
+                self.publish();
+                self.publishing.ready.store(true, Ordering::Relaxed);
+            }
         }
         #[cfg(debug_assertions)]
         self.check_indexes();

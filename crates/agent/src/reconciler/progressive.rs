@@ -28,7 +28,9 @@
 //! model still has that path and does not serve that artifact yet becomes a *resumed* entry:
 //! the same listing (same artifact id: same slot and inodes in the mount) with the files the
 //! store verified before the crash (blobs and aliases present: what the resumed fetch will
-//! not download again). It stays while the model may still fetch that artifact (before the
+//! not download again), and for an `hf://` model its snapshot in the Hugging Face cache view
+//! too (the source its record wants), so a reader of the view waits through the restart as
+//! one at the model's path does. It stays while the model may still fetch that artifact (before the
 //! first desired state; while it resolves; while it waits for that artifact), hands its
 //! states and wanted files over to the model's new live fetch of the same artifact
 //! ([`LiveFetch::take_over`]), and leaves the mapping otherwise (the model is gone, its path
@@ -408,6 +410,7 @@ impl Reconciler {
             let mut keys = vec![fetcher.clone()];
             keys.extend(self.core.waiters_of(&fetcher).cloned());
             let states = Arc::new(live.pending());
+            live.shown();
             for key in keys {
                 let Some(work) = self.works.get(&key) else {
                     continue;
@@ -453,7 +456,7 @@ impl Reconciler {
                 }
             }
         }
-        for resumed in self.live.resumed.values() {
+        for (key, resumed) in &self.live.resumed {
             let Some(handle) = self.state.existing_store(&resumed.store) else {
                 continue;
             };
@@ -463,13 +466,43 @@ impl Reconciler {
             if !free {
                 continue;
             }
+            let handle = self.fs.store_handle(&resumed.store, handle);
             entries.push(MountEntry {
                 path: resumed.path.clone(),
                 artifact: resumed.live.listing(),
-                store: self.fs.store_handle(&resumed.store, handle),
+                store: handle.clone(),
             });
-            pending.insert(resumed.path.clone(), Arc::new(resumed.live.pending()));
+            let states = Arc::new(resumed.live.pending());
+            pending.insert(resumed.path.clone(), states.clone());
             by_path.insert(resumed.path.clone(), resumed.live.clone());
+            // The cache view shows the resumed snapshot as well, from the first mapping on:
+            // a reader of the view waits through the restart as one at the model's path does.
+            // The source is the one the model's record wants (the journal's manifest was
+            // resolved from it; a model whose source changed resolves again, and its resumed
+            // entry goes once that resolves to another artifact).
+            let source = self
+                .core
+                .records
+                .models()
+                .get(key)
+                .and_then(|r| SourceUri::parse(&r.source).ok());
+            if let (Some(view), Some(SourceUri::HuggingFace { repo, revision })) =
+                (&self.hf_cache, source)
+            {
+                let listing = resumed.live.listing();
+                by_path.insert(
+                    view.snapshot_path(&repo, &listing.manifest.revision),
+                    resumed.live.clone(),
+                );
+                hf_served.push(HfServed {
+                    model: key.to_string(),
+                    repo,
+                    revision,
+                    artifact: listing,
+                    store: handle,
+                    pending: Some(states),
+                });
+            }
         }
         *self
             .live

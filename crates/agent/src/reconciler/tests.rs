@@ -45,6 +45,34 @@ async fn a_live_actor_is_not_reported_dead_and_shuts_down_cleanly() {
     assert!(dir.path().join("status.json").exists());
 }
 
+/// `is_ready` (what the Kubernetes status sink waits for before its first write) never comes
+/// before the status of the first desired state is published: whoever sees it true finds that
+/// state in the status, never the document the records alone made at start (where a model
+/// served while it downloads said `Updating` and its node label flapped across a restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_comes_only_with_the_status_of_the_first_desired_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let handle = start(dir.path());
+    assert!(handle.status().is_empty(), "nothing in the records");
+    let mut desired = DesiredState::default();
+    desired
+        .errors
+        .insert("broken.yaml".into(), "not a model".into());
+    handle.set_desired(desired);
+    // Watched as closely as possible: the actor publishes on another thread.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !handle.is_ready() {
+        assert!(Instant::now() < deadline, "never ready");
+        std::hint::spin_loop();
+    }
+    let doc = handle.status();
+    assert!(
+        !doc.is_empty(),
+        "ready before the first desired state's status was published"
+    );
+    handle.shutdown().await;
+}
+
 #[test]
 fn runtime_shutdown_stops_the_actor_without_waiting() {
     // As a SIGKILL in the crash tests: the runtime goes away under a running actor whose

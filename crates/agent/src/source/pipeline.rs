@@ -52,8 +52,9 @@
 //!   file per attempt, never one per range (which is quadratic in the file size).
 //! * **Served while downloading** ([`crate::progressive`]): when the context carries a live
 //!   fetch, files go in the order loaders read them instead of largest first, weight files
-//!   one at a time, a file an open waits on is taken next, and each file is reported as it
-//!   verifies or fails verification.
+//!   one at a time (the next starting once the previous one asked for its last range, so the
+//!   link never idles between them), a file an open waits on is taken next, and each file is
+//!   reported as it verifies or fails verification.
 //! * **Progress** counts bytes as they arrive and takes back the bytes of a failed attempt, so
 //!   it never counts twice; a log line every `progress_log_interval`.
 
@@ -716,9 +717,15 @@ pub async fn fetch<S: RangeSource>(
         // Served while downloading, weight files go one at a time (small files still several
         // at once): a loader reads the shards one after another, so the first must complete
         // first rather than all of them together at the end, and one large file already fills
-        // the link with its parallel ranges.
+        // the link with its parallel ranges. "At a time" counts the files that still have
+        // bytes to ask for: the next one starts when the previous one's last range is asked
+        // for, so the link never idles between two files (no gap for the last ranges' round
+        // trips, the digest check, sync and rename, or this loop), and only a file's last
+        // ranges (at most `range_streams`) share it with the next file's first ones
+        // (BENCHMARKS.md, "Serving while downloading").
         let one_weight_at_a_time = live.is_some();
         let is_weight = |i: usize| crate::progressive::loader_rank(manifest.entry(i).path) == 1;
+        let asking = AskingWeights::default();
         let mut queue: std::collections::VecDeque<(usize, Vec<usize>)> = todo.into();
         // The next file to start now, if any: a file an open waits on first, then queue order.
         let mut next = |weights_in_flight: usize| {
@@ -744,6 +751,7 @@ pub async fn fetch<S: RangeSource>(
             let entry = manifest.entry(i).to_entry();
             let file_fetch = &file_fetch;
             let live = live.clone();
+            let slot = (one_weight_at_a_time && is_weight(i)).then(|| asking.take());
             async move {
                 let mut indices = vec![i];
                 indices.extend(&same);
@@ -752,29 +760,34 @@ pub async fn fetch<S: RangeSource>(
                         live.failed(&indices);
                     }
                 };
-                let result = file_fetch.download(&entry, &failed).await;
+                let asked_all = || {
+                    if let Some(slot) = &slot {
+                        slot.release();
+                    }
+                };
+                let result = file_fetch.download(&entry, &failed, &asked_all).await;
+                // Released here at the latest (a failed download never asked for it all).
+                drop(slot);
                 (i, same, result)
             }
         };
         let mut downloads = futures_util::stream::FuturesUnordered::new();
-        let mut weights_in_flight = 0;
         loop {
             // Started as slots free (so a file an open asks for meanwhile can still go first).
             while downloads.len() < tuning.max_files.max(1) {
-                let Some(item) = next(weights_in_flight) else {
+                let Some(item) = next(asking.count()) else {
                     break;
                 };
-                if is_weight(item.0) {
-                    weights_in_flight += 1;
-                }
                 downloads.push(start(item));
             }
-            let Some((i, same, result)) = downloads.next().await else {
+            let done = tokio::select! {
+                done = downloads.next() => done,
+                // A weight file asked for its last range: the next one may start.
+                _ = asking.released.notified() => continue,
+            };
+            let Some((i, same, result)) = done else {
                 break;
             };
-            if is_weight(i) {
-                weights_in_flight -= 1;
-            }
             let sha = result?;
             if let Some(live) = &live {
                 let mut indices = vec![i];
@@ -830,6 +843,53 @@ fn log_progress(label: &str, p: &Progress) {
         elapsed_secs = p.started.elapsed().as_secs(),
         "download progress"
     );
+}
+
+/// Weight files of a fetch served while it downloads that still have bytes to ask for (see
+/// `fetch`): each download holds a [`AskingSlot`] until its last range is asked for.
+#[derive(Default)]
+struct AskingWeights {
+    count: Arc<std::sync::atomic::AtomicUsize>,
+    released: Arc<tokio::sync::Notify>,
+}
+
+impl AskingWeights {
+    fn count(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    fn take(&self) -> AskingSlot {
+        self.count.fetch_add(1, Ordering::SeqCst);
+        AskingSlot {
+            count: self.count.clone(),
+            released: self.released.clone(),
+            held: AtomicBool::new(true),
+        }
+    }
+}
+
+/// One weight file's place among the asking ones, given back once (by
+/// [`AskingSlot::release`] or on drop).
+struct AskingSlot {
+    count: Arc<std::sync::atomic::AtomicUsize>,
+    released: Arc<tokio::sync::Notify>,
+    held: AtomicBool,
+}
+
+impl AskingSlot {
+    fn release(&self) {
+        if self.held.swap(false, Ordering::SeqCst) {
+            self.count.fetch_sub(1, Ordering::SeqCst);
+            // A permit is stored if the fetch loop is not waiting yet: no wake-up is lost.
+            self.released.notify_one();
+        }
+    }
+}
+
+impl Drop for AskingSlot {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// Bytes counted into the fetch's progress by one attempt; taken back if the attempt fails or
@@ -930,11 +990,13 @@ struct FileFetch<'a, S> {
 
 impl<S: RangeSource> FileFetch<'_, S> {
     /// Downloads and verifies one file; `failed_verification` is told of each attempt whose
-    /// bytes did not verify.
+    /// bytes did not verify, `asked_all` once every byte of the file is asked for (see
+    /// [`FileFetch::produce`]; at the latest when the bytes are all received).
     async fn download(
         &self,
         entry: &ManifestEntry,
         failed_verification: &(dyn Fn() + Sync),
+        asked_all: &(dyn Fn() + Sync),
     ) -> Result<Sha256Digest, TransferError> {
         let tuning = self.transfers.tuning();
         let ctx = self.ctx;
@@ -983,7 +1045,12 @@ impl<S: RangeSource> FileFetch<'_, S> {
                             // Written: its budget goes back.
                             drop(parts);
                         }
-                        None => return w.commit().map(Some),
+                        None => {
+                            // How long the digest check, sync and rename took (the step
+                            // between a file's last byte written and its blob published).
+                            let at = Instant::now();
+                            return w.commit().map(|sha| Some((sha, at.elapsed())));
+                        }
                     }
                 }
                 // Stopped without a commit: what was written stays for a resume.
@@ -991,15 +1058,24 @@ impl<S: RangeSource> FileFetch<'_, S> {
                 Ok(None)
             });
 
-            let produced = self.produce(entry, resumed, &tx, &mut file_counted).await;
+            let began = Instant::now();
+            let produced = self
+                .produce(entry, resumed, &tx, &mut file_counted, asked_all)
+                .await;
+            let received_after = began.elapsed();
+            if matches!(produced, Ok(true)) {
+                // Nothing left to ask for (also when a resume found the file complete).
+                asked_all();
+            }
             drop(tx);
             let written = writer_task.await.map_err(joined)?;
+            let published = began.elapsed();
             match (produced, written) {
                 (_, Err(e @ (StoreError::Io { .. } | StoreError::DiskFull { .. }))) => {
                     return Err(store_err(&entry.path)(e))
                 }
                 (Err(e), _) => return Err(e),
-                (Ok(_), Ok(Some(sha))) => {
+                (Ok(_), Ok(Some((sha, commit)))) => {
                     let recorded = if size_only {
                         ctx.progress.size_only_files.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(source = %self.source.label(), path = %entry.path, "the store publishes no digest or checksum of this file: it was checked by its size only");
@@ -1008,6 +1084,18 @@ impl<S: RangeSource> FileFetch<'_, S> {
                         ctx.store.record_alias(&entry.digest, &sha)
                     };
                     recorded.map_err(store_err(&entry.path))?;
+                    // The per-file steps of a download, for finding where the time between a
+                    // file's last byte and its first open goes (BENCHMARKS.md, "Serving while
+                    // downloading").
+                    tracing::debug!(
+                        path = %entry.path,
+                        size,
+                        receive_ms = received_after.as_millis() as u64,
+                        write_behind_ms = (published - received_after).saturating_sub(commit).as_millis() as u64,
+                        commit_ms = commit.as_millis() as u64,
+                        record_ms = (began.elapsed() - published).as_millis() as u64,
+                        "file verified"
+                    );
                     let downloaded = file_counted.keep().saturating_sub(resumed);
                     ctx.record_fetched(self.source.scheme(), downloaded);
                     ctx.progress.completed_files.fetch_add(1, Ordering::Relaxed);
@@ -1030,13 +1118,17 @@ impl<S: RangeSource> FileFetch<'_, S> {
     }
 
     /// Sends `[resumed, size)` of `entry` to the writer, then `None` (commit). Returns `false`
-    /// if the writer went away.
+    /// if the writer went away. `asked_all` is told when the request for the file's last
+    /// range goes out after a first range that came back as a range (the first one is asked
+    /// alone, so a file of one range tells it only once that range arrived), or when the
+    /// server answers with the whole file.
     async fn produce(
         &self,
         entry: &ManifestEntry,
         resumed: u64,
         tx: &Chunks,
         file_counted: &mut Counted<'_>,
+        asked_all: &(dyn Fn() + Sync),
     ) -> Result<bool, TransferError> {
         let tuning = self.transfers.tuning();
         let mut chunks = ranges(resumed, entry.size, tuning.chunk_size).into_iter();
@@ -1050,6 +1142,7 @@ impl<S: RangeSource> FileFetch<'_, S> {
                     }
                 }
                 RangeAnswer::WholeFile(body, slot) => {
+                    asked_all();
                     if !self
                         .whole_file(entry, body, slot, at, tx, file_counted)
                         .await?
@@ -1061,7 +1154,13 @@ impl<S: RangeSource> FileFetch<'_, S> {
             }
         }
         let mut parts = stream::iter(chunks)
-            .map(|(at, len)| self.fetch_range(entry, at, len, false))
+            .map(|(at, len)| {
+                // Taken by `buffered` just before it starts the request.
+                if at + len >= entry.size {
+                    asked_all();
+                }
+                self.fetch_range(entry, at, len, false)
+            })
             .buffered(tuning.range_streams.max(1));
         while let Some(part) = parts.next().await {
             let (bytes, counted) = match part? {

@@ -1600,7 +1600,8 @@ impl FsCore {
             .pending_wait
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let deadline = Instant::now() + wait;
+        let began = Instant::now();
+        let deadline = began + wait;
         // The file's failure count when this open began waiting on it.
         let mut waiting_since: Option<u32> = None;
         // The epoch of `wanted_epoch` this open last told the wanted hook in.
@@ -1681,6 +1682,9 @@ impl FsCore {
             // Beneath the store's descriptor, without following links, a regular file of the
             // entry's size that only root can write (`Store::open_blob`): the agent writes the
             // stores, and nothing it plants there may make this process serve another file.
+            if let (Some(path), Some(_)) = (&path, waiting_since) {
+                tracing::debug!(model = %path.join("/"), file = %served.artifact.manifest.entry(index).path, waited_ms = began.elapsed().as_millis() as u64, "an open waited for its file to verify");
+            }
             let store = served.store;
             let file = store
                 .store

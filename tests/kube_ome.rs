@@ -904,18 +904,22 @@ async fn an_annotated_model_is_ready_once_its_listing_is_served_and_others_once_
         ],
         &[],
     );
-    // Ready while it still downloads: OME's progress is there, and the reason counts files.
-    let early = wait_for("opt Ready while downloading", || {
+    // Ready while it still downloads: OME's progress is there, and the reason counts files. The
+    // node label follows the ConfigMap entry (the sink writes the ConfigMap first, then the
+    // labels), so both are awaited together; the entry's progress says the download still runs.
+    let early = wait_for("opt Ready while downloading, entry and label", || {
+        // The label first: Ready there, then an entry still with progress, means the label
+        // said Ready while the model downloaded.
+        let label = node_labels(&server)
+            .get("models.ome.io/clusterbasemodel.opt")
+            .cloned();
         let entry = entries(&server).get("clusterbasemodel.opt").cloned()?;
-        (entry["status"] == "Ready" && entry["progress"].is_object()).then_some(entry)
+        (entry["status"] == "Ready"
+            && entry["progress"].is_object()
+            && label.as_deref() == Some("Ready"))
+        .then_some(entry)
     })
     .await;
-    assert_eq!(
-        node_labels(&server)
-            .get("models.ome.io/clusterbasemodel.opt")
-            .map(String::as_str),
-        Some("Ready")
-    );
     let reason = early["reason"].as_str().unwrap_or_default().to_string();
     assert!(
         reason.starts_with("served while downloading: ") && reason.ends_with("/5 files verified"),

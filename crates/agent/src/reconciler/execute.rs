@@ -93,6 +93,8 @@ impl Reconciler {
                 Effect::Invalid { key, reason } => {
                     tracing::warn!(model = %key, reason, "invalid model object")
                 }
+                // A verdict for the handler that asked (see `Reconciler::report_current`).
+                Effect::Current { .. } => {}
                 Effect::Wake { key } => {
                     let manifest = match self.works.get(&key).map(|w| &w.stage) {
                         Some(Stage::Waiting { manifest }) => manifest.clone(),

@@ -277,7 +277,7 @@ impl Reconciler {
         fp: String,
         result: Result<Manifest, SourceError>,
     ) {
-        if self.works.get(&key).is_none_or(|w| w.fingerprint != fp) {
+        if !self.report_current(&key, fp) {
             return;
         }
         self.work_changed(&key);
@@ -294,6 +294,29 @@ impl Reconciler {
         // Waiters on this resolve now see a fetch (and keep waiting), a Ready holder, or a
         // failure (and fetch themselves).
         self.wake_waiters();
+    }
+
+    /// Whether a report of `key`'s work started for the spec with `fp` is for its current
+    /// work: the core's verdict ([`decide::Event::WorkReported`]).
+    fn report_current(&mut self, key: &ModelKey, fp: String) -> bool {
+        #[cfg(debug_assertions)]
+        let fp_seen = fp.clone();
+        let event = decide::Event::WorkReported {
+            key: key.clone(),
+            fingerprint: fp,
+        };
+        let current = self
+            .step(event)
+            .iter()
+            .any(|e| matches!(e, Effect::Current { key: k } if k == key));
+        debug_assert_eq!(
+            current,
+            self.works
+                .get(key)
+                .is_some_and(|w| w.fingerprint == fp_seen),
+            "the core's verdict on a report differs from the work in flight"
+        );
+        current
     }
 
     /// Places `key`, its artifact known (the core's [`decide::Event::ArtifactKnown`]).
@@ -333,7 +356,7 @@ impl Reconciler {
         manifest: Arc<Manifest>,
         result: Result<(Vec<Sha256Digest>, u32), SourceError>,
     ) {
-        let current = self.works.get(&key).is_some_and(|w| w.fingerprint == fp);
+        let current = self.report_current(&key, fp);
         match result {
             Ok((blobs, size_only_files)) => {
                 // A complete, verified artifact is real data whether or not the model still

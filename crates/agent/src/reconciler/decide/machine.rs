@@ -160,6 +160,11 @@ pub enum Event {
     WorkMoved { key: ModelKey },
     /// The next woken waiter, if any ([`Effect::Wake`]).
     WakeNext,
+    /// A resolve or fetch of `key` reported back; it was started for the spec with
+    /// `fingerprint`. Current (the model still has work, for that spec): [`Effect::Current`],
+    /// and the executor handles the report; stale (the work was stopped, replaced by work for
+    /// a changed spec, or ended): nothing.
+    WorkReported { key: ModelKey, fingerprint: String },
 }
 
 /// The bookkeeping of each model's lifecycle besides its record (module docs).
@@ -355,6 +360,17 @@ impl Machine {
             Event::WorkMoved { key } => {
                 self.work_moved(&key);
                 Vec::new()
+            }
+            Event::WorkReported { key, fingerprint } => {
+                // Work in progress is always for the recorded spec (a change updates the
+                // record first and stops the work), so the recorded fingerprint names it.
+                let current =
+                    self.life.phases.contains_key(&key) && self.fingerprint(&key) == fingerprint;
+                if current {
+                    vec![Effect::Current { key }]
+                } else {
+                    Vec::new()
+                }
             }
             Event::WakeNext => self
                 .life

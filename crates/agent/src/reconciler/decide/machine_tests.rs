@@ -198,6 +198,7 @@ fn effects_text(effects: &[Effect]) -> String {
             Effect::Retry { key } => format!("{} retries", short(key)),
             Effect::Refresh { key } => format!("{} refreshes", short(key)),
             Effect::Wake { key } => format!("{} wakes", short(key)),
+            Effect::Current { key } => format!("{} current", short(key)),
         })
         .collect();
     texts.join(", ")
@@ -353,6 +354,58 @@ fn transition_table() {
                 })
             },
             then: "fetching",
+            effects: "",
+        },
+        Row {
+            row: "fetching + WorkReported (its current work)",
+            setup: |r| {
+                r.start("m", "m", Always, 1);
+                r.known("m", "m", Always, 1);
+            },
+            event: |r| {
+                let fingerprint = summary("m", "m", Always, 1).fingerprint;
+                r.step(Event::WorkReported {
+                    key: key("m"),
+                    fingerprint,
+                })
+            },
+            then: "fetching",
+            effects: "m current",
+        },
+        Row {
+            row: "resolving + WorkReported (stale: work for the spec before a change)",
+            setup: |r| {
+                r.start("m", "m", Always, 1);
+                r.start("m", "m", Always, 2);
+            },
+            event: |r| {
+                let fingerprint = summary("m", "m", Always, 1).fingerprint;
+                r.step(Event::WorkReported {
+                    key: key("m"),
+                    fingerprint,
+                })
+            },
+            then: "resolving",
+            effects: "",
+        },
+        Row {
+            row: "failed + WorkReported (stale: the work ended)",
+            setup: |r| {
+                r.start("m", "m", Always, 1);
+                r.step(Event::Failed {
+                    key: key("m"),
+                    reason: "gone".into(),
+                    retry: RetryKind::Permanent,
+                });
+            },
+            event: |r| {
+                let fingerprint = summary("m", "m", Always, 1).fingerprint;
+                r.step(Event::WorkReported {
+                    key: key("m"),
+                    fingerprint,
+                })
+            },
+            then: "failed",
             effects: "",
         },
         Row {

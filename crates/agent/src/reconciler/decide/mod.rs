@@ -46,6 +46,8 @@
 //! | resolving | `ArtifactKnown`, the fetch does not fit the disk budget | failed, parked | `Fail` (`Space`) |
 //! | fetching | `Fetched` (its current work) | serving | `Served`, `Remap` |
 //! | any | `Fetched` of a stale fetch | unchanged (the store records the artifact) | - |
+//! | working | `WorkReported`, for its current work (the recorded fingerprint) | unchanged | `Current` (the executor handles the report) |
+//! | any | `WorkReported`, stale (no work, or work for another spec) | unchanged | - (a stale fetch's artifact is recorded as data) |
 //! | resolving, fetching | `Failed` (transient) | failed, retry at now + backoff | `Fail` (the reason says when) |
 //! | resolving, fetching | `Failed` (permanent) | failed | `Fail` |
 //! | fetching | `Failed` (disk full) | failed, parked | `Fail` |
@@ -164,6 +166,9 @@ pub enum Effect {
     Refresh { key: ModelKey },
     /// `key` waited for a model whose work moved on: it is placed again.
     Wake { key: ModelKey },
+    /// The report of `key`'s work is for its current work ([`Event::WorkReported`]): the
+    /// executor handles it (a stale one it only records as data, if a fetch completed).
+    Current { key: ModelKey },
 }
 
 /// An event as the records-level rules see it: [`Machine::step`] adds to its [`Event`] what

@@ -728,6 +728,7 @@ fn effect_text(e: &Effect) -> String {
         Effect::Retry { key } => format!("{} retries", short(key)),
         Effect::Refresh { key } => format!("{} refreshes", short(key)),
         Effect::Wake { key } => format!("{} wakes", short(key)),
+        Effect::Current { key } => format!("{} current", short(key)),
     }
 }
 

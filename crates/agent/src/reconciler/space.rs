@@ -7,8 +7,9 @@
 //!   already holds, minus the old files adoption will hard-link (only when the store and the
 //!   models root are one mount: a link costs no bytes).
 //! * A model refused for space is `Failed` with the `InsufficientStorage` reason and kept in
-//!   `refused` with what it needs. Every tick the disk is measured again: the refused models
-//!   that fit now ([`decide::space::start_refused`]) are retried at once (a release, a
+//!   `refused` with what it needs, while the core says it is parked for space
+//!   ([`decide::Machine::parked_for_space`], from its own retry, never the reason's text) or
+//!   its retry works. Every tick the disk is measured again: the refused models that fit now ([`decide::space::start_refused`]) are retried at once (a release, a
 //!   collection pass, another writer deleting files all show up there), the others stay
 //!   `Failed` and are checked again at the next tick. Their pending retry is parked, not
 //!   timed: a re-check never resolves the source again, so a refused model does not flap
@@ -413,19 +414,12 @@ impl Reconciler {
             return false;
         }
         // Forget refusals the model moved on from (served, deleted, changed, failing
-        // otherwise).
-        let refused: Vec<ModelKey> = self.disk.refused.keys().cloned().collect();
-        for k in refused {
-            let still = self.core.records.models().get(&k).is_some_and(|r| {
-                r.phase == super::records::ModelPhase::Failed
-                    && r.reason
-                        .as_deref()
-                        .is_some_and(|x| x.starts_with("InsufficientStorage"))
-            });
-            if !still && !self.works.contains_key(&k) {
-                self.disk.refused.remove(&k);
-            }
-        }
+        // otherwise): the core says which models are parked for space; one whose retry
+        // started work keeps its place until the work places it again.
+        let core = &self.core;
+        self.disk
+            .refused
+            .retain(|k, _| core.parked_for_space(k) || core.phase(k).is_some());
         let busy = !self.disk.refused.is_empty() || !self.disk.admitted.is_empty();
         let full = busy
             || self

@@ -729,6 +729,8 @@ fn effect_text(e: &Effect) -> String {
         Effect::Refresh { key } => format!("{} refreshes", short(key)),
         Effect::Wake { key } => format!("{} wakes", short(key)),
         Effect::Current { key } => format!("{} current", short(key)),
+        Effect::Resolve { key } => format!("{} resolves", short(key)),
+        Effect::FilesElsewhere { key } => format!("{} files elsewhere", short(key)),
     }
 }
 

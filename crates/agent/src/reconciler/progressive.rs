@@ -43,6 +43,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
+use super::decide::Phase;
 use super::{Event, Reconciler, Stage};
 use crate::progressive::LiveFetch;
 use modelfs_core::artifact::Manifest;
@@ -346,8 +347,8 @@ impl Reconciler {
 
     fn still_fetching(&self, key: &ModelKey, live: &LiveFetch) -> bool {
         matches!(
-            self.works.get(key).map(|w| &w.stage),
-            Some(Stage::Fetching { artifact, .. }) if *artifact == live.listing().id
+            self.core.phase(key),
+            Some(Phase::Fetching { artifact, .. }) if *artifact == live.listing().id
         )
     }
 
@@ -418,7 +419,7 @@ impl Reconciler {
     /// The pending entries of `fetcher`'s live fetch: at its own path, and at the paths of
     /// the models waiting on it for the same artifact that are served while they download.
     fn pending_of_fetch(&self, fetcher: &ModelKey, live: &Arc<LiveFetch>, out: &mut PendingOut) {
-        let Some(Stage::Fetching { store, .. }) = self.works.get(fetcher).map(|w| &w.stage) else {
+        let Some(Phase::Fetching { store, .. }) = self.core.phase(fetcher) else {
             return;
         };
         // Not created here: a store directory exists only once a saved record names it
@@ -436,10 +437,12 @@ impl Reconciler {
             let Some(work) = self.works.get(&key) else {
                 continue;
             };
-            let same_artifact = match &work.stage {
-                Stage::Fetching { artifact, .. } => *artifact == live.listing().id,
-                Stage::Waiting { manifest } => manifest.id() == live.listing().id,
-                Stage::Resolving => false,
+            let same_artifact = match (&work.stage, self.core.phase(&key)) {
+                (Stage::Fetching { .. }, Some(Phase::Fetching { artifact, .. })) => {
+                    *artifact == live.listing().id
+                }
+                (Stage::Waiting { manifest }, _) => manifest.id() == live.listing().id,
+                _ => false,
             };
             // A model waiting on the fetch is shown only if it is served while it
             // downloads itself (Kubernetes: only models that opted in).

@@ -93,6 +93,10 @@ impl Reconciler {
                 Effect::Invalid { key, reason } => {
                     tracing::warn!(model = %key, reason, "invalid model object")
                 }
+                // A verdict for the handler that asked (see `Reconciler::report_current`).
+                Effect::Current { .. } => {}
+                Effect::Resolve { key } => self.resolve_desired(&key),
+                Effect::FilesElsewhere { key } => self.files_elsewhere(&key),
                 Effect::Wake { key } => {
                     let manifest = match self.works.get(&key).map(|w| &w.stage) {
                         Some(Stage::Waiting { manifest }) => manifest.clone(),
@@ -186,21 +190,28 @@ impl Reconciler {
     /// `key`'s resolve or fetch failed with `err`. (A periodic re-resolve's failure only
     /// logs: the core keeps the model served.)
     pub(super) fn fail(&mut self, key: &ModelKey, err: &SourceError) {
-        let refreshing = self.core.is_refreshing(key);
-        if let (false, Some(outcome)) = (refreshing, err.ome_outcome()) {
-            self.metrics.ome.record(ome_labels(key), outcome);
-        }
-        let (reason, retry) = match (!refreshing).then(|| self.disk_full(key, err)).flatten() {
-            Some((reason, needed)) => (reason, RetryKind::DiskFull { needed }),
-            None if err.is_transient() => (err.to_string(), RetryKind::Transient),
-            None => (err.to_string(), RetryKind::Permanent),
-        };
+        let (reason, retry) = self.failure_of(key, err);
         let event = decide::Event::Failed {
             key: key.clone(),
             reason,
             retry,
         };
         self.apply_event(event, None);
+    }
+
+    /// `err` as the core sees a failure of `key`'s work: its reason and how it is retried (a
+    /// full disk waits for room). Counts it in the OME download metrics, unless the work is
+    /// a periodic re-resolve.
+    pub(super) fn failure_of(&mut self, key: &ModelKey, err: &SourceError) -> (String, RetryKind) {
+        let refreshing = self.core.is_refreshing(key);
+        if let (false, Some(outcome)) = (refreshing, err.ome_outcome()) {
+            self.metrics.ome.record(ome_labels(key), outcome);
+        }
+        match (!refreshing).then(|| self.disk_full(key, err)).flatten() {
+            Some((reason, needed)) => (reason, RetryKind::DiskFull { needed }),
+            None if err.is_transient() => (err.to_string(), RetryKind::Transient),
+            None => (err.to_string(), RetryKind::Permanent),
+        }
     }
 
     /// The mount server refused to serve these mapping entries (module docs of

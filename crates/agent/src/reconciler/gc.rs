@@ -25,7 +25,7 @@ use std::time::{Duration, Instant, SystemTime};
 use serde::Serialize;
 
 use super::records::Records;
-use super::{Reconciler, Stage};
+use super::{decide, Reconciler};
 use modelfs_core::artifact::{ArtifactId, Sha256Digest, StoredArtifact};
 use modelfs_core::store::{StateDir, StoreId};
 use modelfs_mount::vfs::BlobUses;
@@ -286,10 +286,10 @@ impl Reconciler {
 
     /// The stores a fetch writes into: never removed, nor their blobs.
     pub(super) fn fetching_stores(&self) -> HashSet<StoreId> {
-        self.works
-            .values()
-            .filter_map(|w| match &w.stage {
-                Stage::Fetching { store, .. } => Some(store.clone()),
+        self.core
+            .working()
+            .filter_map(|(_, phase)| match phase {
+                decide::Phase::Fetching { store, .. } => Some(store.clone()),
                 _ => None,
             })
             .collect()

@@ -12,7 +12,8 @@
 //! at a time (desired state changed, a resolve or fetch finished, the mount server refused
 //! entries, a timer tick), so steps never race each other and need no locks. For each it
 //! reports an event to the core with what only the world can tell (an artifact resolved, the
-//! disk's free space, which copies lack blobs), and runs the effects of the answer in order:
+//! disk's free space, which copies lack blobs, whether a node directory exists, whether a path
+//! lies in the cache view, which spec a finished resolve or fetch was started for), and runs the effects of the answer in order:
 //! save the records before a store directory exists, start or stop a resolve or fetch, link a
 //! split store, log a failure, rebuild the mapping at the end of the batch. Outcomes come back
 //! as events (a fetch's, a split's, a failure's). Its modules:

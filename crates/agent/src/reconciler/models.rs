@@ -187,47 +187,74 @@ impl Reconciler {
         if new {
             tracing::info!(model = %key, source = %spec.source, policy = spec.policy.as_str(), "new model");
         }
-        if spec.source.is_vendor() || spec.node_dir.is_some() {
-            if let (Some(dir), SourceUri::Local { .. }) = (&spec.node_dir, &spec.source) {
-                // As OME's agent: the directory must exist (any other trouble shows when its
-                // config is read); a missing one is retried as any source is.
-                if let Err(e) = std::fs::metadata(dir) {
-                    if e.kind() == std::io::ErrorKind::NotFound {
-                        let error = SourceError::NodeDirMissing {
-                            path: dir.display().to_string(),
-                        };
-                        self.fail(key, &error);
-                        return;
-                    }
-                }
-                self.node_dir_config_stale(key);
+        // Observed here, decided by the core: where the files come from (and whether a node
+        // directory exists), and whether the path lies in the cache view.
+        let files = if spec.source.is_vendor() || spec.node_dir.is_some() {
+            decide::Files::Elsewhere {
+                missing: self.node_dir_missing(key, &spec),
             }
-            self.serve_without_files(key, &spec);
-            return;
-        }
-        // The cache view's directory is not a model path (a property of the flags, not of
-        // another model): failed for good until the spec or the flag changes.
-        if let Some(reason) = self.hf_cache_conflict(&spec.path) {
-            tracing::warn!(model = %key, reason, "path conflict with the cache view");
-            let event = decide::Event::Failed {
-                key: key.clone(),
-                reason,
-                retry: decide::RetryKind::Permanent,
-            };
-            self.apply_event(event, None);
-            return;
-        }
-        // Nesting needs no artifact: decided before any work. Equal paths wait for the resolve.
+        } else {
+            decide::Files::Mount
+        };
         let event = decide::Event::Starting {
             key: key.clone(),
             path: spec.path.clone(),
+            observed: decide::Observed {
+                source: spec.source.to_string(),
+                files,
+                cache_view_conflict: self.hf_cache_conflict(&spec.path),
+            },
         };
-        let effects = self.step(event);
-        if !effects.is_empty() {
-            self.execute(effects, None);
-            return;
+        self.apply_event(event, None);
+    }
+
+    /// Whether `spec`'s node directory (a `local://` model outside the models root) is
+    /// missing, as the failure it is: as OME's agent, the directory must exist (any other
+    /// trouble shows when its config is read); a missing one is retried as any source is.
+    fn node_dir_missing(&mut self, key: &ModelKey, spec: &ModelSpec) -> Option<decide::Failure> {
+        let (Some(dir), SourceUri::Local { .. }) = (&spec.node_dir, &spec.source) else {
+            return None;
+        };
+        match std::fs::metadata(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let error = SourceError::NodeDirMissing {
+                    path: dir.display().to_string(),
+                };
+                let (reason, retry) = self.failure_of(key, &error);
+                Some(decide::Failure { reason, retry })
+            }
+            _ => None,
         }
+    }
+
+    /// The core's [`Effect::Resolve`]: resolves `key`'s desired spec.
+    pub(super) fn resolve_desired(&mut self, key: &ModelKey) {
+        let Some(Ok(spec)) = self
+            .desired
+            .as_ref()
+            .and_then(|d| d.models.get(key))
+            .cloned()
+        else {
+            return;
+        };
         self.resolve(key, &spec);
+    }
+
+    /// The core's [`Effect::FilesElsewhere`]: a `vendor://` model (its files come with the
+    /// serving runtime), or a `local://` one whose directory lies outside the models root (the
+    /// pod binds it from the node), is `Ready` with nothing fetched or mounted, as OME's agent
+    /// does (a copy it owned before was handed to its children or released). Its node
+    /// directory's config is read again, and its waiters are woken.
+    pub(super) fn files_elsewhere(&mut self, key: &ModelKey) {
+        let spec = match self.desired.as_ref().and_then(|d| d.models.get(key)) {
+            Some(Ok(spec)) => spec.clone(),
+            _ => return,
+        };
+        if let (Some(_), SourceUri::Local { .. }) = (&spec.node_dir, &spec.source) {
+            self.node_dir_config_stale(key);
+        }
+        tracing::info!(model = %key, source = %spec.source, node_dir = ?spec.node_dir, "files on the node or in the runtime: Ready with nothing served");
+        self.wake_waiters();
     }
 
     /// Resolves `spec`'s source, or places the served artifact again when only the policy,
@@ -277,7 +304,7 @@ impl Reconciler {
         fp: String,
         result: Result<Manifest, SourceError>,
     ) {
-        if self.works.get(&key).is_none_or(|w| w.fingerprint != fp) {
+        if !self.report_current(&key, fp) {
             return;
         }
         self.work_changed(&key);
@@ -294,6 +321,29 @@ impl Reconciler {
         // Waiters on this resolve now see a fetch (and keep waiting), a Ready holder, or a
         // failure (and fetch themselves).
         self.wake_waiters();
+    }
+
+    /// Whether a report of `key`'s work started for the spec with `fp` is for its current
+    /// work: the core's verdict ([`decide::Event::WorkReported`]).
+    fn report_current(&mut self, key: &ModelKey, fp: String) -> bool {
+        #[cfg(debug_assertions)]
+        let fp_seen = fp.clone();
+        let event = decide::Event::WorkReported {
+            key: key.clone(),
+            fingerprint: fp,
+        };
+        let current = self
+            .step(event)
+            .iter()
+            .any(|e| matches!(e, Effect::Current { key: k } if k == key));
+        debug_assert_eq!(
+            current,
+            self.works
+                .get(key)
+                .is_some_and(|w| w.fingerprint == fp_seen),
+            "the core's verdict on a report differs from the work in flight"
+        );
+        current
     }
 
     /// Places `key`, its artifact known (the core's [`decide::Event::ArtifactKnown`]).
@@ -333,7 +383,7 @@ impl Reconciler {
         manifest: Arc<Manifest>,
         result: Result<(Vec<Sha256Digest>, u32), SourceError>,
     ) {
-        let current = self.works.get(&key).is_some_and(|w| w.fingerprint == fp);
+        let current = self.report_current(&key, fp);
         match result {
             Ok((blobs, size_only_files)) => {
                 // A complete, verified artifact is real data whether or not the model still
@@ -389,20 +439,6 @@ impl Reconciler {
                 }
             }
         }
-        self.wake_waiters();
-    }
-
-    /// A `vendor://` model (its files come with the serving runtime), or a `local://` one whose
-    /// directory lies outside the models root (the pod binds it from the node): as OME's agent
-    /// does, nothing is fetched or mounted and the model is `Ready` at once. A copy it owned
-    /// before (its source changed) is handed to its children or released.
-    pub(super) fn serve_without_files(&mut self, key: &ModelKey, spec: &ModelSpec) {
-        let event = decide::Event::NoFiles {
-            key: key.clone(),
-            source: spec.source.to_string(),
-        };
-        self.apply_event(event, None);
-        tracing::info!(model = %key, source = %spec.source, node_dir = ?spec.node_dir, "files on the node or in the runtime: Ready with nothing served");
         self.wake_waiters();
     }
 

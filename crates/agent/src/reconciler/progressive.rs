@@ -43,6 +43,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
+use super::decide::Phase;
 use super::{Event, Reconciler, Stage};
 use crate::progressive::LiveFetch;
 use modelfs_core::artifact::Manifest;
@@ -346,8 +347,8 @@ impl Reconciler {
 
     fn still_fetching(&self, key: &ModelKey, live: &LiveFetch) -> bool {
         matches!(
-            self.works.get(key).map(|w| &w.stage),
-            Some(Stage::Fetching { artifact, .. }) if *artifact == live.listing().id
+            self.core.phase(key),
+            Some(Phase::Fetching { artifact, .. }) if *artifact == live.listing().id
         )
     }
 
@@ -359,7 +360,34 @@ impl Reconciler {
         entries: &mut Vec<MountEntry>,
         hf_served: &mut Vec<HfServed>,
     ) -> HashMap<Vec<String>, Arc<PendingFiles>> {
-        // Fetches that ended (completed, failed, cancelled) are no longer live.
+        self.drop_ended_live();
+        let mut out = PendingOut {
+            entries,
+            hf_served,
+            pending: HashMap::new(),
+            by_path: HashMap::new(),
+        };
+        let fetches: Vec<(ModelKey, Arc<LiveFetch>)> = self
+            .live
+            .fetches
+            .iter()
+            .map(|(k, r)| (k.clone(), r.live.clone()))
+            .collect();
+        for (fetcher, live) in fetches {
+            self.pending_of_fetch(&fetcher, &live, &mut out);
+        }
+        self.pending_of_resumed(&mut out);
+        *self
+            .live
+            .by_path
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = out.by_path;
+        out.pending
+    }
+
+    /// Forgets the live fetches that ended (completed, failed, cancelled) and the resumed
+    /// entries gone stale, with their journals (a journal a running fetch still uses stays).
+    fn drop_ended_live(&mut self) {
         let ended: Vec<ModelKey> = self
             .live
             .fetches
@@ -386,95 +414,96 @@ impl Reconciler {
                 }
             }
         }
-        let mut pending = HashMap::new();
-        let mut by_path = HashMap::new();
-        let fetches: Vec<(ModelKey, Arc<LiveFetch>)> = self
-            .live
-            .fetches
-            .iter()
-            .map(|(k, r)| (k.clone(), r.live.clone()))
-            .collect();
-        for (fetcher, live) in fetches {
-            let Some(Stage::Fetching { store, .. }) = self.works.get(&fetcher).map(|w| &w.stage)
-            else {
+    }
+
+    /// The pending entries of `fetcher`'s live fetch: at its own path, and at the paths of
+    /// the models waiting on it for the same artifact that are served while they download.
+    fn pending_of_fetch(&self, fetcher: &ModelKey, live: &Arc<LiveFetch>, out: &mut PendingOut) {
+        let Some(Phase::Fetching { store, .. }) = self.core.phase(fetcher) else {
+            return;
+        };
+        // Not created here: a store directory exists only once a saved record names it
+        // (the fetch creates it; its first report comes after that).
+        let Some(handle) = self.state.existing_store(store) else {
+            return;
+        };
+        let handle = self.fs.store_handle(store, handle);
+        // The fetching model, then the models waiting on its fetch of the same artifact.
+        let mut keys = vec![fetcher.clone()];
+        keys.extend(self.core.waiters_of(fetcher).cloned());
+        let states = Arc::new(live.pending());
+        live.shown();
+        for key in keys {
+            let Some(work) = self.works.get(&key) else {
                 continue;
             };
-            let store = store.clone();
-            // Not created here: a store directory exists only once a saved record names it
-            // (the fetch creates it; its first report comes after that).
-            let Some(handle) = self.state.existing_store(&store) else {
-                continue;
+            let same_artifact = match (&work.stage, self.core.phase(&key)) {
+                (Stage::Fetching { .. }, Some(Phase::Fetching { artifact, .. })) => {
+                    *artifact == live.listing().id
+                }
+                (Stage::Waiting { manifest }, _) => manifest.id() == live.listing().id,
+                _ => false,
             };
-            let handle = self.fs.store_handle(&store, handle);
-            // The fetching model, then the models waiting on its fetch of the same artifact.
-            let mut keys = vec![fetcher.clone()];
-            keys.extend(self.core.waiters_of(&fetcher).cloned());
-            let states = Arc::new(live.pending());
-            live.shown();
-            for key in keys {
-                let Some(work) = self.works.get(&key) else {
-                    continue;
-                };
-                let same_artifact = match &work.stage {
-                    Stage::Fetching { artifact, .. } => *artifact == live.listing().id,
-                    Stage::Waiting { manifest } => manifest.id() == live.listing().id,
-                    Stage::Resolving => false,
-                };
-                // A model waiting on the fetch is shown only if it is served while it
-                // downloads itself (Kubernetes: only models that opted in).
-                if !same_artifact || work.refresh || !self.serves_while_downloading(&work.spec) {
-                    continue;
-                }
-                let path: &MountPath = &work.spec.path;
-                let free = !entries.iter().any(|e| nests(&e.path, path.segments()))
-                    && self.hf_cache_conflict(path).is_none();
-                if !free {
-                    continue;
-                }
-                let segments = path.segments().to_vec();
-                entries.push(MountEntry {
-                    path: segments.clone(),
-                    artifact: live.listing(),
+            // A model waiting on the fetch is shown only if it is served while it
+            // downloads itself (Kubernetes: only models that opted in).
+            if !same_artifact || work.refresh || !self.serves_while_downloading(&work.spec) {
+                continue;
+            }
+            let path: &MountPath = &work.spec.path;
+            let free = !out.entries.iter().any(|e| nests(&e.path, path.segments()))
+                && self.hf_cache_conflict(path).is_none();
+            if !free {
+                continue;
+            }
+            let segments = path.segments().to_vec();
+            out.entries.push(MountEntry {
+                path: segments.clone(),
+                artifact: live.listing(),
+                store: handle.clone(),
+            });
+            out.pending.insert(segments.clone(), states.clone());
+            out.by_path.insert(segments, live.clone());
+            if let (Some(view), SourceUri::HuggingFace { repo, revision }) =
+                (&self.hf_cache, &work.spec.source)
+            {
+                let listing = live.listing();
+                let commit = listing.manifest.revision.clone();
+                out.by_path
+                    .insert(view.snapshot_path(repo, &commit), live.clone());
+                out.hf_served.push(HfServed {
+                    model: key.to_string(),
+                    repo: repo.clone(),
+                    revision: revision.clone(),
+                    artifact: listing,
                     store: handle.clone(),
+                    pending: Some(states.clone()),
                 });
-                pending.insert(segments.clone(), states.clone());
-                by_path.insert(segments, live.clone());
-                if let (Some(view), SourceUri::HuggingFace { repo, revision }) =
-                    (&self.hf_cache, &work.spec.source)
-                {
-                    let listing = live.listing();
-                    let commit = listing.manifest.revision.clone();
-                    by_path.insert(view.snapshot_path(repo, &commit), live.clone());
-                    hf_served.push(HfServed {
-                        model: key.to_string(),
-                        repo: repo.clone(),
-                        revision: revision.clone(),
-                        artifact: listing,
-                        store: handle.clone(),
-                        pending: Some(states.clone()),
-                    });
-                }
             }
         }
+    }
+
+    /// The pending entries of the fetches a restart ended (module docs, "Restarts").
+    fn pending_of_resumed(&self, out: &mut PendingOut) {
         for (key, resumed) in &self.live.resumed {
             let Some(handle) = self.state.existing_store(&resumed.store) else {
                 continue;
             };
-            let free = !entries.iter().any(|e| nests(&e.path, &resumed.path))
+            let free = !out.entries.iter().any(|e| nests(&e.path, &resumed.path))
                 && MountPath::from_relative(&resumed.path.join("/"))
                     .is_ok_and(|p| self.hf_cache_conflict(&p).is_none());
             if !free {
                 continue;
             }
             let handle = self.fs.store_handle(&resumed.store, handle);
-            entries.push(MountEntry {
+            out.entries.push(MountEntry {
                 path: resumed.path.clone(),
                 artifact: resumed.live.listing(),
                 store: handle.clone(),
             });
             let states = Arc::new(resumed.live.pending());
-            pending.insert(resumed.path.clone(), states.clone());
-            by_path.insert(resumed.path.clone(), resumed.live.clone());
+            out.pending.insert(resumed.path.clone(), states.clone());
+            out.by_path
+                .insert(resumed.path.clone(), resumed.live.clone());
             // The cache view shows the resumed snapshot as well, from the first mapping on:
             // a reader of the view waits through the restart as one at the model's path does.
             // The source is the one the model's record wants (the journal's manifest was
@@ -490,11 +519,11 @@ impl Reconciler {
                 (&self.hf_cache, source)
             {
                 let listing = resumed.live.listing();
-                by_path.insert(
+                out.by_path.insert(
                     view.snapshot_path(&repo, &listing.manifest.revision),
                     resumed.live.clone(),
                 );
-                hf_served.push(HfServed {
+                out.hf_served.push(HfServed {
                     model: key.to_string(),
                     repo,
                     revision,
@@ -504,11 +533,14 @@ impl Reconciler {
                 });
             }
         }
-        *self
-            .live
-            .by_path
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = by_path;
-        pending
     }
+}
+
+/// What [`Reconciler::pending_entries`] gathers: the mapping's entries and the cache view's
+/// snapshots it appends to, the pending states by path, and the live fetches by path.
+struct PendingOut<'a> {
+    entries: &'a mut Vec<MountEntry>,
+    hf_served: &'a mut Vec<HfServed>,
+    pending: HashMap<Vec<String>, Arc<PendingFiles>>,
+    by_path: HashMap<Vec<String>, Arc<LiveFetch>>,
 }

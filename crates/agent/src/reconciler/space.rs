@@ -7,8 +7,9 @@
 //!   already holds, minus the old files adoption will hard-link (only when the store and the
 //!   models root are one mount: a link costs no bytes).
 //! * A model refused for space is `Failed` with the `InsufficientStorage` reason and kept in
-//!   `refused` with what it needs. Every tick the disk is measured again: the refused models
-//!   that fit now ([`decide::space::start_refused`]) are retried at once (a release, a
+//!   `refused` with what it needs, while the core says it is parked for space
+//!   ([`decide::Machine::parked_for_space`], from its own retry, never the reason's text) or
+//!   its retry works. Every tick the disk is measured again: the refused models that fit now ([`decide::space::start_refused`]) are retried at once (a release, a
 //!   collection pass, another writer deleting files all show up there), the others stay
 //!   `Failed` and are checked again at the next tick. Their pending retry is parked, not
 //!   timed: a re-check never resolves the source again, so a refused model does not flap
@@ -34,6 +35,7 @@ use arc_swap::ArcSwap;
 
 use super::decide::space::{ReclaimCandidate, ReclaimClass, ReclaimWhat};
 use super::decide::{self, Space};
+use super::gc::RetiredBlobs;
 use super::{Reconciler, Stage};
 use crate::disk::{DiskBudget, DiskState, FsSpace, Placement};
 use crate::source::SourceError;
@@ -412,19 +414,12 @@ impl Reconciler {
             return false;
         }
         // Forget refusals the model moved on from (served, deleted, changed, failing
-        // otherwise).
-        let refused: Vec<ModelKey> = self.disk.refused.keys().cloned().collect();
-        for k in refused {
-            let still = self.core.records.models().get(&k).is_some_and(|r| {
-                r.phase == super::records::ModelPhase::Failed
-                    && r.reason
-                        .as_deref()
-                        .is_some_and(|x| x.starts_with("InsufficientStorage"))
-            });
-            if !still && !self.works.contains_key(&k) {
-                self.disk.refused.remove(&k);
-            }
-        }
+        // otherwise): the core says which models are parked for space; one whose retry
+        // started work keeps its place until the work places it again.
+        let core = &self.core;
+        self.disk
+            .refused
+            .retain(|k, _| core.parked_for_space(k) || core.phase(k).is_some());
         let busy = !self.disk.refused.is_empty() || !self.disk.admitted.is_empty();
         let full = busy
             || self
@@ -455,6 +450,81 @@ impl Reconciler {
     /// Removes what nothing serves until `shortfall` bytes are free (or nothing is left to
     /// remove), in the order of [`decide::space::reclaim_order`]. Returns whether anything went.
     pub(super) fn reclaim(&mut self, shortfall: u64) -> bool {
+        let (candidates, mut retired) = self.reclaim_candidates();
+        let order = decide::space::reclaim_order(&candidates, shortfall);
+        if order.is_empty() {
+            return false;
+        }
+        for (id, what) in &order {
+            if *what == ReclaimWhat::RetiredBlobs {
+                if let Some(r) = retired.remove(id) {
+                    self.remove_retired_blobs(id, &r.names);
+                    tracing::info!(store = %id, blobs = r.names.len(), bytes = r.bytes, "reclaimed the blobs of retired revisions under disk pressure");
+                }
+            }
+        }
+        let mut chosen: Vec<StoreId> = order
+            .into_iter()
+            .filter(|(_, what)| *what == ReclaimWhat::Store)
+            .map(|(id, _)| id)
+            .collect();
+        chosen.retain(|id| !self.withdraw_placed(id));
+        if chosen.is_empty() {
+            return true;
+        }
+        self.remove_reclaimed(&chosen, &candidates)
+    }
+
+    /// A reserved store still placed at its path: its directory is withdrawn now (returns
+    /// true); the store goes at a later pass, when the mount no longer reads it (never while
+    /// a file of it is open).
+    fn withdraw_placed(&mut self, id: &StoreId) -> bool {
+        let placed = self
+            .core
+            .records
+            .stores()
+            .get(id)
+            .is_some_and(|s| s.reserved_at.is_some());
+        if placed {
+            if let Some(mut s) = self.core.records.store_mut(id) {
+                s.reserved_at = None;
+            }
+            self.batch.remap_needed = true;
+            self.batch.flush_pending = true;
+            tracing::info!(store = %id, "withdrew a reserved model's directory to reclaim its store under disk pressure");
+        }
+        placed
+    }
+
+    /// Forgets the `chosen` stores and removes their directories. Returns whether the records
+    /// were saved (nothing is removed otherwise).
+    fn remove_reclaimed(&mut self, chosen: &[StoreId], candidates: &[ReclaimCandidate]) -> bool {
+        for id in chosen {
+            self.forget_store(id);
+        }
+        // Records first (as garbage collection does): a directory goes only once no saved
+        // record names it. A failed save removes nothing; the next tick tries again.
+        if !self.save() {
+            return false;
+        }
+        for id in chosen {
+            let c = candidates.iter().find(|c| &c.store == id);
+            match self.state.remove_store(id) {
+                Ok(()) => {
+                    self.metrics.disk.reclaimed_stores.inc();
+                    tracing::info!(store = %id, class = ?c.map(|c| c.class), bytes = c.map_or(0, |c| c.bytes), "reclaimed under disk pressure");
+                }
+                Err(e) => {
+                    tracing::warn!(store = %id, error = %e, "could not remove a store under disk pressure")
+                }
+            }
+        }
+        true
+    }
+
+    /// What reclaiming could remove: stores nothing serves (reserved, in grace, expired) and
+    /// the retired blobs of stores that stay, with the retired blobs' names by store.
+    fn reclaim_candidates(&self) -> (Vec<ReclaimCandidate>, BTreeMap<StoreId, RetiredBlobs>) {
         let busy_fetch = self.fetching_stores();
         let now = Instant::now();
         let grace = self.config.gc_grace;
@@ -498,7 +568,7 @@ impl Reconciler {
             });
         }
         // Retired revisions in stores that stay: their unreferenced blobs, in grace.
-        let mut retired = self.retired_blobs();
+        let retired = self.retired_blobs();
         for (id, r) in &retired {
             let age = r.since.map_or(Duration::ZERO, |t| now.duration_since(t));
             candidates.push(ReclaimCandidate {
@@ -514,65 +584,6 @@ impl Reconciler {
                 busy: false,
             });
         }
-        let order = decide::space::reclaim_order(&candidates, shortfall);
-        if order.is_empty() {
-            return false;
-        }
-        for (id, what) in &order {
-            if *what == ReclaimWhat::RetiredBlobs {
-                if let Some(r) = retired.remove(id) {
-                    self.remove_retired_blobs(id, &r.names);
-                    tracing::info!(store = %id, blobs = r.names.len(), bytes = r.bytes, "reclaimed the blobs of retired revisions under disk pressure");
-                }
-            }
-        }
-        let mut chosen: Vec<StoreId> = order
-            .into_iter()
-            .filter(|(_, what)| *what == ReclaimWhat::Store)
-            .map(|(id, _)| id)
-            .collect();
-        // Reserved stores still placed at their path: withdraw the directory now; the store
-        // goes at a later pass, when the mount no longer reads it (never while a file of it is
-        // open).
-        chosen.retain(|id| {
-            let placed = self.core
-                .records
-                .stores()
-                .get(id)
-                .is_some_and(|s| s.reserved_at.is_some());
-            if placed {
-                if let Some(mut s) = self.core.records.store_mut(id) {
-                    s.reserved_at = None;
-                }
-                self.batch.remap_needed = true;
-                self.batch.flush_pending = true;
-                tracing::info!(store = %id, "withdrew a reserved model's directory to reclaim its store under disk pressure");
-            }
-            !placed
-        });
-        if chosen.is_empty() {
-            return true;
-        }
-        for id in &chosen {
-            self.forget_store(id);
-        }
-        // Records first (as garbage collection does): a directory goes only once no saved
-        // record names it. A failed save removes nothing; the next tick tries again.
-        if !self.save() {
-            return false;
-        }
-        for id in &chosen {
-            let c = candidates.iter().find(|c| &c.store == id);
-            match self.state.remove_store(id) {
-                Ok(()) => {
-                    self.metrics.disk.reclaimed_stores.inc();
-                    tracing::info!(store = %id, class = ?c.map(|c| c.class), bytes = c.map_or(0, |c| c.bytes), "reclaimed under disk pressure");
-                }
-                Err(e) => {
-                    tracing::warn!(store = %id, error = %e, "could not remove a store under disk pressure")
-                }
-            }
-        }
-        true
+        (candidates, retired)
     }
 }

@@ -24,9 +24,9 @@ pub(super) enum Stage {
     Waiting {
         manifest: Arc<Manifest>,
     },
+    /// Its artifact is being fetched; which artifact, into which store, is the core's
+    /// [`decide::Phase::Fetching`].
     Fetching {
-        artifact: ArtifactId,
-        store: StoreId,
         progress: Arc<Progress>,
     },
 }
@@ -43,7 +43,8 @@ pub(super) struct Work {
 }
 
 /// Every model's work in flight with what the executor needs to run it (the decision core
-/// tracks the same work as phases: see [`decide::Phase`]), and what work is spawned with.
+/// tracks the same work as phases: see [`decide::Phase`]; what a fetch fetches, and into
+/// which store, is read from the core's phase, not kept here), and what work is spawned with.
 pub(super) struct Works {
     map: BTreeMap<ModelKey, Work>,
     /// Node-wide fetch slots ([`super::ReconcilerConfig::max_concurrent_fetches`]).
@@ -211,14 +212,11 @@ impl Reconciler {
         };
         let fp = work.fingerprint.clone();
         let spec = work.spec.clone();
-        let artifact = manifest.id();
         let progress = Arc::new(Progress::for_manifest(&manifest));
         let live = self.live_fetch(key, &store, &manifest);
         self.works.set_stage(
             key,
             Stage::Fetching {
-                artifact,
-                store: store.clone(),
                 progress: progress.clone(),
             },
         );

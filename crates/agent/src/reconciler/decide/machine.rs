@@ -37,6 +37,9 @@ pub struct Retry {
     pub fingerprint: String,
     pub attempts: u32,
     pub at: Instant,
+    /// Refused for space, or its fetch hit a full disk: parked until the disk has room
+    /// ([`Event::SpaceFits`] makes it due), not timed.
+    pub space: bool,
 }
 
 /// A model that lost a path conflict: it stays `Failed` until the rule clears it (the model it
@@ -96,9 +99,14 @@ pub enum Event {
         fingerprint: String,
         reason: String,
     },
-    /// Work for `key` is about to start at `path`, its artifact not known yet: nesting paths
-    /// need no artifact to conflict, so the path rule is applied before any work.
-    Starting { key: ModelKey, path: MountPath },
+    /// Work for `key` is about to start at `path`, its artifact not known yet, with what the
+    /// executor observed of the world for it ([`Observed`]). Nesting paths need no artifact
+    /// to conflict, so the path rule is applied before any work.
+    Starting {
+        key: ModelKey,
+        path: MountPath,
+        observed: Observed,
+    },
     /// `key`'s source is being resolved (`refresh`: periodically, while it stays served).
     Resolving {
         key: ModelKey,
@@ -160,6 +168,42 @@ pub enum Event {
     WorkMoved { key: ModelKey },
     /// The next woken waiter, if any ([`Effect::Wake`]).
     WakeNext,
+    /// A resolve or fetch of `key` reported back; it was started for the spec with
+    /// `fingerprint`. Current (the model still has work, for that spec): [`Effect::Current`],
+    /// and the executor handles the report; stale (the work was stopped, replaced by work for
+    /// a changed spec, or ended): nothing.
+    WorkReported { key: ModelKey, fingerprint: String },
+}
+
+/// A failure as the executor observed it: the reason, and how it is retried (a property of
+/// the error: transient or not).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub reason: String,
+    pub retry: RetryKind,
+}
+
+/// Where a model's files come from, as its spec and the node say (see [`Observed`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Files {
+    /// The mount serves them, from a store its source is fetched into.
+    #[default]
+    Mount,
+    /// They are not the mount's (`vendor://`: the runtime brings them; a node directory: the
+    /// pod binds it). `missing`: the node directory does not exist.
+    Elsewhere { missing: Option<Failure> },
+}
+
+/// What only the world can tell about a model whose work is about to start
+/// ([`Event::Starting`]); the machine decides what follows from it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// Its source as the record keeps it.
+    pub source: String,
+    pub files: Files,
+    /// Why its path cannot be a model path (it nests with the cache view's directory, a
+    /// property of the flags, not of another model).
+    pub cache_view_conflict: Option<String>,
 }
 
 /// The bookkeeping of each model's lifecycle besides its record (module docs).
@@ -316,7 +360,11 @@ impl Machine {
                 fingerprint,
                 reason,
             } => self.invalid(&key, &fingerprint, &reason),
-            Event::Starting { key, path } => self.starting(&key, &path, clock),
+            Event::Starting {
+                key,
+                path,
+                observed,
+            } => self.starting(key, &path, observed, clock),
             Event::Resolving {
                 key,
                 source,
@@ -356,6 +404,7 @@ impl Machine {
                 self.work_moved(&key);
                 Vec::new()
             }
+            Event::WorkReported { key, fingerprint } => self.work_reported(key, &fingerprint),
             Event::WakeNext => self
                 .life
                 .to_wake
@@ -482,7 +531,64 @@ impl Machine {
 
     /// The path rule for `key` about to start work at `path`: it loses at once to a model
     /// whose path nests with it; otherwise it is `Updating` (equal paths wait for its resolve).
-    fn starting(&mut self, key: &ModelKey, path: &MountPath, clock: Clock) -> Vec<Effect> {
+    /// Work for `key` is about to start: files elsewhere are served without the mount (or
+    /// fail while the node directory is missing), a path in the cache view fails for good,
+    /// then the path rule; a clear path starts the resolve.
+    fn starting(
+        &mut self,
+        key: ModelKey,
+        path: &MountPath,
+        observed: Observed,
+        clock: Clock,
+    ) -> Vec<Effect> {
+        let Observed {
+            source,
+            files,
+            cache_view_conflict,
+        } = observed;
+        let failed = |key: ModelKey, f: Failure| Event::Failed {
+            key,
+            reason: f.reason,
+            retry: f.retry,
+        };
+        match files {
+            Files::Elsewhere { missing: Some(f) } => return self.step(failed(key, f), clock),
+            Files::Elsewhere { missing: None } => {
+                let mut out = self.step(
+                    Event::NoFiles {
+                        key: key.clone(),
+                        source,
+                    },
+                    clock,
+                );
+                out.push(Effect::FilesElsewhere { key });
+                return out;
+            }
+            Files::Mount => {}
+        }
+        if let Some(reason) = cache_view_conflict {
+            tracing::warn!(model = %key, reason, "path conflict with the cache view");
+            let f = Failure {
+                reason,
+                retry: RetryKind::Permanent,
+            };
+            return self.step(failed(key, f), clock);
+        }
+        let out = self.path_rule_before_work(&key, path, clock);
+        if out.is_empty() {
+            vec![Effect::Resolve { key }]
+        } else {
+            out
+        }
+    }
+
+    /// The path rule for `key`'s work about to start at `path`, its artifact not known.
+    fn path_rule_before_work(
+        &mut self,
+        key: &ModelKey,
+        path: &MountPath,
+        clock: Clock,
+    ) -> Vec<Effect> {
         let seq = self.records.models().get(key).map_or(u64::MAX, |r| r.seq);
         let claims = self.related_claims(path);
         match verdict_for(claims, key, seq, path, ClaimArtifact::Pending) {
@@ -629,6 +735,7 @@ impl Machine {
                                 fingerprint: loser.fingerprint,
                                 attempts: 0,
                                 at: clock.now,
+                                space: false,
                             },
                         );
                         out.push(Effect::Turn { key });
@@ -654,6 +761,17 @@ impl Machine {
         out
     }
 
+    /// The verdict on a report of `key`'s work started for the spec with `fingerprint`. Work
+    /// in progress is always for the recorded spec (a change updates the record first and
+    /// stops the work), so the recorded fingerprint names it.
+    fn work_reported(&self, key: ModelKey, fingerprint: &str) -> Vec<Effect> {
+        if self.life.phases.contains_key(&key) && self.fingerprint(&key) == fingerprint {
+            vec![Effect::Current { key }]
+        } else {
+            Vec::new()
+        }
+    }
+
     /// `key` is `Failed` with `reason`, retried as `retry` says; returns the reason as
     /// reported (a transient failure's says when it is retried).
     fn fail(
@@ -674,6 +792,7 @@ impl Machine {
                         fingerprint: fp,
                         attempts: 0,
                         at: parked(clock.now),
+                        space: true,
                     },
                 );
             }
@@ -700,6 +819,7 @@ impl Machine {
                         fingerprint: fp,
                         attempts,
                         at: clock.now + delay,
+                        space: false,
                     },
                 );
             }
@@ -726,6 +846,7 @@ impl Machine {
                     fingerprint: fp.to_string(),
                     attempts: refusals - 1,
                     at: now,
+                    space: false,
                 },
             );
         }
@@ -952,6 +1073,18 @@ impl Machine {
     /// `key`'s pending retry.
     pub fn retry_of(&self, key: &ModelKey) -> Option<&Retry> {
         self.life.retries.get(key)
+    }
+
+    /// `key` is `Failed` for space (refused by the budget, or its fetch hit a full disk) and
+    /// parked until the disk has room: what the disk check looks at. Its retry made due by
+    /// [`Event::SpaceFits`] keeps it so until the retry starts work.
+    pub fn parked_for_space(&self, key: &ModelKey) -> bool {
+        let failed = self
+            .records
+            .models()
+            .get(key)
+            .is_some_and(|r| r.phase == ModelPhase::Failed);
+        failed && self.life.retries.get(key).is_some_and(|r| r.space)
     }
 
     /// What `key`'s work is doing, if it has work.

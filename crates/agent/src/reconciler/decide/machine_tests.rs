@@ -65,6 +65,7 @@ impl Rig {
             out.extend(self.step(Event::Starting {
                 key: key(name),
                 path: MountPath::from_relative(path).unwrap(),
+                observed: Observed::default(),
             }));
             if !out.iter().any(|e| matches!(e, Effect::LosePath { .. })) {
                 self.step(Event::Resolving {
@@ -198,6 +199,9 @@ fn effects_text(effects: &[Effect]) -> String {
             Effect::Retry { key } => format!("{} retries", short(key)),
             Effect::Refresh { key } => format!("{} refreshes", short(key)),
             Effect::Wake { key } => format!("{} wakes", short(key)),
+            Effect::Current { key } => format!("{} current", short(key)),
+            Effect::Resolve { key } => format!("{} resolves", short(key)),
+            Effect::FilesElsewhere { key } => format!("{} files elsewhere", short(key)),
         })
         .collect();
     texts.join(", ")
@@ -211,6 +215,57 @@ struct Row {
     event: fn(&mut Rig) -> Vec<Effect>,
     then: &'static str,
     effects: &'static str,
+}
+
+/// The disk check's question: which models are parked for space. A refusal parks the model
+/// until a retry made due by `SpaceFits` starts work; another failure, a fetch that fails on a
+/// full disk, and a change of spec each answer it anew.
+#[test]
+fn parked_for_space_follows_the_retry_not_the_reason() {
+    let mut r = Rig::new();
+    let m = key("m");
+    let refuse = |r: &mut Rig| {
+        r.step(Event::ArtifactKnown {
+            key: key("m"),
+            want: want("m", "m", Always, 1),
+            space: Some(Space {
+                free: 10,
+                needed: 20,
+            }),
+        })
+    };
+    r.start("m", "m", Always, 1);
+    assert!(!r.m.parked_for_space(&m), "resolving");
+    refuse(&mut r);
+    assert!(r.m.parked_for_space(&m), "refused for space");
+    r.step(Event::SpaceFits {
+        keys: vec![m.clone()],
+    });
+    assert!(r.m.parked_for_space(&m), "due, its retry not started yet");
+    let retries = r.step(Event::TimePassed);
+    assert_eq!(effects_text(&retries), "m retries");
+    r.start("m", "m", Always, 1);
+    assert!(!r.m.parked_for_space(&m), "its retry resolves");
+    r.step(Event::Failed {
+        key: m.clone(),
+        reason: "InsufficientStorage: only the text says so".into(),
+        retry: RetryKind::Transient,
+    });
+    assert!(
+        !r.m.parked_for_space(&m),
+        "a transient failure, whatever its reason says"
+    );
+    r.now += Duration::from_secs(60);
+    r.start("m", "m", Always, 1);
+    r.known("m", "m", Always, 1);
+    r.step(Event::Failed {
+        key: m.clone(),
+        reason: "disk full".into(),
+        retry: RetryKind::DiskFull { needed: 5 },
+    });
+    assert!(r.m.parked_for_space(&m), "its fetch hit a full disk");
+    r.start("m", "m", Always, 2);
+    assert!(!r.m.parked_for_space(&m), "its spec changed");
 }
 
 #[test]
@@ -232,10 +287,11 @@ fn transition_table() {
                 r.step(Event::Starting {
                     key: key("m"),
                     path: MountPath::from_relative("m").unwrap(),
+                    observed: Observed::default(),
                 })
             },
             then: "updating",
-            effects: "",
+            effects: "m resolves",
         },
         Row {
             row: "updating + Starting (nests with an earlier model)",
@@ -247,10 +303,75 @@ fn transition_table() {
                 r.step(Event::Starting {
                     key: key("m"),
                     path: MountPath::from_relative("a/m").unwrap(),
+                    observed: Observed::default(),
                 })
             },
             then: "loser",
             effects: "m loses the path",
+        },
+        Row {
+            row: "updating + Starting (files elsewhere)",
+            setup: |r| {
+                r.put("m", "m", Always, 1);
+            },
+            event: |r| {
+                r.step(Event::Starting {
+                    key: key("m"),
+                    path: MountPath::from_relative("m").unwrap(),
+                    observed: Observed {
+                        source: "vendor://x".into(),
+                        files: Files::Elsewhere { missing: None },
+                        cache_view_conflict: None,
+                    },
+                })
+            },
+            then: "serving",
+            effects: "m stops, remap, m files elsewhere",
+        },
+        Row {
+            row: "updating + Starting (files elsewhere, the node directory missing)",
+            setup: |r| {
+                r.put("m", "m", Always, 1);
+            },
+            event: |r| {
+                let missing = Failure {
+                    reason: "node directory missing".into(),
+                    retry: RetryKind::Transient,
+                };
+                r.step(Event::Starting {
+                    key: key("m"),
+                    path: MountPath::from_relative("m").unwrap(),
+                    observed: Observed {
+                        source: "local:///node/m".into(),
+                        files: Files::Elsewhere {
+                            missing: Some(missing),
+                        },
+                        // Files elsewhere come first: the cache view does not matter.
+                        cache_view_conflict: Some("in the cache view".into()),
+                    },
+                })
+            },
+            then: "failed, retry 1 at +4s",
+            effects: "m fails Transient",
+        },
+        Row {
+            row: "updating + Starting (its path in the cache view)",
+            setup: |r| {
+                r.put("m", "m", Always, 1);
+            },
+            event: |r| {
+                r.step(Event::Starting {
+                    key: key("m"),
+                    path: MountPath::from_relative("m").unwrap(),
+                    observed: Observed {
+                        source: source("m"),
+                        files: Files::Mount,
+                        cache_view_conflict: Some("in the cache view".into()),
+                    },
+                })
+            },
+            then: "failed",
+            effects: "m fails Permanent",
         },
         Row {
             row: "updating + Resolving",
@@ -353,6 +474,58 @@ fn transition_table() {
                 })
             },
             then: "fetching",
+            effects: "",
+        },
+        Row {
+            row: "fetching + WorkReported (its current work)",
+            setup: |r| {
+                r.start("m", "m", Always, 1);
+                r.known("m", "m", Always, 1);
+            },
+            event: |r| {
+                let fingerprint = summary("m", "m", Always, 1).fingerprint;
+                r.step(Event::WorkReported {
+                    key: key("m"),
+                    fingerprint,
+                })
+            },
+            then: "fetching",
+            effects: "m current",
+        },
+        Row {
+            row: "resolving + WorkReported (stale: work for the spec before a change)",
+            setup: |r| {
+                r.start("m", "m", Always, 1);
+                r.start("m", "m", Always, 2);
+            },
+            event: |r| {
+                let fingerprint = summary("m", "m", Always, 1).fingerprint;
+                r.step(Event::WorkReported {
+                    key: key("m"),
+                    fingerprint,
+                })
+            },
+            then: "resolving",
+            effects: "",
+        },
+        Row {
+            row: "failed + WorkReported (stale: the work ended)",
+            setup: |r| {
+                r.start("m", "m", Always, 1);
+                r.step(Event::Failed {
+                    key: key("m"),
+                    reason: "gone".into(),
+                    retry: RetryKind::Permanent,
+                });
+            },
+            event: |r| {
+                let fingerprint = summary("m", "m", Always, 1).fingerprint;
+                r.step(Event::WorkReported {
+                    key: key("m"),
+                    fingerprint,
+                })
+            },
+            then: "failed",
             effects: "",
         },
         Row {
@@ -974,8 +1147,9 @@ impl World {
                     let more = self.rig.step(Event::Starting {
                         key: k.clone(),
                         path,
+                        observed: Observed::default(),
                     });
-                    if more.is_empty() {
+                    if more.iter().any(|e| matches!(e, Effect::Resolve { .. })) {
                         self.rig.step(Event::Resolving {
                             key: k,
                             source: spec.source,

@@ -14,7 +14,9 @@
 //! ([`super::Reconciler`]) runs, in order, on its own thread; outcomes come back as events (a
 //! resolve's [`Event::ArtifactKnown`], a fetch's [`Event::Fetched`] or [`Event::Failed`], a
 //! split's [`Event::SplitLinked`]). What only the world can tell comes in the event (an
-//! artifact resolved, the disk's free space, which copies lack blobs); what the state tells
+//! artifact resolved, the disk's free space, which copies lack blobs, where a model's files
+//! are and whether its node directory exists, whether its path lies in the cache view:
+//! [`Observed`], the spec a finished resolve or fetch was started for); what the state tells
 //! (path claims, work in flight for single flight, losers) the machine gathers itself.
 //! Inside, a step applies the records-level rules ([`Fact`], `decide`) and then each model's
 //! lifecycle to their effects (a failure schedules its retry, a lost path notes the loser, a
@@ -36,7 +38,10 @@
 //! | phase | event | next phase | effects |
 //! |---|---|---|---|
 //! | absent | `Spec` | updating | `Start` (new) |
-//! | updating | `Starting`, path clear (equal paths wait for the resolve) | updating | - |
+//! | updating | `Starting`, files elsewhere (`vendor://`, a node directory that exists) | serving, nothing mapped | as `NoFiles`, then `FilesElsewhere` |
+//! | updating | `Starting`, files elsewhere, the node directory missing | as `Failed` (transient) | `Fail` |
+//! | updating | `Starting`, its path in the cache view | failed (for good) | `Fail` (permanent) |
+//! | updating | `Starting`, path clear (equal paths wait for the resolve) | updating | `Resolve` (a source that cannot be built: `Failed`) |
 //! | updating | `Starting`, its path nests with an earlier model's | loser | `LosePath` |
 //! | updating | `Resolving` | resolving | - |
 //! | resolving, waiting | `ArtifactKnown`, an in-scope Ready holder (reuse) | serving | `Served`, `Remap` |
@@ -46,6 +51,8 @@
 //! | resolving | `ArtifactKnown`, the fetch does not fit the disk budget | failed, parked | `Fail` (`Space`) |
 //! | fetching | `Fetched` (its current work) | serving | `Served`, `Remap` |
 //! | any | `Fetched` of a stale fetch | unchanged (the store records the artifact) | - |
+//! | working | `WorkReported`, for its current work (the recorded fingerprint) | unchanged | `Current` (the executor handles the report) |
+//! | any | `WorkReported`, stale (no work, or work for another spec) | unchanged | - (a stale fetch's artifact is recorded as data) |
 //! | resolving, fetching | `Failed` (transient) | failed, retry at now + backoff | `Fail` (the reason says when) |
 //! | resolving, fetching | `Failed` (permanent) | failed | `Fail` |
 //! | fetching | `Failed` (disk full) | failed, parked | `Fail` |
@@ -91,7 +98,7 @@ use modelfs_core::store::StoreId;
 use modelfs_ome::{DownloadPolicy, ModelKey, MountPath};
 
 pub use index::PathIndex;
-pub use machine::{Clock, Event, Machine, Phase, SpecSummary};
+pub use machine::{Clock, Event, Failure, Files, Machine, Observed, Phase, SpecSummary};
 pub use paths::{path_verdicts, ClaimArtifact, ClaimKind, PathClaim, PathVerdict};
 pub use placement::{in_scope, place, reuse_candidates, InFlight, Placement};
 pub use space::Space;
@@ -164,6 +171,16 @@ pub enum Effect {
     Refresh { key: ModelKey },
     /// `key` waited for a model whose work moved on: it is placed again.
     Wake { key: ModelKey },
+    /// `key`'s path is clear ([`Event::Starting`]): the executor resolves its source (or
+    /// places the served artifact again when only the policy or path changed); a source that
+    /// cannot be built is reported as [`Event::Failed`].
+    Resolve { key: ModelKey },
+    /// `key` is served without files of the mount ([`Files::Elsewhere`]): the executor reads
+    /// its node directory's config again and wakes the models waiting for it.
+    FilesElsewhere { key: ModelKey },
+    /// The report of `key`'s work is for its current work ([`Event::WorkReported`]): the
+    /// executor handles it (a stale one it only records as data, if a fetch completed).
+    Current { key: ModelKey },
 }
 
 /// An event as the records-level rules see it: [`Machine::step`] adds to its [`Event`] what

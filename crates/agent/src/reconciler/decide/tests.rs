@@ -728,6 +728,9 @@ fn effect_text(e: &Effect) -> String {
         Effect::Retry { key } => format!("{} retries", short(key)),
         Effect::Refresh { key } => format!("{} refreshes", short(key)),
         Effect::Wake { key } => format!("{} wakes", short(key)),
+        Effect::Current { key } => format!("{} current", short(key)),
+        Effect::Resolve { key } => format!("{} resolves", short(key)),
+        Effect::FilesElsewhere { key } => format!("{} files elsewhere", short(key)),
     }
 }
 

@@ -5,7 +5,7 @@
 # downloaded and on disk; next to the symlink design's cost for a change that re-downloads
 # (delete the tree, fetch it again; here a local copy, a lower bound for a download).
 # Needs root. Usage: scripts/bench-flip.sh [reps] [binary]
-# The binary defaults to a release build (built here).
+# The binary defaults to a release build (built here). SIZES="10000" measures one size only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPS=${1:-5}
@@ -35,7 +35,7 @@ wait_for() {
 
 echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, kernel $(uname -r)"
 printf '%-7s %-10s %-14s %-14s %-12s %-16s %-14s\n' files bytes flip_median flip_max fetched on_disk_after symlink_redo
-for N in 10 1000 10000; do
+for N in ${SIZES:-10 1000 10000}; do
     SRC=$WORK/src-$N
     mkdir -p "$SRC"
     python3 - "$SRC" "$N" <<'PY'

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 
 use super::decide;
 use super::handle::now_secs;
+#[cfg(debug_assertions)]
 use super::records;
 use super::{Event, Reconciler, Stage};
 use modelfs_core::store::StoreId;

@@ -83,6 +83,8 @@ impl Works {
         self.map.values()
     }
 
+    /// Debug builds check the work against the core's phases.
+    #[cfg(debug_assertions)]
     pub(super) fn iter(&self) -> impl Iterator<Item = (&ModelKey, &Work)> {
         self.map.iter()
     }

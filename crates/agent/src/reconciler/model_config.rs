@@ -97,6 +97,25 @@ fn read_in_place(dir: &Path) -> Outcome {
 /// resident after the import, for no speed on a few cores.
 static CONFIG_PARSES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 
+/// Runs `parse` on a blocking thread, within [`CONFIG_PARSES`]. A parser panic is a bug:
+/// reported as the config's problem (a warning on the model, logged), never a parse that stays
+/// pending forever.
+async fn parse_off_thread(parse: impl FnOnce() -> Outcome + Send + 'static) -> Outcome {
+    // Waiting here holds no thread; the semaphore is never closed.
+    let _permit = CONFIG_PARSES.acquire().await;
+    let parsed = tokio::task::spawn_blocking(move || {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(parse)).unwrap_or_else(|panic| {
+            Outcome::Broken(
+                crate::source::SourceError::from_panic(panic)
+                    .to_string()
+                    .replace("a worker", "the config parser"),
+            )
+        })
+    })
+    .await;
+    parsed.unwrap_or_else(|e| Outcome::Broken(format!("the config parser did not finish: {e}")))
+}
+
 impl Reconciler {
     /// Starts a parse for every served artifact that has no result yet (loading the cached one
     /// when there is), and the reads in place that are due.
@@ -147,23 +166,7 @@ impl Reconciler {
             self.known.model_configs_pending.insert(id.clone());
             let tx = self.sender();
             tokio::spawn(async move {
-                // Waiting here holds no thread; the semaphore is never closed.
-                let _permit = CONFIG_PARSES.acquire().await;
-                let parsed = tokio::task::spawn_blocking(move || {
-                    // A parser panic is a bug: reported as the config's problem (a warning on
-                    // the model, logged), never a parse that stays pending forever.
-                    std::panic::catch_unwind(|| derive(&files)).unwrap_or_else(|panic| {
-                        Outcome::Broken(
-                            crate::source::SourceError::from_panic(panic)
-                                .to_string()
-                                .replace("a worker", "the config parser"),
-                        )
-                    })
-                })
-                .await;
-                let outcome = parsed.unwrap_or_else(|e| {
-                    Outcome::Broken(format!("the config parser did not finish: {e}"))
-                });
+                let outcome = parse_off_thread(move || derive(&files)).await;
                 let _ = tx.send(Event::ConfigParsed {
                     artifact: id,
                     outcome,
@@ -213,9 +216,7 @@ impl Reconciler {
     /// unless the model asks for no config parsing.
     pub(super) fn fill_model_config(&self, key: &ModelKey, entry: &mut ModelStatus) {
         let skip = self
-            .desired
-            .as_ref()
-            .and_then(|d| d.models.get(key))
+            .desired_entry(key)
             .and_then(|s| s.as_ref().ok())
             .is_some_and(|s| s.skip_config_parsing);
         if skip {
@@ -310,22 +311,7 @@ impl Reconciler {
             let generation = entry.generation;
             let tx = self.sender();
             tokio::spawn(async move {
-                // Waiting here holds no thread; the semaphore is never closed.
-                let _permit = CONFIG_PARSES.acquire().await;
-                let parsed = tokio::task::spawn_blocking(move || {
-                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_in_place(&dir)))
-                        .unwrap_or_else(|panic| {
-                            Outcome::Broken(
-                                crate::source::SourceError::from_panic(panic)
-                                    .to_string()
-                                    .replace("a worker", "the config parser"),
-                            )
-                        })
-                })
-                .await;
-                let outcome = parsed.unwrap_or_else(|e| {
-                    Outcome::Broken(format!("the config parser did not finish: {e}"))
-                });
+                let outcome = parse_off_thread(move || read_in_place(&dir)).await;
                 let _ = tx.send(Event::NodeDirConfigParsed {
                     key,
                     generation,

@@ -41,12 +41,7 @@ impl Reconciler {
     /// Reconciles `key`'s desired spec again (a retry, a turn). Returns whether the records
     /// changed.
     pub(super) fn reconcile_one(&mut self, key: &ModelKey) -> bool {
-        let wanted = self
-            .desired
-            .as_ref()
-            .and_then(|d| d.models.get(key))
-            .cloned();
-        match wanted {
+        match self.desired_entry(key).cloned() {
             Some(Ok(spec)) => self.ensure(key, &spec),
             Some(Err(reason)) => self.mark_invalid(key, &reason),
             None => false,
@@ -59,12 +54,7 @@ impl Reconciler {
     /// (SPEC 3.3), per the model's policy, while the old one stays served and the model stays
     /// Ready. A failed re-resolve or fetch only logs.
     pub(super) fn start_refresh(&mut self, key: &ModelKey) {
-        let Some(Ok(spec)) = self
-            .desired
-            .as_ref()
-            .and_then(|d| d.models.get(key))
-            .cloned()
-        else {
+        let Some(spec) = self.desired_spec(key) else {
             return;
         };
         let spec = &spec;
@@ -139,6 +129,16 @@ impl Reconciler {
         true
     }
 
+    /// `key`'s entry in the desired state: its spec, or why its object is invalid.
+    pub(super) fn desired_entry(&self, key: &ModelKey) -> Option<&Result<ModelSpec, String>> {
+        self.desired.as_ref()?.models.get(key)
+    }
+
+    /// `key`'s desired spec, if it has a valid one.
+    pub(super) fn desired_spec(&self, key: &ModelKey) -> Option<ModelSpec> {
+        self.desired_entry(key)?.as_ref().ok().cloned()
+    }
+
     /// The model's token as the desired state resolved it (Secret, `parameters.token`, or the
     /// environment).
     pub(super) fn token(&self, key: &ModelKey) -> Option<crate::source::Token> {
@@ -176,12 +176,7 @@ impl Reconciler {
     /// tell (a node directory, a source that cannot be built) fails it; otherwise it resolves,
     /// or places the served artifact again when only the policy or path changed.
     pub(super) fn start_work(&mut self, key: &ModelKey, new: bool) {
-        let Some(Ok(spec)) = self
-            .desired
-            .as_ref()
-            .and_then(|d| d.models.get(key))
-            .cloned()
-        else {
+        let Some(spec) = self.desired_spec(key) else {
             return;
         };
         if new {
@@ -229,12 +224,7 @@ impl Reconciler {
 
     /// The core's [`Effect::Resolve`]: resolves `key`'s desired spec.
     pub(super) fn resolve_desired(&mut self, key: &ModelKey) {
-        let Some(Ok(spec)) = self
-            .desired
-            .as_ref()
-            .and_then(|d| d.models.get(key))
-            .cloned()
-        else {
+        let Some(spec) = self.desired_spec(key) else {
             return;
         };
         self.resolve(key, &spec);

@@ -18,6 +18,19 @@ fn entry(server: &FakeApiServer, key: &str) -> Option<Value> {
     serde_json::from_str(cm["data"][key].as_str()?).ok()
 }
 
+/// `key`'s ConfigMap entry once it carries a config warning; asserts the model stays Ready (a
+/// config it cannot use is OME's warning, not a failure).
+async fn ready_with_warning(server: &FakeApiServer, daemon: &Daemon, key: &str) -> Value {
+    let found = wait_for(
+        &format!("{key}: entry with a config warning"),
+        daemon,
+        || entry(server, key).filter(|e| e["configWarning"].is_string()),
+    )
+    .await;
+    assert_eq!(found["status"], "Ready", "{found}");
+    found
+}
+
 async fn wait_for<T>(what: &str, daemon: &Daemon, mut check: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + TIMEOUT;
     loop {
@@ -352,11 +365,7 @@ async fn local_model_outside_the_root_carries_the_config_read_in_place() {
         "OME's words, and retried: {failed}"
     );
 
-    let broken_entry = wait_for("broken entry with warning", &daemon, || {
-        entry(&server, "clusterbasemodel.broken").filter(|e| e["configWarning"].is_string())
-    })
-    .await;
-    assert_eq!(broken_entry["status"], "Ready", "{broken_entry}");
+    let broken_entry = ready_with_warning(&server, &daemon, "clusterbasemodel.broken").await;
     assert!(
         broken_entry["configWarning"]
             .as_str()
@@ -366,20 +375,12 @@ async fn local_model_outside_the_root_carries_the_config_read_in_place() {
     );
     assert!(broken_entry["config"].get("modelType").is_none());
 
-    let escape_entry = wait_for("escape entry with warning", &daemon, || {
-        entry(&server, "clusterbasemodel.escape").filter(|e| e["configWarning"].is_string())
-    })
-    .await;
-    assert_eq!(escape_entry["status"], "Ready", "{escape_entry}");
+    let escape_entry = ready_with_warning(&server, &daemon, "clusterbasemodel.escape").await;
     assert_eq!(
         escape_entry["configWarning"], "no model_index.json or config.json in the model",
         "the symlink out of the directory is not followed: {escape_entry}"
     );
-    let file_entry = wait_for("file entry with warning", &daemon, || {
-        entry(&server, "clusterbasemodel.file").filter(|e| e["configWarning"].is_string())
-    })
-    .await;
-    assert_eq!(file_entry["status"], "Ready", "{file_entry}");
+    let file_entry = ready_with_warning(&server, &daemon, "clusterbasemodel.file").await;
     assert!(
         file_entry["configWarning"]
             .as_str()

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{files_of, make_model_dir, Readers};
+use common::{files_of, make_model_dir, only_child, Readers};
 use fake_apiserver::FakeApiServer;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use kube_common::*;
@@ -883,10 +883,7 @@ async fn an_annotated_model_is_ready_once_its_listing_is_served_and_others_once_
         .await
         .unwrap();
     server.put(NODES, node());
-    let mut opt = cluster_model("opt", json!({"storageUri": "hf://org/opt"}));
-    opt["metadata"]["annotations"] =
-        json!({modelfs_ome::model::SERVE_WHILE_DOWNLOADING_ANNOTATION: "true"});
-    server.put(CBM, opt);
+    server.put(CBM, served_while_downloading("opt", "hf://org/opt"));
     server.put(
         CBM,
         cluster_model("plain", json!({"storageUri": "hf://org/plain"})),
@@ -959,19 +956,6 @@ async fn an_annotated_model_is_ready_once_its_listing_is_served_and_others_once_
     drop(daemon);
 }
 
-/// The pid of the one child of `pid` (the agent `modelfs serve` supervises).
-fn only_child(pid: u32) -> Option<u32> {
-    let mut out = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
-        let text = std::fs::read_to_string(task.ok()?.path().join("children")).unwrap_or_default();
-        out.extend(
-            text.split_whitespace()
-                .filter_map(|p| p.parse::<u32>().ok()),
-        );
-    }
-    (out.len() == 1).then(|| out[0])
-}
-
 /// Every status the node label and the ConfigMap entry of `key` had, oldest first, as the
 /// fake API server recorded each write (`None`: no label or entry in that version).
 fn status_history(server: &FakeApiServer, key: &str) -> (Vec<Option<String>>, Vec<Option<String>>) {
@@ -1023,10 +1007,7 @@ async fn an_annotated_model_stays_ready_across_an_agent_restart_mid_fetch() {
         .await
         .unwrap();
     server.put(NODES, node());
-    let mut opt = cluster_model("opt", json!({"storageUri": "hf://org/opt"}));
-    opt["metadata"]["annotations"] =
-        json!({modelfs_ome::model::SERVE_WHILE_DOWNLOADING_ANNOTATION: "true"});
-    server.put(CBM, opt);
+    server.put(CBM, served_while_downloading("opt", "hf://org/opt"));
     let url = running.url();
     let daemon = start_daemon(
         &server,
@@ -1083,4 +1064,13 @@ async fn an_annotated_model_stays_ready_across_an_agent_restart_mid_fetch() {
         );
     }
     drop(daemon);
+}
+
+/// A ClusterBaseModel of `uri` that opts in to serving while downloading (Ready once its
+/// listing is served).
+fn served_while_downloading(name: &str, uri: &str) -> serde_json::Value {
+    let mut model = cluster_model(name, json!({ "storageUri": uri }));
+    model["metadata"]["annotations"] =
+        json!({modelfs_ome::model::SERVE_WHILE_DOWNLOADING_ANNOTATION: "true"});
+    model
 }

@@ -227,19 +227,6 @@ fn deleting_a_model_fails_its_waiting_opens_at_once() {
     d.wait_gone("clusterbasemodel.gone");
 }
 
-/// The pid of the one child of `pid` (the agent `modelfs serve` supervises).
-fn only_child(pid: u32) -> Option<u32> {
-    let mut out = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
-        let text = std::fs::read_to_string(task.ok()?.path().join("children")).unwrap_or_default();
-        out.extend(
-            text.split_whitespace()
-                .filter_map(|p| p.parse::<u32>().ok()),
-        );
-    }
-    (out.len() == 1).then(|| out[0])
-}
-
 fn sigkill(pid: u32) {
     let pid = rustix::process::Pid::from_raw(pid as i32).expect("a pid");
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("SIGKILL");

@@ -747,3 +747,16 @@ pub fn counters_after_marker(d: &Daemon, mount: &Path, metric: &str) -> f64 {
     }
     d.metric(metric)
 }
+
+/// The pid of the one child of `pid` (the agent `modelfs serve` supervises).
+pub fn only_child(pid: u32) -> Option<u32> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()? {
+        let text = std::fs::read_to_string(task.ok()?.path().join("children")).unwrap_or_default();
+        out.extend(
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok()),
+        );
+    }
+    (out.len() == 1).then(|| out[0])
+}

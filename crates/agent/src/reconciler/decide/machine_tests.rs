@@ -57,6 +57,15 @@ impl Rig {
         self.step(event)
     }
 
+    /// `name`'s work failed with a transient error (an HTTP 503).
+    fn fail_transient(&mut self, name: &str) -> Vec<Effect> {
+        self.step(Event::Failed {
+            key: key(name),
+            reason: "503".into(),
+            retry: RetryKind::Transient,
+        })
+    }
+
     /// `put`, then what the executor does for `Start`: the path rule before work, then a
     /// resolve.
     fn start(&mut self, name: &str, path: &str, policy: DownloadPolicy, rev: u8) -> Vec<Effect> {
@@ -534,13 +543,7 @@ fn transition_table() {
                 r.start("m", "m", Always, 1);
                 r.known("m", "m", Always, 1);
             },
-            event: |r| {
-                r.step(Event::Failed {
-                    key: key("m"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                })
-            },
+            event: |r| r.fail_transient("m"),
             then: "failed, retry 1 at +4s",
             effects: "m fails Transient",
         },
@@ -548,21 +551,11 @@ fn transition_table() {
             row: "failed + Failed again (backoff doubles)",
             setup: |r| {
                 r.start("m", "m", Always, 1);
-                r.step(Event::Failed {
-                    key: key("m"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                });
+                r.fail_transient("m");
                 r.now += Duration::from_secs(4);
                 r.start("m", "m", Always, 1);
             },
-            event: |r| {
-                r.step(Event::Failed {
-                    key: key("m"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                })
-            },
+            event: |r| r.fail_transient("m"),
             then: "failed, retry 2 at +12s",
             effects: "m fails Transient",
         },
@@ -601,11 +594,7 @@ fn transition_table() {
             row: "failed + TimePassed (not due)",
             setup: |r| {
                 r.start("m", "m", Always, 1);
-                r.step(Event::Failed {
-                    key: key("m"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                });
+                r.fail_transient("m");
                 r.now += Duration::from_secs(3);
             },
             event: |r| r.step(Event::TimePassed),
@@ -616,11 +605,7 @@ fn transition_table() {
             row: "failed + TimePassed (due)",
             setup: |r| {
                 r.start("m", "m", Always, 1);
-                r.step(Event::Failed {
-                    key: key("m"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                });
+                r.fail_transient("m");
                 r.now += Duration::from_secs(4);
             },
             event: |r| r.step(Event::TimePassed),
@@ -631,11 +616,7 @@ fn transition_table() {
             row: "failed + Spec (retry due)",
             setup: |r| {
                 r.start("m", "m", Always, 1);
-                r.step(Event::Failed {
-                    key: key("m"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                });
+                r.fail_transient("m");
                 r.now += Duration::from_secs(4);
             },
             event: |r| r.put("m", "m", Always, 1),
@@ -646,11 +627,7 @@ fn transition_table() {
             row: "failed + Spec (retry not due)",
             setup: |r| {
                 r.start("m", "m", Always, 1);
-                r.step(Event::Failed {
-                    key: key("m"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                });
+                r.fail_transient("m");
             },
             event: |r| r.put("m", "m", Always, 1),
             then: "failed, retry 1 at +4s",
@@ -839,13 +816,7 @@ fn transition_table() {
                     refresh: true,
                 });
             },
-            event: |r| {
-                r.step(Event::Failed {
-                    key: key("m"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                })
-            },
+            event: |r| r.fail_transient("m"),
             then: "serving",
             effects: "m stops",
         },
@@ -890,11 +861,7 @@ fn transition_table() {
                 r.known("a", "a", Always, 1);
                 r.start("m", "m", Reuse, 1);
                 r.known("m", "m", Reuse, 1);
-                r.step(Event::Failed {
-                    key: key("a"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                });
+                r.fail_transient("a");
             },
             event: |r| r.step(Event::WakeNext),
             then: "waiting on a",
@@ -907,11 +874,7 @@ fn transition_table() {
                 r.known("a", "a", Always, 1);
                 r.start("m", "m", Reuse, 1);
                 r.known("m", "m", Reuse, 1);
-                r.step(Event::Failed {
-                    key: key("a"),
-                    reason: "503".into(),
-                    retry: RetryKind::Transient,
-                });
+                r.fail_transient("a");
                 r.step(Event::WakeNext);
             },
             event: |r| r.known("m", "m", Reuse, 1),
